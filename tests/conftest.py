@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random-weight models saved as Hugging Face directories.
+
+Each tiny model gets a word-level tokenizer ("w0".."wN") so the engine loads it through
+the same path as a real checkpoint, with no hub access.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+VOCAB = 384
+
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama", tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                  rope_theta=500000.0),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=24, rope_theta=1000000.0),
+}
+
+
+def _save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="w0", eos_token="w1", unk_token="w0")
+    fast.chat_template = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
+                          "{% if add_generation_prompt %}w4{% endif %}")
+    fast.save_pretrained(str(path))
+
+
+def build_tiny_model(path: Path, arch: str, seed: int = 0) -> Path:
+    """Save a random tiny model of `arch` (and its tokenizer) to `path`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = dict(TINY_CONFIGS[arch])
+    model_type = extra.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+        bos_token_id=0, eos_token_id=1, initializer_range=0.2, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path), safe_serialization=True)
+    _save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny_model(root / arch, arch) for arch in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+# Let test modules import the fakes helper module beside them.
+import sys  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))

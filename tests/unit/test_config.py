@@ -1,0 +1,44 @@
+"""Validation: every bad value raises ValueError naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.config import EngineConfig, parse_size
+from tokenmill.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0), ("max_tokens", 0), ("max_tokens", 1.5), ("min_tokens", -1), ("temperature", -0.1),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("repetition_penalty", 0.0),
+    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("seed", "x"), ("logprobs", 21),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("temperature", float("nan")),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_normalise():
+    p = SamplingParams(stop="###", top_k=-1)
+    assert p.stop == ["###"] and p.top_k == 0
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 0), ("max_model_len", 1),
+    ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu"), ("scheduling_policy", "random"),
+    ("kv_watermark", 1.0), ("kv_cache_memory", "lots"), ("attention_backend", "magic"),
+])
+def test_invalid_engine_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 * 1024**3
+    assert parse_size("512 MB") == 512 * 1000**2
+    assert parse_size(1234) == 1234
+    assert EngineConfig(device="cuda").torch_dtype_name == "bfloat16"
+    assert EngineConfig().torch_dtype_name == "float32"

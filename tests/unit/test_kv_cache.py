@@ -1,0 +1,95 @@
+"""Block pool and per-request allocation: exact block ids, ref counts, free order, prefix sharing."""
+
+from __future__ import annotations
+
+import pytest
+
+from fakes import make_request
+from tokenmill.kv_cache import BlockPool, KVCacheManager, hash_block
+
+
+def test_pool_hands_out_blocks_in_order_and_frees_to_the_back():
+    pool = BlockPool(4)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(1) == [2]
+    pool.free([1, 0])
+    assert pool.allocate(2) == [3, 1]   # never-used block first, then the freed ones in free order
+    assert pool.ref_counts == [0, 1, 1, 1]
+    pool.check_invariants()
+
+
+def test_pool_rejects_overallocation_and_double_free():
+    pool = BlockPool(2)
+    with pytest.raises(RuntimeError):
+        pool.allocate(3)
+    blocks = pool.allocate(1)
+    pool.free(blocks)
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(blocks)
+
+
+def test_cached_blocks_are_evicted_lru_and_only_when_free_blocks_run_out():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, b"ha")
+    pool.cache(b, b"hb")
+    pool.free([b, a, c])            # b freed before a: b is older in the LRU order
+    assert pool.num_evictable_blocks == 2 and pool.num_free_blocks == 3
+    assert pool.allocate(1) == [c]  # the uncached block goes first
+    assert pool.allocate(1) == [b]  # then the least recently freed cached block
+    assert pool.lookup(b"hb") is None and pool.lookup(b"ha") == a
+    assert pool.num_evictions == 1
+    pool.share([a])                 # a prefix hit revives a from the evictable pool
+    assert pool.ref_counts[a] == 1 and pool.num_evictable_blocks == 0
+    pool.check_invariants()
+
+
+def test_allocate_grows_block_table_on_demand():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    r = make_request("a", prompt_len=6)
+    assert kv.allocate(r, 6)
+    assert r.block_ids == [0, 1]
+    r.num_computed_tokens = 6
+    assert kv.allocate(r, 2) and r.block_ids == [0, 1]   # slots 6, 7 fit in block 1
+    r.num_computed_tokens = 8
+    assert kv.allocate(r, 1) and r.block_ids == [0, 1, 2]
+    assert not kv.allocate(r, 100) and r.block_ids == [0, 1, 2]  # too big: nothing changes
+    kv.free(r)
+    assert r.block_ids == [] and kv.num_free_blocks == 8
+    assert kv.allocate(make_request("b", prompt_len=1), 1)
+    assert kv.pool.num_used_blocks == 1
+
+
+def test_identical_prefixes_share_blocks_with_ref_counts():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = make_request("a", prompt_len=10)
+    kv.allocate(first, 10, kv.find_prefix(first))
+    first.num_computed_tokens = 10
+    kv.commit(first)                     # blocks 0 and 1 are full and now cached
+    second = make_request("b", prompt_len=10)
+    hit = kv.find_prefix(second)
+    assert hit.block_ids == first.block_ids[:2] and hit.num_tokens == 8
+    assert kv.allocate(second, 2, hit)
+    assert second.block_ids[:2] == first.block_ids[:2] and second.block_ids[2] != first.block_ids[2]
+    assert second.num_computed_tokens == 8
+    assert [kv.pool.ref_counts[b] for b in first.block_ids] == [2, 2, 1]
+    kv.free(first)
+    assert [kv.pool.ref_counts[b] for b in second.block_ids] == [1, 1, 1]
+    kv.pool.check_invariants()
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = make_request("a", prompt_len=8)
+    kv.allocate(first, 8, kv.find_prefix(first))
+    first.num_computed_tokens = 8
+    kv.commit(first)
+    again = make_request("b", prompt_len=8)
+    hit = kv.find_prefix(again)
+    assert hit.num_tokens == 4           # at most 7 tokens reusable: one full block
+
+
+def test_block_hash_chains_through_the_parent():
+    h1 = hash_block(None, [1, 2, 3, 4])
+    assert hash_block(h1, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 9, 9, 9]), [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 4]) == h1

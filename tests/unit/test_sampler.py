@@ -1,0 +1,126 @@
+"""Sampler: greedy, seeds across batch compositions, top-k/top-p/min-p mass, penalties, min_tokens, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenmill.request import Request
+from tokenmill.sampler import Sampler, SamplingMetadata, filter_logits
+from tokenmill.sampling_params import SamplingParams
+
+V = 8
+CPU = torch.device("cpu")
+
+
+def req(rid: str, prompt=(3, 4), output=(), **params) -> Request:
+    p = SamplingParams(max_tokens=50, **params)
+    r = Request(request_id=rid, prompt_token_ids=list(prompt), params=p, max_tokens=50,
+                eos_token_ids=frozenset({1}))
+    r.token_ids.extend(output)
+    return r
+
+
+def meta_for(requests, generators=None):
+    return SamplingMetadata.build(requests, generators or {}, V, CPU)
+
+
+def probs_logits(probs):
+    return torch.tensor([math.log(p) for p in probs]).unsqueeze(0)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, V)
+    out = Sampler(0, CPU)(logits, meta_for([req(str(i), temperature=0.0) for i in range(5)]))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_seeded_request_draws_the_same_tokens_alone_or_in_any_batch():
+    torch.manual_seed(0)
+    row = torch.randn(V)
+
+    def draws(batch_size: int, position: int, engine_seed: int) -> list[int]:
+        sampler = Sampler(engine_seed, CPU)
+        gens = {"me": torch.Generator().manual_seed(1234)}
+        tokens = []
+        for _ in range(30):
+            others = [req(f"o{i}", temperature=0.7) for i in range(batch_size - 1)]
+            requests = others[:position] + [req("me", temperature=1.0, seed=1234)] + others[position:]
+            logits = torch.randn(batch_size, V)
+            logits[position] = row
+            tokens.append(sampler(logits, meta_for(requests, gens)).token_ids[position])
+        return tokens
+
+    alone = draws(1, 0, engine_seed=0)
+    assert draws(4, 2, engine_seed=7) == alone
+    assert draws(9, 8, engine_seed=99) == alone
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    logits = torch.tensor([[5.0, 1.0, 4.0, 3.0, 0.0, 2.0, -1.0, -2.0]])
+    kept = filter_logits(logits, meta_for([req("a", top_k=3)])).isfinite()
+    assert kept[0].nonzero().flatten().tolist() == [0, 2, 3]
+
+
+@pytest.mark.parametrize("top_p, expected", [(0.5, [0]), (0.8, [0, 1]), (0.81, [0, 1, 2]), (1.0, [0, 1, 2, 3])])
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p, expected):
+    logits = probs_logits([0.5, 0.3, 0.15, 0.05])
+    kept = filter_logits(logits, SamplingMetadata.build([req("a", top_p=top_p)], {}, 4, CPU)).isfinite()
+    assert kept[0].nonzero().flatten().tolist() == expected
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_top_probability():
+    logits = probs_logits([0.5, 0.3, 0.15, 0.05])
+    kept = filter_logits(logits, SamplingMetadata.build([req("a", min_p=0.2)], {}, 4, CPU)).isfinite()
+    assert kept[0].nonzero().flatten().tolist() == [0, 1, 2]   # threshold 0.1
+
+
+def test_sampling_matches_the_softmax_distribution():
+    probs = [0.4, 0.3, 0.2, 0.1]
+    n = 20000
+    logits = probs_logits(probs).repeat(n, 1)
+    tokens = Sampler(0, CPU)(logits, SamplingMetadata.build([req(str(i)) for i in range(n)], {}, 4, CPU)).token_ids
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+    chi2 = float(sum((f - p) ** 2 / p for f, p in zip(freq.tolist(), probs)) * n)
+    assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+def test_top_k_sampling_never_leaves_the_top_k():
+    logits = torch.randn(1, V).repeat(500, 1)
+    top3 = set(logits[0].topk(3).indices.tolist())
+    tokens = Sampler(0, CPU)(logits, meta_for([req(str(i), top_k=3) for i in range(500)])).token_ids
+    assert set(tokens) <= top3 and len(set(tokens)) > 1
+
+
+def test_penalties_change_only_the_right_logits():
+    from tokenmill.sampler import apply_penalties
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0, 1.0, 1.0]])
+    r = req("a", prompt=(0, 1), output=(4, 4, 5), repetition_penalty=2.0, presence_penalty=0.5,
+            frequency_penalty=0.25)
+    out = logits.clone()
+    apply_penalties(out, meta_for([r]))
+    # prompt tokens 0, 1: repetition only (2 -> 1, -2 -> -4); output 4 (twice), 5 (once):
+    # repetition then frequency * count + presence.
+    expected = [1.0, -4.0, 2.0, -2.0, 0.5 - 0.5 - 0.5, 0.5 - 0.25 - 0.5, 1.0, 1.0]
+    assert out[0].tolist() == pytest.approx(expected)
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    logits = torch.zeros(2, V)
+    logits[:, 1] = 10.0   # EOS would win
+    logits[:, 6] = 9.0    # a stop token, next best
+    logits[:, 2] = 8.0
+    requests = [req("a", temperature=0.0, min_tokens=3, stop_token_ids=[6], output=(5,)),
+                req("b", temperature=0.0, min_tokens=1, stop_token_ids=[6], output=(5,))]
+    assert Sampler(0, CPU)(logits, meta_for(requests)).token_ids == [2, 1]
+
+
+def test_logprobs_report_the_sampled_token_and_top_n():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0, -1.0, -2.0, -3.0, -4.0]])
+    out = Sampler(0, CPU)(logits, meta_for([req("a", temperature=0.0, logprobs=2)]))
+    lp = out.logprobs[0]
+    ref = logits.log_softmax(-1)[0]
+    assert list(lp) == [0, 2] and lp[0] == pytest.approx(float(ref[0])) and lp[2] == pytest.approx(float(ref[2]))

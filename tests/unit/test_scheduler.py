@@ -1,0 +1,176 @@
+"""Scheduler with a fake model: decode-first, the budget, chunking, finish-and-admit,
+preemption and requeue, static batching. Exact expectations, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from fakes import make_request, make_scheduler, run_to_completion
+from tokenmill.request import RequestStatus
+
+
+def step(scheduler):
+    from fakes import fake_run
+    sched = scheduler.schedule()
+    scheduler.update(sched, fake_run(sched))
+    return sched
+
+
+def scheduled(sched) -> dict[str, int]:
+    return {r.request_id: n for r, n in zip(sched.requests, sched.num_scheduled_tokens)}
+
+
+def test_prompt_is_chunked_by_the_budget_then_decodes():
+    s = make_scheduler(budget=10)
+    s.add_request(make_request("a", prompt_len=25, max_tokens=3))
+    assert scheduled(step(s)) == {"a": 10}
+    assert scheduled(step(s)) == {"a": 10}
+    last_chunk = step(s)
+    assert scheduled(last_chunk) == {"a": 5}
+    assert s.requests["a"].num_output_tokens == 1  # the chunk that reaches the end samples
+    assert scheduled(step(s)) == {"a": 1}
+
+
+def test_decodes_go_first_and_prompt_chunks_fill_the_rest():
+    s = make_scheduler(budget=10)
+    s.add_request(make_request("a", prompt_len=3, max_tokens=20))
+    s.add_request(make_request("b", prompt_len=4, max_tokens=20))
+    step(s)  # both prompts fit in one step (3 + 4 <= 10)
+    s.add_request(make_request("c", prompt_len=50, max_tokens=5))
+    sched = step(s)
+    assert [r.request_id for r in sched.requests] == ["a", "b", "c"]
+    assert sched.num_scheduled_tokens == [1, 1, 8]
+    assert sched.num_decode_tokens == 2 and sched.num_prefill_tokens == 8
+    # Next step: decodes still first, the partial prompt keeps its place after them.
+    sched = step(s)
+    assert sched.num_scheduled_tokens == [1, 1, 8]
+
+
+def test_every_step_respects_budget_and_max_num_seqs():
+    s = make_scheduler(budget=16, max_num_seqs=3, num_blocks=256)
+    for i in range(10):
+        s.add_request(make_request(f"r{i}", prompt_len=5 + 7 * i, max_tokens=6))
+    steps = run_to_completion(s)
+    assert all(sched.total_num_tokens <= 16 for sched in steps)
+    assert all(len(sched.requests) <= 3 for sched in steps)
+    assert s.kv.pool.num_used_blocks == 0
+
+
+def test_finished_request_leaves_in_its_step_and_a_waiting_one_joins_next():
+    s = make_scheduler(max_num_seqs=1, budget=32)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=2))
+    s.add_request(make_request("b", prompt_len=4, max_tokens=2))
+    assert scheduled(step(s)) == {"a": 4}      # a: prompt, samples token 1
+    assert scheduled(step(s)) == {"a": 1}      # a: samples token 2 and finishes
+    assert s.requests.get("a") is None and s.running == []
+    assert s.kv.pool.num_used_blocks == 0      # its blocks are back at once
+    assert scheduled(step(s)) == {"b": 4}      # b joins in the very next step
+
+
+def test_preemption_frees_the_latest_admitted_and_requeues_it_first():
+    # 6 blocks of 4 tokens. a and b each need 2 blocks for their prompt, then grow.
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_num_seqs=4)
+    a = make_request("a", prompt_len=8, max_tokens=12, arrival=0.0)
+    b = make_request("b", prompt_len=8, max_tokens=12, arrival=1.0)
+    c = make_request("c", prompt_len=4, max_tokens=2, arrival=2.0)
+    for r in (a, b, c):
+        s.add_request(r)
+    step(s)  # a: 2 blocks, b: 2 blocks, c: 1 block (pool 5/6)
+    assert a.status == b.status == c.status == RequestStatus.RUNNING
+    steps = run_to_completion(s, check=lambda sch: sch.kv.pool.check_invariants())
+    preempted = [rid for sched in steps for rid in sched.preempted_request_ids]
+    assert preempted[:2] == ["c", "b"]  # latest admitted first, and again when a still needs room
+    assert b.num_preemptions >= 1
+    for r in (a, b, c):
+        assert r.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+    assert a.num_output_tokens == b.num_output_tokens == 12
+    assert s.kv.pool.num_used_blocks == 0
+
+
+def test_preempted_request_is_readmitted_before_newer_waiting_ones():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64, max_num_seqs=4)
+    s.add_request(make_request("a", prompt_len=7, max_tokens=6, arrival=0.0))
+    s.add_request(make_request("b", prompt_len=7, max_tokens=6, arrival=1.0))
+    steps = [step(s) for _ in range(3)]  # 8 tokens fill 2 blocks each; the 9th needs a third
+    assert [sched.preempted_request_ids for sched in steps] == [[], [], ["b"]]
+    s.add_request(make_request("c", prompt_len=1, max_tokens=1, arrival=2.0))
+    assert s._next_waiting().request_id == "b"
+
+
+def test_replayed_tokens_are_identical_after_preemption():
+    """Recompute replays prompt + output: the fake model's outputs must not change."""
+    def outputs(num_blocks):
+        s = make_scheduler(num_blocks=num_blocks, block_size=4, budget=8, max_num_seqs=4)
+        reqs = [make_request(f"r{i}", prompt_len=3 + 5 * i, max_tokens=10, arrival=float(i)) for i in range(4)]
+        for r in reqs:
+            s.add_request(r)
+        run_to_completion(s, check=lambda sch: sch.kv.pool.check_invariants())
+        return [r.output_token_ids for r in reqs], s.num_preemptions
+    roomy, n0 = outputs(256)
+    tight, n1 = outputs(8)
+    assert n0 == 0 and n1 > 0
+    assert tight == roomy
+
+
+def test_abort_anywhere_returns_every_block():
+    s = make_scheduler(num_blocks=16, block_size=4, budget=6)
+    s.add_request(make_request("running", prompt_len=5, max_tokens=50))
+    s.add_request(make_request("prefilling", prompt_len=30, max_tokens=5))
+    s.add_request(make_request("waiting", prompt_len=5, max_tokens=5))
+    step(s)
+    step(s)
+    assert s.requests["prefilling"].num_computed_tokens > 0
+    for rid in ("prefilling", "running", "waiting"):
+        s.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        s.kv.pool.check_invariants()
+    assert s.kv.pool.num_used_blocks == 0 and not s.has_unfinished_requests()
+    assert s.schedule().finished_request_ids == ["prefilling", "running", "waiting"]
+
+
+def test_stop_conditions():
+    s = make_scheduler()
+    r = make_request("a", prompt_len=3, max_tokens=5)
+    s.add_request(r)
+    run_to_completion(s)
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 5
+    # max_model_len caps the sequence even when max_tokens would allow more.
+    s = make_scheduler(max_model_len=6)
+    r = make_request("b", prompt_len=3, max_tokens=50)
+    s.add_request(r)
+    run_to_completion(s)
+    assert r.num_tokens == 6 and r.finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored_or_under_min_tokens():
+    from tokenmill.outputs import RunnerOutput
+    s = make_scheduler()
+    r = make_request("a", prompt_len=3, max_tokens=10)
+    r.params.min_tokens = 2
+    s.add_request(r)
+    # EOS may come at the earliest as token min_tokens + 1 (the sampler masks it before that).
+    for expected_finished in (False, False, True):
+        sched = s.schedule()
+        s.update(sched, RunnerOutput(sampled_token_ids={"a": [1]}))  # EOS
+        assert r.is_finished == expected_finished
+    assert r.finish_reason == "stop" and r.output_token_ids == [1, 1, 1]
+
+
+def test_static_batching_admits_only_into_an_empty_batch():
+    s = make_scheduler(static_batching=True, max_num_seqs=2, budget=4)
+    s.add_request(make_request("a", prompt_len=10, max_tokens=2))
+    s.add_request(make_request("b", prompt_len=6, max_tokens=5))
+    s.add_request(make_request("c", prompt_len=6, max_tokens=5))
+    first = step(s)
+    assert scheduled(first) == {"a": 10, "b": 6}  # whole prompts, no chunking
+    while "a" in s.requests:
+        assert "c" not in scheduled(step(s))
+    while "b" in s.requests:  # a finished, but c waits until the whole batch is done
+        assert "c" not in scheduled(step(s))
+    assert scheduled(step(s)) == {"c": 6}
+
+
+def test_duplicate_request_id_is_rejected():
+    s = make_scheduler()
+    s.add_request(make_request("a", prompt_len=3))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(make_request("a", prompt_len=3))

@@ -1,0 +1,69 @@
+"""Paged attention over a ragged batch.
+
+The flat batch holds the new tokens of every scheduled sequence back to back:
+
+    tokens      | a0 a1 a2 a3 | b0 | c0 c1 |          (T = 7, no padding)
+    query_start   0             4    5       7
+    seq_lens      a: 9 (5 cached + 4 new), b: 30 (decode), c: 2 (first chunk)
+
+Each layer first writes the new K/V into the pool at `slot_mapping` (slot = block id *
+block_size + offset), then attends each query token to its own sequence's context only,
+causally: the query at absolute position p sees positions 0..p of its sequence, read
+through the sequence's block table.
+
+Backends share that contract and differ in speed:
+  * reference: per sequence, gather the context and call SDPA. Obvious; the oracle.
+  * cpu:       a C++ kernel reads K/V straight from the pool for short queries (decodes,
+               speculative verification); long prompt chunks go through SDPA as in the
+               reference, where SDPA's blocked kernel is faster.
+  * torch:     decodes batched by gathering a padded context (fine where memory bandwidth
+               is plentiful, i.e. on a GPU); prompt chunks as in the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the runner and passed to every layer."""
+
+    slot_mapping: torch.Tensor       # (T,) int64: pool slot each new token's K/V goes to
+    query_start_loc: torch.Tensor    # (B + 1,) int32: sequence i's tokens are [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor           # (B,) int32: context length after this step (cached + new)
+    block_tables: torch.Tensor       # (B, max_blocks) int32: block ids, padded with 0
+    query_start_loc_host: list[int]  # the same offsets on the host, for per-sequence loops
+    seq_lens_host: list[int]
+    block_size: int
+    num_short: int = 0               # leading sequences with few query tokens (decodes)
+    num_short_tokens: int = 0        # their tokens, which come first in the flat batch
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values in the pool. k, v: (T, Hkv, D); caches: (slots, Hkv, D)."""
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
+def make_backend(name: str, device: torch.device):
+    """Pick an attention backend; "auto" prefers the C++ kernel on CPU and batched torch on CUDA."""
+    from tokenmill.attention.reference import ReferenceAttention
+    from tokenmill.attention.torch_batched import TorchBatchedAttention
+
+    if name == "reference":
+        return ReferenceAttention()
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
+        return TorchBatchedAttention()
+    from tokenmill.attention.cpu import CpuPagedAttention, load_kernel
+    if name == "cpu":
+        return CpuPagedAttention(load_kernel(required=True))
+    kernel = load_kernel(required=False)
+    return CpuPagedAttention(kernel) if kernel is not None else TorchBatchedAttention()

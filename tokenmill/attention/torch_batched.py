@@ -1,0 +1,38 @@
+"""Decodes batched in plain torch: gather every decoding sequence's context into a padded
+(B, L, Hkv, D) tensor and run one masked SDPA. The gather copies the context, which costs
+memory bandwidth: cheap on a GPU, expensive on a CPU (where the C++ kernel reads the pool
+in place). Prompt chunks go one by one through the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention import AttentionMetadata, write_kv
+from tokenmill.attention.reference import attend_sequences
+
+
+class TorchBatchedAttention:
+    name = "torch"
+    short_query_max = 1  # only single-token queries are batched
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        b = meta.num_short
+        if b:
+            bs = meta.block_size
+            num_blocks = -(-max(meta.seq_lens_host[:b]) // bs)
+            offsets = torch.arange(bs, device=q.device)
+            slots = (meta.block_tables[:b, :num_blocks].long().unsqueeze(2) * bs + offsets).flatten(1)  # (B, L)
+            keys = k_cache[slots].transpose(1, 2)     # (B, Hkv, L, D)
+            values = v_cache[slots].transpose(1, 2)
+            mask = torch.arange(slots.shape[1], device=q.device) < meta.seq_lens[:b].unsqueeze(1)  # (B, L)
+            queries = q[:b].unsqueeze(2)              # (B, Hq, 1, D)
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :],
+                                                  scale=scale, enable_gqa=True)
+            out[:b] = attn.squeeze(2)
+        attend_sequences(q, k_cache, v_cache, meta, scale, out, first=b)
+        return out

@@ -1,0 +1,133 @@
+"""tokenmill command line: generate | chat | serve | bench.
+
+Engine options are generated from EngineConfig's fields, so every option the Python API
+takes is also a flag (`--max-num-seqs 64`, `--kv-cache-memory 2GiB`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from tokenmill.config import EngineConfig
+
+_ENGINE_HELP = {
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "per-step token budget (decodes + prompt chunks)",
+    "max_model_len": "context length (prompt + output)",
+    "kv_cache_memory": "KV pool size, bytes or a string like 2GiB",
+    "num_kv_blocks": "exact KV pool size in blocks",
+}
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        kind = {bool: _parse_bool, int: int, float: float}.get(type(default), str)
+        if f.name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            kind = int
+        group.add_argument(flag, type=kind, default=default, dest=f.name,
+                           help=f"{_ENGINE_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**values)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+
+
+def _sampling_params(args):
+    from tokenmill.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k)
+
+
+def cmd_generate(args) -> int:
+    from tokenmill.llm import LLM
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    prompts = args.prompts or [sys.stdin.read()]
+    for out in llm.generate(prompts, _sampling_params(args)):
+        print(out.prompt + out.outputs[0].text if out.prompt else out.outputs[0].text)
+        if len(prompts) > 1:
+            print("-" * 40)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """An interactive chat that streams each answer as it is generated."""
+    from tokenmill.llm import LLM
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    engine = llm.engine
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    turn = 0
+    print("tokenmill chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        engine.add_request(f"chat-{turn}", llm.render_chat(history), _sampling_params(args))
+        answer = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                print(out.new_text, end="", flush=True)
+                answer.append(out.new_text)
+        print()
+        history.append({"role": "assistant", "content": "".join(answer)})
+        turn += 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="A small, clear LLM inference engine.")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate from prompts given as arguments (or stdin)")
+    p.add_argument("prompts", nargs="*")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    add_sampling_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat through the model's chat template")
+    p.add_argument("--model", default=None)
+    p.add_argument("--system", default=None, help="a system prompt")
+    add_sampling_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

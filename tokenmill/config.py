@@ -1,0 +1,173 @@
+"""Engine configuration: frozen dataclasses, validated once, ValueError on bad input.
+
+`EngineConfig` is the one flat object a user fills in (the names follow vLLM's
+where it has one). The engine resolves what depends on the model and the
+machine (pool size, context length) and hands each layer only the slice it
+needs: `SchedulerConfig` to the scheduler, `CacheConfig` to the block pool.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+               "tb": 1000**4, "tib": 1024**4}
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "srpf", "edf")
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "2GiB", "512 MB" or "1.5g"."""
+    if isinstance(value, bool):
+        raise ValueError(f"kv_cache_memory: expected bytes or a size string, got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"kv_cache_memory: cannot parse size {value!r} (try '2GiB' or 2147483648)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, read from config.json or GGUF metadata."""
+
+    architecture: str                  # "llama", "mistral", "qwen2", "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None   # Llama-3 style {"rope_type": "llama3", "factor": ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False       # Qwen2: bias on q, k, v projections
+    qk_norm: bool = False              # Qwen3: RMSNorm on each head of q and k
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for one token across all layers, in elements (multiply by dtype size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a user can set. `None` means "derive a sane default from the model and machine"."""
+
+    model: str | None = None                 # HF directory, .gguf file, or None for the default model
+    max_num_seqs: int = 256                  # most sequences in one step
+    max_num_batched_tokens: int = 512        # per-step token budget (decodes + prompt chunks)
+    max_model_len: int | None = None         # prompt + output; default: the model's context length
+    block_size: int = 16                     # tokens per KV block
+    kv_cache_memory: int | str | None = None  # KV pool size in bytes or "2GiB"
+    num_kv_blocks: int | None = None         # exact pool size in blocks (overrides kv_cache_memory)
+    dtype: str | None = None                 # "float32" (CPU default), "bfloat16" (CUDA default)
+    device: str = "cpu"                      # "cpu" or "cuda"
+    seed: int = 0                            # seeds the sampler for requests without their own seed
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    kv_watermark: float = 0.01               # share of the pool kept free when admitting
+    preemption_mode: str = "recompute"
+    static_batching: bool = False            # baseline mode for benchmarks: admit a batch only when empty
+    attention_backend: str = "auto"          # "auto", "reference", "cpu", "torch"
+    num_threads: int | None = None           # torch intra-op threads on CPU (default: torch's choice)
+    tokenizer: str | None = None             # tokenizer directory when it differs from the model's
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.attention_backend not in ("auto", "reference", "cpu", "torch"):
+            raise ValueError(f"attention_backend must be auto|reference|cpu|torch, "
+                             f"got {self.attention_backend!r}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """float32 on CPU (no native bf16 there), bfloat16 on CUDA, unless set."""
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV block pool, resolved: exact number of blocks and tokens per block."""
+
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.block_size <= 0:
+            raise ValueError(f"cache config: num_blocks ({self.num_blocks}) and block_size "
+                             f"({self.block_size}) must be positive")
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs to know, with the context length already resolved."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str = "fcfs"
+    kv_watermark: float = 0.01
+    static_batching: bool = False
+    starvation_seconds: float = 30.0   # a request waiting this long is served first, whatever the policy
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0 or self.max_model_len <= 1:
+            raise ValueError("scheduler config: max_num_seqs, max_num_batched_tokens must be "
+                             "positive and max_model_len > 1")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
+        return cls(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_model_len=max_model_len, policy=config.scheduling_policy,
+                   kv_watermark=config.kv_watermark, static_batching=config.static_batching)

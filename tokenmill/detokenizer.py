@@ -1,0 +1,63 @@
+"""Incremental detokenization: never emits broken UTF-8 or part of a stop string.
+
+UTF-8 safety comes from tokenizers' DecodeStream, which holds back bytes until they
+form whole characters. Stop strings are handled here: text that could still turn into
+a stop string (the last `max(len(stop)) - 1` characters) is held back until the next
+token settles it or the request finishes.
+"""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from tokenmill.sampling_params import SamplingParams
+
+# Prompt tokens given to the stream as context, so the first output token decodes with the
+# right leading space (as it would inside the full text).
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.backend = tokenizer.backend_tokenizer  # a tokenizers.Tokenizer
+        self.stream = DecodeStream(ids=prompt_token_ids[-_CONTEXT_TOKENS:],
+                                   skip_special_tokens=params.skip_special_tokens)
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""        # decoded so far (cut at a stop string once one matched)
+        self.emitted = 0      # characters of `text` already handed out
+        self.num_tokens = 0   # output tokens fed so far
+
+    def update(self, new_token_ids: list[int]) -> tuple[str, str | None]:
+        """Feed new tokens; returns (text safe to emit now, the stop string that matched or None)."""
+        searched_from = len(self.text)
+        self.num_tokens += len(new_token_ids)
+        for token in new_token_ids:
+            piece = self.stream.step(self.backend, token)
+            if piece:
+                self.text += piece
+        matched = self._find_stop(searched_from)
+        end = len(self.text) if matched else max(self.emitted, len(self.text) - self.hold)
+        return self._emit(end), matched
+
+    def flush(self) -> str:
+        """The held-back tail, once the request finished for a reason other than a stop string."""
+        return self._emit(len(self.text))
+
+    def _find_stop(self, searched_from: int) -> str | None:
+        best = None
+        for stop in self.stop:
+            i = self.text.find(stop, max(0, searched_from - len(stop) + 1))
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        i, stop = best
+        self.text = self.text[:i + len(stop) if self.include_stop else i]
+        return stop
+
+    def _emit(self, end: int) -> str:
+        out = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return out

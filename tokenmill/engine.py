@@ -1,0 +1,209 @@
+"""LLMEngine: the step loop that ties scheduler, runner and detokenizer together.
+
+    step() = schedule -> run the model once -> update counters and tokens -> detokenize
+
+It is synchronous and single-threaded; the async front (async_engine.py) runs it in a
+thread for the server, and `LLM` (llm.py) drives it to completion for offline use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from tokenmill.attention import make_backend
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from tokenmill.detokenizer import IncrementalDetokenizer
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.model_runner import ModelRunner
+from tokenmill.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, RunnerOutput, StepStats
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict
+DEFAULT_CPU_KV_MEMORY = 4 * 1024**3
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.torch_dtype_name)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.model_config: ModelConfig = load_model_config(path)
+        self.tokenizer = load_tokenizer(path, config.tokenizer)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                      self.model_config.max_position_embeddings)
+        model = load_model(path, self.model_config, max_len, self.dtype, self.device)
+        num_blocks = self._num_kv_blocks(max_len)
+        if num_blocks * config.block_size < max_len:
+            logger.warning("KV pool holds %d tokens: max_model_len lowered from %d",
+                           num_blocks * config.block_size, max_len)
+            max_len = num_blocks * config.block_size
+        self.max_model_len = max_len
+        self.cache_config = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.kv)
+        backend = make_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
+                                  self.dtype, config.seed)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.last_stats = StepStats()
+        self.stats_listeners: list[Callable[[StepStats], None]] = []
+
+    def _num_kv_blocks(self, max_len: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        bytes_per_block = cfg.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        if cfg.kv_cache_memory is not None:
+            budget = parse_size(cfg.kv_cache_memory)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.85)
+        else:  # enough for every sequence at full length, up to 4 GiB (untouched pages cost nothing)
+            budget = min(DEFAULT_CPU_KV_MEMORY, cfg.max_num_seqs * max_len * bytes_per_block // cfg.block_size)
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds no block of "
+                             f"{bytes_per_block} bytes")
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) from a string, a list of token ids, or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    deadline: float | None = None) -> Request:
+        """Validate and queue a request; raises ValueError for anything it could never serve."""
+        params = params or SamplingParams()
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "
+                             f"{self.max_model_len}: no room for any output")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context length ({self.max_model_len})")
+        request = Request(request_id=request_id, prompt_token_ids=ids, params=params,
+                          max_tokens=params.max_tokens or room, eos_token_ids=self.eos_token_ids,
+                          prompt=text, priority=priority, deadline=deadline,
+                          arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        self.scheduler.add_request(request)
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request wherever it is; its blocks return to the pool at once."""
+        self.detokenizers.pop(request_id, None)
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run, update, detokenize. Returns outputs of requests that
+        got new tokens or finished."""
+        t0 = time.perf_counter()
+        preemptions_before = self.scheduler.num_preemptions
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        try:
+            result = self.runner.execute(sched) if sched.requests else RunnerOutput({})
+        except Exception as exc:  # fail this step's requests, keep the engine serving
+            logger.exception("step failed; failing its %d requests", len(sched.requests))
+            return [self._fail(r, f"{type(exc).__name__}: {exc}") for r in sched.requests if not r.is_finished]
+        t2 = time.perf_counter()
+        changed = self.scheduler.update(sched, result)
+        t3 = time.perf_counter()
+        outputs = [self._make_output(r) for r in changed]
+        t4 = time.perf_counter()
+        self._record_stats(sched, result, preemptions_before, time_schedule=(t1 - t0) + (t3 - t2),
+                           time_detokenize=t4 - t3, start=t0, end=t4)
+        return outputs
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        detok = self.detokenizers[request.request_id]
+        new_ids = request.output_token_ids[detok.num_tokens:]
+        delta, stop = detok.update(new_ids)
+        if stop is not None:
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks a length limit
+            request.stop_reason = stop
+        elif request.is_finished:
+            delta += detok.flush()
+        if request.is_finished:
+            del self.detokenizers[request.request_id]
+        return self._output(request, detok.text[:detok.emitted], delta, new_ids)
+
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        detok = self.detokenizers.pop(request.request_id, None)
+        out = self._output(request, detok.text[:detok.emitted] if detok else "", "", [])
+        out.error = error
+        return out
+
+    def _output(self, request: Request, text: str, delta: str, new_ids: list[int]) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=request.output_token_ids, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None)
+        times = request.times
+        metrics = RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.finished,
+                                 request.num_cached_tokens, request.num_preemptions)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                             request.is_finished, new_text=delta, new_token_ids=new_ids, metrics=metrics)
+
+    def _record_stats(self, sched, result: RunnerOutput, preemptions_before: int,
+                      time_schedule: float, time_detokenize: float, start: float, end: float) -> None:
+        pool = self.kv.pool
+        s = StepStats(
+            num_seqs=len(sched.requests), num_tokens=sched.total_num_tokens,
+            num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=pool.num_used_blocks, kv_blocks_total=pool.num_blocks,
+            kv_slots_used=sum(r.num_computed_tokens for r in self.scheduler.running),
+            num_preemptions=self.scheduler.num_preemptions - preemptions_before,
+            time_schedule=time_schedule, time_prepare=result.time_prepare, time_forward=result.time_forward,
+            time_sample=result.time_sample, time_detokenize=time_detokenize, time_total=end - start,
+            start=start, num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens)
+        self.last_stats = s
+        for listener in self.stats_listeners:
+            listener(s)

@@ -1,0 +1,227 @@
+"""The KV block pool and per-request block allocation (PagedAttention's bookkeeping).
+
+The K/V tensors themselves live in the model runner; this module only decides
+which block ids a request owns. Plain Python, so tests can check exact block
+ids, ref counts and free order.
+
+A request's blocks, block_size = 4, 10 tokens of which 6 are computed:
+
+    token index   0 1 2 3 | 4 5 6 7 | 8 9 . .
+    block_ids       [17]      [3]       [42]
+    state         computed   |computed|  new   <- allocate_slots(req, 4) made sure [42] exists
+    hash          h17 = H(None, t0..t3), h3 = H(h17, t4..t7); [42] is not full: no hash
+
+Every block is in exactly one of three states, and the counts add up to the pool:
+  * free       ref 0, no hash:           handed out first
+  * evictable  ref 0, hash kept (cached): reused LRU-first only when no free block is left,
+               or revived by a prefix-cache hit
+  * in use     ref >= 1:                 never handed out; shared read-only when ref > 1
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from tokenmill.request import Request
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """A collision-resistant id for a full block: its tokens and, through the parent, every earlier token."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        h.update(parent_hash)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    """Block ids with ref counts, a free list, and an LRU pool of cached (evictable) blocks.
+
+    Invariants, kept by every method: `num_free_blocks + num_evictable_blocks + num_used_blocks
+    == num_blocks`; a block with ref > 0 is in neither queue; `cached` maps each hash to one
+    block whose `block_hash` is that hash.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}                       # hash -> block id
+        self._free: deque[int] = deque(range(num_blocks))        # ref 0, no hash
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; oldest first
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that `allocate` can hand out (free plus evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks with ref count 1; uncached blocks first, then evict least recently used."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"allocate({n}) with only {self.num_free_blocks} blocks available")
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                del self.cached[self.block_hash[block]]
+                self.block_hash[block] = None
+                self.num_evictions += 1
+            self.ref_counts[block] = 1
+            out.append(block)
+        return out
+
+    def share(self, block_ids: list[int]) -> None:
+        """Take one more reference on cached blocks (a prefix hit); revives evictable ones."""
+        for block in block_ids:
+            if self.ref_counts[block] == 0:
+                del self._evictable[block]
+            self.ref_counts[block] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block, in the given order (which becomes eviction order)."""
+        for block in block_ids:
+            if self.ref_counts[block] <= 0:
+                raise RuntimeError(f"double free of block {block}")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Record a full, computed block's hash so later prompts can share it."""
+        if self.block_hash[block] is not None or block_hash in self.cached:
+            return  # already cached, or an identical block is: keep the first
+        self.block_hash[block] = block_hash
+        self.cached[block_hash] = block
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the bookkeeping is inconsistent (tests call this every step)."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "duplicate block in the free list"
+        assert not free & evictable, "block both free and evictable"
+        for block in range(self.num_blocks):
+            ref = self.ref_counts[block]
+            assert ref >= 0
+            assert (ref == 0) == (block in free or block in evictable), f"block {block}: ref {ref}"
+            assert (block in evictable) <= (self.block_hash[block] is not None)
+            assert (block in free) <= (self.block_hash[block] is None)
+        for h, block in self.cached.items():
+            assert self.block_hash[block] == h
+        assert len(free) + len(evictable) + self.num_used_blocks == self.num_blocks
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks that cover a request's first `num_tokens` prompt tokens."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Per-request allocation on top of a BlockPool: grow, share prefixes, free."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prompt_tokens_queried = 0   # prompt tokens looked up at admission
+        self.prompt_tokens_hit = 0       # of which served from the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """Longest chain of cached full blocks matching the request's tokens.
+
+        At most `num_tokens - 1` tokens are reused, so at least one token is computed and the
+        step that finishes the prompt has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0)
+        self._extend_hashes(request, request.num_tokens - 1)
+        blocks = []
+        for block_hash in request.block_hashes:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
+                     reserve: int = 0) -> bool:
+        """Whether `allocate` would succeed while leaving `reserve` blocks available."""
+        return self._num_new_blocks(request, num_new_tokens, hit) + reserve <= self._available(hit)
+
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make the request's blocks cover `num_computed_tokens + num_new_tokens` tokens.
+
+        `hit` (admission only) first takes shared references on cached prefix blocks and moves
+        `num_computed_tokens` past them. Returns False, changing nothing, if the pool is short.
+        """
+        if not self.can_allocate(request, num_new_tokens, hit):
+            return False
+        if hit is not None:
+            self.pool.share(hit.block_ids)
+            request.block_ids.extend(hit.block_ids)
+            request.num_computed_tokens += hit.num_tokens
+            request.num_cached_tokens = hit.num_tokens
+            self.prompt_tokens_queried += request.num_tokens
+            self.prompt_tokens_hit += hit.num_tokens
+        request.block_ids.extend(self.pool.allocate(self._num_new_blocks(request, num_new_tokens)))
+        return True
+
+    def commit(self, request: Request) -> None:
+        """Cache every full block whose tokens are all computed (call after a step advanced them)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        self._extend_hashes(request, num_full * self.block_size)
+        for i in range(num_full):
+            self.pool.cache(request.block_ids[i], request.block_hashes[i])
+
+    def free(self, request: Request) -> None:
+        """Return all of a request's blocks; tail blocks first in eviction order (least shareable)."""
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids.clear()
+        request.num_computed_tokens = 0
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
+        shared = hit.block_ids if hit is not None else []
+        computed = request.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
+        return max(0, self.blocks_needed(computed + num_new_tokens) - len(request.block_ids) - len(shared))
+
+    def _available(self, hit: PrefixHit | None) -> int:
+        """Free blocks, not counting evictable ones the hit is about to revive."""
+        revived = sum(1 for b in hit.block_ids if self.pool.ref_counts[b] == 0) if hit else 0
+        return self.pool.num_free_blocks - revived
+
+    def _extend_hashes(self, request: Request, num_tokens: int) -> None:
+        """Hash the request's full blocks within its first `num_tokens` tokens, once each."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))

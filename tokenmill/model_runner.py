@@ -1,0 +1,126 @@
+"""The model runner: owns the KV pool tensors, turns a SchedulerOutput into one flat batch,
+runs the model once and samples the sequences that reached their end.
+
+Step tensors are built in one go with numpy (no per-token Python loop):
+
+    requests        A (3 new tokens from position 5)      B (decode at position 9)
+    input_ids       [a5 a6 a7 | b9]                        (T = 4, no padding)
+    positions       [5 6 7 | 9]
+    slot_mapping    block_table[seq][pos // bs] * bs + pos % bs
+    logits_indices  [2, 3]   last token of each sequence that samples
+
+Sequences with short queries (decodes) are put first so the attention backend can run
+them through its batched kernel; outputs are keyed by request id, so order is free.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.attention import AttentionMetadata
+from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.outputs import RunnerOutput, SchedulerOutput
+from tokenmill.request import Request
+from tokenmill.sampler import Sampler, SamplingMetadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor          # (T,) int64
+    positions: torch.Tensor          # (T,) int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor     # (S,) rows of the flat batch whose logits are sampled
+    sampling_requests: list[Request]  # the S requests, same order
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig,
+                 backend, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.backend = backend
+        self.device = device
+        self.block_size = cache_config.block_size
+        # One tensor for the whole pool: (layers, K|V, slots, kv_heads, head_dim). torch.empty:
+        # slots are written before they are read, and untouched pages cost no memory.
+        self.kv_cache = torch.empty(model_config.num_layers, 2, cache_config.num_slots,
+                                    model_config.num_kv_heads, model_config.head_dim, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
+        self.sampler = Sampler(seed, device)
+        self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for request_id in sched.finished_request_ids:
+            self.generators.pop(request_id, None)
+        t0 = time.perf_counter()
+        inputs = self.prepare(sched.requests, sched.num_scheduled_tokens)
+        t1 = time.perf_counter()
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampling_requests else None
+        t2 = time.perf_counter()
+        result = RunnerOutput(sampled_token_ids={}, time_prepare=t1 - t0, time_forward=t2 - t1)
+        if logits is not None:
+            self._sample(logits, inputs.sampling_requests, result)
+        result.time_sample = time.perf_counter() - t2
+        return result
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], result: RunnerOutput) -> None:
+        for r in requests:
+            if r.params.seed is not None and r.request_id not in self.generators:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(r.params.seed)
+                self.generators[r.request_id] = gen
+        meta = SamplingMetadata.build(requests, self.generators, logits.shape[1], self.device)
+        out = self.sampler(logits, meta)
+        for r, token, logprobs in zip(requests, out.token_ids, out.logprobs):
+            result.sampled_token_ids[r.request_id] = [token]
+            if logprobs is not None:
+                result.logprobs[r.request_id] = [logprobs]
+
+    def prepare(self, requests: list[Request], num_tokens: list[int]) -> StepInputs:
+        """Flatten the scheduled chunks into step tensors (see the module docstring)."""
+        short_max = getattr(self.backend, "short_query_max", 0)
+        order = sorted(range(len(requests)), key=lambda i: num_tokens[i] > short_max)  # stable
+        requests = [requests[i] for i in order]
+        counts = np.array([num_tokens[i] for i in order], dtype=np.int64)
+        starts = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+        seq_lens = starts + counts
+        cu = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(counts, out=cu[1:])
+        total = int(cu[-1])
+
+        token_ids: list[int] = []
+        for r, start, n in zip(requests, starts.tolist(), counts.tolist()):
+            token_ids.extend(r.token_ids[start:start + n])
+        seq_of_token = np.repeat(np.arange(len(requests)), counts)
+        positions = np.arange(total, dtype=np.int64) - (cu[:-1] - starts)[seq_of_token]
+
+        bs = self.block_size
+        max_blocks = max(len(r.block_ids) for r in requests)
+        tables = np.zeros((len(requests), max_blocks), dtype=np.int32)
+        for i, r in enumerate(requests):
+            tables[i, :len(r.block_ids)] = r.block_ids
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+
+        samples = seq_lens == np.array([r.num_tokens for r in requests])
+        sampling_requests = [r for r, s in zip(requests, samples) if s]
+        num_short = int(np.count_nonzero(counts <= short_max))
+        dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(slots), query_start_loc=to_dev(cu.astype(np.int32)),
+            seq_lens=to_dev(seq_lens.astype(np.int32)), block_tables=to_dev(tables),
+            query_start_loc_host=cu.tolist(), seq_lens_host=seq_lens.tolist(), block_size=bs,
+            num_short=num_short, num_short_tokens=int(cu[num_short]))
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=to_dev(positions), meta=meta,
+            logits_indices=to_dev(cu[1:][samples] - 1), sampling_requests=sampling_requests)

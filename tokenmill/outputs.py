@@ -1,0 +1,105 @@
+"""The dataclasses handed between layers, one per arrow of the data path:
+
+    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> RunnerOutput
+    -> Scheduler.update() -> LLMEngine (detokenize) -> RequestOutput -> LLM / server
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.request import Request
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch: which requests run and how many tokens each computes."""
+
+    requests: list[Request]              # batch order: decodes first, then prompt chunks
+    num_scheduled_tokens: list[int]      # tokens each request computes this step, same order
+    num_decode_tokens: int = 0           # tokens of requests that were already generating
+    preempted_request_ids: list[str] = field(default_factory=list)  # preempted while scheduling
+    finished_request_ids: list[str] = field(default_factory=list)   # ended since the last step
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.total_num_tokens - self.num_decode_tokens
+
+
+@dataclass
+class RunnerOutput:
+    """What one forward pass produced, keyed by request id."""
+
+    sampled_token_ids: dict[str, list[int]]  # new tokens per request that reached its end (1, or more
+                                             # with speculation); absent for partial prompt chunks
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # per new token:
+                                             # {token id: logprob} for the sampled one and the top-n
+    time_prepare: float = 0.0                # seconds building step tensors
+    time_forward: float = 0.0                # seconds in the model
+    time_sample: float = 0.0                 # seconds in the sampler (incl. the host sync)
+    num_draft_tokens: int = 0                # speculative tokens proposed this step
+    num_accepted_tokens: int = 0             # of which accepted
+
+
+@dataclass
+class StepStats:
+    """Per-step figures for benchmarks, metrics and the step-time split."""
+
+    num_seqs: int = 0                 # requests in the batch
+    num_tokens: int = 0               # tokens in the flat batch
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_running: int = 0              # after the step
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_slots_used: int = 0            # allocated slots that hold a token (for the waste figure)
+    num_preemptions: int = 0          # preemptions in this step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    time_schedule: float = 0.0
+    time_prepare: float = 0.0
+    time_forward: float = 0.0
+    time_sample: float = 0.0
+    time_detokenize: float = 0.0
+    time_total: float = 0.0
+    start: float = 0.0                # monotonic time the step began
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str                                   # cumulative, stop string removed
+    token_ids: list[int]                        # cumulative
+    finish_reason: str | None = None            # "stop" | "length" | "abort" | "error" | None
+    stop_reason: int | str | None = None        # the stop token id or string that matched
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: cumulative output plus what this step added."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_text: str = ""                          # text added by this step (UTF-8 safe, stop-safe)
+    new_token_ids: list[int] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+    error: str | None = None                    # set when finish_reason is "error"

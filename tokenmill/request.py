@@ -1,0 +1,118 @@
+"""A request's state as the scheduler sees it: tokens, progress counter, blocks, timestamps.
+
+Plain Python, no torch: the scheduler and the block pool are tested with exact
+expectations and no model.
+
+Progress is one counter, not a phase. `num_computed_tokens` catches up with
+`num_tokens` (prompt + generated so far); a step grants it some of the gap.
+A prompt is "prefilling" while the gap is large, "decoding" when the gap is the
+one token sampled last step; after a recompute preemption the counter drops to
+zero and the same rule replays prompt and output.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered lifecycle: everything above PREEMPTED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3   # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 4    # max_tokens or max_model_len
+    FINISHED_ABORTED = 5   # the client went away or asked to cancel
+    FINISHED_ERROR = 6     # an exception in the step that ran it
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+# The one map from a finished status to the OpenAI `finish_reason`.
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps (time.monotonic seconds) for latency metrics."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                         # resolved: min(params.max_tokens, max_model_len - prompt)
+    eos_token_ids: frozenset[int] = frozenset()
+    prompt: str | None = None
+    priority: int = 0                       # lower is served first under the "priority" policy
+    deadline: float | None = None           # monotonic seconds, for the "edf" policy
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(init=False)  # prompt + output, the sequence the model sees
+    num_computed_tokens: int = 0            # tokens whose K/V sit in this request's blocks
+    num_cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of this request's full blocks
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None    # the stop token id or stop string that ended it
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    times: RequestTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.times = RequestTimes(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_remaining_prefill(self) -> int:
+        """Tokens still to compute before this request can sample (1 when decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.times.first_token is None:
+            self.times.first_token = now
+        self.times.last_token = now

@@ -1,0 +1,172 @@
+"""Batched sampling with per-row parameters, and no Python loop over rows on the common path.
+
+Order of operations on the (S, V) logits of the rows that sample this step:
+  1. raw logprobs (log_softmax of the model's logits), when any row asked for logprobs
+  2. repetition / presence / frequency penalties, only for rows that set them
+  3. EOS and stop tokens masked for rows still under min_tokens
+  4. greedy rows: argmax
+  5. other rows: temperature, top-k, top-p, min-p, then a draw by the exponential race
+     (argmax of probs / Exp(1) noise) - equal in law to multinomial sampling, and it lets
+     a row with a seed draw its noise from its own generator, so a seeded request
+     produces the same tokens alone or in any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.request import Request
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters as tensors on the logits' device, built once per step."""
+
+    all_greedy: bool
+    greedy: torch.Tensor                  # (S,) bool
+    temperature: torch.Tensor             # (S,) float, 1.0 on greedy rows
+    top_k: torch.Tensor | None            # (S,) int64, vocab size where off; None when no row uses it
+    top_p: torch.Tensor | None            # (S,) float, 1.0 where off
+    min_p: torch.Tensor | None            # (S,) float, 0.0 where off
+    generators: dict[int, torch.Generator]  # row -> the request's own generator (seeded rows)
+    penalty_rows: list[int] = field(default_factory=list)
+    penalty_prompt_ids: list[list[int]] = field(default_factory=list)
+    penalty_output_ids: list[list[int]] = field(default_factory=list)
+    repetition: torch.Tensor | None = None  # (R,) for the penalty rows
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids) under min_tokens
+    num_logprobs: list[int | None] = field(default_factory=list)       # per row, None: not asked
+
+    @classmethod
+    def build(cls, requests: list[Request], generators: dict[str, torch.Generator], vocab_size: int,
+              device: torch.device) -> "SamplingMetadata":
+        params = [r.params for r in requests]
+        greedy = [p.temperature == 0.0 for p in params]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+        meta = cls(
+            all_greedy=all(greedy),
+            greedy=tensor(greedy, torch.bool),
+            temperature=tensor([p.temperature or 1.0 for p in params], torch.float32),
+            top_k=(tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+                   if any(p.top_k > 0 for p in params) else None),
+            top_p=tensor([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
+            min_p=tensor([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
+            generators={i: generators[r.request_id] for i, r in enumerate(requests)
+                        if r.request_id in generators},
+            num_logprobs=[p.logprobs for p in params],
+        )
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if rows:
+            meta.penalty_rows = rows
+            meta.penalty_prompt_ids = [requests[i].prompt_token_ids for i in rows]
+            meta.penalty_output_ids = [requests[i].output_token_ids for i in rows]
+            meta.repetition = tensor([params[i].repetition_penalty for i in rows], torch.float32)
+            meta.presence = tensor([params[i].presence_penalty for i in rows], torch.float32)
+            meta.frequency = tensor([params[i].frequency_penalty for i in rows], torch.float32)
+        for i, r in enumerate(requests):
+            if r.num_output_tokens < r.params.min_tokens:
+                meta.banned.append((i, sorted(set(r.params.stop_token_ids) | r.eos_token_ids)))
+        return meta
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]                              # one per row
+    logprobs: list[dict[int, float] | None]           # per row: sampled token and top-n, or None
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(R, V) float counts of each token id per row."""
+    counts = torch.zeros(len(rows), vocab_size, device=device)
+    row_idx = torch.tensor([i for i, ids in enumerate(rows) for _ in ids], dtype=torch.int64, device=device)
+    tok_idx = torch.tensor([t for ids in rows for t in ids], dtype=torch.int64, device=device)
+    counts.index_put_((row_idx, tok_idx), torch.ones_like(tok_idx, dtype=counts.dtype), accumulate=True)
+    return counts
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """In place. Repetition: over prompt + output (divide positive logits, multiply negative ones);
+    presence / frequency: over output, OpenAI style."""
+    rows = torch.tensor(meta.penalty_rows, device=logits.device)
+    sub = logits[rows]
+    vocab = logits.shape[1]
+    output_counts = _token_counts(meta.penalty_output_ids, vocab, logits.device)
+    prompt_seen = _token_counts(meta.penalty_prompt_ids, vocab, logits.device) > 0
+    seen = prompt_seen | (output_counts > 0)
+    rep = meta.repetition.unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= meta.frequency.unsqueeze(1) * output_counts + meta.presence.unsqueeze(1) * (output_counts > 0)
+    logits[rows] = sub
+
+
+def filter_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature-scaled logits with top-k, top-p and min-p applied (-inf outside the kept set)."""
+    logits = logits / meta.temperature.unsqueeze(1)
+    if meta.top_k is not None or meta.top_p is not None:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if meta.top_k is not None:
+            ranks = torch.arange(logits.shape[1], device=logits.device)
+            remove |= ranks.unsqueeze(0) >= meta.top_k.unsqueeze(1)
+        if meta.top_p is not None:
+            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs    # mass of strictly better tokens
+            remove |= mass_before >= meta.top_p.unsqueeze(1)  # the top token always stays
+        logits = logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+    if meta.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: (S, V) float32, one row per sequence that samples this step."""
+        want_logprobs = any(n is not None for n in meta.num_logprobs)
+        raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        if meta.penalty_rows or meta.banned:
+            logits = logits.clone()
+        if meta.penalty_rows:
+            apply_penalties(logits, meta)
+        for row, ids in meta.banned:
+            logits[row, ids] = float("-inf")
+
+        tokens = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            probs = filter_logits(logits, meta).softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for row, gen in meta.generators.items():
+                noise[row].exponential_(generator=gen)
+            sampled = (probs / noise).argmax(dim=-1)
+            tokens = torch.where(meta.greedy, tokens, sampled)
+        token_list = tokens.tolist()  # the step's one host sync
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, tokens, token_list, meta)
+                             if want_logprobs else [None] * len(token_list))
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
+                  meta: SamplingMetadata) -> list[dict[int, float] | None]:
+        """Per row: {sampled token: logprob} followed by the row's top-n alternatives."""
+        top_n = max(n for n in meta.num_logprobs if n is not None)
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top_vals, top_ids = raw.topk(max(top_n, 1), dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        out: list[dict[int, float] | None] = []
+        for row, n in enumerate(meta.num_logprobs):
+            if n is None:
+                out.append(None)
+                continue
+            entry = {token_list[row]: chosen[row]}
+            entry.update({t: v for t, v in zip(top_ids[row][:n], top_vals[row][:n]) if t not in entry})
+            out.append(entry)
+        return out

@@ -1,0 +1,89 @@
+"""Per-request sampling and stopping parameters, validated when built.
+
+Every invalid value raises ValueError with a message that names the field, so
+the server can turn it into an HTTP 400 without guessing which input was bad.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1                          # completions per prompt (fanned out as separate requests)
+    max_tokens: int | None = 16         # None: up to the model's context length
+    min_tokens: int = 0                 # EOS and stop tokens are masked until this many are out
+    temperature: float = 1.0            # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0     # > 1 discourages tokens already in prompt or output
+    presence_penalty: float = 0.0       # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None             # a per-request generator: same seed, same text in any batch
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None         # top-n logprobs per generated token (0: only the sampled one)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check_int("n", minimum=1)
+        if self.max_tokens is not None:
+            self._check_int("max_tokens", minimum=1)
+        self._check_int("min_tokens", minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        self._check_float("temperature", 0.0, None)
+        self._check_float("top_p", 0.0, 1.0, low_open=True)
+        self._check_int("top_k", minimum=0)
+        self._check_float("min_p", 0.0, 1.0)
+        self._check_float("repetition_penalty", 0.0, None, low_open=True)
+        self._check_float("presence_penalty", -2.0, 2.0)
+        self._check_float("frequency_penalty", -2.0, 2.0)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None:
+            self._check_int("logprobs", minimum=0)
+            if self.logprobs > 20:
+                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+
+    def _check_int(self, name: str, minimum: int) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+    def _check_float(self, name: str, low: float, high: float | None, low_open: bool = False) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            interval = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
+            raise ValueError(f"{name} must be in {interval}, got {value}")
+        setattr(self, name, float(value))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)

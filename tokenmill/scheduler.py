@@ -1,0 +1,208 @@
+"""Iteration-level scheduling (Orca) over a paged KV pool, with chunked prefill.
+
+Every step rebuilds the batch from counters, with no prefill or decode phase:
+each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
+
+  1. Running requests that are decoding get their one token each, first.
+  2. Running requests still inside their prompt get the next chunk of it.
+  3. Waiting requests are admitted in policy order while the budget, `max_num_seqs` and the
+     KV pool (less a watermark) allow; each gets a chunk of its prompt.
+
+When a running request needs a block and the pool is empty, the running request the
+policy values least is preempted by recompute: its blocks are freed, its counter is
+reset and it waits again at the front (its prompt and output are replayed later, and
+prefix caching usually hands most of them back). A request never fails for lack of
+memory: the engine only accepts requests whose full length fits the pool alone.
+
+`update()` advances the counters with what the runner computed, appends sampled
+tokens, and finishes requests on EOS, stop tokens, max_tokens or max_model_len.
+Finished requests leave in the same step; their blocks are free for the next one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.outputs import RunnerOutput, SchedulerOutput
+from tokenmill.request import Request, RequestStatus
+
+# A request's rank under each policy: smaller is served first and preempted last.
+PolicyKey = Callable[[Request], tuple]
+POLICY_KEYS: dict[str, PolicyKey] = {
+    "fcfs": lambda r: (r.arrival_time,),
+    "priority": lambda r: (r.priority, r.arrival_time),
+    "srpf": lambda r: (r.num_remaining_prefill, r.arrival_time),
+    "edf": lambda r: (r.deadline if r.deadline is not None else float("inf"), r.arrival_time),
+}
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.policy_key = POLICY_KEYS[config.policy]
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []         # admission order
+        self.requests: dict[str, Request] = {}   # every unfinished request
+        self._finished_ids: list[str] = []       # ended since the last schedule()
+        self.num_preemptions = 0
+        self.missed_deadlines: list[str] = []    # edf: requests that finished after their deadline
+        self._watermark_blocks = int(config.kv_watermark * kv.pool.num_blocks)
+
+    # ---- queue management -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request wherever it is (waiting, mid-prefill, running, preempted) and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.times.finished = self.clock()
+        if request.deadline is not None and request.times.finished > request.deadline:
+            self.missed_deadlines.append(request_id)
+        self._finished_ids.append(request_id)
+        return request
+
+    # ---- schedule ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        static = self.config.static_batching
+        budget = self.config.max_num_batched_tokens if not static else 1 << 62
+        scheduled: dict[Request, int] = {}
+        preempted: list[Request] = []
+        admit_new = not static or not self.running
+
+        # 1 + 2: running requests, decodes before prompt chunks (a stable sort keeps admission order).
+        for request in sorted(self.running, key=lambda r: r.num_remaining_prefill > 1):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_remaining_prefill, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.append(victim)
+                budget += scheduled.pop(victim, 0)
+                if victim is request:
+                    break
+            else:
+                scheduled[request] = num_new
+                budget -= num_new
+
+        # 3: admit waiting requests (none in a step that had to preempt: memory is short).
+        while (admit_new and not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self._next_waiting()
+            hit = self.kv.find_prefix(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            reserve = self._watermark_blocks if self.running else 0
+            if not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
+                break
+            self.kv.allocate(request, num_new, hit)
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = self.clock()
+            scheduled[request] = num_new
+            budget -= num_new
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            requests=list(scheduled), num_scheduled_tokens=list(scheduled.values()),
+            num_decode_tokens=sum(1 for r in scheduled if r.num_output_tokens > 0
+                                  and r.num_remaining_prefill == 1),
+            preempted_request_ids=[r.request_id for r in preempted], finished_request_ids=finished)
+
+    def _next_waiting(self) -> Request:
+        """The waiting request the policy serves next; preempted ones first, then any request that
+        has waited `starvation_seconds` (oldest first), then the policy's order."""
+        now = self.clock()
+        starve = self.config.starvation_seconds
+
+        def rank(r: Request) -> tuple:
+            if r.status == RequestStatus.PREEMPTED:
+                return (0, r.arrival_time)
+            if now - r.arrival_time >= starve:
+                return (1, r.arrival_time)
+            return (2, *self.policy_key(r))
+        return min(self.waiting, key=rank)
+
+    def _pick_victim(self) -> Request:
+        """The running request to preempt: under fcfs the latest admitted, otherwise the one the
+        policy ranks last (ties: latest admitted)."""
+        if self.config.policy == "fcfs":
+            return self.running[-1]
+        order = {id(r): i for i, r in enumerate(self.running)}
+        return max(self.running, key=lambda r: (*self.policy_key(r), order[id(r)]))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(request)
+
+    # ---- update -----------------------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance counters, append sampled tokens, finish what must stop.
+
+        Returns the requests that got new tokens or finished in this step.
+        """
+        now = self.clock()
+        changed = []
+        for request, num_new in zip(sched.requests, sched.num_scheduled_tokens):
+            if request.status != RequestStatus.RUNNING:
+                continue  # ended while the step ran
+            request.num_computed_tokens += num_new
+            self.kv.commit(request)
+            new_tokens = result.sampled_token_ids.get(request.request_id)
+            if not new_tokens:
+                continue  # a prompt chunk that did not reach the end
+            # Sampled tokens are appended; the last one's K/V is computed next step.
+            for token in new_tokens:
+                request.append_token(token, now)
+                status = self._stop_status(request, token)
+                if status is not None:
+                    self.finish_request(request.request_id, status)
+                    break
+            if logprobs := result.logprobs.get(request.request_id):
+                request.output_logprobs.extend(logprobs[:len(new_tokens)])
+            changed.append(request)
+        return changed
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens > params.min_tokens:  # EOS and stop tokens only after min_tokens
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -101,6 +101,11 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from tokenmill.bench import main as bench_main
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="A small, clear LLM inference engine.")
     parser.add_argument("--log-level", default="WARNING")
@@ -120,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_chat)
 
+    from tokenmill.bench import add_bench_args
+    p = sub.add_parser("bench", help="throughput, serving and roofline benchmarks")
+    add_bench_args(p, add_engine_args)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

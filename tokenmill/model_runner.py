@@ -6,7 +6,7 @@ Step tensors are built in one go with numpy (no per-token Python loop):
     requests        A (3 new tokens from position 5)      B (decode at position 9)
     input_ids       [a5 a6 a7 | b9]                        (T = 4, no padding)
     positions       [5 6 7 | 9]
-    slot_mapping    block_table[seq][pos // bs] * bs + pos % bs
+    slot            (block_table[seq][pos // bs], pos % bs): where each token's K/V goes
     logits_indices  [2, 3]   last token of each sequence that samples
 
 Sequences with short queries (decodes) are put first so the attention backend can run
@@ -46,10 +46,10 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = cache_config.block_size
-        # One tensor for the whole pool: (layers, K|V, slots, kv_heads, head_dim). torch.empty:
-        # slots are written before they are read, and untouched pages cost no memory.
-        self.kv_cache = torch.empty(model_config.num_layers, 2, cache_config.num_slots,
-                                    model_config.num_kv_heads, model_config.head_dim, dtype=dtype, device=device)
+        # One tensor for the whole pool: (layers, K|V, blocks, kv_heads, block_size, head_dim). Zeroed
+        # up front so the OS maps every page now, not as page faults inside the steps that touch them.
+        self.kv_cache = torch.zeros(model_config.num_layers, 2, cache_config.num_blocks, model_config.num_kv_heads,
+                                    cache_config.block_size, model_config.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(seed, device)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
@@ -106,7 +106,7 @@ class ModelRunner:
         tables = np.zeros((len(requests), max_blocks), dtype=np.int32)
         for i, r in enumerate(requests):
             tables[i, :len(r.block_ids)] = r.block_ids
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        slot_block = tables[seq_of_token, positions // bs].astype(np.int64)
 
         samples = seq_lens == np.array([r.num_tokens for r in requests])
         sampling_requests = [r for r, s in zip(requests, samples) if s]
@@ -116,7 +116,7 @@ class ModelRunner:
         def to_dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(dev, non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=to_dev(slots), query_start_loc=to_dev(cu.astype(np.int32)),
+            slot_block=to_dev(slot_block), slot_offset=to_dev(positions % bs), query_start_loc=to_dev(cu.astype(np.int32)),
             seq_lens=to_dev(seq_lens.astype(np.int32)), block_tables=to_dev(tables),
             query_start_loc_host=cu.tolist(), seq_lens_host=seq_lens.tolist(), block_size=bs,
             num_short=num_short, num_short_tokens=int(cu[num_short]))

@@ -20,8 +20,8 @@ def build_case(query_lens, seq_lens, seed=0):
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables, slots, contexts = [], [], []
-    k_cache = torch.randn(num_blocks * BS, HKV, D, generator=g)
-    v_cache = torch.randn(num_blocks * BS, HKV, D, generator=g)
+    k_cache = torch.randn(num_blocks, HKV, BS, D, generator=g)
+    v_cache = torch.randn(num_blocks, HKV, BS, D, generator=g)
     for q_len, s_len in zip(query_lens, seq_lens):
         blocks = [free.pop() for _ in range(-(-s_len // BS))]
         tables.append(blocks)
@@ -40,17 +40,24 @@ def build_case(query_lens, seq_lens, seed=0):
     short = 0
     while short < len(query_lens) and query_lens[short] == 1:
         short += 1
+    slots = torch.tensor(slots)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(cu, dtype=torch.int32),
+        slot_block=slots // BS, slot_offset=slots % BS, query_start_loc=torch.tensor(cu, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=bt, query_start_loc_host=cu,
         seq_lens_host=list(seq_lens), block_size=BS, num_short=short, num_short_tokens=cu[short])
     return q, k, v, k_cache, v_cache, meta, contexts
 
 
+def by_slot(cache):
+    """(num_blocks, Hkv, bs, D) -> (slots, Hkv, D), slot = block * bs + offset."""
+    return cache.transpose(1, 2).reshape(-1, HKV, D)
+
+
 def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale):
-    k_cache, v_cache = k_cache.clone().double(), v_cache.clone().double()
-    k_cache[meta.slot_mapping] = k.double()
-    v_cache[meta.slot_mapping] = v.double()
+    slots = meta.slot_block * BS + meta.slot_offset
+    k_cache, v_cache = by_slot(k_cache).double(), by_slot(v_cache).double()
+    k_cache[slots] = k.double()
+    v_cache[slots] = v.double()
     out = torch.empty(q.shape, dtype=torch.float64)
     group = HQ // HKV
     for i, ctx in enumerate(contexts):
@@ -83,7 +90,8 @@ def test_backend_matches_dense_oracle(backend_name, case):
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
     # the step's K/V landed in the pool
-    assert torch.equal(k_cache[meta.slot_mapping], k) and torch.equal(v_cache[meta.slot_mapping], v)
+    slots = meta.slot_block * BS + meta.slot_offset
+    assert torch.equal(by_slot(k_cache)[slots], k) and torch.equal(by_slot(v_cache)[slots], v)
 
 
 def test_cpu_kernel_handles_multi_token_short_queries():

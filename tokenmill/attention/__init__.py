@@ -6,10 +6,13 @@ The flat batch holds the new tokens of every scheduled sequence back to back:
     query_start   0             4    5       7
     seq_lens      a: 9 (5 cached + 4 new), b: 30 (decode), c: 2 (first chunk)
 
-Each layer first writes the new K/V into the pool at `slot_mapping` (slot = block id *
-block_size + offset), then attends each query token to its own sequence's context only,
-causally: the query at absolute position p sees positions 0..p of its sequence, read
-through the sequence's block table.
+Each layer first writes the new K/V into the pool at each token's slot (the block that
+holds its position, and the offset in that block), then attends each query token to its
+own sequence's context only, causally: the query at absolute position p sees positions
+0..p of its sequence, read through the sequence's block table.
+
+The pool of one layer is (num_blocks, kv_heads, block_size, head_dim): the keys of one
+head in one block are 4 KB of contiguous memory, which the CPU kernel streams.
 
 Backends share that contract and differ in speed:
   * reference: per sequence, gather the context and call SDPA. Obvious; the oracle.
@@ -31,7 +34,8 @@ import torch
 class AttentionMetadata:
     """Per-step attention inputs, built once by the runner and passed to every layer."""
 
-    slot_mapping: torch.Tensor       # (T,) int64: pool slot each new token's K/V goes to
+    slot_block: torch.Tensor         # (T,) int64: block each new token's K/V goes to
+    slot_offset: torch.Tensor        # (T,) int64: its offset inside that block
     query_start_loc: torch.Tensor    # (B + 1,) int32: sequence i's tokens are [qsl[i], qsl[i+1])
     seq_lens: torch.Tensor           # (B,) int32: context length after this step (cached + new)
     block_tables: torch.Tensor       # (B, max_blocks) int32: block ids, padded with 0
@@ -47,10 +51,10 @@ class AttentionMetadata:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values in the pool. k, v: (T, Hkv, D); caches: (slots, Hkv, D)."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+             meta: AttentionMetadata) -> None:
+    """Store this step's keys and values. k, v: (T, Hkv, D); caches: (num_blocks, Hkv, bs, D)."""
+    k_cache[meta.slot_block, :, meta.slot_offset] = k
+    v_cache[meta.slot_block, :, meta.slot_offset] = v
 
 
 def make_backend(name: str, device: torch.device):

@@ -27,7 +27,8 @@ def load_kernel(required: bool):
         from torch.utils.cpp_extension import load
         os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
         return load(name="tokenmill_paged_attention_cpu", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
     except Exception as exc:  # a missing compiler or headers: fall back rather than fail
         if required:
             raise RuntimeError(f"cannot build the CPU attention kernel: {exc}") from exc
@@ -44,15 +45,14 @@ class CpuPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta)
         b, t = meta.num_short, meta.num_short_tokens
         if b == meta.num_seqs:
             return self.kernel.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                               meta.seq_lens, meta.block_size, scale)
+                                               meta.seq_lens, scale)
         out = torch.empty_like(q)
         if b:
             out[:t] = self.kernel.paged_attention(q[:t], k_cache, v_cache, meta.block_tables[:b],
-                                                  meta.query_start_loc[:b + 1], meta.seq_lens[:b],
-                                                  meta.block_size, scale)
+                                                  meta.query_start_loc[:b + 1], meta.seq_lens[:b], scale)
         attend_sequences(q, k_cache, v_cache, meta, scale, out, first=b)
         return out

@@ -12,25 +12,27 @@ import torch.nn.functional as F
 from tokenmill.attention import AttentionMetadata, write_kv
 
 
-def context_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Pool slots of a sequence's first `seq_len` tokens, in order. block_table: (max_blocks,)."""
-    num_blocks = -(-seq_len // block_size)
-    offsets = torch.arange(block_size, device=block_table.device)
-    slots = block_table[:num_blocks].long().unsqueeze(1) * block_size + offsets  # (num_blocks, bs)
-    return slots.flatten()[:seq_len]
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A sequence's first `seq_len` keys (or values) in order: (Hkv, seq_len, D).
+
+    cache: (num_blocks, Hkv, bs, D); block_table: (max_blocks,)."""
+    bs = cache.shape[2]
+    num_blocks = -(-seq_len // bs)
+    blocks = cache[block_table[:num_blocks].long()]                        # (n, Hkv, bs, D)
+    return blocks.transpose(0, 1).reshape(cache.shape[1], num_blocks * bs, -1)[:, :seq_len]
 
 
 def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_table: torch.Tensor, seq_len: int, block_size: int, scale: float) -> torch.Tensor:
+                    block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
     """Causal attention of one sequence's n newest tokens over its whole context.
 
     q: (n, Hq, D), the queries at positions seq_len - n .. seq_len - 1. Returns (n, Hq, D).
     """
     n = q.shape[0]
-    slots = context_slots(block_table, seq_len, block_size)
-    k = k_cache[slots].transpose(0, 1)  # (Hkv, seq_len, D)
-    v = v_cache[slots].transpose(0, 1)
-    q = q.transpose(0, 1)               # (Hq, n, D)
+    # 4-d (batch of one) inputs: torch's CPU SDPA takes its blocked flash kernel only for those.
+    k = gather_context(k_cache, block_table, seq_len).unsqueeze(0)  # (1, Hkv, seq_len, D)
+    v = gather_context(v_cache, block_table, seq_len).unsqueeze(0)
+    q = q.transpose(0, 1).unsqueeze(0)                                # (1, Hq, n, D)
     if n == seq_len:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -38,7 +40,7 @@ def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device).unsqueeze(1)
         mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # (n, seq_len)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)          # (n, Hq, D)
+    return out[0].transpose(0, 1)                                     # (n, Hq, D)
 
 
 def attend_sequences(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -48,7 +50,7 @@ def attend_sequences(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for i in range(first, meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
         out[start:end] = attend_sequence(q[start:end], k_cache, v_cache, meta.block_tables[i],
-                                         meta.seq_lens_host[i], meta.block_size, scale)
+                                         meta.seq_lens_host[i], scale)
 
 
 class ReferenceAttention:
@@ -57,7 +59,7 @@ class ReferenceAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: (T, Hq, D); k, v: (T, Hkv, D). Returns (T, Hq, D)."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         attend_sequences(q, k_cache, v_cache, meta, scale, out)
         return out

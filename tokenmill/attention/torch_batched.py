@@ -19,17 +19,17 @@ class TorchBatchedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         b = meta.num_short
         if b:
             bs = meta.block_size
             num_blocks = -(-max(meta.seq_lens_host[:b]) // bs)
-            offsets = torch.arange(bs, device=q.device)
-            slots = (meta.block_tables[:b, :num_blocks].long().unsqueeze(2) * bs + offsets).flatten(1)  # (B, L)
-            keys = k_cache[slots].transpose(1, 2)     # (B, Hkv, L, D)
-            values = v_cache[slots].transpose(1, 2)
-            mask = torch.arange(slots.shape[1], device=q.device) < meta.seq_lens[:b].unsqueeze(1)  # (B, L)
+            tables = meta.block_tables[:b, :num_blocks].long()
+            shape = (b, k_cache.shape[1], num_blocks * bs, k_cache.shape[3])
+            keys = k_cache[tables].transpose(1, 2).reshape(shape)     # (B, Hkv, L, D)
+            values = v_cache[tables].transpose(1, 2).reshape(shape)
+            mask = torch.arange(num_blocks * bs, device=q.device) < meta.seq_lens[:b].unsqueeze(1)  # (B, L)
             queries = q[:b].unsqueeze(2)              # (B, Hq, 1, D)
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :],
                                                   scale=scale, enable_gqa=True)

@@ -1,0 +1,56 @@
+"""`tokenmill bench`: throughput | serve | roofline. Each prints a table of figures measured
+side by side in one run, and can save JSON (--json) and plots (--plot DIR)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+
+def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True)
+
+    p = sub.add_parser("throughput", help="offline throughput through the engine API")
+    p.add_argument("--model", default=None)
+    p.add_argument("--workload", choices=["random", "prefix", "long"], default="random")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--compare", action="store_true",
+                   help="also run static batching and Hugging Face generate on the same requests")
+    p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+    p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this directory")
+    add_engine_args(p)
+
+    p = sub.add_parser("roofline", help="measured GEMM peak and memory bandwidth vs the engine")
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", type=Path, default=None)
+    add_engine_args(p)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.bench == "throughput":
+        from tokenmill.bench.cli import bench_throughput
+        results = bench_throughput(args)
+    elif args.bench == "roofline":
+        from tokenmill.bench.roofline import bench_roofline
+        results = bench_roofline(args)
+    else:
+        raise ValueError(f"unknown benchmark {args.bench!r}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=_jsonable))
+        print(f"results written to {args.json}")
+    return 0
+
+
+def _jsonable(obj):
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(type(obj).__name__)

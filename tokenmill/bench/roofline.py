@@ -1,0 +1,131 @@
+"""`tokenmill bench roofline`: how close the engine runs to what this machine can do.
+
+Two ceilings are measured here, with the engine's own thread count:
+  * compute: the float32 matrix-product rate, on a large square GEMM and on the model's own
+    layer shapes at a prefill-sized M (through the engine's linear backend);
+  * memory: the read bandwidth of a 1 GiB tensor.
+The engine is then timed on the default workload: its required model FLOPs (every prompt
+and output token once, logits only where a token is sampled, attention over each token's
+context) over wall time, as a share of the compute peak; and a batch-1 decode step against
+the time to stream the weights once at the measured bandwidth.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tokenmill.bench.workloads import BenchRequest, random_workload
+from tokenmill.config import ModelConfig
+
+
+def linear_flops_per_token(cfg: ModelConfig) -> int:
+    """Matrix-product FLOPs of one token through every layer (not the output head)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    return 2 * cfg.num_layers * per_layer
+
+
+def workload_flops(cfg: ModelConfig, workload: list[BenchRequest]) -> float:
+    """FLOPs the workload requires: each token computed once, logits only for sampled tokens."""
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    attn_per_ctx = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers  # QK^T and PV, per context token
+    total = 0.0
+    for r in workload:
+        processed = len(r.prompt_token_ids) + r.max_tokens - 1  # the last token is sampled, never fed
+        total += processed * linear_flops_per_token(cfg) + r.max_tokens * head
+        total += attn_per_ctx * processed * (processed + 1) / 2
+    return total
+
+
+def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes a decode step must read: every projection and the output head once (norms are noise)."""
+    return (linear_flops_per_token(cfg) // 2 + cfg.hidden_size * cfg.vocab_size) * itemsize
+
+
+def _time(fn, min_time: float = 1.0) -> float:
+    fn()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_time:
+        fn()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def gemm_peak(size: int = 2048) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    return 2 * size**3 / _time(lambda: torch.mm(a, b)) / 1e9
+
+
+def layer_gemm_rate(model: torch.nn.Module, m: int = 512) -> float:
+    """GFLOP/s of one layer's projections at M tokens, through the model's own linear modules."""
+    layer = model.layers[0]
+    mods = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    inputs = [torch.randn(m, mod.in_features) for mod in mods]
+
+    def run():
+        for mod, x in zip(mods, inputs):
+            mod(x)
+    flops = sum(2 * m * mod.in_features * mod.out_features for mod in mods)
+    with torch.inference_mode():
+        return flops / _time(run) / 1e9
+
+
+def read_bandwidth(nbytes: int = 1 << 30) -> float:
+    a = torch.ones(nbytes // 4)
+    return nbytes / _time(lambda: a.sum()) / 1e9
+
+
+def batch1_decode_step(engine, prompt_len: int = 32, steps: int = 64) -> float:
+    """Mean seconds per decode step with one sequence running."""
+    from tokenmill.sampling_params import SamplingParams
+    engine.add_request("roofline-b1", list(range(100, 100 + prompt_len)),
+                       SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=0.0))
+    engine.step()  # the prompt
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    times = sorted(times)
+    return times[len(times) // 2]
+
+
+def bench_roofline(args) -> dict:
+    import dataclasses
+
+    from tokenmill.bench.throughput import run_engine
+    from tokenmill.cli import engine_config_from_args
+    from tokenmill.engine import LLMEngine
+
+    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), model=args.model))
+    model, cfg = engine.runner.model, engine.model_config
+    threads = torch.get_num_threads()
+    peak = gemm_peak()
+    layer_rate = layer_gemm_rate(model)
+    bandwidth = read_bandwidth()
+    workload = random_workload()
+    run = run_engine(engine, workload, "tokenmill", progress=True)
+    flops = workload_flops(cfg, workload)
+    achieved = flops / run.wall / 1e9
+    step_b1 = batch1_decode_step(engine)
+    wbytes = weight_bytes(cfg, engine.dtype.itemsize)
+    floor_b1 = wbytes / (bandwidth * 1e9)
+
+    print()
+    print(f"threads {threads}; model {cfg.architecture} {cfg.num_layers} layers, weights {wbytes / 1e6:.0f} MB")
+    print(f"{'ceiling':<44} {'measured':>12}")
+    print(f"{'fp32 GEMM 2048^3':<44} {peak:>8.1f} GFLOP/s")
+    print(f"{'fp32 layer projections, M=512 (engine)':<44} {layer_rate:>8.1f} GFLOP/s")
+    print(f"{'memory read bandwidth':<44} {bandwidth:>8.1f} GB/s")
+    print()
+    print(f"default workload: {flops / 1e12:.2f} TFLOP in {run.wall:.1f} s = {achieved:.1f} GFLOP/s "
+          f"= {achieved / peak:.0%} of the GEMM peak ({run.output_tps:.1f} output tok/s; "
+          f"ceiling at peak {run.output_tokens / (flops / (peak * 1e9)):.0f} tok/s)")
+    print(f"batch-1 decode step: {step_b1 * 1e3:.1f} ms vs weights/bandwidth {floor_b1 * 1e3:.1f} ms "
+          f"= {step_b1 / floor_b1:.2f}x")
+    return {"threads": threads, "gemm_peak_gflops": peak, "layer_gemm_gflops": layer_rate,
+            "read_bandwidth_gbs": bandwidth, "workload_tflop": flops / 1e12, "wall_s": run.wall,
+            "achieved_gflops": achieved, "share_of_peak": achieved / peak, "output_tok_s": run.output_tps,
+            "batch1_step_ms": step_b1 * 1e3, "batch1_floor_ms": floor_b1 * 1e3}

@@ -89,7 +89,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     static_batching: bool = False            # baseline mode for benchmarks: admit a batch only when empty
     attention_backend: str = "auto"          # "auto", "reference", "cpu", "torch"
-    linear_backend: str = "auto"             # "auto" (oneDNN-packed on CPU float32), "torch" (F.linear)
+    kernels: str = "auto"                    # "auto": oneDNN-packed projections and fused C++ ops on
+                                             # CPU float32; "torch": plain torch ops (the reference)
     num_threads: int | None = None           # torch intra-op threads on CPU (default: torch's choice)
     tokenizer: str | None = None             # tokenizer directory when it differs from the model's
 
@@ -119,8 +120,8 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "reference", "cpu", "torch"):
             raise ValueError(f"attention_backend must be auto|reference|cpu|torch, "
                              f"got {self.attention_backend!r}")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ValueError(f"linear_backend must be auto|torch|onednn, got {self.linear_backend!r}")
+        if self.kernels not in ("auto", "torch"):
+            raise ValueError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 

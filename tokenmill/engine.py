@@ -49,7 +49,7 @@ class LLMEngine:
 
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
-        model = load_model(path, self.model_config, max_len, self.dtype, self.device, config.linear_backend)
+        model = load_model(path, self.model_config, max_len, self.dtype, self.device, config.kernels)
         num_blocks = self._num_kv_blocks(max_len)
         if num_blocks * config.block_size < max_len:
             logger.warning("KV pool holds %d tokens: max_model_len lowered from %d",

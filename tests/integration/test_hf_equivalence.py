@@ -33,12 +33,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("backend_name", ["reference", "cpu"])
+@pytest.mark.parametrize("backend_name, kernels", [("reference", "torch"), ("cpu", "auto")])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name):
+def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels):
+    """Reference path (SDPA, F.linear, torch ops) and fast path (C++ attention kernel,
+    oneDNN-packed projections, fused C++ ops) both match transformers."""
     path = tiny_models[arch]
     cfg = load_model_config(path)
-    model = load_model(path, cfg, 1024, torch.float32, torch.device("cpu"))
+    model = load_model(path, cfg, 1024, torch.float32, torch.device("cpu"), kernels=kernels)
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
     runner = ModelRunner(model, cfg, CacheConfig(64, 16), make_backend(backend_name, torch.device("cpu")),
                          torch.device("cpu"), torch.float32, seed=0)

@@ -66,8 +66,7 @@ def make_backend(name: str, device: torch.device):
         return ReferenceAttention()
     if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchBatchedAttention()
-    from tokenmill.attention.cpu import CpuPagedAttention, load_kernel
-    if name == "cpu":
-        return CpuPagedAttention(load_kernel(required=True))
-    kernel = load_kernel(required=False)
-    return CpuPagedAttention(kernel) if kernel is not None else TorchBatchedAttention()
+    from tokenmill.attention.cpu import CpuPagedAttention
+    from tokenmill.cpu_kernels import load_cpu_kernels
+    kernels = load_cpu_kernels(required=name == "cpu")
+    return CpuPagedAttention(kernels) if kernels is not None else TorchBatchedAttention()

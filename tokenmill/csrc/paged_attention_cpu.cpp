@@ -3,11 +3,13 @@
 // One work item is (query token, kv head): it walks the sequence's block table, scores the
 // G = Hq / Hkv query heads that share the kv head against the block's keys, and keeps an
 // online softmax (running max m, running sum l, accumulator) per query head. Items are spread
-// over threads with at::parallel_for. The keys of one head in one block are contiguous
-// (block_size * D floats), so each item streams 4 KB runs and every key is read once.
+// over threads in contiguous ranges of equal total context length (items differ in cost by the
+// context each one reads, so an even split by count would leave one thread waiting). The keys
+// of one head in one block are contiguous (block_size * D floats): each item streams 4 KB runs
+// and reads every key once.
 //
 // Shapes (all float32, contiguous):
-//   q            (T, Hq, D)                         queries of the sequences being attended, flat
+//   q            (T, Hq, D)                         queries, flat (rows may be strided)
 //   k_cache      (num_blocks, Hkv, block_size, D)   the pool of one layer
 //   v_cache      (num_blocks, Hkv, block_size, D)
 //   block_tables (B, max_blocks)                    int32
@@ -22,10 +24,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TOKENMILL_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -93,27 +92,9 @@ void block_accumulate_avx2(float* acc, float c, const float* w, const float* v, 
   }
 }
 
-// exp(x) for x <= 0: x = n ln2 + r, exp(r) by Cephes' degree-6 polynomial (rel. error ~1e-7).
-inline __m256 exp_neg(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
-}
-
 // x must have room for n rounded up to a multiple of 8 (the scores buffer is padded).
 void exp_avx2(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, exp_neg(_mm256_loadu_ps(x + i)));
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, tokenmill::exp256(_mm256_loadu_ps(x + i)));
 }
 #endif
 
@@ -137,8 +118,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
                   v_cache.dtype() == torch::kFloat32, "paged_attention: float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  block_tables.is_contiguous(), "paged_attention: inputs must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
+              "paged_attention: the pool and block tables must be contiguous");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && query_start.dtype() == torch::kInt32 &&
                   seq_lens.dtype() == torch::kInt32, "paged_attention: int32 metadata");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -154,24 +136,38 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  auto out = torch::empty_like(q);
+  const int64_t q_stride = q.stride(0);  // q may be a view into the fused qkv rows
+  auto out = torch::empty({T, Hq, D}, q.options());
   float* op = out.data_ptr<float>();
 
   std::vector<int32_t> token_seq(T);
+  std::vector<int64_t> cost_before(T * Hkv + 1, 0);  // prefix sums of the context each item reads
   for (int64_t b = 0; b < B; ++b) {
-    for (int32_t t = qs[b]; t < qs[b + 1]; ++t) token_seq[t] = static_cast<int32_t>(b);
+    for (int32_t t = qs[b]; t < qs[b + 1]; ++t) {
+      token_seq[t] = static_cast<int32_t>(b);
+      const int64_t kv_len = sl[b] - (qs[b + 1] - qs[b]) + (t - qs[b]) + 1;
+      for (int64_t h = 0; h < Hkv; ++h) cost_before[t * Hkv + h + 1] = cost_before[t * Hkv + h] + kv_len;
+    }
   }
+  const int64_t num_chunks = std::min<int64_t>(at::get_num_threads(), T * Hkv);
+  const int64_t total_cost = cost_before[T * Hkv];
   const float fscale = static_cast<float>(scale);
   const Primitives prim = pick_primitives(D);
   const int64_t padded_block = (block_size + 7) / 8 * 8;  // room for whole 8-lane exp chunks
 
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    // items whose cost prefix falls in [chunk_begin, chunk_end) / num_chunks of the total
+    const auto item_at = [&](int64_t chunk) {
+      return std::lower_bound(cost_before.begin(), cost_before.end() - 1, total_cost * chunk / num_chunks) -
+             cost_before.begin();
+    };
+    const int64_t begin = item_at(chunk_begin), end = chunk_end == num_chunks ? T * Hkv : item_at(chunk_end);
     std::vector<float> scores(G * padded_block, 0.0f), acc(G * D), m(G), l(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hkv, h = item % Hkv;
       const int64_t b = token_seq[t];
       const int64_t kv_len = sl[b] - (qs[b + 1] - qs[b]) + (t - qs[b]) + 1;
-      const float* qh = qp + (t * Hq + h * G) * D;  // the G query heads of kv head h, contiguous
+      const float* qh = qp + t * q_stride + h * G * D;  // the G query heads of kv head h, contiguous
       const int32_t* table = bt + b * max_blocks;
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -209,8 +205,4 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention for short queries (CPU, float32)");
 }

@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
+from tokenmill.models.ops import TorchOps, split_qkv
 
 
 class RMSNorm(nn.Module):
@@ -67,14 +68,7 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (T, 1, D/2) each
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); rotates the pairs (x[i], x[i + D/2])."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return self.cos[positions], self.sin[positions]  # (T, D/2) each
 
 
 class Attention(nn.Module):
@@ -90,15 +84,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, backend, ops) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)      # (T, Hq, D)
-        k = k.view(t, self.num_kv_heads, self.head_dim)   # (T, Hkv, D)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)                                  # (T, (Hq + 2 Hkv) * D)
+        if self.q_norm is not None:  # Qwen3: RMSNorm on every q and k head, before the rotation
+            q, k, _ = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
         return self.o_proj(out.view(t, self.q_size))
 
@@ -106,13 +99,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -123,9 +114,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend, ops):
+        """Pre-norm block. The residual stream is carried separately so that each add fuses
+        with the norm that follows it. Returns (block output, residual stream)."""
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm)
+        h = self.self_attn(h, cos, sin, k_cache, v_cache, meta, backend, ops)
+        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm)
+        return self.mlp(h, ops), residual
 
 
 # Hugging Face checkpoint names that map into a fused parameter: (our name, shard index).
@@ -148,15 +143,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
         self.packed_lm_head: nn.Module | None = None  # set by pack_for_cpu()
+        self.ops = TorchOps()                         # element-wise steps; CpuFusedOps once loaded
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
         """input_ids, positions: (T,). Returns the final hidden states (T, hidden)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta, backend, self.ops)
+        return self.ops.add_rms_norm(x, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32, only for the positions that sample."""
@@ -166,7 +162,9 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def pack_for_cpu(self) -> None:
-        """Pack every projection (and the output head, tied or not) for oneDNN; see packed_linear.py."""
+        """Pack every projection (and the output head, tied or not) for oneDNN; see packed_linear.py.
+
+        Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
         from tokenmill.models.packed_linear import PackedLinear, pack_linears
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = PackedLinear(head, None)

@@ -19,6 +19,8 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import onednn_available
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -175,9 +177,9 @@ def load_model_config(path: Path) -> ModelConfig:
 
 
 def load_model(path: Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
-               linear_backend: str = "torch") -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype`, fill it from the checkpoint, and pack its
-    projections for oneDNN when `linear_backend` asks for it ("auto": when available)."""
+               kernels: str = "torch") -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
+    on a CPU in float32, pack its projections for oneDNN and use the fused C++ element-wise ops."""
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(cfg, max_len)
     model = model.to_empty(device=device).to(dtype)
@@ -187,10 +189,12 @@ def load_model(path: Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype, d
         model.load_weights(gguf_weights(GGUFReader(str(path)), cfg))
     else:
         model.load_weights(hf_weights(path))
-    if linear_backend == "onednn" or (linear_backend == "auto" and onednn_available(device, dtype)):
-        if not onednn_available(device, dtype):
-            raise ValueError("linear_backend='onednn' needs a CPU, float32 and a torch built with oneDNN")
-        model.pack_for_cpu()
+    if kernels == "auto" and device.type == "cpu" and dtype == torch.float32:
+        if onednn_available(device, dtype):
+            model.pack_for_cpu()
+        cpu_kernels = load_cpu_kernels(required=False)
+        if cpu_kernels is not None:
+            model.ops = CpuFusedOps(cpu_kernels)
     return model.eval()
 
 

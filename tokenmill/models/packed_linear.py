@@ -7,7 +7,7 @@ packed weight streams each weight once per step. Measured on the default model's
 matrices in sequence (2 threads, see BENCHMARKS.md): M=8 62 -> 34 ms, M=64 148 -> 127 ms,
 M=512 within a few percent, M=1 35 -> 22 ms.
 
-`F.linear` stays the reference (linear_backend="torch"), and tests compare the two.
+`F.linear` stays the reference (kernels="torch"), and tests compare the two.
 """
 
 from __future__ import annotations

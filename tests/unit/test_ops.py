@@ -1,0 +1,55 @@
+"""The fast CPU paths against their torch references: fused C++ element-wise ops and
+oneDNN-packed projections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.models.llama import RMSNorm
+from tokenmill.models.ops import CpuFusedOps, TorchOps
+from tokenmill.models.packed_linear import PackedLinear, onednn_available
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return CpuFusedOps(load_cpu_kernels(required=True))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_add_rms_norm(fused, rows):
+    norm = RMSNorm(40, 1e-6)
+    norm.weight.data = torch.randn(40)
+    x, res = torch.randn(rows, 40), torch.randn(rows, 40)
+    ref_out, ref_res = TorchOps().add_rms_norm(x, res.clone(), norm)
+    out, new_res = fused.add_rms_norm(x, res, norm)       # updates res in place
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(new_res, ref_res) and new_res is res
+    first, stream = fused.add_rms_norm(x, None, norm)     # first layer: no residual yet
+    assert stream is x and torch.allclose(first, TorchOps().add_rms_norm(x, None, norm)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (4, 4, 24)])
+def test_rotary_qkv(fused, heads, kv_heads, dim):
+    t = 11
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(t, dim // 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+    ref = TorchOps().rotary_qkv(qkv.clone(), cos, sin, heads, kv_heads, dim)
+    out = fused.rotary_qkv(qkv, cos, sin, heads, kv_heads, dim)
+    for a, b in zip(out, ref):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_silu_mul(fused):
+    gate_up = torch.randn(33, 2 * 100) * 5
+    assert torch.allclose(fused.silu_mul(gate_up), TorchOps().silu_mul(gate_up), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_packed_linear_matches_f_linear(rows):
+    w, b = torch.randn(96, 48), torch.randn(96)
+    x = torch.randn(rows, 48)
+    assert torch.allclose(PackedLinear(w, b)(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)

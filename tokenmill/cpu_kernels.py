@@ -1,0 +1,39 @@
+"""The C++ CPU kernels (tokenmill/csrc): paged attention and fused element-wise ops.
+
+Compiled with torch's extension tooling on first use and cached under torch's extension
+directory (~/.cache/torch_extensions), so later runs load them in milliseconds. Callers
+fall back to plain torch when no compiler is available.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp"]
+
+
+@functools.lru_cache(maxsize=1)
+def _build():
+    from torch.utils.cpp_extension import load
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    # -fopenmp: at::parallel_for is inlined from ATen's headers and only threads under OpenMP.
+    return load(name="tokenmill_cpu_ops", sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_include_paths=[str(_CSRC)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def load_cpu_kernels(required: bool):
+    """The compiled module, or None when it cannot be built and `required` is False."""
+    try:
+        return _build()
+    except Exception as exc:  # a missing compiler or headers: fall back rather than fail
+        if required:
+            raise RuntimeError(f"cannot build tokenmill's CPU kernels: {exc}") from exc
+        logger.warning("CPU kernels unavailable (%s); using plain torch", exc)
+        return None

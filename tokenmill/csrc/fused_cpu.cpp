@@ -1,0 +1,136 @@
+// Fused element-wise ops for the CPU forward pass (float32). Each replaces several torch ops
+// (and their temporaries) with one pass over the rows, threaded with at::parallel_for:
+//   add_rms_norm   residual += x (in place), out = rms_norm(residual) * weight
+//   rotary_qkv_    rotates the q and k heads of the fused qkv projection in place
+//   silu_mul       out = silu(gate) * up, from the fused gate_up projection
+// The torch reference for each lives in tokenmill/models/ops.py; tests compare the two.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "simd.h"
+
+namespace {
+
+float sum_squares(const float* x, int64_t n) {
+#ifdef TOKENMILL_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 u = _mm256_loadu_ps(x + i), v = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_fmadd_ps(u, u, a0);
+    a1 = _mm256_fmadd_ps(v, v, a1);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_add_ps(a0, a1));
+  float s = 0.0f;
+  for (float lane : lanes) s += lane;
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+#else
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
+  return s;
+#endif
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32, name, ": float32 only");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected a 2-d tensor with contiguous rows");
+}
+
+}  // namespace
+
+// Returns out; `residual`, when given, is updated in place to residual + x.
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                           double eps) {
+  check_rows(x, "add_rms_norm(x)");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight shape");
+  const int64_t T = x.size(0), H = x.size(1);
+  auto out = torch::empty({T, H}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* rp = nullptr;
+  int64_t r_stride = 0;
+  if (residual.has_value()) {
+    check_rows(*residual, "add_rms_norm(residual)");
+    TORCH_CHECK(residual->size(0) == T && residual->size(1) == H, "add_rms_norm: residual shape");
+    rp = residual->data_ptr<float>();
+    r_stride = residual->stride(0);
+  }
+  const int64_t x_stride = x.stride(0);
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = xp + t * x_stride;
+      const float* src = xr;
+      if (rp != nullptr) {
+        float* r = rp + t * r_stride;
+        for (int64_t i = 0; i < H; ++i) r[i] += xr[i];
+        src = r;
+      }
+      const float inv = 1.0f / std::sqrt(sum_squares(src, H) / static_cast<float>(H) + feps);
+      float* o = op + t * H;
+      for (int64_t i = 0; i < H; ++i) o[i] = src[i] * inv * w[i];
+    }
+  });
+  return out;
+}
+
+// qkv: (T, (nq + nkv + nkv) * D) rows; cos, sin: (T, D / 2). Rotates the first nq + nkv heads
+// (q and k) in place with the half-split layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
+                 int64_t num_kv_heads, int64_t head_dim) {
+  check_rows(qkv, "rotary_qkv_(qkv)");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2,
+              "rotary_qkv_: cos/sin must be (T, head_dim / 2) and contiguous");
+  const int64_t T = qkv.size(0), half = head_dim / 2, heads = num_q_heads + num_kv_heads;
+  const int64_t stride = qkv.stride(0);
+  float* base = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x1 = base + t * stride + h * head_dim;
+        float* x2 = x1 + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i], b = x2[i];
+          x1[i] = a * c[i] - b * s[i];
+          x2[i] = b * c[i] + a * s[i];
+        }
+      }
+    }
+  });
+}
+
+// gate_up: (T, 2 * I) rows -> (T, I) = silu(gate) * up.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "silu_mul(gate_up)");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = gp + t * stride;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+#ifdef TOKENMILL_AVX2
+      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, tokenmill::exp256(_mm256_sub_ps(zero, gv))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}

@@ -1,0 +1,62 @@
+"""The model's element-wise steps, in two interchangeable implementations.
+
+TorchOps is the readable reference; CpuFusedOps runs the same math as single-pass C++
+kernels (csrc/fused_cpu.cpp) that skip the temporaries, which on a CPU cost more than the
+arithmetic. Tests check that both give the same logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos, sin: (T, D/2). Rotates the pairs (x[i], x[i + D/2])."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Views (T, Hq, D), (T, Hkv, D), (T, Hkv, D) into the fused projection's rows."""
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
+
+
+class TorchOps:
+    name = "torch"
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the first layer passes residual=None."""
+        residual = x if residual is None else residual + x
+        return F.rms_norm(residual, norm.weight.shape, norm.weight, norm.eps), residual
+
+    def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class CpuFusedOps(TorchOps):
+    name = "cpu-fused"
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def add_rms_norm(self, x, residual, norm):
+        if residual is None:  # the residual stream starts as the embeddings, updated in place after
+            return self.kernels.add_rms_norm(x, None, norm.weight, norm.eps), x
+        return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps), residual
+
+    def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        self.kernels.rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+        return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+
+    def silu_mul(self, gate_up):
+        return self.kernels.silu_mul(gate_up)

@@ -101,6 +101,11 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from tokenmill.server.api import run_server
+    return run_server(args, engine_config_from_args(args))
+
+
 def cmd_bench(args) -> int:
     from tokenmill.bench import main as bench_main
     return bench_main(args)
@@ -108,7 +113,7 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="A small, clear LLM inference engine.")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=None, help="default: INFO for serve, WARNING otherwise")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate from prompts given as arguments (or stdin)")
@@ -125,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_chat)
 
+    from tokenmill.server.api import add_serve_args
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
     from tokenmill.bench import add_bench_args
     p = sub.add_parser("bench", help="throughput, serving and roofline benchmarks")
     add_bench_args(p, add_engine_args)
@@ -134,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
 

@@ -19,7 +19,7 @@ from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_runner import ModelRunner
-from tokenmill.models.loader import load_model, load_model_config, load_tokenizer, resolve_model_path
+from tokenmill.models.loader import load_model, load_tokenizer, open_checkpoint, resolve_model_path
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, RunnerOutput, StepStats
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -40,7 +40,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
         self.model_path = path
-        self.model_config: ModelConfig = load_model_config(path)
+        checkpoint = open_checkpoint(path)
+        self.model_config: ModelConfig = checkpoint.config
         self.tokenizer = load_tokenizer(path, config.tokenizer)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -49,7 +50,7 @@ class LLMEngine:
 
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
-        model = load_model(path, self.model_config, max_len, self.dtype, self.device, config.kernels)
+        model = load_model(checkpoint, max_len, self.dtype, self.device, config.kernels)
         num_blocks = self._num_kv_blocks(max_len)
         if num_blocks * config.block_size < max_len:
             logger.warning("KV pool holds %d tokens: max_model_len lowered from %d",
@@ -101,10 +102,13 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0,
-                    deadline: float | None = None) -> Request:
-        """Validate and queue a request; raises ValueError for anything it could never serve."""
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                     arrival_time: float | None = None, priority: int = 0,
+                     deadline: float | None = None) -> Request:
+        """Tokenize and validate; raises ValueError for anything the engine could never serve.
+
+        Touches no engine state, so the server calls it on its own thread and returns 400s
+        without waiting for a step."""
         params = params or SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
@@ -119,18 +123,29 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({self.max_model_len})")
-        request = Request(request_id=request_id, prompt_token_ids=ids, params=params,
-                          max_tokens=params.max_tokens or room, eos_token_ids=self.eos_token_ids,
-                          prompt=text, priority=priority, deadline=deadline,
-                          arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        return Request(request_id=request_id, prompt_token_ids=ids, params=params,
+                       max_tokens=params.max_tokens or room, eos_token_ids=self.eos_token_ids,
+                       prompt=text, priority=priority, deadline=deadline,
+                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+
+    def add(self, request: Request) -> None:
+        """Queue a request built by make_request."""
         self.scheduler.add_request(request)
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    deadline: float | None = None) -> Request:
+        """make_request + add."""
+        request = self.make_request(request_id, prompt, params, arrival_time, priority, deadline)
+        self.add(request)
         return request
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request wherever it is; its blocks return to the pool at once."""
-        self.detokenizers.pop(request_id, None)
-        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request wherever it is; its blocks return to the pool at once. Returns its
+        final output (finish_reason "abort"), or None for an unknown or finished request."""
+        return self._end(request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -174,11 +189,17 @@ class LLMEngine:
         return self._output(request, detok.text[:detok.emitted], delta, new_ids)
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
-        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-        detok = self.detokenizers.pop(request.request_id, None)
-        out = self._output(request, detok.text[:detok.emitted] if detok else "", "", [])
+        out = self._end(request.request_id, RequestStatus.FINISHED_ERROR)
         out.error = error
         return out
+
+    def _end(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
+        """Finish a request outside the token-level stop checks; its final output."""
+        request = self.scheduler.finish_request(request_id, status)
+        if request is None:
+            return None
+        detok = self.detokenizers.pop(request_id, None)
+        return self._output(request, detok.text[:detok.emitted] if detok else "", "", [])
 
     def _output(self, request: Request, text: str, delta: str, new_ids: list[int]) -> RequestOutput:
         completion = CompletionOutput(

@@ -12,7 +12,8 @@ A request's blocks, block_size = 4, 10 tokens of which 6 are computed:
     hash          h17 = H(None, t0..t3), h3 = H(h17, t4..t7); [42] is not full: no hash
 
 Every block is in exactly one of three states, and the counts add up to the pool:
-  * free       ref 0, no hash:           handed out first
+  * free       ref 0, no hash:           handed out first, most recently freed first (its
+               memory is still warm in cache, and the pool's untouched pages stay untouched)
   * evictable  ref 0, hash kept (cached): reused LRU-first only when no free block is left,
                or revived by a prefix-cache hit
   * in use     ref >= 1:                 never handed out; shared read-only when ref > 1
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from tokenmill.request import Request
@@ -50,7 +51,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}                       # hash -> block id
-        self._free: deque[int] = deque(range(num_blocks))        # ref 0, no hash
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # ref 0, no hash; a stack, 0 on top
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; oldest first
         self.num_evictions = 0
 
@@ -74,7 +75,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             if self._free:
-                block = self._free.popleft()
+                block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
                 del self.cached[self.block_hash[block]]

@@ -46,9 +46,9 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = cache_config.block_size
-        # One tensor for the whole pool: (layers, K|V, blocks, kv_heads, block_size, head_dim). Zeroed
-        # up front so the OS maps every page now, not as page faults inside the steps that touch them.
-        self.kv_cache = torch.zeros(model_config.num_layers, 2, cache_config.num_blocks, model_config.num_kv_heads,
+        # One tensor for the whole pool: (layers, K|V, blocks, kv_heads, block_size, head_dim). Not
+        # zeroed: a slot is written before it is read, and pages never touched cost no memory.
+        self.kv_cache = torch.empty(model_config.num_layers, 2, cache_config.num_blocks, model_config.num_kv_heads,
                                     cache_config.block_size, model_config.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         self.sampler = Sampler(seed, device)

@@ -18,7 +18,7 @@ from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_runner import ModelRunner
-from tokenmill.models.loader import load_model, load_model_config
+from tokenmill.models.loader import load_model, open_checkpoint
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
@@ -39,8 +39,9 @@ def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels):
     """Reference path (SDPA, F.linear, torch ops) and fast path (C++ attention kernel,
     oneDNN-packed projections, fused C++ ops) both match transformers."""
     path = tiny_models[arch]
-    cfg = load_model_config(path)
-    model = load_model(path, cfg, 1024, torch.float32, torch.device("cpu"), kernels=kernels)
+    checkpoint = open_checkpoint(path)
+    cfg = checkpoint.config
+    model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels=kernels)
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
     runner = ModelRunner(model, cfg, CacheConfig(64, 16), make_backend(backend_name, torch.device("cpu")),
                          torch.device("cpu"), torch.float32, seed=0)

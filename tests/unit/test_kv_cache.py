@@ -8,13 +8,14 @@ from fakes import make_request
 from tokenmill.kv_cache import BlockPool, KVCacheManager, hash_block
 
 
-def test_pool_hands_out_blocks_in_order_and_frees_to_the_back():
+def test_pool_hands_out_blocks_in_order_and_reuses_the_last_freed_first():
     pool = BlockPool(4)
     assert pool.allocate(2) == [0, 1]
     assert pool.allocate(1) == [2]
     pool.free([1, 0])
-    assert pool.allocate(2) == [3, 1]   # never-used block first, then the freed ones in free order
-    assert pool.ref_counts == [0, 1, 1, 1]
+    assert pool.allocate(2) == [0, 1]   # last freed first: warm memory, untouched blocks stay so
+    assert pool.allocate(1) == [3]
+    assert pool.ref_counts == [1, 1, 1, 1]
     pool.check_invariants()
 
 

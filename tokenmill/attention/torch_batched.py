@@ -30,6 +30,10 @@ class TorchBatchedAttention:
             keys = k_cache[tables].transpose(1, 2).reshape(shape)     # (B, Hkv, L, D)
             values = v_cache[tables].transpose(1, 2).reshape(shape)
             mask = torch.arange(num_blocks * bs, device=q.device) < meta.seq_lens[:b].unsqueeze(1)  # (B, L)
+            # Slots past a sequence's end may hold garbage (never written): zero them, or an inf/NaN
+            # there would leak through the masked positions into the scores or the product with V.
+            unwritten = ~mask[:, None, :, None]
+            keys, values = keys.masked_fill(unwritten, 0.0), values.masked_fill(unwritten, 0.0)
             queries = q[:b].unsqueeze(2)              # (B, Hq, 1, D)
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :],
                                                   scale=scale, enable_gqa=True)

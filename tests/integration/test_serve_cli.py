@@ -1,0 +1,61 @@
+"""`tokenmill serve` as a real process: it answers, and SIGTERM ends in-flight streams with a
+final chunk (finish_reason set, then [DONE]) and exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from test_server import free_port
+
+
+def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
+                             "--served-model-name", "tiny", "--num-kv-blocks", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+
+        events, first = [], threading.Event()
+
+        def stream():
+            body = {"prompt": "w5", "max_tokens": 100000 // 100, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(line[len("data: "):])
+                        first.set()
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(30)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["choices"][0]["finish_reason"] == "abort"
+    assert len(events) < 1000  # it was cut short, not run to its 1000 tokens
+    log = proc.stdout.read()
+    assert "POST /v1/completions 200" in log  # one line per request

@@ -1,0 +1,256 @@
+"""The OpenAI-compatible server, driven over real HTTP on 127.0.0.1 with a tiny model:
+the official openai client (sync, async, streaming), equality with LLM.generate, many
+concurrent streams, cancellation, faults, and every bad input answered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine import LLMEngine
+from tokenmill.server.api import create_app
+
+ENGINE_OPTIONS = dict(max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=512, block_size=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model_dir, **app_options):
+    """The real app on a real socket, uvicorn in a background thread."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
+    app = create_app(engine, "tiny", **app_options)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield type("Running", (), {"url": f"http://127.0.0.1:{port}", "engine": engine, "app": app})
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with running_server(tiny_llama, max_body_bytes=64 * 1024) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def assert_still_serving(client) -> None:
+    out = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- the openai client -----------------------------------------------------------------------
+
+def test_completion_matches_llm_generate(client, tiny_llama):
+    from tokenmill import LLM, SamplingParams
+    prompt = "w5 w9 w13 w200"
+    http = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    local = LLM(str(tiny_llama), **ENGINE_OPTIONS).generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert http.choices[0].text == local.outputs[0].text
+    assert http.usage.completion_tokens == 12 and http.usage.prompt_tokens == len(local.prompt_token_ids)
+
+
+def test_streaming_completion_adds_up_and_reports_usage(client):
+    whole = client.completions.create(model="tiny", prompt="w7 w8", max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model="tiny", prompt="w7 w8", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+
+
+def test_chat_completion_stream_and_whole(client):
+    messages = [{"role": "user", "content": "w11 w12"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=6,
+                                           temperature=0)
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == whole.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_n_echo_and_logprobs(client):
+    out = client.completions.create(model="tiny", prompt=["w5", "w6 w7"], n=2, max_tokens=4, temperature=1.0,
+                                    seed=3, logprobs=2, echo=True)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[2].text.startswith("w6 w7")
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(len(top) >= 1 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w9"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2, temperature=0)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and len(content[0].top_logprobs) == 2
+    assert content[0].logprob == max(t.logprob for t in content[0].top_logprobs)
+
+
+def test_async_client_64_concurrent_streams(server):
+    async def one(client, i):
+        n = 4 + i % 9
+        stream = await client.completions.create(model="tiny", prompt=f"w{5 + i}", max_tokens=n, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return n, usage.completion_tokens
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+    results = asyncio.run(main())
+    assert all(want == got for want, got in results)
+
+
+def test_models_tokenize_detokenize_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "w5 w6"}).json()
+    assert tokens["tokens"] == [5, 6] and tokens["count"] == 2
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [5, 6]}).json()["prompt"] == "w5 w6"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "w7"}]}).json()
+    assert chat["tokens"] == [2, 7, 3, 4]
+    assert "version" in httpx.get(server.url + "/version").json()
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ---- cancellation ----------------------------------------------------------------------------
+
+def test_dropped_streams_are_aborted_and_free_their_blocks(server):
+    async def open_and_drop():
+        async with httpx.AsyncClient(timeout=30) as http:
+            async def one(i):
+                body = {"model": "tiny", "prompt": f"w{i + 3} w4", "max_tokens": 400, "stream": True,
+                        "ignore_eos": True}
+                async with http.stream("POST", server.url + "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data:"):
+                            return  # leave after the first chunk: the connection closes
+            await asyncio.gather(*(one(i) for i in range(32)))
+    asyncio.run(open_and_drop())
+    deadline = time.monotonic() + 10
+    while metric(server.url, "tokenmill_num_requests_running") or metric(server.url, "tokenmill_kv_blocks_used"):
+        assert time.monotonic() < deadline, "aborted requests still hold the pool"
+        time.sleep(0.1)
+    assert metric(server.url, "tokenmill_num_requests_waiting") == 0
+    assert not server.engine.has_unfinished_requests()
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    ("malformed json", "/v1/completions", b'{"prompt": "w5", ', 400, None),
+    ("missing prompt", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("wrong type", "/v1/completions", {"prompt": "w5", "max_tokens": "many"}, 400, "max_tokens"),
+    ("temperature out of range", "/v1/completions", {"prompt": "w5", "temperature": -1}, 400, "temperature"),
+    ("top_p out of range", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}], "top_p": 1.5}, 400, "top_p"),
+    ("beyond context", "/v1/completions", {"prompt": [5] * 8000, "max_tokens": 500}, 400, None),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}, 400, None),
+    ("bad token id", "/v1/completions", {"prompt": [99999]}, 400, None),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "w5"}, 404, "model"),
+    ("too large", "/v1/completions", {"prompt": "w5 " * 40000}, 413, None),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status, param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, client, name, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert param in (error["param"] or "") or param in error["message"]
+    assert_still_serving(client)
+
+
+def test_api_key_is_enforced(tiny_llama):
+    with running_server(tiny_llama, api_key="s3cret") as s:
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "w5"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert_still_serving(ok)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
+        assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+
+
+# ---- faults ----------------------------------------------------------------------------------
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, client):
+    runner = server.engine.runner
+    original = runner.execute
+    calls = {"n": 0}
+
+    def flaky(sched):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise RuntimeError("injected fault")
+        return original(sched)
+    runner.execute = flaky
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 5})
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        lines = []
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json={"prompt": "w6", "max_tokens": 5, "stream": True}) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data:")]
+        assert "injected fault" in lines[0] and len(lines) == 1
+    finally:
+        runner.execute = original
+    assert_still_serving(client)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_health_reports_a_dead_engine_loop(tiny_llama):
+    with running_server(tiny_llama) as s:
+        def broken():
+            raise SystemError("scheduler exploded")
+        s.engine.scheduler.schedule = broken
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 5}, timeout=10)
+        assert r.status_code == 503 and "scheduler exploded" in r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 503
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 5}, timeout=10)
+        assert r.status_code == 503

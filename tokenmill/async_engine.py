@@ -1,0 +1,164 @@
+"""AsyncLLMEngine: the synchronous engine stepping in its own thread, bridged to asyncio.
+
+    event loop (server)                     engine thread
+    make_request (validate, may raise)
+    generate()  -> commands.put(("add", r)) ->  drain commands: engine.add / engine.abort
+    await queue.get()  <- call_soon_threadsafe(deliver, outputs)  <- engine.step()
+
+The event loop never waits on a forward pass: the engine thread owns the engine, takes
+adds and aborts from a thread-safe command queue between steps, and hands each step's
+outputs to the loop in one call_soon_threadsafe; the loop routes them to one asyncio
+queue per request. A client that goes away (its generator is closed or cancelled) aborts
+its request, which leaves the batch within one step with its KV blocks back in the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from tokenmill.engine import LLMEngine, Prompt
+from tokenmill.outputs import RequestOutput, StepStats
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an error it could not recover from."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine,
+                 on_step: Callable[[StepStats | None, list[RequestOutput]], None] | None = None,
+                 idle_wait: float = 0.05) -> None:
+        self.engine = engine
+        # Called on the engine thread with each step's stats and outputs, and with (None, outputs)
+        # for requests ended by an abort (metrics hang off this).
+        self.on_step = on_step
+        self.idle_wait = idle_wait
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None  # set when the loop died
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def abort_all(self) -> None:
+        """End every request (shutdown): each stream gets a final output with finish_reason "abort"."""
+        self._commands.put(("abort_all", None))
+        self._wake.set()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+                     deadline: float | None = None) -> Request:
+        """Validate on the caller's thread (ValueError for a request that can never be served)."""
+        return self.engine.make_request(request_id, prompt, params, priority=priority, deadline=deadline)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Yield a request's outputs (from make_request) step by step until it finishes.
+        Raises EngineDeadError if the engine loop died."""
+        if not self.is_alive:
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = self._streams[request_id] = _Stream()
+        self._commands.put(("add", request))
+        self._wake.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    stream.finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished:  # the consumer went away: free the request's blocks
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(self.idle_wait)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+                if self.on_step is not None:
+                    self.on_step(engine.last_stats, outputs)
+        except BaseException as exc:  # the loop cannot go on: fail every waiting client
+            logger.exception("engine loop died")
+            self.error = exc
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.engine.add(arg)
+                continue
+            ids = list(self.engine.scheduler.requests) if kind == "abort_all" else [arg]
+            outputs = [out for out in map(self.engine.abort, ids) if out is not None]
+            if outputs:
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+                if self.on_step is not None:
+                    self.on_step(None, outputs)
+
+    # ---- on the event loop -----------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)

@@ -1,0 +1,385 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    POST /v1/completions, /v1/chat/completions    (streaming with SSE, or whole)
+    GET  /v1/models, /health, /metrics, /version; POST /tokenize, /detokenize
+
+Every bad input gets an OpenAI-style error body: 400 for invalid requests, 401 for a
+missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 500 when
+the step that ran a request failed (streams get an error event instead). A client that
+disconnects has its requests aborted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill import __version__
+from tokenmill.async_engine import AsyncLLMEngine, EngineDeadError
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, error_body)
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.streaming import BodyLimitMiddleware, merge_streams
+
+logger = logging.getLogger("tokenmill.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+
+def create_app(engine, served_model_name: str, api_key: str | None = None,
+               max_body_bytes: int = 4 * 1024 * 1024) -> FastAPI:
+    metrics = ServerMetrics(engine)
+    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
+    tokenizer = engine.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        async_engine.abort_all()
+        async_engine.stop()
+
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+
+    @app.middleware("http")
+    async def log_requests(request: Request, call_next):
+        start = time.monotonic()
+        response = await call_next(request)
+        logger.info("%s %s %d %.0f ms", request.method, request.url.path, response.status_code,
+                    (time.monotonic() - start) * 1e3)
+        return response
+
+    # ---- errors ----------------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_, exc: EngineDeadError):
+        return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "request body is not valid JSON"
+            loc = []
+        elif loc:
+            message = f"{'.'.join(loc)}: {message}"
+        return JSONResponse(error_body(message, param=".".join(loc) or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), "not_found_error" if exc.status_code == 404
+                                       else "invalid_request_error"), status_code=exc.status_code)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+                           "authentication_error", code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"the model '{name}' does not exist (this server serves '{served_model_name}')",
+                           "not_found_error", param="model", code="model_not_found")
+
+    def build_requests(prompts: list, params, priority: int, prefix: str):
+        """One engine request per (prompt, sample); raises APIError(400) for any invalid one."""
+        requests = []
+        try:
+            for i, prompt in enumerate(prompts):
+                for j in range(params.n):
+                    sub = params.clone(n=1, seed=None if params.seed is None else params.seed + j)
+                    requests.append(async_engine.make_request(f"{prefix}-{i}-{j}", prompt, sub, priority=priority))
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        return requests
+
+    def sampling(req, max_tokens, logprobs):
+        try:
+            return req.sampling_params(max_tokens, logprobs, default_max_tokens=None)
+        except ValueError as exc:  # SamplingParams names the field first in its message
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def collect(requests, raw: Request) -> list[RequestOutput]:
+        """Final outputs of every request; aborts them all if the client disconnects first."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def run():
+            async for i, out in merge_streams([async_engine.generate(r) for r in requests]):
+                if out.finished:
+                    finals[i] = out
+        task = asyncio.create_task(run())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+        task.result()
+        return [finals[i] for i in range(len(requests))]
+
+    def raise_if_failed(outputs: list[RequestOutput]) -> None:
+        failed = next((o for o in outputs if o.error is not None), None)
+        if failed is not None:
+            raise APIError(500, f"the engine step that ran this request failed: {failed.error}", "server_error")
+
+    def usage(outputs: list[RequestOutput], n: int) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
+        completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    def completion_logprobs(entries: list[dict[int, float]], token_ids: list[int], offset: int) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for token, entry in zip(token_ids, entries):
+            text = token_text(token)
+            tokens.append(text)
+            lps.append(entry.get(token))
+            tops.append({token_text(t): lp for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(entries: list[dict[int, float]], token_ids: list[int], top_n: int) -> dict:
+        content = []
+        for token, entry in zip(token_ids, entries):
+            text = token_text(token)
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+            content.append({"token": text, "logprob": entry.get(token), "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": token_text(t), "logprob": lp,
+                                              "bytes": list(token_text(t).encode())} for t, lp in top]})
+        return {"content": content}
+
+    def sse(payload: dict | str) -> str:
+        return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+    async def event_stream(requests, make_chunks, final_usage) -> AsyncIterator[str]:
+        """SSE: chunks as outputs arrive, an error event if a step failed, optional usage, [DONE]."""
+        outputs: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merge_streams([async_engine.generate(r) for r in requests]):
+                if out.error is not None:
+                    yield sse(error_body(f"the engine step that ran this request failed: {out.error}",
+                                         "server_error"))
+                    return
+                outputs[i] = out
+                for chunk in make_chunks(i, out):
+                    yield sse(chunk)
+        except EngineDeadError as exc:
+            yield sse(error_body(str(exc), "server_error"))
+            return
+        if final_usage is not None:
+            yield sse(final_usage([outputs[i] for i in range(len(requests))]))
+        yield sse("[DONE]")
+
+    # ---- endpoints -------------------------------------------------------------------------
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(req: CompletionRequest, raw: Request):
+        check_model(req.model)
+        params = sampling(req, req.max_tokens, req.logprobs)
+        prompts = req.prompts()
+        requests = build_requests(prompts, params, req.priority, f"cmpl-{uuid.uuid4().hex}")
+        base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "text_completion",
+                "created": int(time.time()), "model": served_model_name}
+        n = params.n
+
+        def prompt_text(i: int) -> str:
+            r = requests[i]
+            return r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids)
+
+        if req.stream:
+            sent = [0] * len(requests)       # characters already streamed per choice (for text_offset)
+            echoed = [not req.echo] * len(requests)
+
+            def chunks(i: int, out: RequestOutput):
+                text = out.new_text
+                if not echoed[i]:
+                    text, echoed[i] = prompt_text(i) + text, True
+                lp = None
+                if req.logprobs is not None and out.new_token_ids:
+                    entries = out.outputs[0].logprobs[-len(out.new_token_ids):]
+                    lp = completion_logprobs(entries, out.new_token_ids, sent[i])
+                sent[i] += len(text)
+                if not text and not out.finished and lp is None:
+                    return []
+                return [{**base, "choices": [{"index": i, "text": text, "logprobs": lp,
+                                              "finish_reason": out.outputs[0].finish_reason}]}]
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            final = (lambda outs: {**base, "choices": [], "usage": usage(outs, n)}) if include_usage else None
+            return StreamingResponse(event_stream(requests, chunks, final), media_type="text/event-stream")
+
+        outputs = await collect(requests, raw)
+        raise_if_failed(outputs)
+        choices = []
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            text = (prompt_text(i) if req.echo else "") + c.text
+            lp = completion_logprobs(c.logprobs, c.token_ids, 0) if req.logprobs is not None else None
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {**base, "choices": choices, "usage": usage(outputs, n)}
+
+    def render_chat(messages) -> dict:
+        try:
+            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja raises for conversations the template rejects
+            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        check_model(req.model)
+        top_n = req.top_logprobs or 0
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        params = sampling(req, req.max_completion_tokens or req.max_tokens, top_n if req.logprobs else None)
+        requests = build_requests([render_chat(req.messages)], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")
+        base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
+                "created": int(time.time()), "model": served_model_name}
+        n = params.n
+
+        if req.stream:
+            started = [False] * len(requests)
+            chunk_base = {**base, "object": "chat.completion.chunk"}
+
+            def chunks(i: int, out: RequestOutput):
+                result = []
+                if not started[i]:
+                    started[i] = True
+                    result.append({**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                              "logprobs": None, "finish_reason": None}]})
+                lp = None
+                if req.logprobs and out.new_token_ids:
+                    lp = chat_logprobs(out.outputs[0].logprobs[-len(out.new_token_ids):], out.new_token_ids, top_n)
+                if out.new_text or lp is not None:
+                    result.append({**chunk_base, "choices": [{"index": i, "delta": {"content": out.new_text},
+                                                              "logprobs": lp, "finish_reason": None}]})
+                if out.finished:
+                    result.append({**chunk_base, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                              "finish_reason": out.outputs[0].finish_reason}]})
+                return result
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            final = (lambda outs: {**chunk_base, "choices": [], "usage": usage(outs, n)}) if include_usage else None
+            return StreamingResponse(event_stream(requests, chunks, final), media_type="text/event-stream")
+
+        outputs = await collect(requests, raw)
+        raise_if_failed(outputs)
+        choices = []
+        for i, out in enumerate(outputs):
+            c = out.outputs[0]
+            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": chat_logprobs(c.logprobs, c.token_ids, top_n) if req.logprobs else None,
+                            "finish_reason": c.finish_reason})
+        return {**base, "choices": choices, "usage": usage(outputs, n)}
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "tokenmill", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_alive:
+            return JSONResponse(error_body(f"engine loop is not running: {async_engine.error!r}", "server_error"),
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'")
+        if req.messages is not None:
+            ids = render_chat(req.messages)["prompt_token_ids"]
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        vocab = engine.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    return app
+
+
+# ---- running it ------------------------------------------------------------------------------
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: SmolLM2)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get HTTP 413")
+
+
+def run_server(args: argparse.Namespace, config) -> int:
+    import dataclasses
+
+    import uvicorn
+
+    from tokenmill.engine import LLMEngine
+
+    engine = LLMEngine(dataclasses.replace(config, model=args.model))
+    name = args.served_model_name or engine.model_path.stem
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # End in-flight requests first, so open streams get a final chunk before connections close.
+            app.state.async_engine.abort_all()
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after shutdown (the exit status would say "killed");
+            # this shutdown is the clean one the signal asked for, so exit 0.
+            self._captured_signals.clear()
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
+                                   log_level=logging.getLevelName(logging.getLogger().level).lower(),
+                                   timeout_graceful_shutdown=10))
+    logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, args.port)
+    server.run()
+    return 0

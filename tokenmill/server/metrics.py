@@ -1,0 +1,84 @@
+"""Prometheus metrics, updated on the engine thread after every step.
+
+Each server owns its CollectorRegistry (no process-wide default registry), so tests can
+run several servers in one process.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.outputs import RequestOutput, StepStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("tokenmill_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("tokenmill_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_used = Gauge("tokenmill_kv_blocks_used", "KV blocks referenced by live requests", registry=r)
+        self.kv_free = Gauge("tokenmill_kv_blocks_free", "KV blocks free or evictable (cached)", registry=r)
+        self.kv_total = Gauge("tokenmill_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.hit_rate = Gauge("tokenmill_prefix_cache_hit_rate",
+                              "Share of looked-up prompt tokens served from the prefix cache", registry=r)
+        self.preemptions = Counter("tokenmill_preemptions", "Requests preempted", registry=r)
+        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("tokenmill_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("tokenmill_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenmill_inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenmill_e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("tokenmill_request_queue_time_seconds", "Arrival to first scheduled",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self._last_token: dict[str, float] = {}   # engine thread only
+        self.observe_pool()
+
+    def observe_pool(self) -> None:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_used.set(kv.pool.num_used_blocks)
+        self.kv_free.set(kv.pool.num_free_blocks)
+        self.kv_total.set(kv.pool.num_blocks)
+        self.hit_rate.set(kv.prompt_tokens_hit / kv.prompt_tokens_queried if kv.prompt_tokens_queried else 0.0)
+
+    def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
+        """Called by the engine thread after each step (stats None: outputs of aborted requests)."""
+        now = time.monotonic()
+        self.observe_pool()
+        if stats is not None and stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+        for out in outputs:
+            rid = out.request_id
+            if out.new_token_ids:
+                self.generation_tokens.inc(len(out.new_token_ids))
+                last = self._last_token.get(rid)
+                if last is None:
+                    m = out.metrics
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    if m is not None and m.first_token_time is not None:
+                        self.ttft.observe(m.first_token_time - m.arrival_time)
+                    if m is not None and m.first_scheduled_time is not None:
+                        self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+                else:
+                    self.itl.observe(now - last)
+                self._last_token[rid] = now
+            if out.finished:
+                self.on_finished(out, now)
+
+    def on_finished(self, out: RequestOutput, now: float) -> None:
+        self._last_token.pop(out.request_id, None)
+        self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
+        if out.metrics is not None:
+            self.e2e.observe(now - out.metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,140 @@
+"""OpenAI-compatible request bodies (pydantic) and their translation to SamplingParams.
+
+Pydantic checks types; SamplingParams checks ranges (and names the field); both end up as
+HTTP 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's API does.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tokenmill.sampling_params import SamplingParams
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields both endpoints share (OpenAI's, plus vLLM's common extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None):
+        """SamplingParams from the request; ValueError (naming the field) for out-of-range values."""
+        values = {
+            "n": self.n, "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
+            "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop or [],
+            "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos, "logprobs": logprobs,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        return SamplingParams(**values)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    max_tokens: int | None = 16
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, (str, list)) and len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in v):
+            raise ValueError("prompt must not contain empty prompts")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [p]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in ROLES:
+            raise ValueError(f"unknown role {v!r}; expected one of {', '.join(ROLES)}")
+        return v
+
+    def text(self) -> str:
+        """Content as plain text; content parts of type "text" are joined."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"unsupported content part type {part.get('type')!r} (only 'text')")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error"]
+
+
+def error_body(message: str, type_: ErrorType = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -26,6 +26,24 @@ def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
     p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this directory")
     add_engine_args(p)
 
+    p = sub.add_parser("serve", help="online latency/throughput over HTTP (any OpenAI-compatible server)")
+    p.add_argument("--base-url", default=None, help="server to test (default: start `tokenmill serve` here)")
+    p.add_argument("--model", default=None, help="model for the server this command starts")
+    p.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                   help="requests per second, one run per value (inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=600, help="stop sending new requests after this")
+    p.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=2000,tpot=200 (milliseconds)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    add_engine_args(p)
+
     p = sub.add_parser("roofline", help="measured GEMM peak and memory bandwidth vs the engine")
     p.add_argument("--model", default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -36,6 +54,9 @@ def main(args: argparse.Namespace) -> int:
     if args.bench == "throughput":
         from tokenmill.bench.cli import bench_throughput
         results = bench_throughput(args)
+    elif args.bench == "serve":
+        from tokenmill.bench.serve import bench_serve
+        results = bench_serve(args)
     elif args.bench == "roofline":
         from tokenmill.bench.roofline import bench_roofline
         results = bench_roofline(args)

@@ -39,7 +39,8 @@ def plot_occupancy(results, out_dir: Path) -> Path:
 def plot_latency_vs_rate(rows: list[dict], out_dir: Path) -> Path:
     """TTFT and ITL percentiles, and throughput, against the request rate."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rates = [r["request_rate"] for r in rows]
+    rates = list(range(len(rows)))  # categorical: "inf" (all at once) has no place on a numeric axis
+    labels = [f"{r['request_rate']:g}" for r in rows]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
     for key, ax, title in (("ttft", ax1, "time to first token"), ("itl", ax2, "inter-token latency")):
         for pct in ("p50", "p90", "p99"):
@@ -54,6 +55,8 @@ def plot_latency_vs_rate(rows: list[dict], out_dir: Path) -> Path:
     ax3.set_xlabel("request rate (req/s)")
     ax3.set_ylabel("tok/s")
     ax3.grid(alpha=0.3)
+    for ax in (ax1, ax2, ax3):
+        ax.set_xticks(rates, labels)
     path = out_dir / "latency_vs_rate.png"
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,226 @@
+"""`tokenmill bench serve`: online latency and throughput over HTTP, against any
+OpenAI-compatible server (tokenmill, vLLM, llama.cpp's server) or one it starts itself.
+
+Requests arrive as a Poisson process at each --request-rate (gamma-distributed gaps when
+--burstiness is not 1), or as fast as --max-concurrency allows. Each is a streaming
+/v1/completions call with a token-id prompt and a fixed output length (ignore_eos), so
+every server does the same work. The run is bounded by --num-prompts and --max-seconds.
+
+Per request: TTFT (send to first token), ITL (gaps between streamed chunks), TPOT
+((end - first token) / (tokens - 1)) and end-to-end latency; goodput counts the requests
+per second that met --slo ttft=MS,tpot=MS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenmill.bench.workloads import BenchRequest, random_workload
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+async def send(client, url: str, model: str, req: BenchRequest) -> RequestResult:
+    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "stream": True,
+            "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, last, chunks, usage_tokens = None, None, 0, None
+    itl = []
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return RequestResult(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                payload = json.loads(data)
+                if "error" in payload:
+                    return RequestResult(False, error=str(payload["error"]))
+                if payload.get("usage"):
+                    usage_tokens = payload["usage"].get("completion_tokens")
+                if payload.get("choices") and payload["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    chunks += 1
+    except Exception as exc:  # a dropped connection is a failed request, not a crashed benchmark
+        return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    if first is None:
+        return RequestResult(False, error="no tokens received")
+    return RequestResult(True, usage_tokens or chunks, first - start, end - start, itl)
+
+
+async def run_rate(url: str, model: str, workload: list[BenchRequest], rate: float, burstiness: float,
+                   max_concurrency: int | None, max_seconds: float, seed: int, progress: bool) -> tuple:
+    import httpx
+    from tqdm.auto import tqdm
+
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    results: list[RequestResult] = []
+    timeout = httpx.Timeout(max_seconds + 60)
+    bar = tqdm(total=len(workload), desc=f"rate {rate}", unit="req", disable=not progress)
+
+    async def one(client, req):
+        if limit is not None:
+            async with limit:
+                result = await send(client, url, model, req)
+        else:
+            result = await send(client, url, model, req)
+        results.append(result)
+        bar.update(1)
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+        tasks = []
+        for req in workload:
+            if time.perf_counter() - start > max_seconds:
+                break
+            tasks.append(asyncio.create_task(one(client, req)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+        await asyncio.gather(*tasks)
+    bar.close()
+    return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], wall: float, rate: float, slo: dict[str, float]) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def pct(values):
+        values = np.asarray(values) if len(values) else np.zeros(1)
+        return {"mean": float(values.mean()), "p50": float(np.percentile(values, 50)),
+                "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
+    good = [r for r in ok if r.ttft * 1e3 <= slo.get("ttft", float("inf"))
+            and r.tpot * 1e3 <= slo.get("tpot", float("inf"))]
+    itl = [x for r in ok for x in r.itl]
+    return {"request_rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "wall_s": wall,
+            "request_throughput": len(ok) / wall, "output_tok_s": sum(r.output_tokens for r in ok) / wall,
+            "goodput_req_s": len(good) / wall, "ttft": pct([r.ttft for r in ok]), "tpot": pct([r.tpot for r in ok]),
+            "itl": pct(itl), "e2e": pct([r.e2e for r in ok]),
+            "errors": sorted({r.error for r in results if not r.ok})[:5],
+            "ttft_samples": [r.ttft for r in ok], "itl_samples": itl}
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'goodput':>8} "
+            + " ".join(f"{m + ' ' + p:>10}" for m in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99")))
+    lines = [head, "(latencies in ms)"]
+    for r in rows:
+        lat = " ".join(f"{r[m][p] * 1e3:>10.1f}" for m in ("ttft", "tpot", "itl", "e2e")
+                       for p in ("mean", "p50", "p90", "p99"))
+        lines.append(f"{r['request_rate']:>6} {r['completed']:>5} {r['failed']:>4} {r['request_throughput']:>7.2f} "
+                     f"{r['output_tok_s']:>9.1f} {r['goodput_req_s']:>8.2f} {lat}")
+    return "\n".join(lines)
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key not in ("ttft", "tpot") or not value:
+            raise ValueError(f"--slo: expected ttft=MS,tpot=MS, got {text!r}")
+        out[key] = float(value)
+    return out
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    """`tokenmill serve` on 127.0.0.1 with this command's model and engine options."""
+    import dataclasses
+
+    from tokenmill.config import EngineConfig
+    cmd = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", "--port", str(port),
+           "--served-model-name", "bench"]
+    if args.model:
+        cmd.insert(cmd.index("--port"), args.model)
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if f.name != "model" and value is not None and value != f.default:
+            cmd += ["--" + f.name.replace("_", "-"), str(value)]
+    return subprocess.Popen(cmd)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 300) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"no healthy server at {url} after {timeout:.0f} s")
+
+
+def bench_serve(args) -> dict:
+    import socket
+
+    import httpx
+
+    proc = None
+    url = args.base_url
+    if url is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = start_server(args, port)
+        url = f"http://127.0.0.1:{port}"
+    url = url.rstrip("/").removesuffix("/v1")
+    try:
+        wait_healthy(url, proc)
+        model = args.served_model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        workload = random_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
+                                   args.dataset_seed)
+        slo = parse_slo(args.slo)
+        rows = []
+        for rate in args.request_rate:
+            results, wall = asyncio.run(run_rate(url, model, workload, rate, args.burstiness, args.max_concurrency,
+                                                 args.max_seconds, args.dataset_seed, progress=True))
+            rows.append(summarize(results, wall, rate, slo))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    print()
+    print(f"server {url}, model {model!r}, {len(workload)} requests per rate, "
+          f"max concurrency {args.max_concurrency or 'unbounded'}, SLO {slo or 'none'}")
+    print(format_rows(rows))
+    if args.plot is not None:
+        from tokenmill.bench.plots import plot_cdfs, plot_latency_vs_rate
+        print(f"plots: {plot_latency_vs_rate(rows, args.plot)}, {plot_cdfs(rows, args.plot)}")
+    for r in rows:
+        if r["errors"]:
+            print(f"rate {r['request_rate']}: errors {r['errors']}")
+    return {"server": url, "rows": [{k: v for k, v in r.items() if not k.endswith("_samples")} for r in rows]}

@@ -86,7 +86,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     kv_watermark: float = 0.01               # share of the pool kept free when admitting
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "recompute"      # "swap": copy a victim's blocks to host memory and back
+    swap_space: int | str = "4GiB"           # host pool for preemption_mode="swap"
     static_batching: bool = False            # baseline mode for benchmarks: admit a batch only when empty
     attention_backend: str = "auto"          # "auto", "reference", "cpu", "torch"
     kernels: str = "auto"                    # "auto": oneDNN-packed projections and fused C++ ops on
@@ -115,6 +116,8 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
+        if parse_size(self.swap_space) < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space!r}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if self.attention_backend not in ("auto", "reference", "cpu", "torch"):
@@ -160,6 +163,7 @@ class SchedulerConfig:
     max_model_len: int
     policy: str = "fcfs"
     kv_watermark: float = 0.01
+    preemption_mode: str = "recompute"
     static_batching: bool = False
     starvation_seconds: float = 30.0   # a request waiting this long is served first, whatever the policy
 
@@ -169,9 +173,12 @@ class SchedulerConfig:
                              "positive and max_model_len > 1")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
         return cls(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                    max_model_len=max_model_len, policy=config.scheduling_policy,
-                   kv_watermark=config.kv_watermark, static_batching=config.static_batching)
+                   kv_watermark=config.kv_watermark, preemption_mode=config.preemption_mode,
+                   static_batching=config.static_batching)

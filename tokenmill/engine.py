@@ -58,11 +58,13 @@ class LLMEngine:
             max_len = num_blocks * config.block_size
         self.max_model_len = max_len
         self.cache_config = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.kv)
         backend = make_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
-                                  self.dtype, config.seed)
+                                  self.dtype, config.seed, num_host_blocks)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_stats = StepStats()
         self.stats_listeners: list[Callable[[StepStats], None]] = []
@@ -220,7 +222,9 @@ class LLMEngine:
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=pool.num_used_blocks, kv_blocks_total=pool.num_blocks,
-            kv_slots_used=sum(r.num_computed_tokens for r in self.scheduler.running),
+            kv_slots_used=self.kv.slots_filled(self.scheduler.running),
+            prefix_tokens_queried=self.kv.prompt_tokens_queried, prefix_tokens_hit=self.kv.prompt_tokens_hit,
+            num_evictions=pool.num_evictions,
             num_preemptions=self.scheduler.num_preemptions - preemptions_before,
             time_schedule=time_schedule, time_prepare=result.time_prepare, time_forward=result.time_forward,
             time_sample=result.time_sample, time_detokenize=time_detokenize, time_total=end - start,

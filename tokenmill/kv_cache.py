@@ -8,8 +8,12 @@ A request's blocks, block_size = 4, 10 tokens of which 6 are computed:
 
     token index   0 1 2 3 | 4 5 6 7 | 8 9 . .
     block_ids       [17]      [3]       [42]
-    state         computed   |computed|  new   <- allocate_slots(req, 4) made sure [42] exists
+    state         computed   |computed|  new   <- allocate(req, 4) made sure [42] exists
     hash          h17 = H(None, t0..t3), h3 = H(h17, t4..t7); [42] is not full: no hash
+
+A block is registered in the cache as soon as a step is scheduled to fill it, so a request
+admitted later in the same step can share it: within one forward pass every layer writes
+the new K/V of all tokens before any token attends.
 
 Every block is in exactly one of three states, and the counts add up to the pool:
   * free       ref 0, no hash:           handed out first, most recently freed first (its
@@ -54,6 +58,7 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # ref 0, no hash; a stack, 0 on top
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; oldest first
         self.num_evictions = 0
+        self.num_shared_refs = 0  # references beyond the first, summed over blocks (for waste figures)
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,6 +95,8 @@ class BlockPool:
         for block in block_ids:
             if self.ref_counts[block] == 0:
                 del self._evictable[block]
+            else:
+                self.num_shared_refs += 1
             self.ref_counts[block] += 1
 
     def free(self, block_ids: list[int]) -> None:
@@ -98,7 +105,9 @@ class BlockPool:
             if self.ref_counts[block] <= 0:
                 raise RuntimeError(f"double free of block {block}")
             self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
+            if self.ref_counts[block] > 0:
+                self.num_shared_refs -= 1
+            else:
                 if self.block_hash[block] is None:
                     self._free.append(block)
                 else:
@@ -114,6 +123,18 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
+    def uncache(self, block_ids: list[int]) -> None:
+        """Forget the hashes of these blocks (their contents can no longer be trusted)."""
+        for block in block_ids:
+            block_hash = self.block_hash[block]
+            if block_hash is None:
+                continue
+            del self.cached[block_hash]
+            self.block_hash[block] = None
+            if block in self._evictable:
+                del self._evictable[block]
+                self._free.append(block)
+
     def check_invariants(self) -> None:
         """Raise AssertionError when the bookkeeping is inconsistent (tests call this every step)."""
         free, evictable = set(self._free), set(self._evictable)
@@ -128,6 +149,7 @@ class BlockPool:
         for h, block in self.cached.items():
             assert self.block_hash[block] == h
         assert len(free) + len(evictable) + self.num_used_blocks == self.num_blocks
+        assert self.num_shared_refs == sum(max(r - 1, 0) for r in self.ref_counts)
 
 
 @dataclass(frozen=True)
@@ -139,10 +161,17 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    """Per-request allocation on top of a BlockPool: grow, share prefixes, free."""
+    """Per-request allocation on top of a BlockPool: grow, share prefixes, free, swap.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    With `num_host_blocks`, a second pool in host memory receives the blocks of requests
+    preempted by swapping; the copies themselves are the runner's job, given as
+    (source block, destination block) pairs.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prompt_tokens_queried = 0   # prompt tokens looked up at admission
@@ -165,7 +194,7 @@ class KVCacheManager:
             return PrefixHit([], 0)
         self._extend_hashes(request, request.num_tokens - 1)
         blocks = []
-        for block_hash in request.block_hashes:
+        for block_hash in request.block_hashes[:(request.num_tokens - 1) // self.block_size]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -178,7 +207,8 @@ class KVCacheManager:
         return self._num_new_blocks(request, num_new_tokens, hit) + reserve <= self._available(hit)
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
-        """Make the request's blocks cover `num_computed_tokens + num_new_tokens` tokens.
+        """Make the request's blocks cover `num_computed_tokens + num_new_tokens` tokens, and
+        register the blocks this step will fill in the prefix cache.
 
         `hit` (admission only) first takes shared references on cached prefix blocks and moves
         `num_computed_tokens` past them. Returns False, changing nothing, if the pool is short.
@@ -193,22 +223,53 @@ class KVCacheManager:
             self.prompt_tokens_queried += request.num_tokens
             self.prompt_tokens_hit += hit.num_tokens
         request.block_ids.extend(self.pool.allocate(self._num_new_blocks(request, num_new_tokens)))
+        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
         return True
 
-    def commit(self, request: Request) -> None:
-        """Cache every full block whose tokens are all computed (call after a step advanced them)."""
-        if not self.enable_prefix_caching:
-            return
-        num_full = request.num_computed_tokens // self.block_size
-        self._extend_hashes(request, num_full * self.block_size)
-        for i in range(num_full):
-            self.pool.cache(request.block_ids[i], request.block_hashes[i])
-
-    def free(self, request: Request) -> None:
-        """Return all of a request's blocks; tail blocks first in eviction order (least shareable)."""
+    def free(self, request: Request, uncache: bool = False) -> None:
+        """Return all of a request's blocks (and host blocks, if swapped); tail blocks first in
+        eviction order (least shareable). uncache: also forget their hashes (a failed step may
+        have left them half written)."""
+        if uncache:
+            self.pool.uncache(request.block_ids)
         self.pool.free(list(reversed(request.block_ids)))
+        if request.swapped_block_ids:
+            self.host_pool.free(request.swapped_block_ids)
+            request.swapped_block_ids = []
         request.block_ids.clear()
         request.num_computed_tokens = 0
+
+    def can_swap_out(self, request: Request) -> bool:
+        return self.host_pool is not None and self.host_pool.num_free_blocks >= len(request.block_ids)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move a request's blocks to the host pool, keeping its computed tokens.
+        Returns (device block, host block) copies, to run before the next forward pass."""
+        host = self.host_pool.allocate(len(request.block_ids))
+        copies = list(zip(request.block_ids, host))
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        request.swapped_block_ids = host
+        return copies
+
+    def can_swap_in(self, request: Request, num_new_tokens: int, reserve: int = 0) -> bool:
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        return need + reserve <= self.pool.num_free_blocks
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Bring a swapped request back with room for `num_new_tokens` more; returns
+        (host block, device block) copies, to run before the next forward pass."""
+        device = self.pool.allocate(self.blocks_needed(request.num_computed_tokens + num_new_tokens))
+        copies = list(zip(request.swapped_block_ids, device))
+        self.host_pool.free(request.swapped_block_ids)
+        request.swapped_block_ids = []
+        request.block_ids = device
+        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return copies
+
+    def slots_filled(self, requests: list[Request]) -> int:
+        """Pool slots holding a computed token, shared blocks counted once (they are full)."""
+        return sum(r.num_computed_tokens for r in requests) - self.pool.num_shared_refs * self.block_size
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
         shared = hit.block_ids if hit is not None else []
@@ -219,6 +280,15 @@ class KVCacheManager:
         """Free blocks, not counting evictable ones the hit is about to revive."""
         revived = sum(1 for b in hit.block_ids if self.pool.ref_counts[b] == 0) if hit else 0
         return self.pool.num_free_blocks - revived
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full within its first `num_tokens` tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        self._extend_hashes(request, num_full * self.block_size)
+        for i in range(num_full):
+            self.pool.cache(request.block_ids[i], request.block_hashes[i])
 
     def _extend_hashes(self, request: Request, num_tokens: int) -> None:
         """Hash the request's full blocks within its first `num_tokens` tokens, once each."""

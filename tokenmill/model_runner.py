@@ -39,7 +39,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig,
-                 backend, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+                 backend, device: torch.device, dtype: torch.dtype, seed: int, num_host_blocks: int = 0) -> None:
         self.model = model
         self.model_config = model_config
         self.cache_config = cache_config
@@ -51,6 +51,10 @@ class ModelRunner:
         self.kv_cache = torch.empty(model_config.num_layers, 2, cache_config.num_blocks, model_config.num_kv_heads,
                                     cache_config.block_size, model_config.head_dim, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
+        # Host pool for preemption by swapping (pinned on CUDA so the copies run at full speed).
+        self.host_kv_cache = None if not num_host_blocks else torch.empty(
+            (*self.kv_cache.shape[:2], num_host_blocks, *self.kv_cache.shape[3:]), dtype=dtype,
+            pin_memory=device.type == "cuda")
         self.sampler = Sampler(seed, device)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
 
@@ -59,6 +63,7 @@ class ModelRunner:
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
         t0 = time.perf_counter()
+        self.swap(sched.swap_out, sched.swap_in)
         inputs = self.prepare(sched.requests, sched.num_scheduled_tokens)
         t1 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend)
@@ -69,6 +74,16 @@ class ModelRunner:
             self._sample(logits, inputs.sampling_requests, result)
         result.time_sample = time.perf_counter() - t2
         return result
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy preempted requests' blocks out to the host pool, then readmitted ones back in;
+        before the forward pass, which may write into the blocks just swapped out."""
+        for copies, src, dst in ((swap_out, self.kv_cache, self.host_kv_cache),
+                                 (swap_in, self.host_kv_cache, self.kv_cache)):
+            if copies:
+                src_idx = torch.tensor([a for a, _ in copies], device=src.device)
+                dst_idx = torch.tensor([b for _, b in copies], device=dst.device)
+                dst.index_copy_(2, dst_idx, src.index_select(2, src_idx).to(dst.device))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], result: RunnerOutput) -> None:
         for r in requests:

@@ -19,6 +19,8 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int]      # tokens each request computes this step, same order
     num_decode_tokens: int = 0           # tokens of requests that were already generating
     preempted_request_ids: list[str] = field(default_factory=list)  # preempted while scheduling
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies, before
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device) the forward pass
     finished_request_ids: list[str] = field(default_factory=list)   # ended since the last step
 
     @property
@@ -57,7 +59,10 @@ class StepStats:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
-    kv_slots_used: int = 0            # allocated slots that hold a token (for the waste figure)
+    kv_slots_used: int = 0            # allocated slots that hold a computed token (for the waste figure)
+    prefix_tokens_queried: int = 0    # cumulative: tokens looked up in the prefix cache at admission
+    prefix_tokens_hit: int = 0        # cumulative: of which served from the cache
+    num_evictions: int = 0            # cumulative: cached blocks evicted to make room
     num_preemptions: int = 0          # preemptions in this step
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -72,7 +72,8 @@ class Request:
     num_computed_tokens: int = 0            # tokens whose K/V sit in this request's blocks
     num_cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # hashes of this request's full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
+    swapped_block_ids: list[int] = field(default_factory=list)  # host blocks while swapped out
     num_preemptions: int = 0
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

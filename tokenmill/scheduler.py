@@ -9,10 +9,12 @@ each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
      KV pool (less a watermark) allow; each gets a chunk of its prompt.
 
 When a running request needs a block and the pool is empty, the running request the
-policy values least is preempted by recompute: its blocks are freed, its counter is
-reset and it waits again at the front (its prompt and output are replayed later, and
-prefix caching usually hands most of them back). A request never fails for lack of
-memory: the engine only accepts requests whose full length fits the pool alone.
+policy values least (among those not yet scheduled in this step) is preempted. By
+recompute (the default): its blocks are freed, its counter is reset and it waits again
+at the front; its prompt and output are replayed later, and prefix caching usually hands
+most of them back. By swap: its blocks are copied to a host pool and back when it is
+readmitted, counter kept. A request never fails for lack of memory: the engine only
+accepts requests whose full length fits the pool alone.
 
 `update()` advances the counters with what the runner computed, appends sampled
 tokens, and finishes requests on EOS, stop tokens, max_tokens or max_model_len.
@@ -51,8 +53,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}   # every unfinished request
         self._finished_ids: list[str] = []       # ended since the last schedule()
         self.num_preemptions = 0
+        self.num_swapped_out = 0                 # of which by swapping
         self.missed_deadlines: list[str] = []    # edf: requests that finished after their deadline
         self._watermark_blocks = int(config.kv_watermark * kv.pool.num_blocks)
+        self._swap_out: list[tuple[int, int]] = []  # this step's swap-out copies
 
     # ---- queue management -------------------------------------------------------------
 
@@ -74,7 +78,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        self.kv.free(request, uncache=status == RequestStatus.FINISHED_ERROR)
         request.status = status
         request.times.finished = self.clock()
         if request.deadline is not None and request.times.finished > request.deadline:
@@ -89,6 +93,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens if not static else 1 << 62
         scheduled: dict[Request, int] = {}
         preempted: list[Request] = []
+        self._swap_out, swap_in = [], []
         admit_new = not static or not self.running
 
         # 1 + 2: running requests, decodes before prompt chunks (a stable sort keeps admission order).
@@ -99,10 +104,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_remaining_prefill, budget)
             while not self.kv.allocate(request, num_new):
-                victim = self._pick_victim()
+                victim = self._pick_victim(exclude=scheduled) or request
                 self._preempt(victim)
                 preempted.append(victim)
-                budget += scheduled.pop(victim, 0)
                 if victim is request:
                     break
             else:
@@ -113,12 +117,18 @@ class Scheduler:
         while (admit_new and not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self._next_waiting()
-            hit = self.kv.find_prefix(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
             reserve = self._watermark_blocks if self.running else 0
-            if not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
-                break
-            self.kv.allocate(request, num_new, hit)
+            if request.swapped_block_ids:  # swapped out: copy its blocks back, counter kept
+                num_new = min(request.num_remaining_prefill, budget)
+                if not self.kv.can_swap_in(request, num_new, reserve=reserve):
+                    break
+                swap_in.extend(self.kv.swap_in(request, num_new))
+            else:
+                hit = self.kv.find_prefix(request)
+                num_new = min(request.num_tokens - hit.num_tokens, budget)
+                if not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
+                    break
+                self.kv.allocate(request, num_new, hit)
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -132,7 +142,8 @@ class Scheduler:
             requests=list(scheduled), num_scheduled_tokens=list(scheduled.values()),
             num_decode_tokens=sum(1 for r in scheduled if r.num_output_tokens > 0
                                   and r.num_remaining_prefill == 1),
-            preempted_request_ids=[r.request_id for r in preempted], finished_request_ids=finished)
+            preempted_request_ids=[r.request_id for r in preempted], finished_request_ids=finished,
+            swap_out=self._swap_out, swap_in=swap_in)
 
     def _next_waiting(self) -> Request:
         """The waiting request the policy serves next; preempted ones first, then any request that
@@ -148,17 +159,24 @@ class Scheduler:
             return (2, *self.policy_key(r))
         return min(self.waiting, key=rank)
 
-    def _pick_victim(self) -> Request:
-        """The running request to preempt: under fcfs the latest admitted, otherwise the one the
-        policy ranks last (ties: latest admitted)."""
+    def _pick_victim(self, exclude: dict[Request, int]) -> Request | None:
+        """The running request to preempt, among those not yet scheduled in this step (their
+        blocks may already be registered for this step's tokens): under fcfs the latest
+        admitted, otherwise the one the policy ranks last (ties: latest admitted)."""
+        candidates = [(i, r) for i, r in enumerate(self.running) if r not in exclude]
+        if not candidates:
+            return None
         if self.config.policy == "fcfs":
-            return self.running[-1]
-        order = {id(r): i for i, r in enumerate(self.running)}
-        return max(self.running, key=lambda r: (*self.policy_key(r), order[id(r)]))
+            return candidates[-1][1]
+        return max(candidates, key=lambda ir: (*self.policy_key(ir[1]), ir[0]))[1]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(request):
+            self._swap_out.extend(self.kv.swap_out(request))
+            self.num_swapped_out += 1
+        else:  # recompute (or swap with a full host pool)
+            self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -177,7 +195,6 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # ended while the step ran
             request.num_computed_tokens += num_new
-            self.kv.commit(request)
             new_tokens = result.sampled_token_ids.get(request.request_id)
             if not new_tokens:
                 continue  # a prompt chunk that did not reach the end

@@ -65,8 +65,7 @@ def test_identical_prefixes_share_blocks_with_ref_counts():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     first = make_request("a", prompt_len=10)
     kv.allocate(first, 10, kv.find_prefix(first))
-    first.num_computed_tokens = 10
-    kv.commit(first)                     # blocks 0 and 1 are full and now cached
+    first.num_computed_tokens = 10       # blocks 0 and 1 were cached when the step was scheduled
     second = make_request("b", prompt_len=10)
     hit = kv.find_prefix(second)
     assert hit.block_ids == first.block_ids[:2] and hit.num_tokens == 8
@@ -84,7 +83,6 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     first = make_request("a", prompt_len=8)
     kv.allocate(first, 8, kv.find_prefix(first))
     first.num_computed_tokens = 8
-    kv.commit(first)
     again = make_request("b", prompt_len=8)
     hit = kv.find_prefix(again)
     assert hit.num_tokens == 4           # at most 7 tokens reusable: one full block

@@ -22,6 +22,8 @@ def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--compare", action="store_true",
                    help="also run static batching and Hugging Face generate on the same requests")
+    p.add_argument("--pressure", action="store_true",
+                   help="also run with the KV pool cut to a quarter of the peak the workload used")
     p.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     p.add_argument("--plot", type=Path, default=None, help="write PNG plots into this directory")
     add_engine_args(p)

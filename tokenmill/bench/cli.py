@@ -38,6 +38,9 @@ def bench_throughput(args) -> dict:
         return _bench_prefix(args, engine, workload)
 
     results = [run_engine(engine, workload, "tokenmill", temperature=args.temperature)]
+    summary = {}
+    if args.pressure:
+        summary["pressure"] = _bench_pressure(args, results[0], workload, engine.kv.block_size)
     if args.compare:
         batch = args.max_num_seqs
         static_engine = _engine(args, static_batching=True, enable_prefix_caching=False)
@@ -50,7 +53,39 @@ def bench_throughput(args) -> dict:
     if args.plot is not None:
         from tokenmill.bench.plots import plot_occupancy
         print(f"plot: {plot_occupancy(results, args.plot)}")
-    return {"workload": args.workload, "results": [r.summary() for r in results]}
+    print(_waste_line(results[0], engine.kv.block_size))
+    return {"workload": args.workload, "results": [r.summary() for r in results], **summary}
+
+
+def kv_waste(result: RunResult, block_size: int) -> tuple[float, float]:
+    """(mean, max) share of allocated KV slots holding no computed token, over the decode
+    steps where every request is admitted (steady state)."""
+    steady = [s for s in result.steps if s.num_prefill_tokens == 0 and s.num_waiting == 0 and s.kv_blocks_used]
+    shares = [1 - s.kv_slots_used / (s.kv_blocks_used * block_size) for s in steady] or [0.0]
+    return float(np.mean(shares)), float(np.max(shares))
+
+
+def _waste_line(result: RunResult, block_size: int) -> str:
+    mean, worst = kv_waste(result, block_size)
+    return f"KV memory waste at steady state (block size {block_size}): mean {mean:.1%}, max {worst:.1%}"
+
+
+def _bench_pressure(args, roomy: RunResult, workload, block_size: int) -> dict:
+    """The same requests with the pool cut to a quarter of the peak the roomy run used."""
+    peak = max(s.kv_blocks_used for s in roomy.steps)
+    engine = _engine(args, num_kv_blocks=max(peak // 4, 1), kv_cache_memory=None)
+    tight = run_engine(engine, workload, "pressure-1/4-pool", temperature=args.temperature)
+    preemptions = sum(s.num_preemptions for s in tight.steps)
+    same = tight.outputs == roomy.outputs
+    differing = sum(a != b for a, b in zip(tight.outputs, roomy.outputs))
+    print()
+    print(format_table([roomy, tight]))
+    print(f"pressure run: pool {peak // 4} of the {peak} blocks the roomy run peaked at; "
+          f"{len(tight.outputs)}/{len(workload)} requests completed; {preemptions} preemptions; "
+          f"outputs equal to the roomy run: {same} ({differing} requests differ)")
+    return {"peak_blocks": peak, "pool_blocks": peak // 4, "preemptions": preemptions,
+            "completed": len(tight.outputs), "outputs_equal": same, "requests_differing": differing,
+            "result": tight.summary()}
 
 
 def _bench_prefix(args, engine, workload) -> dict:
@@ -63,6 +98,7 @@ def _bench_prefix(args, engine, workload) -> dict:
     print(format_table([on, off], reference="prefix-cache-on"))
     print(f"mean TTFT: on {np.mean(on.ttft) * 1e3:.0f} ms, off {np.mean(off.ttft) * 1e3:.0f} ms; "
           f"prefix-cache hit rate {hit:.1%}; outputs equal: {on.outputs == off.outputs}")
+    print(_waste_line(on, engine.kv.block_size))
     return {"workload": "prefix", "results": [on.summary(), off.summary()], "hit_rate": hit}
 
 

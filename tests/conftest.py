@@ -22,11 +22,11 @@ TINY_CONFIGS = {
 }
 
 
-def _save_tokenizer(path: Path) -> None:
+def _save_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(VOCAB)}
+    vocab = {f"w{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
@@ -36,21 +36,28 @@ def _save_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def build_tiny_model(path: Path, arch: str, seed: int = 0) -> Path:
-    """Save a random tiny model of `arch` (and its tokenizer) to `path`."""
+def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOCAB, noise: float = 0.0,
+                     **overrides) -> Path:
+    """Save a random tiny model of `arch` (and its tokenizer) to `path`. noise > 0: perturb every
+    weight by that relative amount (a draft model that mostly agrees with the seed-`seed` one)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = dict(TINY_CONFIGS[arch])
     model_type = extra.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type, vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-        bos_token_id=0, eos_token_id=1, initializer_range=0.2, **extra)
+    options = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                   bos_token_id=0, eos_token_id=1, initializer_range=0.2, **extra)
+    options.update(overrides)
+    config = AutoConfig.for_model(model_type, **options)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if noise:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise * p.std())
     model.save_pretrained(str(path), safe_serialization=True)
-    _save_tokenizer(path)
+    _save_tokenizer(path, vocab_size)
     return path
 
 

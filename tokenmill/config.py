@@ -93,6 +93,11 @@ class EngineConfig:
     kernels: str = "auto"                    # "auto": oneDNN-packed projections and fused C++ ops on
                                              # CPU float32; "torch": plain torch ops (the reference)
     num_threads: int | None = None           # torch intra-op threads on CPU (default: torch's choice)
+    speculative: str | None = None           # "ngram" (prompt lookup) or "draft:PATH" (a smaller model)
+    num_speculative_tokens: int = 4          # most drafts per sequence per step
+    ngram_min: int = 1
+    ngram_max: int = 4
+    speculative_adaptive: bool = True        # decide each step whether speculating pays (else always)
     tokenizer: str | None = None             # tokenizer directory when it differs from the model's
 
     def __post_init__(self) -> None:
@@ -125,6 +130,13 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.kernels not in ("auto", "torch"):
             raise ValueError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")
+        if self.speculative is not None and not (self.speculative == "ngram" or self.speculative.startswith("draft:")):
+            raise ValueError(f"speculative must be 'ngram' or 'draft:PATH', got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) and ngram_max ({self.ngram_max}) need "
+                             f"1 <= ngram_min <= ngram_max")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
 

@@ -24,6 +24,7 @@ from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, R
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
+from tokenmill.spec_decode import SpeculationPolicy, Speculator, make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,12 @@ class LLMEngine:
         backend = make_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
                                   self.dtype, config.seed, num_host_blocks)
+        self.speculator = None
+        if config.speculative is not None:
+            proposer = make_proposer(config.speculative, config, self.model_config.vocab_size, num_blocks,
+                                     config.block_size)
+            self.speculator = Speculator(proposer, SpeculationPolicy(config.num_speculative_tokens),
+                                         adaptive=config.speculative_adaptive)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_stats = StepStats()
         self.stats_listeners: list[Callable[[StepStats], None]] = []
@@ -159,6 +166,8 @@ class LLMEngine:
         got new tokens or finished."""
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
+        if self.speculator is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         try:
@@ -173,7 +182,15 @@ class LLMEngine:
         t4 = time.perf_counter()
         self._record_stats(sched, result, preemptions_before, time_schedule=(t1 - t0) + (t3 - t2),
                            time_detokenize=t4 - t3, start=t0, end=t4)
+        if self.speculator is not None:
+            self.speculator.observe(self.last_stats, sched.finished_request_ids, changed)
         return outputs
+
+    def _propose(self) -> None:
+        sched = self.scheduler
+        waiting = sum(r.num_remaining_prefill for r in sched.waiting)
+        waiting += sum(r.num_remaining_prefill for r in sched.running if r.num_remaining_prefill > 1)
+        self.speculator.propose(sched.running, waiting, self.config.max_num_batched_tokens, self.max_model_len)
 
     def _make_output(self, request: Request) -> RequestOutput:
         detok = self.detokenizers[request.request_id]

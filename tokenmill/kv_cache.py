@@ -239,6 +239,14 @@ class KVCacheManager:
         request.block_ids.clear()
         request.num_computed_tokens = 0
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past the request's computed tokens (after rejected speculative tokens).
+        Those blocks were never registered in the cache: drafts are not tokens of the request."""
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if len(request.block_ids) > keep:
+            self.pool.free(list(reversed(request.block_ids[keep:])))
+            del request.block_ids[keep:]
+
     def can_swap_out(self, request: Request) -> bool:
         return self.host_pool is not None and self.host_pool.num_free_blocks >= len(request.block_ids)
 

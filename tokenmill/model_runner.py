@@ -9,6 +9,10 @@ Step tensors are built in one go with numpy (no per-token Python loop):
     slot            (block_table[seq][pos // bs], pos % bs): where each token's K/V goes
     logits_indices  [2, 3]   last token of each sequence that samples
 
+A speculating sequence brings its drafts after its last token ([b9 d1 d2]) and has logits
+read at all three rows; the verifier (spec_decode.py) keeps the drafts that the model
+itself would have produced, plus one token of its own.
+
 Sequences with short queries (decodes) are put first so the attention backend can run
 them through its batched kernel; outputs are keyed by request id, so order is free.
 """
@@ -26,6 +30,7 @@ from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
 from tokenmill.request import Request
 from tokenmill.sampler import Sampler, SamplingMetadata
+from tokenmill.spec_decode import verify
 
 
 @dataclass
@@ -33,8 +38,9 @@ class StepInputs:
     input_ids: torch.Tensor          # (T,) int64
     positions: torch.Tensor          # (T,) int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor     # (S,) rows of the flat batch whose logits are sampled
-    sampling_requests: list[Request]  # the S requests, same order
+    logits_indices: torch.Tensor     # (R,) rows of the flat batch whose logits are needed
+    sampling_requests: list[Request]  # requests that sample this step, in row order
+    num_rows: list[int]              # logits rows of each: 1, or 1 + its drafts
 
 
 class ModelRunner:
@@ -64,14 +70,14 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         t0 = time.perf_counter()
         self.swap(sched.swap_out, sched.swap_in)
-        inputs = self.prepare(sched.requests, sched.num_scheduled_tokens)
+        inputs = self.prepare(sched.requests, sched.num_scheduled_tokens, sched.num_draft_tokens)
         t1 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampling_requests else None
         t2 = time.perf_counter()
         result = RunnerOutput(sampled_token_ids={}, time_prepare=t1 - t0, time_forward=t2 - t1)
         if logits is not None:
-            self._sample(logits, inputs.sampling_requests, result)
+            self._sample(logits, inputs.sampling_requests, inputs.num_rows, result)
         result.time_sample = time.perf_counter() - t2
         return result
 
@@ -85,25 +91,43 @@ class ModelRunner:
                 dst_idx = torch.tensor([b for _, b in copies], device=dst.device)
                 dst.index_copy_(2, dst_idx, src.index_select(2, src_idx).to(dst.device))
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], result: RunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], num_rows: list[int],
+                result: RunnerOutput) -> None:
         for r in requests:
             if r.params.seed is not None and r.request_id not in self.generators:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(r.params.seed)
                 self.generators[r.request_id] = gen
-        meta = SamplingMetadata.build(requests, self.generators, logits.shape[1], self.device)
-        out = self.sampler(logits, meta)
-        for r, token, logprobs in zip(requests, out.token_ids, out.logprobs):
-            result.sampled_token_ids[r.request_id] = [token]
-            if logprobs is not None:
-                result.logprobs[r.request_id] = [logprobs]
+        ends = np.cumsum(num_rows)
+        plain = [i for i, n in enumerate(num_rows) if n == 1]
+        if plain:  # one batched sampler call for every sequence without drafts
+            rows = torch.as_tensor(ends[plain] - 1, device=logits.device)
+            plain_requests = [requests[i] for i in plain]
+            meta = SamplingMetadata.build(plain_requests, self.generators, logits.shape[1], self.device)
+            out = self.sampler(logits.index_select(0, rows), meta)
+            for r, token, logprobs in zip(plain_requests, out.token_ids, out.logprobs):
+                result.sampled_token_ids[r.request_id] = [token]
+                if logprobs is not None:
+                    result.logprobs[r.request_id] = [logprobs]
+        for i, n in enumerate(num_rows):
+            if n > 1:
+                r = requests[i]
+                tokens, logprobs = verify(logits[ends[i] - n:ends[i]], r, self.sampler,
+                                          self.generators.get(r.request_id, self.sampler.generator))
+                result.sampled_token_ids[r.request_id] = tokens
+                if logprobs is not None:
+                    result.logprobs[r.request_id] = logprobs
+                result.num_draft_tokens += n - 1
+                result.num_accepted_tokens += len(tokens) - 1
 
-    def prepare(self, requests: list[Request], num_tokens: list[int]) -> StepInputs:
+    def prepare(self, requests: list[Request], num_tokens: list[int],
+                num_drafts: list[int] | None = None) -> StepInputs:
         """Flatten the scheduled chunks into step tensors (see the module docstring)."""
         short_max = getattr(self.backend, "short_query_max", 0)
         order = sorted(range(len(requests)), key=lambda i: num_tokens[i] > short_max)  # stable
         requests = [requests[i] for i in order]
         counts = np.array([num_tokens[i] for i in order], dtype=np.int64)
+        drafts = np.array([num_drafts[i] for i in order] if num_drafts else [0] * len(order), dtype=np.int64)
         starts = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
         seq_lens = starts + counts
         cu = np.zeros(len(requests) + 1, dtype=np.int64)
@@ -111,8 +135,9 @@ class ModelRunner:
         total = int(cu[-1])
 
         token_ids: list[int] = []
-        for r, start, n in zip(requests, starts.tolist(), counts.tolist()):
-            token_ids.extend(r.token_ids[start:start + n])
+        for r, start, n, d in zip(requests, starts.tolist(), counts.tolist(), drafts.tolist()):
+            token_ids.extend(r.token_ids[start:start + n - d])
+            token_ids.extend(r.draft_token_ids[:d])
         seq_of_token = np.repeat(np.arange(len(requests)), counts)
         positions = np.arange(total, dtype=np.int64) - (cu[:-1] - starts)[seq_of_token]
 
@@ -123,8 +148,12 @@ class ModelRunner:
             tables[i, :len(r.block_ids)] = r.block_ids
         slot_block = tables[seq_of_token, positions // bs].astype(np.int64)
 
-        samples = seq_lens == np.array([r.num_tokens for r in requests])
+        samples = seq_lens - drafts == np.array([r.num_tokens for r in requests])
         sampling_requests = [r for r, s in zip(requests, samples) if s]
+        num_rows = (1 + drafts[samples]).tolist()
+        # the last 1 + d rows of each sampling sequence
+        row_ends = np.repeat(cu[1:][samples], num_rows)
+        logits_rows = row_ends - (np.repeat(np.cumsum(num_rows), num_rows) - np.arange(sum(num_rows)))
         num_short = int(np.count_nonzero(counts <= short_max))
         dev = self.device
 
@@ -138,4 +167,4 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True),
             positions=to_dev(positions), meta=meta,
-            logits_indices=to_dev(cu[1:][samples] - 1), sampling_requests=sampling_requests)
+            logits_indices=to_dev(logits_rows), sampling_requests=sampling_requests, num_rows=num_rows)

@@ -17,6 +17,8 @@ class SchedulerOutput:
 
     requests: list[Request]              # batch order: decodes first, then prompt chunks
     num_scheduled_tokens: list[int]      # tokens each request computes this step, same order
+    num_draft_tokens: list[int] = field(default_factory=list)  # speculative tokens among each one's
+                                         # scheduled tokens (verified this step), same order
     num_decode_tokens: int = 0           # tokens of requests that were already generating
     preempted_request_ids: list[str] = field(default_factory=list)  # preempted while scheduling
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies, before

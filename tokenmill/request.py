@@ -74,6 +74,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
     swapped_block_ids: list[int] = field(default_factory=list)  # host blocks while swapped out
+    draft_token_ids: list[int] = field(default_factory=list)    # speculative proposal for this step
+    draft_probs: object | None = None       # (k, vocab) tensor: the draft model's distributions, if any
     num_preemptions: int = 0
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -150,11 +150,11 @@ class Sampler:
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(meta.greedy, tokens, sampled)
         token_list = tokens.tolist()  # the step's one host sync
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, tokens, token_list, meta)
+        return SamplerOutput(token_list, self.logprobs(raw_logprobs, tokens, token_list, meta)
                              if want_logprobs else [None] * len(token_list))
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
+    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
                   meta: SamplingMetadata) -> list[dict[int, float] | None]:
         """Per row: {sampled token: logprob} followed by the row's top-n alternatives."""
         top_n = max(n for n in meta.num_logprobs if n is not None)

@@ -28,6 +28,7 @@ class SamplingParams:
     logprobs: int | None = None         # top-n logprobs per generated token (0: only the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    num_speculative_tokens: int | None = None  # this request's cap on drafts per step (0: never)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +56,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.num_speculative_tokens is not None:
+            self._check_int("num_speculative_tokens", minimum=0)
         if self.logprobs is not None:
             self._check_int("logprobs", minimum=0)
             if self.logprobs > 20:

@@ -92,6 +92,7 @@ class Scheduler:
         static = self.config.static_batching
         budget = self.config.max_num_batched_tokens if not static else 1 << 62
         scheduled: dict[Request, int] = {}
+        drafts: dict[Request, int] = {}
         preempted: list[Request] = []
         self._swap_out, swap_in = [], []
         admit_new = not static or not self.running
@@ -103,6 +104,10 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_remaining_prefill, budget)
+            if request.draft_token_ids and request.num_remaining_prefill == 1:
+                # Speculation: the last sampled token plus the drafts to verify, within the budget.
+                request.draft_token_ids = request.draft_token_ids[:budget - 1]
+                num_new = 1 + len(request.draft_token_ids)
             while not self.kv.allocate(request, num_new):
                 victim = self._pick_victim(exclude=scheduled) or request
                 self._preempt(victim)
@@ -111,6 +116,7 @@ class Scheduler:
                     break
             else:
                 scheduled[request] = num_new
+                drafts[request] = len(request.draft_token_ids)
                 budget -= num_new
 
         # 3: admit waiting requests (none in a step that had to preempt: memory is short).
@@ -135,12 +141,14 @@ class Scheduler:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = self.clock()
             scheduled[request] = num_new
+            drafts[request] = 0
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             requests=list(scheduled), num_scheduled_tokens=list(scheduled.values()),
-            num_decode_tokens=sum(1 for r in scheduled if r.num_output_tokens > 0
+            num_draft_tokens=list(drafts.values()),
+            num_decode_tokens=sum(1 + drafts[r] for r in scheduled if r.num_output_tokens > 0
                                   and r.num_remaining_prefill == 1),
             preempted_request_ids=[r.request_id for r in preempted], finished_request_ids=finished,
             swap_out=self._swap_out, swap_in=swap_in)
@@ -172,6 +180,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.draft_token_ids, request.draft_probs = [], None
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(request):
             self._swap_out.extend(self.kv.swap_out(request))
             self.num_swapped_out += 1
@@ -191,22 +200,30 @@ class Scheduler:
         """
         now = self.clock()
         changed = []
-        for request, num_new in zip(sched.requests, sched.num_scheduled_tokens):
+        for request, num_new, num_draft in zip(sched.requests, sched.num_scheduled_tokens, sched.num_draft_tokens):
             if request.status != RequestStatus.RUNNING:
                 continue  # ended while the step ran
-            request.num_computed_tokens += num_new
-            new_tokens = result.sampled_token_ids.get(request.request_id)
+            new_tokens = result.sampled_token_ids.get(request.request_id, [])
+            # Speculation: len(new_tokens) - 1 drafts were accepted. The K/V written for the rejected
+            # ones lies past the counter (overwritten later) and blocks only they needed are freed.
+            rejected = num_draft - max(len(new_tokens) - 1, 0)
+            request.num_computed_tokens += num_new - rejected
+            request.draft_token_ids, request.draft_probs = [], None
+            if rejected:
+                self.kv.trim(request)
             if not new_tokens:
                 continue  # a prompt chunk that did not reach the end
-            # Sampled tokens are appended; the last one's K/V is computed next step.
+            # Sampled tokens are appended (each checked for a stop); the last one's K/V is computed next step.
+            appended = 0
             for token in new_tokens:
                 request.append_token(token, now)
+                appended += 1
                 status = self._stop_status(request, token)
                 if status is not None:
                     self.finish_request(request.request_id, status)
                     break
             if logprobs := result.logprobs.get(request.request_id):
-                request.output_logprobs.extend(logprobs[:len(new_tokens)])
+                request.output_logprobs.extend(logprobs[:appended])
             changed.append(request)
         return changed
 

@@ -1,0 +1,319 @@
+"""Speculative decoding inside the continuous batch.
+
+Each step, before scheduling, the Speculator asks its proposer for k draft tokens per
+decoding sequence; the scheduler sends each sequence's last token plus its drafts into the
+same ragged forward pass as everything else (the token budget counts them), and
+`verify` keeps what the target model agrees with:
+
+  greedy    the longest prefix of drafts equal to the target's argmax, plus the target's own
+            next token (a correction, or a bonus token when every draft matched);
+  sampling  standard speculative rejection sampling: draft x with target probability p(x)
+            and draft probability q(x) is kept with probability min(1, p(x) / q(x)); at the
+            first rejection a token is drawn from max(0, p - q), renormalised; if all are kept
+            a bonus token is drawn from p. The output has exactly the target's distribution.
+
+Rejected drafts roll back in Scheduler.update (counter and block table shrink).
+
+Proposers: "ngram" (prompt lookup: continue the latest earlier occurrence of the last n
+tokens, n from ngram_max down to ngram_min; q is a point mass) and "draft:PATH" (a smaller
+model with its own paged KV cache, run for k steps on the decoding sequences).
+
+When it pays (SpeculationPolicy): verification costs compute. The policy keeps a cost
+model of a step, time = a + b * tokens, fitted online from the engine's own steps, and
+the measured acceptance rate alpha. For k drafts a sequence gains 1 + alpha + ... + alpha^k
+tokens on average. Each step it picks the k in 0..num_speculative_tokens that maximises
+expected output tokens per second over the whole batch, so a small batch (where a step
+costs about the same for 1 or 5 tokens a sequence: the weights are streamed either way)
+speculates and a large, compute-bound batch does not.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenmill.request import Request
+from tokenmill.sampler import Sampler, SamplingMetadata, filter_logits
+
+logger = logging.getLogger(__name__)
+
+
+# ---- verification -----------------------------------------------------------------------------
+
+def verify(logits: torch.Tensor, request: Request, sampler: Sampler,
+           generator: torch.Generator) -> tuple[list[int], list[dict[int, float]] | None]:
+    """Accepted drafts plus one target token, from the (1 + k, V) logits at the last token and
+    each draft. Also their logprobs when the request asks for them."""
+    drafts = request.draft_token_ids
+    k = len(drafts)
+    meta = SamplingMetadata.build([request] * (k + 1), {}, logits.shape[1], logits.device)  # rows share params
+    if request.params.greedy:
+        target = logits.argmax(dim=-1).tolist()
+        m = 0
+        while m < k and drafts[m] == target[m]:
+            m += 1
+        tokens = drafts[:m] + [target[m]]
+    else:
+        tokens = _rejection_sample(filter_logits(logits, meta).softmax(dim=-1), drafts, request.draft_probs,
+                                   generator)
+    if request.params.logprobs is None:
+        return tokens, None
+    rows = len(tokens)
+    raw = logits[:rows].log_softmax(dim=-1)
+    meta.num_logprobs = meta.num_logprobs[:rows]
+    return tokens, sampler.logprobs(raw, torch.tensor(tokens, device=logits.device), tokens, meta)
+
+
+def _rejection_sample(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+                      generator: torch.Generator) -> list[int]:
+    """probs: (k + 1, V) target distributions; draft_probs: (k, V) or None for point-mass drafts."""
+    for i, token in enumerate(drafts):
+        p = probs[i]
+        q = draft_probs[i] if draft_probs is not None else None
+        q_token = float(q[token]) if q is not None else 1.0
+        accept = min(1.0, float(p[token]) / q_token) if q_token > 0 else 0.0
+        if float(torch.rand((), generator=generator, device=p.device)) < accept:
+            continue
+        if q is None:
+            residual = p.clone()
+            residual[token] = 0.0
+        else:
+            residual = (p - q).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q: any draw from p is exact
+            residual = p
+        return drafts[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
+    return drafts + [int(torch.multinomial(probs[len(drafts)], 1, generator=generator))]
+
+
+# ---- proposers --------------------------------------------------------------------------------
+
+class NgramProposer:
+    """Prompt lookup: no second model, drafts copied from the sequence itself."""
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max})")
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, requests: list[Request], ks: list[int]) -> None:
+        for r, k in zip(requests, ks):
+            r.draft_token_ids = self.lookup(r.token_ids, k)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens after the latest earlier occurrence of the longest matching suffix."""
+        arr = np.asarray(tokens)
+        for n in range(min(self.ngram_max, len(arr) - 1), self.ngram_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # every earlier n-gram
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return arr[start:start + k].tolist()
+        return []
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """A smaller model of the same tokenizer, with its own paged KV cache.
+
+    Per step: catch up on the tokens the target accepted since last time (the whole prompt
+    the first time), then k single-token steps, all sequences batched as a ragged batch.
+    Its cache then holds the sequence plus k - 1 drafts; after verification `sync` trims it
+    back to the tokens the target kept. A sequence whose draft cache does not fit simply
+    gets no drafts this step.
+    """
+
+    def __init__(self, engine_config, model_path: str, target_vocab: int, num_blocks: int, block_size: int) -> None:
+        from tokenmill.attention import make_backend
+        from tokenmill.config import CacheConfig
+        from tokenmill.kv_cache import KVCacheManager
+        from tokenmill.model_runner import ModelRunner
+        from tokenmill.models.loader import load_model, open_checkpoint, resolve_model_path
+
+        device = torch.device(engine_config.device)
+        dtype = getattr(torch, engine_config.torch_dtype_name)
+        checkpoint = open_checkpoint(resolve_model_path(model_path))
+        if checkpoint.config.vocab_size != target_vocab:
+            raise ValueError(f"draft model vocab ({checkpoint.config.vocab_size}) differs from the target's "
+                             f"({target_vocab}): it must share the tokenizer")
+        max_len = checkpoint.config.max_position_embeddings
+        model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, checkpoint.config, CacheConfig(num_blocks, block_size), make_backend(
+            engine_config.attention_backend, device), device, dtype, engine_config.seed)
+        self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence
+
+    def propose(self, requests: list[Request], ks: list[int]) -> None:
+        active, counts, steps = [], [], max(ks, default=0)
+        for r, k in zip(requests, ks):
+            seq = self.seqs.get(r.request_id)
+            if seq is None:
+                seq = self.seqs[r.request_id] = Request(request_id=r.request_id, prompt_token_ids=[],
+                                                        params=r.params.clone(n=1), max_tokens=1 << 30)
+            seq.token_ids = list(r.token_ids)
+            catch_up = seq.num_tokens - seq.num_computed_tokens
+            if k == 0 or not self.kv.allocate(seq, catch_up + k):
+                self.release(r.request_id)
+                continue
+            active.append((r, seq, k))
+            counts.append(catch_up)
+        draft_probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _, _ in active}
+        for step in range(steps):
+            batch = [(r, seq, n) for (r, seq, k), n in zip(active, counts) if step < k]
+            if not batch:
+                break
+            tokens, probs = self._step([seq for _, seq, _ in batch], [n for _, _, n in batch])
+            for (r, seq, n), token, q in zip(batch, tokens, probs):
+                seq.num_computed_tokens += n
+                seq.token_ids.append(token)
+                draft_probs[r.request_id].append(q)
+            counts = [1] * len(active)
+        for r, seq, k in active:
+            r.draft_token_ids = seq.token_ids[r.num_tokens:]
+            r.draft_probs = None if r.params.greedy else torch.stack(draft_probs[r.request_id])
+
+    @torch.inference_mode()
+    def _step(self, seqs: list[Request], counts: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One draft forward pass; the next token of each sequence and its distribution q."""
+        runner = self.runner
+        inputs = runner.prepare(seqs, counts)
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+        logits = runner.model.compute_logits(hidden[inputs.logits_indices])
+        by_id = {s.request_id: i for i, s in enumerate(inputs.sampling_requests)}
+        order = [by_id[s.request_id] for s in seqs]  # prepare may reorder; give results in input order
+        logits = logits[order]
+        meta = SamplingMetadata.build(seqs, {}, logits.shape[1], logits.device)
+        if meta.all_greedy:
+            return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
+        probs = filter_logits(logits, meta).softmax(dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=runner.sampler.generator).squeeze(1)
+        greedy = logits.argmax(dim=-1)
+        tokens = torch.where(meta.greedy, greedy, tokens)
+        return tokens.tolist(), list(probs)
+
+    def sync(self, request: Request) -> None:
+        """Trim the draft cache to the tokens the target kept."""
+        seq = self.seqs.get(request.request_id)
+        if seq is None:
+            return
+        common = 0
+        limit = min(seq.num_computed_tokens, request.num_tokens)
+        while common < limit and seq.token_ids[common] == request.token_ids[common]:
+            common += 1
+        seq.num_computed_tokens = common
+        self.kv.trim(seq)
+
+    def release(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+
+
+def make_proposer(kind: str, engine_config, target_vocab: int, num_blocks: int, block_size: int):
+    if kind == "ngram":
+        return NgramProposer(engine_config.ngram_min, engine_config.ngram_max)
+    if kind.startswith("draft:"):
+        return DraftModelProposer(engine_config, kind[len("draft:"):], target_vocab, num_blocks, block_size)
+    raise ValueError(f"speculative must be 'ngram' or 'draft:PATH', got {kind!r}")
+
+
+# ---- when it pays -----------------------------------------------------------------------------
+
+class SpeculationPolicy:
+    """Chooses k per step from a fitted step-cost model and the measured acceptance rate."""
+
+    def __init__(self, k_max: int, prior_acceptance: float = 0.5, prior_weight: float = 20.0,
+                 forget: float = 0.98) -> None:
+        self.k_max = k_max
+        self.accepted, self.proposed = prior_acceptance * prior_weight, prior_weight
+        self.forget = forget
+        self._sums = np.zeros(5)  # weighted n, x, y, xx, xy of (tokens, seconds) per step
+        self.last_k = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed
+
+    def step_cost(self, tokens: float) -> float:
+        """Seconds for a step of `tokens` tokens: the least-squares line through recent steps."""
+        n, x, y, xx, xy = self._sums
+        if n < 2:
+            return 1.0 + tokens  # no data yet: compute-bound guess, so speculation must earn its place
+        var = xx / n - (x / n) ** 2
+        b = (xy / n - (x / n) * (y / n)) / var if var > 1e-9 else (y / x if x else 0.0)
+        b = max(b, 0.0)
+        a = max(y / n - b * x / n, 0.0)
+        return a + b * tokens
+
+    def observe_step(self, num_tokens: int, seconds: float, proposed: int, accepted: int) -> None:
+        if num_tokens > 0:
+            self._sums = self._sums * self.forget + np.array(
+                [1.0, num_tokens, seconds, num_tokens**2, num_tokens * seconds])
+        if proposed:
+            self.accepted = self.accepted * self.forget + accepted
+            self.proposed = self.proposed * self.forget + proposed
+
+    def choose_k(self, num_decodes: int, num_candidates: int, other_tokens: int) -> int:
+        """The k maximising expected tokens per second for this step's batch."""
+        alpha = self.acceptance
+        best_k, best_rate = 0, num_decodes / self.step_cost(num_decodes + other_tokens)
+        for k in range(1, self.k_max + 1):
+            expected = sum(alpha**i for i in range(1, k + 1))  # accepted drafts, on average
+            tokens = num_decodes + num_candidates * expected
+            rate = tokens / self.step_cost(num_decodes + other_tokens + num_candidates * k)
+            if rate > best_rate * 1.02:  # insist on a margin over not speculating
+                best_k, best_rate = k, rate
+        self.last_k = best_k
+        return best_k
+
+
+class Speculator:
+    """The engine's hook: propose before scheduling, learn after each step."""
+
+    def __init__(self, proposer, policy: SpeculationPolicy, adaptive: bool = True) -> None:
+        self.proposer = proposer
+        self.policy = policy
+        self.adaptive = adaptive
+        self.num_proposed = 0
+        self.num_accepted = 0
+        self.num_steps_speculated = 0
+
+    @staticmethod
+    def eligible(r: Request) -> bool:
+        """Decoding, no penalties (they would depend on the drafts), past min_tokens."""
+        p = r.params
+        return (r.num_remaining_prefill == 1 and r.num_output_tokens > 0 and not p.has_penalties
+                and r.num_output_tokens >= p.min_tokens and p.num_speculative_tokens != 0)
+
+    def propose(self, running: list[Request], waiting_tokens: int, budget: int, max_model_len: int) -> None:
+        decoding = [r for r in running if r.num_remaining_prefill == 1]
+        candidates = [r for r in decoding if self.eligible(r)]
+        if not candidates:
+            return
+        other = min(waiting_tokens, max(budget - len(decoding), 0))
+        k = (self.policy.choose_k(len(decoding), len(candidates), other) if self.adaptive
+             else self.policy.k_max)
+        if k == 0:
+            return
+        ks = [max(0, min(k if r.params.num_speculative_tokens is None else r.params.num_speculative_tokens,
+                         r.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens - 1))
+              for r in candidates]
+        self.proposer.propose(candidates, ks)
+        self.num_steps_speculated += 1
+
+    def observe(self, stats, finished_ids: list[str], changed: list[Request]) -> None:
+        """After a step: learn its cost and acceptance, trim draft caches, drop finished sequences."""
+        self.policy.observe_step(stats.num_tokens, stats.time_forward + stats.time_sample,
+                                 stats.num_draft_tokens, stats.num_accepted_tokens)
+        self.num_proposed += stats.num_draft_tokens
+        self.num_accepted += stats.num_accepted_tokens
+        for r in changed:
+            if r.is_finished:
+                self.proposer.release(r.request_id)
+            elif isinstance(self.proposer, DraftModelProposer):
+                self.proposer.sync(r)
+        for request_id in finished_ids:  # aborted or stopped outside the token checks
+            self.proposer.release(request_id)

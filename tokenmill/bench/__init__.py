@@ -46,6 +46,16 @@ def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
     p.add_argument("--plot", type=Path, default=None)
     add_engine_args(p)
 
+    p = sub.add_parser("spec", help="speculative decoding on a repeat-the-passage workload")
+    p.add_argument("--model", default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
+    p.add_argument("--min-requests", type=int, default=4, help="requests per concurrency at least")
+    p.add_argument("--num-passages", type=int, default=None, help="distinct passages (default: max concurrency)")
+    p.add_argument("--passage-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=240)
+    p.add_argument("--json", type=Path, default=None)
+    add_engine_args(p)
+
     p = sub.add_parser("roofline", help="measured GEMM peak and memory bandwidth vs the engine")
     p.add_argument("--model", default=None)
     p.add_argument("--json", type=Path, default=None)
@@ -59,6 +69,11 @@ def main(args: argparse.Namespace) -> int:
     elif args.bench == "serve":
         from tokenmill.bench.serve import bench_serve
         results = bench_serve(args)
+    elif args.bench == "spec":
+        from tokenmill.bench.spec import bench_spec
+        if args.speculative is None:
+            args.speculative = "ngram"
+        results = bench_spec(args)
     elif args.bench == "roofline":
         from tokenmill.bench.roofline import bench_roofline
         results = bench_roofline(args)

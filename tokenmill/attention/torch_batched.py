@@ -2,6 +2,10 @@
 (B, L, Hkv, D) tensor and run one masked SDPA. The gather copies the context, which costs
 memory bandwidth: cheap on a GPU, expensive on a CPU (where the C++ kernel reads the pool
 in place). Prompt chunks go one by one through the reference path.
+
+The padding reads slots past each sequence's end; they are masked out, but a NaN there
+would still poison the product with V, so this backend asks for a zero-initialised pool
+(`reads_padding`): afterwards every slot holds zeros or some earlier, finite K/V.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from tokenmill.attention.reference import attend_sequences
 
 class TorchBatchedAttention:
     name = "torch"
-    short_query_max = 1  # only single-token queries are batched
+    short_query_max = 1    # only single-token queries are batched
+    reads_padding = True   # the runner zero-fills the pool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -30,10 +35,6 @@ class TorchBatchedAttention:
             keys = k_cache[tables].transpose(1, 2).reshape(shape)     # (B, Hkv, L, D)
             values = v_cache[tables].transpose(1, 2).reshape(shape)
             mask = torch.arange(num_blocks * bs, device=q.device) < meta.seq_lens[:b].unsqueeze(1)  # (B, L)
-            # Slots past a sequence's end may hold garbage (never written): zero them, or an inf/NaN
-            # there would leak through the masked positions into the scores or the product with V.
-            unwritten = ~mask[:, None, :, None]
-            keys, values = keys.masked_fill(unwritten, 0.0), values.masked_fill(unwritten, 0.0)
             queries = q[:b].unsqueeze(2)              # (B, Hq, 1, D)
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :],
                                                   scale=scale, enable_gqa=True)

@@ -1,0 +1,178 @@
+"""GPU checks and the nano-vllm workload, for a machine with CUDA (run from the repo root).
+
+    python benchmarks/gpu_bench.py check              # CUDA path vs transformers on tiny models
+    python benchmarks/gpu_bench.py bench [--hf-cb]    # 256 requests, prompts/outputs 100..1024
+
+`check`: greedy generation on CUDA (float32) equals transformers' on each prompt alone, with
+chunked prefill and forced preemption, by recompute and by swap; bfloat16 runs too.
+`bench`: a Qwen3-0.6B-shaped model with random weights (no hub access needed), nano-vllm's
+workload (256 requests, prompt and output lengths uniform in 100..1024, EOS ignored), through
+tokenmill and, with --hf-cb, through transformers' own continuous batching on the same GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+OUT = Path(os.environ.get("OUT", "/tmp"))
+
+
+def build_qwen3_0_6b(path: Path) -> Path:
+    """Qwen3-0.6B's shape with random weights, saved as a Hugging Face directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import _save_tokenizer
+    if (path / "config.json").exists():
+        return path
+    config = AutoConfig.for_model(
+        "qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(str(path), safe_serialization=True)
+    _save_tokenizer(path, 151936)
+    return path
+
+
+def check() -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from conftest import build_tiny_model
+    from tokenmill import LLM, SamplingParams
+
+    results = {}
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (1, 5, 17, 64, 100, 150, 200, 300)]
+    for arch in ("llama", "qwen2", "qwen3"):
+        path = build_tiny_model(Path(f"/tmp/tiny-{arch}"), arch)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).cuda().eval()
+        refs = []
+        for p in prompts:
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
+                                  eos_token_id=1, pad_token_id=1, attention_mask=torch.ones(1, len(p), device="cuda"))
+            refs.append(out[0, len(p):].tolist())
+        for mode in ("recompute", "swap"):
+            llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+                      num_kv_blocks=40, preemption_mode=mode, swap_space=1 << 26)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0),
+                                use_tqdm=False)
+            same = [o.outputs[0].token_ids == r for o, r in zip(outs, refs)]
+            sched = llm.engine.scheduler
+            results[f"{arch}/{mode}"] = {"equal": all(same), "preemptions": sched.num_preemptions,
+                                         "swapped_out": sched.num_swapped_out}
+            print(f"{arch:6s} {mode:9s} equal to transformers: {all(same)} {same} preemptions "
+                  f"{sched.num_preemptions} swapped {sched.num_swapped_out}", flush=True)
+        llm = LLM(str(path), device="cuda")  # bfloat16 default
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8), use_tqdm=False)
+        results[f"{arch}/bf16"] = {"ok": all(len(o.outputs[0].token_ids) >= 1 for o in out),
+                                   "dtype": str(llm.engine.dtype)}
+    return results
+
+
+def workload(seed: int = 0, n: int = 256, vocab: int = 10000):
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024)) for _ in range(n)]
+
+
+def bench_tokenmill(model: Path, reqs, args) -> dict:
+    from tokenmill.engine import LLMEngine
+    from tokenmill.config import EngineConfig
+    from tokenmill.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(model), device="cuda", max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=4096,
+                                    kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False))
+    # warm up: one short request
+    engine.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    steps = []
+    engine.stats_listeners.append(steps.append)
+    start = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(reqs):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0))
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    split = {k: sum(getattr(s, f"time_{k}") for s in steps) for k in ("schedule", "prepare", "forward", "sample",
+                                                                       "detokenize")}
+    return {"engine": "tokenmill", "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+            "steps": len(steps), "time_split_s": split, "preemptions": sum(s.num_preemptions for s in steps)}
+
+
+def bench_hf_cb(model: Path, reqs) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16).cuda().eval()
+    config = GenerationConfig(max_new_tokens=1024, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = hf.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        warm = manager.add_request([1, 2, 3], max_new_tokens=4, eos_token_id=-1)
+        while manager.get_result(request_id=None, timeout=60) is None:
+            pass
+        start = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in reqs]
+        pending, tokens = set(ids), 0
+        while pending:
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("transformers continuous batching returned no result in 600 s")
+            if result.request_id in pending:
+                pending.discard(result.request_id)
+                tokens += len(result.generated_tokens)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    del warm
+    return {"engine": "transformers continuous batching", "output_tokens": tokens, "wall_s": wall,
+            "output_tok_s": tokens / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["check", "bench"])
+    parser.add_argument("--hf-cb", action="store_true")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--kv-cache-memory", default="24GiB")
+    args = parser.parse_args()
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    if args.what == "check":
+        result = check()
+    else:
+        model = build_qwen3_0_6b(Path("/tmp/qwen3-0.6b-random"))
+        reqs = workload(n=args.num_requests)
+        print(f"{len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt and {sum(n for _, n in reqs)} output tokens",
+              flush=True)
+        result = {"tokenmill": bench_tokenmill(model, reqs, args)}
+        print(result["tokenmill"], flush=True)
+        if args.hf_cb:
+            result["transformers_cb"] = bench_hf_cb(model, reqs)
+            print(result["transformers_cb"], flush=True)
+            result["ratio"] = result["tokenmill"]["output_tok_s"] / result["transformers_cb"]["output_tok_s"]
+            print(f"tokenmill / transformers CB: {result['ratio']:.2f}x", flush=True)
+    (OUT / f"gpu_{args.what}.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

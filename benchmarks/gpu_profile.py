@@ -1,0 +1,40 @@
+"""Profile a few decode steps of the Qwen3-0.6B-shaped model on CUDA (see gpu_bench.py)."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpu_bench import build_qwen3_0_6b  # noqa: E402
+
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.engine import LLMEngine  # noqa: E402
+from tokenmill.sampling_params import SamplingParams  # noqa: E402
+
+batch = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+model = build_qwen3_0_6b(Path("/tmp/qwen3-0.6b-random"))
+engine = LLMEngine(EngineConfig(model=str(model), device="cuda", max_num_seqs=256, max_num_batched_tokens=16384,
+                                max_model_len=4096, kv_cache_memory="24GiB", enable_prefix_caching=False))
+rng = random.Random(0)
+for i in range(batch):
+    engine.add_request(str(i), [rng.randrange(10000) for _ in range(500)], SamplingParams(max_tokens=400, ignore_eos=True))
+for _ in range(20):
+    engine.step()
+torch.cuda.synchronize()
+t = time.perf_counter()
+for _ in range(20):
+    engine.step()
+torch.cuda.synchronize()
+print(f"batch {batch}: {(time.perf_counter() - t) / 20 * 1e3:.1f} ms per decode step", flush=True)
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))

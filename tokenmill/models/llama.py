@@ -67,8 +67,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
         self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]  # (T, D/2) each
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at each position, (T, D/2), cast once per step to the model's dtype."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 class Attention(nn.Module):
@@ -149,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
         """input_ids, positions: (T,). Returns the final hidden states (T, hidden)."""
         x, residual = self.embed_tokens(input_ids), None
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta, backend, self.ops)
         return self.ops.add_rms_norm(x, residual, self.norm)[0]

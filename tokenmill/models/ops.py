@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); cos, sin: (T, D/2). Rotates the pairs (x[i], x[i + D/2])."""
+    """x: (T, H, D); cos, sin: (T, D/2) in x's dtype. Rotates the pairs (x[i], x[i + D/2])."""
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 

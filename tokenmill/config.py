@@ -89,7 +89,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"      # "swap": copy a victim's blocks to host memory and back
     swap_space: int | str = "4GiB"           # host pool for preemption_mode="swap"
     static_batching: bool = False            # baseline mode for benchmarks: admit a batch only when empty
-    attention_backend: str = "auto"          # "auto", "reference", "cpu", "torch"
+    attention_backend: str = "auto"          # "auto", "reference", "cpu", "torch", "triton" (CUDA)
     kernels: str = "auto"                    # "auto": oneDNN-packed projections and fused C++ ops on
                                              # CPU float32; "torch": plain torch ops (the reference)
     num_threads: int | None = None           # torch intra-op threads on CPU (default: torch's choice)
@@ -125,8 +125,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space!r}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
-        if self.attention_backend not in ("auto", "reference", "cpu", "torch"):
-            raise ValueError(f"attention_backend must be auto|reference|cpu|torch, "
+        if self.attention_backend not in ("auto", "reference", "cpu", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto|reference|cpu|torch|triton, "
                              f"got {self.attention_backend!r}")
         if self.kernels not in ("auto", "torch"):
             raise ValueError(f"kernels must be 'auto' or 'torch', got {self.kernels!r}")

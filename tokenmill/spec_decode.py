@@ -142,8 +142,9 @@ class DraftModelProposer:
         max_len = checkpoint.config.max_position_embeddings
         model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, checkpoint.config, CacheConfig(num_blocks, block_size), make_backend(
-            engine_config.attention_backend, device), device, dtype, engine_config.seed)
+        backend = make_backend(engine_config.attention_backend, device, block_size, checkpoint.config.head_dim)
+        self.runner = ModelRunner(model, checkpoint.config, CacheConfig(num_blocks, block_size), backend, device,
+                                  dtype, engine_config.seed)
         self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:

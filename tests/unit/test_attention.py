@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata, make_backend
 
-BS, HKV, HQ, D = 4, 2, 6, 16
+BS, HKV, HQ, D = 16, 2, 6, 16  # Triton's tl.dot needs tiles of at least 16
 
 
 def build_case(query_lens, seq_lens, seed=0):
@@ -53,6 +53,12 @@ def by_slot(cache):
     return cache.transpose(1, 2).reshape(-1, HKV, D)
 
 
+def _to(meta: AttentionMetadata, device) -> AttentionMetadata:
+    import dataclasses
+    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
+                                        if isinstance(getattr(meta, f.name), torch.Tensor)})
+
+
 def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale):
     slots = meta.slot_block * BS + meta.slot_offset
     k_cache, v_cache = by_slot(k_cache).double(), by_slot(v_cache).double()
@@ -78,20 +84,36 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend_name", ["reference", "torch", "cpu"])
+def triton_usable() -> bool:
+    """Triton runs on CUDA, or on the CPU under its interpreter (TRITON_INTERPRET=1)."""
+    import importlib.util
+    import os
+    return importlib.util.find_spec("triton") is not None and (
+        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+BACKENDS = ["reference", "torch", "cpu",
+            pytest.param("triton", marks=pytest.mark.skipif(not triton_usable(), reason="needs triton (CUDA or "
+                                                                                          "TRITON_INTERPRET=1)"))]
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_backend_matches_dense_oracle(backend_name, case):
-    backend = make_backend(backend_name, torch.device("cpu"))
-    q, k, v, k_cache, v_cache, meta, contexts = build_case(*CASES[case])
+    device = torch.device("cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu")
+    backend = make_backend(backend_name, device, block_size=BS, head_dim=D)
+    q, k, v, k_cache, v_cache, meta, contexts = (x.to(device) if isinstance(x, torch.Tensor) else x
+                                                 for x in build_case(*CASES[case]))
+    meta = _to(meta, device)
     if getattr(backend, "short_query_max", 0) < 1:
         meta.num_short = meta.num_short_tokens = 0
     scale = D ** -0.5
-    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    expected = dense_oracle(q.cpu(), k.cpu(), v.cpu(), k_cache.cpu(), v_cache.cpu(), _to(meta, "cpu"), contexts, scale)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale).cpu()
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
     # the step's K/V landed in the pool
-    slots = meta.slot_block * BS + meta.slot_offset
-    assert torch.equal(by_slot(k_cache)[slots], k) and torch.equal(by_slot(v_cache)[slots], v)
+    slots = (meta.slot_block * BS + meta.slot_offset).cpu()
+    assert torch.equal(by_slot(k_cache.cpu())[slots], k.cpu()) and torch.equal(by_slot(v_cache.cpu())[slots], v.cpu())
 
 
 def test_cpu_kernel_handles_multi_token_short_queries():

@@ -21,6 +21,8 @@ Backends share that contract and differ in speed:
                reference, where SDPA's blocked kernel is faster.
   * torch:     decodes batched by gathering a padded context (fine where memory bandwidth
                is plentiful, i.e. on a GPU); prompt chunks as in the reference.
+  * triton:    (CUDA) a Triton kernel reads decodes' K/V in place from the pool; prompt
+               chunks as in the reference.
 """
 
 from __future__ import annotations
@@ -57,16 +59,36 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache[meta.slot_block, :, meta.slot_offset] = v
 
 
-def make_backend(name: str, device: torch.device):
-    """Pick an attention backend; "auto" prefers the C++ kernel on CPU and batched torch on CUDA."""
+def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim: int = 64):
+    """Pick an attention backend. "auto": the C++ kernel on a CPU, Triton on CUDA, and batched
+    torch where those cannot be had (no compiler, no triton, tile shapes Triton cannot take)."""
     from tokenmill.attention.reference import ReferenceAttention
     from tokenmill.attention.torch_batched import TorchBatchedAttention
 
     if name == "reference":
         return ReferenceAttention()
-    if name == "torch" or (name == "auto" and device.type != "cpu"):
-        return TorchBatchedAttention()
-    from tokenmill.attention.cpu import CpuPagedAttention
-    from tokenmill.cpu_kernels import load_cpu_kernels
-    kernels = load_cpu_kernels(required=name == "cpu")
-    return CpuPagedAttention(kernels) if kernels is not None else TorchBatchedAttention()
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        from tokenmill.attention.cpu import CpuPagedAttention
+        from tokenmill.cpu_kernels import load_cpu_kernels
+        kernels = load_cpu_kernels(required=name == "cpu")
+        return CpuPagedAttention(kernels) if kernels is not None else TorchBatchedAttention()
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        backend = _triton_backend(block_size, head_dim, required=name == "triton")
+        if backend is not None:
+            return backend
+    return TorchBatchedAttention()
+
+
+def _triton_backend(block_size: int, head_dim: int, required: bool):
+    try:
+        from tokenmill.attention.triton_decode import TritonPagedAttention, supported
+    except ImportError:
+        if required:
+            raise
+        return None
+    if supported(block_size, head_dim):
+        return TritonPagedAttention()
+    if required:
+        raise ValueError(f"the triton backend needs power-of-two block_size and head_dim >= 16, "
+                         f"got {block_size} and {head_dim}")
+    return None

@@ -8,6 +8,10 @@ each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
   3. Waiting requests are admitted in policy order while the budget, `max_num_seqs` and the
      KV pool (less a watermark) allow; each gets a chunk of its prompt.
 
+With `long_prefill_token_threshold`, a step that carries decodes gives a long prompt (more
+than the threshold left) at most that many tokens, so one huge prompt cannot stretch the
+step every decoding user waits on (Sarathi-style stall-free batching).
+
 When a running request needs a block and the pool is empty, the running request the
 policy values least (among those not yet scheduled in this step) is preempted. By
 recompute (the default): its blocks are freed, its counter is reset and it waits again
@@ -96,6 +100,7 @@ class Scheduler:
         preempted: list[Request] = []
         self._swap_out, swap_in = [], []
         admit_new = not static or not self.running
+        decoding = False  # whether this step carries a decode (long prompt chunks are capped then)
 
         # 1 + 2: running requests, decodes before prompt chunks (a stable sort keeps admission order).
         for request in sorted(self.running, key=lambda r: r.num_remaining_prefill > 1):
@@ -103,7 +108,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_remaining_prefill, budget)
+            num_new = self._chunk(request.num_remaining_prefill, budget, decoding)
             if request.draft_token_ids and request.num_remaining_prefill == 1:
                 # Speculation: the last sampled token plus the drafts to verify, within the budget.
                 request.draft_token_ids = request.draft_token_ids[:budget - 1]
@@ -118,6 +123,7 @@ class Scheduler:
                 scheduled[request] = num_new
                 drafts[request] = len(request.draft_token_ids)
                 budget -= num_new
+                decoding = decoding or request.num_remaining_prefill == 1
 
         # 3: admit waiting requests (none in a step that had to preempt: memory is short).
         while (admit_new and not preempted and self.waiting and budget > 0
@@ -131,7 +137,7 @@ class Scheduler:
                 swap_in.extend(self.kv.swap_in(request, num_new))
             else:
                 hit = self.kv.find_prefix(request)
-                num_new = min(request.num_tokens - hit.num_tokens, budget)
+                num_new = self._chunk(request.num_tokens - hit.num_tokens, budget, decoding)
                 if not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
                     break
                 self.kv.allocate(request, num_new, hit)
@@ -152,6 +158,14 @@ class Scheduler:
                                   and r.num_remaining_prefill == 1),
             preempted_request_ids=[r.request_id for r in preempted], finished_request_ids=finished,
             swap_out=self._swap_out, swap_in=swap_in)
+
+    def _chunk(self, remaining: int, budget: int, decoding: bool) -> int:
+        """Tokens to compute for a request with `remaining` to go: within the budget, and capped
+        for a long prompt while the step carries decodes."""
+        limit = self.config.long_prefill_token_threshold
+        if decoding and limit is not None and remaining > limit:
+            return min(limit, budget)
+        return min(remaining, budget)
 
     def _next_waiting(self) -> Request:
         """The waiting request the policy serves next; preempted ones first, then any request that

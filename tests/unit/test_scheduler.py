@@ -174,3 +174,13 @@ def test_duplicate_request_id_is_rejected():
     s.add_request(make_request("a", prompt_len=3))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(make_request("a", prompt_len=3))
+
+
+def test_long_prompt_chunks_are_capped_while_others_decode():
+    s = make_scheduler(budget=100, long_prefill_token_threshold=8)
+    s.add_request(make_request("short", prompt_len=5, max_tokens=20))
+    s.add_request(make_request("long", prompt_len=300, max_tokens=2))
+    first = step(s)
+    assert scheduled(first) == {"short": 5, "long": 95}  # nobody decodes yet: the full budget
+    second = step(s)
+    assert scheduled(second) == {"short": 1, "long": 8}  # short decodes: the long prompt trickles

@@ -31,6 +31,8 @@ class RunResult:
     outputs: list[list[int]] = field(default_factory=list)  # token ids per request, input order
     ttft: list[float] = field(default_factory=list)         # per request, seconds
     itl: list[float] = field(default_factory=list)          # all inter-token gaps, seconds
+    token_times: list[list[float]] = field(default_factory=list)  # per request: when each token came
+    mark_time: float | None = None                          # when the `inject` step was reached
 
     @property
     def output_tps(self) -> float:
@@ -60,12 +62,12 @@ def run_engine(engine, workload: list[BenchRequest], name: str, temperature: flo
     """Run `workload` to completion through `engine.step()`.
 
     useful: the unpadded requests when `workload` is a padded static-batching version of them.
-    inject: (after_steps, requests) added once that many steps have run (arrivals mid-run).
+    inject: (after_steps, requests) added once that many steps have run (arrivals mid-run); the
+            moment is kept as `mark_time` even when the request list is empty.
     """
     useful = useful or workload
     steps: list[StepStats] = []
     engine.stats_listeners.append(steps.append)
-    all_requests = list(workload) + (list(inject[1]) if inject else [])
     useful_all = list(useful) + (list(inject[1]) if inject else [])
     limit = {f"{name}-{i}": r.max_tokens for i, r in enumerate(useful_all)}
     token_times: dict[str, list[float]] = {rid: [] for rid in limit}
@@ -79,13 +81,15 @@ def run_engine(engine, workload: list[BenchRequest], name: str, temperature: flo
                            SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature))
 
     useful_seqs = []
+    mark_time = None
     start = time.monotonic()
     for i, r in enumerate(workload):
         add(i, r)
     try:
         with tqdm(total=sum(r.max_tokens for r in useful_all), desc=name, unit="tok", disable=not progress) as bar:
             while engine.has_unfinished_requests():
-                if inject and len(steps) == inject[0]:
+                if inject and len(steps) == inject[0] and mark_time is None:
+                    mark_time = time.monotonic()
                     for j, r in enumerate(inject[1]):
                         add(len(workload) + j, r)
                 now_outputs = engine.step()
@@ -109,7 +113,8 @@ def run_engine(engine, workload: list[BenchRequest], name: str, temperature: flo
         output_tokens=sum(r.max_tokens for r in useful_all), steps=steps, useful_seqs=useful_seqs,
         outputs=[outputs[rid] for rid in ids],
         ttft=[token_times[rid][0] - arrival[rid] for rid in ids if token_times[rid]],
-        itl=[b - a for rid in ids for a, b in zip(token_times[rid], token_times[rid][1:])])
+        itl=[b - a for rid in ids for a, b in zip(token_times[rid], token_times[rid][1:])],
+        token_times=[token_times[rid] for rid in ids], mark_time=mark_time)
 
 
 def run_static(engine, workload: list[BenchRequest], batch_size: int, pad_token_id: int,

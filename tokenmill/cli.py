@@ -37,9 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        kind = {bool: _parse_bool, int: int, float: float}.get(type(default), str)
-        if f.name in ("max_model_len", "num_kv_blocks", "num_threads"):
-            kind = int
+        annotation = str(f.type)  # e.g. "int | None", "int | str | None", "bool"
+        kind = (_parse_bool if annotation.startswith("bool") else str if "str" in annotation
+                else int if "int" in annotation else float if "float" in annotation else str)
         group.add_argument(flag, type=kind, default=default, dest=f.name,
                            help=f"{_ENGINE_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})")
 

@@ -10,7 +10,7 @@ from tokenmill.attention.reference import attend_sequences
 
 class CpuPagedAttention:
     name = "cpu"
-    short_query_max = 16  # longer prompt chunks are faster through SDPA's blocked kernel
+    short_query_max = 32  # longer prompt chunks are faster through SDPA's blocked kernel
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Every CPU benchmark behind BENCHMARKS.md, one after the other (about 30 minutes on 2 cores).
+# Tables go to benchmarks/results/*.txt, full figures to *.json, plots to benchmarks/results/plots/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=benchmarks/results
+mkdir -p "$OUT/plots"
+run() { local name=$1; shift; echo "== tokenmill $*" | tee "$OUT/$name.txt"; tokenmill "$@" --json "$OUT/$name.json" 2>/dev/null | tee -a "$OUT/$name.txt"; }
+run throughput_compare bench throughput --compare --plot "$OUT/plots"
+run pressure bench throughput --pressure
+run prefix bench throughput --workload prefix
+run long_default bench throughput --workload long
+run long_capped bench throughput --workload long --long-prefill-token-threshold 16
+run spec bench spec
+run roofline bench roofline
+run serve bench serve --request-rate 0.5 1 2 inf --num-prompts 32 --slo ttft=2000,tpot=250 --plot "$OUT/plots"

@@ -30,9 +30,8 @@ OUT = Path(os.environ.get("OUT", "/tmp"))
 
 def build_qwen3_0_6b(path: Path) -> Path:
     """Qwen3-0.6B's shape with random weights, saved as a Hugging Face directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from conftest import _save_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     if (path / "config.json").exists():
         return path
     config = AutoConfig.for_model(
@@ -47,9 +46,9 @@ def build_qwen3_0_6b(path: Path) -> Path:
 
 
 def check() -> dict:
+    from conftest import build_tiny_model
     from transformers import AutoModelForCausalLM
 
-    from conftest import build_tiny_model
     from tokenmill import LLM, SamplingParams
 
     results = {}
@@ -67,8 +66,8 @@ def check() -> dict:
         for mode in ("recompute", "swap"):
             llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
                       num_kv_blocks=40, preemption_mode=mode, swap_space=1 << 26)
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0),
-                                use_tqdm=False)
+            greedy = SamplingParams(max_tokens=24, temperature=0)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
             same = [o.outputs[0].token_ids == r for o, r in zip(outs, refs)]
             sched = llm.engine.scheduler
             results[f"{arch}/{mode}"] = {"equal": all(same), "preemptions": sched.num_preemptions,
@@ -88,8 +87,8 @@ def workload(seed: int = 0, n: int = 256, vocab: int = 10000):
 
 
 def bench_tokenmill(model: Path, reqs, args) -> dict:
-    from tokenmill.engine import LLMEngine
     from tokenmill.config import EngineConfig
+    from tokenmill.engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model), device="cuda", max_num_seqs=args.max_num_seqs,
@@ -162,8 +161,8 @@ def main() -> None:
     else:
         model = build_qwen3_0_6b(Path("/tmp/qwen3-0.6b-random"))
         reqs = workload(n=args.num_requests)
-        print(f"{len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt and {sum(n for _, n in reqs)} output tokens",
-              flush=True)
+        prompt_tokens, output_tokens = sum(len(p) for p, _ in reqs), sum(n for _, n in reqs)
+        print(f"{len(reqs)} requests, {prompt_tokens} prompt and {output_tokens} output tokens", flush=True)
         result = {"tokenmill": bench_tokenmill(model, reqs, args)}
         print(result["tokenmill"], flush=True)
         if args.hf_cb:

@@ -23,7 +23,8 @@ engine = LLMEngine(EngineConfig(model=str(model), device="cuda", max_num_seqs=25
                                 max_model_len=4096, kv_cache_memory="24GiB", enable_prefix_caching=False))
 rng = random.Random(0)
 for i in range(batch):
-    engine.add_request(str(i), [rng.randrange(10000) for _ in range(500)], SamplingParams(max_tokens=400, ignore_eos=True))
+    prompt = [rng.randrange(10000) for _ in range(500)]
+    engine.add_request(str(i), prompt, SamplingParams(max_tokens=400, ignore_eos=True))
 for _ in range(20):
     engine.step()
 torch.cuda.synchronize()
@@ -32,7 +33,8 @@ for _ in range(20):
     engine.step()
 torch.cuda.synchronize()
 print(f"batch {batch}: {(time.perf_counter() - t) / 20 * 1e3:.1f} ms per decode step", flush=True)
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+with torch.profiler.profile(activities=activities) as prof:
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()

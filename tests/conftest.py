@@ -74,4 +74,5 @@ def tiny_llama(tiny_models) -> Path:
 
 # Let test modules import the fakes helper module beside them.
 import sys  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).parent))

@@ -102,7 +102,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from tokenmill.server.api import run_server
+    from tokenmill.server.launch import run_server
     return run_server(args, engine_config_from_args(args))
 
 
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_chat)
 
-    from tokenmill.server.api import add_serve_args
+    from tokenmill.server.launch import add_serve_args
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(p)
     add_engine_args(p)

@@ -21,10 +21,11 @@ from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_runner import ModelRunner
 from tokenmill.models.loader import load_model, load_tokenizer, open_checkpoint, resolve_model_path
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, RunnerOutput, StepStats
+from tokenmill.proposers import make_proposer
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
-from tokenmill.spec_decode import SpeculationPolicy, Speculator, make_proposer
+from tokenmill.spec_decode import SpeculationPolicy, Speculator
 
 logger = logging.getLogger(__name__)
 

@@ -162,8 +162,9 @@ class ModelRunner:
         def to_dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(dev, non_blocking=True)
         meta = AttentionMetadata(
-            slot_block=to_dev(slot_block), slot_offset=to_dev(positions % bs), query_start_loc=to_dev(cu.astype(np.int32)),
-            seq_lens=to_dev(seq_lens.astype(np.int32)), block_tables=to_dev(tables),
+            slot_block=to_dev(slot_block), slot_offset=to_dev(positions % bs),
+            query_start_loc=to_dev(cu.astype(np.int32)), seq_lens=to_dev(seq_lens.astype(np.int32)),
+            block_tables=to_dev(tables),
             query_start_loc_host=cu.tolist(), seq_lens_host=seq_lens.tolist(), block_size=bs,
             num_short=num_short, num_short_tokens=int(cu[num_short]))
         return StepInputs(

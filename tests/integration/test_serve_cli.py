@@ -11,7 +11,6 @@ import threading
 import time
 
 import httpx
-
 from test_server import free_port
 
 

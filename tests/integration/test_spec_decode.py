@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import build_tiny_model
+
 from tokenmill import LLM, SamplingParams
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from fakes import make_request
+
 from tokenmill.kv_cache import BlockPool, KVCacheManager, hash_block
 
 

@@ -4,8 +4,8 @@ and preemption by swapping (fake model)."""
 from __future__ import annotations
 
 import pytest
-
 from fakes import FakeClock, fake_run, make_request, make_scheduler, run_to_completion
+
 from tokenmill.request import RequestStatus
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
+from fakes import fake_run, make_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fakes import fake_run, make_scheduler
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 

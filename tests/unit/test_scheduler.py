@@ -4,8 +4,8 @@ preemption and requeue, static batching. Exact expectations, no torch."""
 from __future__ import annotations
 
 import pytest
-
 from fakes import make_request, make_scheduler, run_to_completion
+
 from tokenmill.request import RequestStatus
 
 

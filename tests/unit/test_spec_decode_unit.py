@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import random
 
+from fakes import fake_token, make_request, make_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fakes import fake_token, make_request, make_scheduler
 from tokenmill.outputs import RunnerOutput
-from tokenmill.spec_decode import NgramProposer, SpeculationPolicy
+from tokenmill.proposers import NgramProposer
+from tokenmill.spec_decode import SpeculationPolicy
 
 
 def speculative_run(sched, rng: random.Random) -> RunnerOutput:

@@ -32,7 +32,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr,
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
                 other=0.0)                                                    # (GP, D)
     m = tl.full((GP,), float("-inf"), tl.float32)
-    l = tl.zeros((GP,), tl.float32)
+    denom = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
     for i in range(0, tl.cdiv(seq_len, BS)):
         block = tl.load(tables_ptr + seq * stride_table + i).to(tl.int64)
@@ -45,10 +45,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr,
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    out = acc / l[:, None]
+    out = acc / denom[:, None]
     tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(g < G)[:, None])
 

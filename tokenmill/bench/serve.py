@@ -130,8 +130,9 @@ def summarize(results: list[RequestResult], wall: float, rate: float, slo: dict[
 
 
 def format_rows(rows: list[dict]) -> str:
+    columns = [f"{m} {p}" for m in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99")]
     head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'goodput':>8} "
-            + " ".join(f"{m + ' ' + p:>10}" for m in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99")))
+            + " ".join(f"{c:>10}" for c in columns))
     lines = [head, "(latencies in ms)"]
     for r in rows:
         lat = " ".join(f"{r[m][p] * 1e3:>10.1f}" for m in ("ttft", "tpot", "itl", "e2e")

@@ -93,7 +93,8 @@ def bench_spec(args) -> dict:
         without = run(plain, prompts, c, args.max_tokens)
         with_spec = run(spec, prompts, c, args.max_tokens)
         rows.append({"concurrency": c, "requests": len(prompts), "without_tok_s": without["output_tok_s"],
-                     "with_tok_s": with_spec["output_tok_s"], "speedup": with_spec["output_tok_s"] / without["output_tok_s"],
+                     "with_tok_s": with_spec["output_tok_s"],
+                     "speedup": with_spec["output_tok_s"] / without["output_tok_s"],
                      "acceptance": with_spec["acceptance"], "speculated_steps": with_spec["speculated_steps"],
                      "chosen_k": with_spec["chosen_k"], "same_outputs": without["outputs"] == with_spec["outputs"]})
     print()

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import onednn_available
 

@@ -11,7 +11,6 @@ disconnects has its requests aborted.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -29,9 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill import __version__
 from tokenmill.async_engine import AsyncLLMEngine, EngineDeadError
 from tokenmill.outputs import RequestOutput
-from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest, error_body)
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 from tokenmill.server.streaming import BodyLimitMiddleware, merge_streams
 
 logger = logging.getLogger("tokenmill.server")
@@ -203,6 +207,18 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             yield sse(final_usage([outputs[i] for i in range(len(requests))]))
         yield sse("[DONE]")
 
+    async def respond(req, requests, n: int, raw: Request, base: dict, chunk_base: dict, make_chunks, make_choice):
+        """SSE stream of `make_chunks(i, output)` (plus the usage chunk when asked), or the whole
+        response with one `make_choice(i, final output)` per request once all are done. n: the
+        completions per prompt (usage counts each prompt once)."""
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            final = (lambda outs: {**chunk_base, "choices": [], "usage": usage(outs, n)}) if include_usage else None
+            return StreamingResponse(event_stream(requests, make_chunks, final), media_type="text/event-stream")
+        outputs = await collect(requests, raw)
+        raise_if_failed(outputs)
+        return {**base, "choices": [make_choice(i, out) for i, out in enumerate(outputs)], "usage": usage(outputs, n)}
+
     # ---- endpoints -------------------------------------------------------------------------
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
@@ -213,42 +229,34 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         requests = build_requests(prompts, params, req.priority, f"cmpl-{uuid.uuid4().hex}")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "text_completion",
                 "created": int(time.time()), "model": served_model_name}
-        n = params.n
 
         def prompt_text(i: int) -> str:
             r = requests[i]
             return r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids)
 
-        if req.stream:
-            sent = [0] * len(requests)       # characters already streamed per choice (for text_offset)
-            echoed = [not req.echo] * len(requests)
+        sent = [0] * len(requests)           # characters already streamed per choice (for text_offset)
+        echoed = [not req.echo] * len(requests)
 
-            def chunks(i: int, out: RequestOutput):
-                text = out.new_text
-                if not echoed[i]:
-                    text, echoed[i] = prompt_text(i) + text, True
-                lp = None
-                if req.logprobs is not None and out.new_token_ids:
-                    entries = out.outputs[0].logprobs[-len(out.new_token_ids):]
-                    lp = completion_logprobs(entries, out.new_token_ids, sent[i])
-                sent[i] += len(text)
-                if not text and not out.finished and lp is None:
-                    return []
-                return [{**base, "choices": [{"index": i, "text": text, "logprobs": lp,
-                                              "finish_reason": out.outputs[0].finish_reason}]}]
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            final = (lambda outs: {**base, "choices": [], "usage": usage(outs, n)}) if include_usage else None
-            return StreamingResponse(event_stream(requests, chunks, final), media_type="text/event-stream")
+        def chunks(i: int, out: RequestOutput):
+            text = out.new_text
+            if not echoed[i]:
+                text, echoed[i] = prompt_text(i) + text, True
+            lp = None
+            if req.logprobs is not None and out.new_token_ids:
+                entries = out.outputs[0].logprobs[-len(out.new_token_ids):]
+                lp = completion_logprobs(entries, out.new_token_ids, sent[i])
+            sent[i] += len(text)
+            if not text and not out.finished and lp is None:
+                return []
+            return [{**base, "choices": [{"index": i, "text": text, "logprobs": lp,
+                                          "finish_reason": out.outputs[0].finish_reason}]}]
 
-        outputs = await collect(requests, raw)
-        raise_if_failed(outputs)
-        choices = []
-        for i, out in enumerate(outputs):
+        def choice(i: int, out: RequestOutput) -> dict:
             c = out.outputs[0]
-            text = (prompt_text(i) if req.echo else "") + c.text
             lp = completion_logprobs(c.logprobs, c.token_ids, 0) if req.logprobs is not None else None
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
-        return {**base, "choices": choices, "usage": usage(outputs, n)}
+            return {"index": i, "text": (prompt_text(i) if req.echo else "") + c.text, "logprobs": lp,
+                    "finish_reason": c.finish_reason}
+        return await respond(req, requests, params.n, raw, base, base, chunks, choice)
 
     def render_chat(messages) -> dict:
         try:
@@ -268,41 +276,32 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         requests = build_requests([render_chat(req.messages)], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
                 "created": int(time.time()), "model": served_model_name}
-        n = params.n
+        chunk_base = {**base, "object": "chat.completion.chunk"}
+        started = [False] * len(requests)
 
-        if req.stream:
-            started = [False] * len(requests)
-            chunk_base = {**base, "object": "chat.completion.chunk"}
+        def chunks(i: int, out: RequestOutput):
+            result = []
+            if not started[i]:  # the role comes first, in a delta of its own
+                started[i] = True
+                result.append({**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                          "logprobs": None, "finish_reason": None}]})
+            lp = None
+            if req.logprobs and out.new_token_ids:
+                lp = chat_logprobs(out.outputs[0].logprobs[-len(out.new_token_ids):], out.new_token_ids, top_n)
+            if out.new_text or lp is not None:
+                result.append({**chunk_base, "choices": [{"index": i, "delta": {"content": out.new_text},
+                                                          "logprobs": lp, "finish_reason": None}]})
+            if out.finished:
+                result.append({**chunk_base, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                          "finish_reason": out.outputs[0].finish_reason}]})
+            return result
 
-            def chunks(i: int, out: RequestOutput):
-                result = []
-                if not started[i]:
-                    started[i] = True
-                    result.append({**chunk_base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                              "logprobs": None, "finish_reason": None}]})
-                lp = None
-                if req.logprobs and out.new_token_ids:
-                    lp = chat_logprobs(out.outputs[0].logprobs[-len(out.new_token_ids):], out.new_token_ids, top_n)
-                if out.new_text or lp is not None:
-                    result.append({**chunk_base, "choices": [{"index": i, "delta": {"content": out.new_text},
-                                                              "logprobs": lp, "finish_reason": None}]})
-                if out.finished:
-                    result.append({**chunk_base, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                              "finish_reason": out.outputs[0].finish_reason}]})
-                return result
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            final = (lambda outs: {**chunk_base, "choices": [], "usage": usage(outs, n)}) if include_usage else None
-            return StreamingResponse(event_stream(requests, chunks, final), media_type="text/event-stream")
-
-        outputs = await collect(requests, raw)
-        raise_if_failed(outputs)
-        choices = []
-        for i, out in enumerate(outputs):
+        def choice(i: int, out: RequestOutput) -> dict:
             c = out.outputs[0]
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": chat_logprobs(c.logprobs, c.token_ids, top_n) if req.logprobs else None,
-                            "finish_reason": c.finish_reason})
-        return {**base, "choices": choices, "usage": usage(outputs, n)}
+            return {"index": i, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c.logprobs, c.token_ids, top_n) if req.logprobs else None,
+                    "finish_reason": c.finish_reason}
+        return await respond(req, requests, params.n, raw, base, chunk_base, chunks, choice)
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models():
@@ -344,42 +343,3 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         return {"prompt": tokenizer.decode(req.tokens)}
 
     return app
-
-
-# ---- running it ------------------------------------------------------------------------------
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: SmolLM2)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get HTTP 413")
-
-
-def run_server(args: argparse.Namespace, config) -> int:
-    import dataclasses
-
-    import uvicorn
-
-    from tokenmill.engine import LLMEngine
-
-    engine = LLMEngine(dataclasses.replace(config, model=args.model))
-    name = args.served_model_name or engine.model_path.stem
-    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # End in-flight requests first, so open streams get a final chunk before connections close.
-            app.state.async_engine.abort_all()
-            super().handle_exit(sig, frame)
-            # uvicorn re-raises captured signals after shutdown (the exit status would say "killed");
-            # this shutdown is the clean one the signal asked for, so exit 0.
-            self._captured_signals.clear()
-
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
-                                   log_level=logging.getLevelName(logging.getLogger().level).lower(),
-                                   timeout_graceful_shutdown=10))
-    logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, args.port)
-    server.run()
-    return 0

@@ -30,6 +30,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("tokenmill_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("tokenmill_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.draft_tokens = Counter("tokenmill_spec_draft_tokens", "Speculative tokens proposed and verified",
+                                    registry=r)
+        self.accepted_tokens = Counter("tokenmill_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
         self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tokenmill_inter_token_latency_seconds", "Time between output tokens",
@@ -54,8 +57,10 @@ class ServerMetrics:
         """Called by the engine thread after each step (stats None: outputs of aborted requests)."""
         now = time.monotonic()
         self.observe_pool()
-        if stats is not None and stats.num_preemptions:
+        if stats is not None:
             self.preemptions.inc(stats.num_preemptions)
+            self.draft_tokens.inc(stats.num_draft_tokens)
+            self.accepted_tokens.inc(stats.num_accepted_tokens)
         for out in outputs:
             rid = out.request_id
             if out.new_token_ids:

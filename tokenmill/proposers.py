@@ -1,0 +1,148 @@
+"""Draft proposers for speculative decoding (spec_decode.py verifies what they propose).
+
+  NgramProposer       prompt lookup: continue the latest earlier occurrence of the sequence's
+                      last n tokens (n from ngram_max down to ngram_min); no second model.
+  DraftModelProposer  a smaller model of the same tokenizer with its own paged KV cache.
+
+Both set `request.draft_token_ids` (and, for a sampled draft model, `request.draft_probs`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.request import Request
+from tokenmill.sampler import SamplingMetadata, filter_logits
+
+
+class NgramProposer:
+    """Prompt lookup: no second model, drafts copied from the sequence itself."""
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max})")
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, requests: list[Request], ks: list[int]) -> None:
+        for r, k in zip(requests, ks):
+            r.draft_token_ids = self.lookup(r.token_ids, k)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens after the latest earlier occurrence of the longest matching suffix."""
+        arr = np.asarray(tokens)
+        for n in range(min(self.ngram_max, len(arr) - 1), self.ngram_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # every earlier n-gram
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return arr[start:start + k].tolist()
+        return []
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """A smaller model of the same tokenizer, with its own paged KV cache.
+
+    Per step: catch up on the tokens the target accepted since last time (the whole prompt
+    the first time), then k single-token steps, all sequences batched as a ragged batch.
+    Its cache then holds the sequence plus k - 1 drafts; after verification `sync` trims it
+    back to the tokens the target kept. A sequence whose draft cache does not fit simply
+    gets no drafts this step.
+    """
+
+    def __init__(self, engine_config, model_path: str, target_vocab: int, num_blocks: int, block_size: int) -> None:
+        from tokenmill.attention import make_backend
+        from tokenmill.config import CacheConfig
+        from tokenmill.kv_cache import KVCacheManager
+        from tokenmill.model_runner import ModelRunner
+        from tokenmill.models.loader import load_model, open_checkpoint, resolve_model_path
+
+        device = torch.device(engine_config.device)
+        dtype = getattr(torch, engine_config.torch_dtype_name)
+        checkpoint = open_checkpoint(resolve_model_path(model_path))
+        if checkpoint.config.vocab_size != target_vocab:
+            raise ValueError(f"draft model vocab ({checkpoint.config.vocab_size}) differs from the target's "
+                             f"({target_vocab}): it must share the tokenizer")
+        max_len = checkpoint.config.max_position_embeddings
+        model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        backend = make_backend(engine_config.attention_backend, device, block_size, checkpoint.config.head_dim)
+        self.runner = ModelRunner(model, checkpoint.config, CacheConfig(num_blocks, block_size), backend, device,
+                                  dtype, engine_config.seed)
+        self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence
+
+    def propose(self, requests: list[Request], ks: list[int]) -> None:
+        active, counts, steps = [], [], max(ks, default=0)
+        for r, k in zip(requests, ks):
+            seq = self.seqs.get(r.request_id)
+            if seq is None:
+                seq = self.seqs[r.request_id] = Request(request_id=r.request_id, prompt_token_ids=[],
+                                                        params=r.params.clone(n=1), max_tokens=1 << 30)
+            seq.token_ids = list(r.token_ids)
+            catch_up = seq.num_tokens - seq.num_computed_tokens
+            if k == 0 or not self.kv.allocate(seq, catch_up + k):
+                self.release(r.request_id)
+                continue
+            active.append((r, seq, k))
+            counts.append(catch_up)
+        draft_probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _, _ in active}
+        for step in range(steps):
+            batch = [(r, seq, n) for (r, seq, k), n in zip(active, counts) if step < k]
+            if not batch:
+                break
+            tokens, probs = self._step([seq for _, seq, _ in batch], [n for _, _, n in batch])
+            for (r, seq, n), token, q in zip(batch, tokens, probs):
+                seq.num_computed_tokens += n
+                seq.token_ids.append(token)
+                draft_probs[r.request_id].append(q)
+            counts = [1] * len(active)
+        for r, seq, k in active:
+            r.draft_token_ids = seq.token_ids[r.num_tokens:]
+            r.draft_probs = None if r.params.greedy else torch.stack(draft_probs[r.request_id])
+
+    @torch.inference_mode()
+    def _step(self, seqs: list[Request], counts: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One draft forward pass; the next token of each sequence and its distribution q."""
+        runner = self.runner
+        inputs = runner.prepare(seqs, counts)
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+        logits = runner.model.compute_logits(hidden[inputs.logits_indices])
+        by_id = {s.request_id: i for i, s in enumerate(inputs.sampling_requests)}
+        order = [by_id[s.request_id] for s in seqs]  # prepare may reorder; give results in input order
+        logits = logits[order]
+        meta = SamplingMetadata.build(seqs, {}, logits.shape[1], logits.device)
+        if meta.all_greedy:
+            return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
+        probs = filter_logits(logits, meta).softmax(dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=runner.sampler.generator).squeeze(1)
+        greedy = logits.argmax(dim=-1)
+        tokens = torch.where(meta.greedy, greedy, tokens)
+        return tokens.tolist(), list(probs)
+
+    def sync(self, request: Request) -> None:
+        """Trim the draft cache to the tokens the target kept."""
+        seq = self.seqs.get(request.request_id)
+        if seq is None:
+            return
+        common = 0
+        limit = min(seq.num_computed_tokens, request.num_tokens)
+        while common < limit and seq.token_ids[common] == request.token_ids[common]:
+            common += 1
+        seq.num_computed_tokens = common
+        self.kv.trim(seq)
+
+    def release(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+
+
+def make_proposer(kind: str, engine_config, target_vocab: int, num_blocks: int, block_size: int):
+    if kind == "ngram":
+        return NgramProposer(engine_config.ngram_min, engine_config.ngram_max)
+    if kind.startswith("draft:"):
+        return DraftModelProposer(engine_config, kind[len("draft:"):], target_vocab, num_blocks, block_size)
+    raise ValueError(f"speculative must be 'ngram' or 'draft:PATH', got {kind!r}")

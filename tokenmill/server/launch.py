@@ -1,0 +1,51 @@
+"""`tokenmill serve`: build the engine, run the app under uvicorn, and shut down cleanly.
+
+On SIGINT/SIGTERM uvicorn stops accepting connections; first, every in-flight request is
+ended (finish_reason "abort"), so open streams get their final chunk and [DONE] before the
+connections close, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+from tokenmill.server.api import create_app
+
+logger = logging.getLogger("tokenmill.server")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: SmolLM2)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get HTTP 413")
+
+
+def run_server(args: argparse.Namespace, config) -> int:
+    import uvicorn
+
+    from tokenmill.engine import LLMEngine
+
+    engine = LLMEngine(dataclasses.replace(config, model=args.model))
+    name = args.served_model_name or engine.model_path.stem
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # End in-flight requests first, so open streams get a final chunk before connections close.
+            app.state.async_engine.abort_all()
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after shutdown (the exit status would say "killed");
+            # this shutdown is the clean one the signal asked for, so exit 0.
+            self._captured_signals.clear()
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
+                                   log_level=logging.getLevelName(logging.getLogger().level).lower(),
+                                   timeout_graceful_shutdown=10))
+    logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, args.port)
+    server.run()
+    return 0

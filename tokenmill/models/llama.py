@@ -162,15 +162,16 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def pack_for_cpu(self) -> None:
-        """Pack every projection (and the output head, tied or not) for oneDNN; see packed_linear.py.
+    def pack_for_cpu(self, kernels=None) -> None:
+        """Pack every projection (and the output head, tied or not) for oneDNN; with `kernels`,
+        keep plain copies too for the small-M kernel. See packed_linear.py.
 
         Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
         from tokenmill.models.packed_linear import PackedLinear, pack_linears
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_lm_head = PackedLinear(head, None)
+        self.packed_lm_head = PackedLinear(head, None, kernels)
         self.lm_head = None
-        pack_linears(self.layers)
+        pack_linears(self.layers, kernels)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -23,7 +23,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.ops import CpuFusedOps
-from tokenmill.models.packed_linear import onednn_available
+from tokenmill.models.packed_linear import keep_plain, onednn_available
 
 logger = logging.getLogger(__name__)
 
@@ -206,9 +206,10 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     model.rotary.build(device)  # cos/sin tables in float32, cast per use
     model.load_weights(ckpt.weights())
     if kernels == "auto" and device.type == "cpu" and dtype == torch.float32:
-        if onednn_available(device, dtype):
-            model.pack_for_cpu()
         cpu_kernels = load_cpu_kernels(required=False)
+        if onednn_available(device, dtype):
+            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            model.pack_for_cpu(cpu_kernels if cpu_kernels is not None and keep_plain(weight_bytes) else None)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
     return model.eval()

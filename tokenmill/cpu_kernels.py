@@ -1,5 +1,5 @@
 """The C++ CPU kernels (tokenmill/csrc): paged attention, fused element-wise ops, and a
-bandwidth-bound product for decode steps with 1 to 4 rows.
+bandwidth-bound product for decode steps with 1 to 8 rows.
 
 Compiled with torch's extension tooling on first use and cached under torch's extension
 directory (~/.cache/torch_extensions), so later runs load them in milliseconds. Callers

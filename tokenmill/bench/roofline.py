@@ -4,6 +4,7 @@ Two ceilings are measured here, with the engine's own thread count:
   * compute: the float32 matrix-product rate, on a large square GEMM and on the model's own
     layer shapes at a prefill-sized M (through the engine's linear backend);
   * memory: the read bandwidth of a 1 GiB tensor.
+Each is the best of three trials, and the compute peak is the higher of the two GEMM rates.
 The engine is then timed on the default workload: its required model FLOPs (every prompt
 and output token once, logits only where a token is sampled, attention over each token's
 context) over wall time, as a share of the compute peak; and a batch-1 decode step against
@@ -44,13 +45,18 @@ def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
     return (linear_flops_per_token(cfg) // 2 + cfg.hidden_size * cfg.vocab_size) * itemsize
 
 
-def _time(fn, min_time: float = 1.0) -> float:
+def _time(fn, min_time: float = 1.0, trials: int = 3) -> float:
+    """Best of a few trials of mean seconds per call: a ceiling is what the machine can reach,
+    and a shared machine only ever makes a trial slower."""
     fn()
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_time:
-        fn()
-        n += 1
-    return (time.perf_counter() - start) / n
+    best = float("inf")
+    for _ in range(trials):
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < min_time:
+            fn()
+            n += 1
+        best = min(best, (time.perf_counter() - start) / n)
+    return best
 
 
 def gemm_peak(size: int = 2048) -> float:
@@ -102,8 +108,9 @@ def bench_roofline(args) -> dict:
     engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), model=args.model))
     model, cfg = engine.runner.model, engine.model_config
     threads = torch.get_num_threads()
-    peak = gemm_peak()
+    large = gemm_peak()
     layer_rate = layer_gemm_rate(model)
+    peak = max(large, layer_rate)
     bandwidth = read_bandwidth()
     workload = random_workload()
     run = run_engine(engine, workload, "tokenmill", progress=True)
@@ -116,16 +123,16 @@ def bench_roofline(args) -> dict:
     print()
     print(f"threads {threads}; model {cfg.architecture} {cfg.num_layers} layers, weights {wbytes / 1e6:.0f} MB")
     print(f"{'ceiling':<44} {'measured':>12}")
-    print(f"{'fp32 GEMM 2048^3':<44} {peak:>8.1f} GFLOP/s")
+    print(f"{'fp32 GEMM 2048^3':<44} {large:>8.1f} GFLOP/s")
     print(f"{'fp32 layer projections, M=512 (engine)':<44} {layer_rate:>8.1f} GFLOP/s")
     print(f"{'memory read bandwidth':<44} {bandwidth:>8.1f} GB/s")
     print()
     print(f"default workload: {flops / 1e12:.2f} TFLOP in {run.wall:.1f} s = {achieved:.1f} GFLOP/s "
-          f"= {achieved / peak:.0%} of the GEMM peak ({run.output_tps:.1f} output tok/s; "
+          f"= {achieved / peak:.0%} of the peak, the higher of the two GEMM rates ({run.output_tps:.1f} output tok/s; "
           f"ceiling at peak {run.output_tokens / (flops / (peak * 1e9)):.0f} tok/s)")
     print(f"batch-1 decode step: {step_b1 * 1e3:.1f} ms vs weights/bandwidth {floor_b1 * 1e3:.1f} ms "
           f"= {step_b1 / floor_b1:.2f}x")
-    return {"threads": threads, "gemm_peak_gflops": peak, "layer_gemm_gflops": layer_rate,
+    return {"threads": threads, "gemm_2048_gflops": large, "layer_gemm_gflops": layer_rate, "peak_gflops": peak,
             "read_bandwidth_gbs": bandwidth, "workload_tflop": flops / 1e12, "wall_s": run.wall,
             "achieved_gflops": achieved, "share_of_peak": achieved / peak, "output_tok_s": run.output_tps,
             "batch1_step_ms": step_b1 * 1e3, "batch1_floor_ms": floor_b1 * 1e3}

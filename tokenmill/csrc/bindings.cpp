@@ -16,5 +16,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight");
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row");
-  m.def("small_m_linear", &small_m_linear, "x @ W.T + b for 1 to 4 rows, streaming W once");
+  m.def("small_m_linear", &small_m_linear, "x @ W.T + b for 1 to 8 rows, streaming W once");
 }

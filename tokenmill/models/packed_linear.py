@@ -7,8 +7,8 @@ packed weight streams each weight once per step. Measured on the default model's
 matrices in sequence (2 threads, see BENCHMARKS.md): M=8 62 -> 34 ms, M=64 148 -> 127 ms,
 M=512 within a few percent, M=1 35 -> 22 ms.
 
-For 1 to 4 rows (decode with a handful of sequences) even oneDNN leaves bandwidth unused;
-there a small C++ kernel (csrc/gemv_cpu.cpp) streams the plain weight instead, about 20%
+For 1 to 8 rows (decode with a handful of sequences) even oneDNN leaves bandwidth unused;
+there a small C++ kernel (csrc/gemv_cpu.cpp) streams the plain weight instead, about 25%
 faster. That needs the plain copy kept beside the packed one, so it is used only when the
 model is small next to the machine's memory (`keep_plain`).
 
@@ -29,7 +29,7 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-SMALL_M = 4  # rows up to which the plain-weight kernel beats oneDNN
+SMALL_M = 8  # rows up to which the plain-weight kernel beats oneDNN (measured; slower from 12)
 
 
 class PackedLinear(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention import AttentionMetadata, write_kv
+from tokenmill.attention import AttentionMetadata
 from tokenmill.attention.reference import attend_sequences
 
 
@@ -17,7 +17,7 @@ class CpuPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta)
+        self.kernel.write_kv(k, v, k_cache, v_cache, meta.slot_block, meta.slot_offset)
         b, t = meta.num_short, meta.num_short_tokens
         if b == meta.num_seqs:
             return self.kernel.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,

@@ -4,6 +4,8 @@
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,
                               torch::Tensor seq_lens, double scale);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_block, torch::Tensor slot_offset);
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                            double eps);
 void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
@@ -13,6 +15,7 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight, c10::optiona
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32)");
+  m.def("write_kv", &write_kv, "Store a step's K/V into the block pool");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight");
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row");

@@ -206,3 +206,28 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   });
   return out;
 }
+
+// Store this step's keys and values: token t goes to block slot_block[t], offset slot_offset[t].
+// k, v: (T, Hkv, D) (rows may be strided views of the fused qkv projection); caches as above.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_block, torch::Tensor slot_offset) {
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "write_kv: heads must be contiguous");
+  TORCH_CHECK(slot_block.dtype() == torch::kInt64 && slot_offset.dtype() == torch::kInt64, "write_kv: int64 slots");
+  TORCH_CHECK(k.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "write_kv: contiguous float32 caches");
+  const int64_t T = k.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2), D = k_cache.size(3);
+  const int64_t* blocks = slot_block.data_ptr<int64_t>();
+  const int64_t* offsets = slot_offset.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t dst = ((blocks[t] * Hkv + h) * bs + offsets[t]) * D;
+      std::copy_n(kp + t * k.stride(0) + h * D, D, kc + dst);
+      std::copy_n(vp + t * v.stride(0) + h * D, D, vc + dst);
+    }
+  }
+}

@@ -27,6 +27,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.host_memory import huge_page_zeros
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
 from tokenmill.request import Request
 from tokenmill.sampler import Sampler, SamplingMetadata
@@ -52,12 +53,16 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = cache_config.block_size
-        # One tensor for the whole pool: (layers, K|V, blocks, kv_heads, block_size, head_dim). Left
-        # uninitialised (pages never touched cost no memory) unless the backend reads past a
-        # sequence's end, where it needs finite values.
-        alloc = torch.zeros if getattr(backend, "reads_padding", False) else torch.empty
-        self.kv_cache = alloc(model_config.num_layers, 2, cache_config.num_blocks, model_config.num_kv_heads,
-                              cache_config.block_size, model_config.head_dim, dtype=dtype, device=device)
+        # One tensor for the whole pool: (layers, K|V, blocks, kv_heads, block_size, head_dim). On the
+        # CPU it sits on huge pages, lazily committed (pages never touched cost no memory); on a GPU
+        # it is zeroed when the backend reads past a sequence's end, where it needs finite values.
+        shape = (model_config.num_layers, 2, cache_config.num_blocks, model_config.num_kv_heads,
+                 cache_config.block_size, model_config.head_dim)
+        if device.type == "cpu":
+            self.kv_cache = huge_page_zeros(shape, dtype)
+        else:
+            alloc = torch.zeros if getattr(backend, "reads_padding", False) else torch.empty
+            self.kv_cache = alloc(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         # Host pool for preemption by swapping (pinned on CUDA so the copies run at full speed).
         self.host_kv_cache = None if not num_host_blocks else torch.empty(

@@ -12,7 +12,7 @@ from tokenmill.attention import AttentionMetadata, make_backend
 BS, HKV, HQ, D = 16, 2, 6, 16  # Triton's tl.dot needs tiles of at least 16
 
 
-def build_case(query_lens, seq_lens, seed=0):
+def build_case(query_lens, seq_lens, seed=0, hkv=HKV, hq=HQ, d=D):
     """Random pool and a ragged batch whose sequences live in shuffled, non-contiguous blocks."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -20,8 +20,8 @@ def build_case(query_lens, seq_lens, seed=0):
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables, slots, contexts = [], [], []
-    k_cache = torch.randn(num_blocks, HKV, BS, D, generator=g)
-    v_cache = torch.randn(num_blocks, HKV, BS, D, generator=g)
+    k_cache = torch.randn(num_blocks, hkv, BS, d, generator=g)
+    v_cache = torch.randn(num_blocks, hkv, BS, d, generator=g)
     for q_len, s_len in zip(query_lens, seq_lens):
         blocks = [free.pop() for _ in range(-(-s_len // BS))]
         tables.append(blocks)
@@ -29,9 +29,9 @@ def build_case(query_lens, seq_lens, seed=0):
         slots.extend(seq_slots[s_len - q_len:])
         contexts.append(seq_slots)
     t = sum(query_lens)
-    q = torch.randn(t, HQ, D, generator=g)
-    k = torch.randn(t, HKV, D, generator=g)
-    v = torch.randn(t, HKV, D, generator=g)
+    q = torch.randn(t, hq, d, generator=g)
+    k = torch.randn(t, hkv, d, generator=g)
+    v = torch.randn(t, hkv, d, generator=g)
     width = max(len(b) for b in tables)
     bt = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
     cu = [0]
@@ -50,7 +50,7 @@ def build_case(query_lens, seq_lens, seed=0):
 
 def by_slot(cache):
     """(num_blocks, Hkv, bs, D) -> (slots, Hkv, D), slot = block * bs + offset."""
-    return cache.transpose(1, 2).reshape(-1, HKV, D)
+    return cache.transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])
 
 
 def _to(meta: AttentionMetadata, device) -> AttentionMetadata:
@@ -65,13 +65,13 @@ def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale):
     k_cache[slots] = k.double()
     v_cache[slots] = v.double()
     out = torch.empty(q.shape, dtype=torch.float64)
-    group = HQ // HKV
+    group = q.shape[1] // k.shape[1]
     for i, ctx in enumerate(contexts):
         start, end = meta.query_start_loc_host[i], meta.query_start_loc_host[i + 1]
         keys, values = k_cache[ctx], v_cache[ctx]  # (L, Hkv, D)
         for j, t in enumerate(range(start, end)):
             visible = len(ctx) - (end - start) + j + 1
-            for h in range(HQ):
+            for h in range(q.shape[1]):
                 scores = keys[:visible, h // group] @ q[t, h].double() * scale
                 out[t, h] = scores.softmax(0) @ values[:visible, h // group]
     return out
@@ -123,4 +123,18 @@ def test_cpu_kernel_handles_multi_token_short_queries():
     meta.num_short, meta.num_short_tokens = 3, 9
     expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.25)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("hkv,hq,d", [(3, 9, 64), (2, 4, 128), (1, 7, 32), (4, 4, 8), (2, 16, 24)])
+@pytest.mark.parametrize("many_tokens", [False, True])
+def test_cpu_kernel_head_shapes(hkv, hq, d, many_tokens):
+    """Group sizes 1 to 8 and head dims on every code path (AVX2 tiles of 32 and 8 floats); few
+    tokens give one kv head per work item, many give all of a token's heads."""
+    backend = make_backend("cpu", torch.device("cpu"))
+    n = 40 if many_tokens else 2
+    query_lens, seq_lens = [1] * n, [1 + (7 * i) % 61 for i in range(n)]
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(query_lens, seq_lens, seed=5, hkv=hkv, hq=hq, d=d)
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, d ** -0.5)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)

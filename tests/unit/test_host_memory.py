@@ -1,0 +1,25 @@
+"""The huge-page backed pool allocation."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from tokenmill.host_memory import huge_page_zeros
+
+
+def test_huge_page_zeros_is_a_zeroed_aligned_tensor_that_outlives_its_mapping():
+    t = huge_page_zeros((3, 5, 1 << 16), torch.float32)
+    assert t.shape == (3, 5, 1 << 16) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % (2 << 20) == 0
+    assert not t.any()
+    view = t[1]
+    del t
+    gc.collect()
+    view.fill_(2.0)  # the mapping is still alive through the view
+    assert view.sum().item() == 2.0 * 5 * (1 << 16)
+
+
+def test_empty_shape():
+    assert huge_page_zeros((0, 4), torch.float32).shape == (0, 4)

@@ -30,3 +30,20 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(region, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE  # huge pages back only 2 MB-aligned ranges
     return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of `tensors` (one dtype) packed into one huge-page arena, each 64-byte
+    aligned. One arena rather than one mapping each: a mapping's last 2 MB page is committed
+    whole, which over a hundred matrices would waste a hundred MB."""
+    if not tensors:
+        return []
+    dtype = tensors[0].dtype
+    align = 64 // dtype.itemsize
+    sizes = [-(-t.numel() // align) * align for t in tensors]
+    arena = huge_page_zeros((sum(sizes),), dtype)
+    copies, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        copies.append(arena[offset:offset + t.numel()].view(t.shape).copy_(t))
+        offset += size
+    return copies

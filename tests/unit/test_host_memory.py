@@ -23,3 +23,13 @@ def test_huge_page_zeros_is_a_zeroed_aligned_tensor_that_outlives_its_mapping():
 
 def test_empty_shape():
     assert huge_page_zeros((0, 4), torch.float32).shape == (0, 4)
+
+
+def test_huge_page_copies_are_equal_aligned_and_independent():
+    from tokenmill.host_memory import huge_page_copies
+    src = [torch.randn(3, 5), torch.randn(7), torch.randn(2, 2, 2)]
+    copies = huge_page_copies(src)
+    for a, b in zip(src, copies):
+        assert torch.equal(a, b) and b.data_ptr() % 64 == 0 and b.data_ptr() != a.data_ptr()
+    copies[0].zero_()
+    assert torch.equal(copies[1], src[1]) and src[0].any()

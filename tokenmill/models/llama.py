@@ -167,11 +167,13 @@ class LlamaForCausalLM(nn.Module):
         keep plain copies too for the small-M kernel. See packed_linear.py.
 
         Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
-        from tokenmill.models.packed_linear import PackedLinear, pack_linears
+        from tokenmill.models.packed_linear import PackedLinear, pack_linears, plain_to_huge_pages
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = PackedLinear(head, None, kernels)
         self.lm_head = None
         pack_linears(self.layers, kernels)
+        if kernels is not None:
+            plain_to_huge_pages(self)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

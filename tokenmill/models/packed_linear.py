@@ -22,6 +22,8 @@ import os
 import torch
 from torch import nn
 
+from tokenmill.host_memory import huge_page_copies
+
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
 
 
@@ -61,6 +63,14 @@ def pack_linears(model: nn.Module, kernels=None) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, PackedLinear(linear.weight, linear.bias, kernels))
     return len(targets)
+
+
+def plain_to_huge_pages(model: nn.Module) -> None:
+    """Move the plain weight copies into one huge-page arena: a batch-1 decode step streams all
+    of them, and without a TLB miss every 4 KB it ran about 7% faster (BENCHMARKS.md)."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.plain is not None]
+    for linear, plain in zip(linears, huge_page_copies([m.plain for m in linears])):
+        linear.plain = plain
 
 
 def keep_plain(weight_bytes: int) -> bool:

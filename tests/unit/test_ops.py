@@ -55,18 +55,20 @@ def test_packed_linear_matches_f_linear(rows):
     assert torch.allclose(PackedLinear(w, b)(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("k", [48, 50])  # 50: not a multiple of 8, the scalar path
-def test_small_m_kernel_matches_f_linear(fused, rows, k):
-    w, b, x = torch.randn(37, k), torch.randn(37), torch.randn(rows, k)
-    assert torch.allclose(fused.kernels.small_m_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    assert torch.allclose(fused.kernels.small_m_linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 48])
+@pytest.mark.parametrize("n", [37, 48])  # 37: a partly filled last panel
+def test_panel_kernel_matches_f_linear(fused, rows, n):
+    w, b, x = torch.randn(n, 50), torch.randn(n), torch.randn(rows, 50)
+    panels = fused.kernels.pack_panels(w)
+    assert panels.shape == (-(-n // 16), 50, 16)
+    assert torch.allclose(fused.kernels.panel_linear(x, panels, b, n), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(fused.kernels.panel_linear(x, panels, None, n), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
-def test_packed_linear_uses_the_small_m_kernel_for_few_rows(fused):
+def test_packed_linear_with_panels_matches_for_every_row_count(fused):
     w = torch.randn(96, 48)
     layer = PackedLinear(w, None, fused.kernels)
-    for rows in (1, 8, 9, 64):
+    assert layer.packed is None and layer.panels is not None
+    for rows in (1, 8, 64, 300, 1100):  # 1100: three blocks of rows
         x = torch.randn(rows, 48)
         assert torch.allclose(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-4)

@@ -11,7 +11,8 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
 void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
                  int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor pack_panels(torch::Tensor weight);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32)");
@@ -19,5 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight");
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row");
-  m.def("small_m_linear", &small_m_linear, "x @ W.T + b for 1 to 8 rows, streaming W once");
+  m.def("pack_panels", &pack_panels, "W (N, K) -> panels (ceil(N/16), K, 16) for panel_linear");
+  m.def("panel_linear", &panel_linear, "x @ W.T + b for decode-sized M, W as 16-feature panels");
 }

@@ -163,17 +163,17 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def pack_for_cpu(self, kernels=None) -> None:
-        """Pack every projection (and the output head, tied or not) for oneDNN; with `kernels`,
-        keep plain copies too for the small-M kernel. See packed_linear.py.
+        """Pack every projection (and the output head, tied or not) in panels for the C++ kernel
+        when `kernels` is given, else for oneDNN. See packed_linear.py.
 
         Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
-        from tokenmill.models.packed_linear import PackedLinear, pack_linears, plain_to_huge_pages
+        from tokenmill.models.packed_linear import PackedLinear, pack_linears, panels_to_huge_pages
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_lm_head = PackedLinear(head, None, kernels)
         self.lm_head = None
         pack_linears(self.layers, kernels)
         if kernels is not None:
-            plain_to_huge_pages(self)
+            panels_to_huge_pages(self)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

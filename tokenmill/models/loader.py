@@ -23,7 +23,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.ops import CpuFusedOps
-from tokenmill.models.packed_linear import keep_plain, onednn_available
+from tokenmill.models.packed_linear import onednn_available
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
 def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,
                kernels: str = "torch") -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
-    on a CPU in float32, pack its projections for oneDNN and use the fused C++ element-wise ops."""
+    on a CPU in float32, pack its projections (for the C++ panel kernel, or oneDNN without it)
+    and use the fused C++ element-wise ops."""
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(ckpt.config, max_len)
     model = model.to_empty(device=device).to(dtype)
@@ -207,9 +208,8 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     model.load_weights(ckpt.weights())
     if kernels == "auto" and device.type == "cpu" and dtype == torch.float32:
         cpu_kernels = load_cpu_kernels(required=False)
-        if onednn_available(device, dtype):
-            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            model.pack_for_cpu(cpu_kernels if cpu_kernels is not None and keep_plain(weight_bytes) else None)
+        if cpu_kernels is not None or onednn_available(device, dtype):
+            model.pack_for_cpu(cpu_kernels)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
     return model.eval()

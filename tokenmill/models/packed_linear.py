@@ -1,23 +1,19 @@
-"""Linear layers with weights packed once for oneDNN (CPU, float32).
+"""Linear layers with weights packed once at load time (CPU, float32).
 
-`F.linear` on the CPU calls MKL's sgemm, which re-packs the weight matrix into its
-blocked layout on every call. For the small M of decode steps that repacking costs as
-much as the product itself; packing once at load time and calling oneDNN's matmul on the
-packed weight streams each weight once per step. Measured on the default model's 121
-matrices in sequence (2 threads, see BENCHMARKS.md): M=8 62 -> 34 ms, M=64 148 -> 127 ms,
-M=512 within a few percent, M=1 35 -> 22 ms.
+`F.linear` on the CPU calls MKL's sgemm, which re-packs the weight matrix into its blocked
+layout on every call; for the small M of decode steps that repacking costs as much as the
+product itself. Packing once at load avoids it. Two packed forms, measured on the default
+model's 121 matrices (2 threads, see BENCHMARKS.md):
 
-For 1 to 8 rows (decode with a handful of sequences) even oneDNN leaves bandwidth unused;
-there a small C++ kernel (csrc/gemv_cpu.cpp) streams the plain weight instead, about 25%
-faster. That needs the plain copy kept beside the packed one, so it is used only when the
-model is small next to the machine's memory (`keep_plain`).
+- panels of 16 output features for tokenmill's own kernel (csrc/gemv_cpu.cpp), used whenever
+  the C++ kernels are built: 1.5x oneDNN at M = 1, 1.2-1.4x from 16 to 128 rows, 1.1x at 512;
+- oneDNN's packed layout otherwise: against `F.linear`, M = 8 62 -> 34 ms, M = 64 148 -> 127 ms,
+  M = 1 35 -> 22 ms, M = 512 within a few percent.
 
-`F.linear` stays the reference (kernels="torch"), and tests compare the two.
+`F.linear` stays the reference (kernels="torch"), and tests compare all three.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
@@ -31,28 +27,27 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-SMALL_M = 8  # rows up to which the plain-weight kernel beats oneDNN (measured; slower from 12)
-
-
 class PackedLinear(nn.Module):
-    """y = x @ W.T + b with W in oneDNN's packed layout (and, with `kernels`, also plain for
-    the small-M kernel)."""
+    """y = x @ W.T + b with W packed once: in panels when `kernels` (the C++ module) is given,
+    else in oneDNN's layout. One packed copy either way; the plain weight is dropped."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels=None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT)
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
-        self.plain = weight.detach().contiguous() if kernels is not None else None
+        weight = weight.detach().contiguous()
+        self.panels = kernels.pack_panels(weight) if kernels is not None else None
+        self.packed = None if kernels is not None else torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.shape[0] <= SMALL_M:
-            return self.kernels.small_m_linear(x, self.plain, self.bias)
+        if self.panels is not None:
+            return self.kernels.panel_linear(x, self.panels, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+        layout = "panels" if self.panels is not None else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}"
 
 
 def pack_linears(model: nn.Module, kernels=None) -> int:
@@ -65,15 +60,9 @@ def pack_linears(model: nn.Module, kernels=None) -> int:
     return len(targets)
 
 
-def plain_to_huge_pages(model: nn.Module) -> None:
-    """Move the plain weight copies into one huge-page arena: a batch-1 decode step streams all
-    of them, and without a TLB miss every 4 KB it ran about 7% faster (BENCHMARKS.md)."""
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.plain is not None]
-    for linear, plain in zip(linears, huge_page_copies([m.plain for m in linears])):
-        linear.plain = plain
-
-
-def keep_plain(weight_bytes: int) -> bool:
-    """Whether a second, plain copy of the weights fits easily: at most a tenth of the RAM."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 2 * weight_bytes <= ram // 10
+def panels_to_huge_pages(model: nn.Module) -> None:
+    """Move the panels into one huge-page arena: a batch-1 decode step streams all of them, and
+    without a TLB miss every 4 KB it ran about 7% faster (BENCHMARKS.md)."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
+    for linear, panels in zip(linears, huge_page_copies([m.panels for m in linears])):
+        linear.panels = panels

@@ -92,8 +92,8 @@ class EngineConfig:
     swap_space: int | str = "4GiB"           # host pool for preemption_mode="swap"
     static_batching: bool = False            # baseline mode for benchmarks: admit a batch only when empty
     attention_backend: str = "auto"          # "auto", "reference", "cpu", "torch", "triton" (CUDA)
-    kernels: str = "auto"                    # "auto": oneDNN-packed projections and fused C++ ops on
-                                             # CPU float32; "torch": plain torch ops (the reference)
+    kernels: str = "auto"                    # "auto": packed projections (C++ panel GEMM) and fused C++
+                                             # ops on CPU float32; "torch": plain torch ops (the reference)
     num_threads: int | None = None           # torch intra-op threads on CPU (default: torch's choice)
     speculative: str | None = None           # "ngram" (prompt lookup) or "draft:PATH" (a smaller model)
     num_speculative_tokens: int = 4          # most drafts per sequence per step

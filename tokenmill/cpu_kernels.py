@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (tokenmill/csrc): paged attention, fused element-wise ops, and a
-bandwidth-bound product for decode steps with 1 to 8 rows.
+"""The C++ CPU kernels (tokenmill/csrc): paged attention, fused element-wise ops, and the
+panel GEMM behind every projection.
 
 Compiled with torch's extension tooling on first use and cached under torch's extension
 directory (~/.cache/torch_extensions), so later runs load them in milliseconds. Callers
@@ -16,7 +16,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "gemv_cpu.cpp"]
+_SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "gemm_cpu.cpp"]
 
 
 @functools.lru_cache(maxsize=1)

@@ -38,6 +38,31 @@ void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, flo
 // Named accumulators, not an array: GCC kept an accumulator array on the stack (a store per
 // FMA, a third of the speed).
 template <int R>
+void tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out);
+
+// One row (batch-1 decode): the four accumulators take alternate k, so that no single FMA
+// chain's latency paces the stream (measured 3% faster, at the plain read rate).
+template <>
+void tile_avx2<1>(const float* x, int64_t, const float* panel, int64_t K, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
+    a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + k * kPanel), a0);
+    a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + k * kPanel + 8), a1);
+    a2 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(panel + (k + 1) * kPanel), a2);
+    a3 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(panel + (k + 1) * kPanel + 8), a3);
+  }
+  if (k < K) {
+    const __m256 x0 = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + k * kPanel), a0);
+    a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + k * kPanel + 8), a1);
+  }
+  _mm256_storeu_ps(out, _mm256_add_ps(a0, a2));
+  _mm256_storeu_ps(out + 8, _mm256_add_ps(a1, a3));
+}
+
+template <int R>
 void tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
   __m256 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;

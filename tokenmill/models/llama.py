@@ -5,6 +5,10 @@ The model sees one flat batch of T tokens (every scheduled sequence's new tokens
 to back) and never a (batch, seq) grid: only attention needs to know where one
 sequence ends, and it reads that from AttentionMetadata. q/k/v and gate/up are fused
 into one matrix each at load time, so a layer runs four matrix products.
+
+Inside a step the layers call their submodules' `.forward` directly: nn.Module.__call__'s hook
+handling cost 0.56 ms a step over 30 layers (measured on a 30-layer model with tiny matrices),
+2% of a batch-1 decode step of the default model. No hooks are used on these modules.
 """
 
 from __future__ import annotations
@@ -87,14 +91,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend, ops) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)                                  # (T, (Hq + 2 Hkv) * D)
+        qkv = self.qkv_proj.forward(x)                                  # (T, (Hq + 2 Hkv) * D)
         if self.q_norm is not None:  # Qwen3: RMSNorm on every q and k head, before the rotation
             q, k, _ = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
         q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
-        return self.o_proj(out.view(t, self.q_size))
+        return self.o_proj.forward(out.view(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -104,7 +108,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -119,9 +123,9 @@ class DecoderLayer(nn.Module):
         """Pre-norm block. The residual stream is carried separately so that each add fuses
         with the norm that follows it. Returns (block output, residual stream)."""
         h, residual = ops.add_rms_norm(x, residual, self.input_layernorm)
-        h = self.self_attn(h, cos, sin, k_cache, v_cache, meta, backend, ops)
+        h = self.self_attn.forward(h, cos, sin, k_cache, v_cache, meta, backend, ops)
         h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm)
-        return self.mlp(h, ops), residual
+        return self.mlp.forward(h, ops), residual
 
 
 # Hugging Face checkpoint names that map into a fused parameter: (our name, shard index).
@@ -152,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, meta, backend, self.ops)
+            x, residual = layer.forward(x, residual, cos, sin, k_cache, v_cache, meta, backend, self.ops)
         return self.ops.add_rms_norm(x, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

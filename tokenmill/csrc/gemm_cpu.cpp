@@ -6,7 +6,7 @@
 // a panel is one contiguous run that streams from memory once per block of rows, and the inner
 // loop holds a 6 x 16 tile of y in twelve registers, loading two vectors of W and broadcasting
 // six scalars of x per k. Measured against oneDNN on the default model's matrices (2 threads):
-// 1.5x at M = 1, 1.2-1.4x from 16 to 128 rows, 1.1x at 512. Panels are split across threads;
+// 1.5x at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512. Panels are split across threads;
 // rows go in blocks of 512 so that a block of x stays in cache while the panels stream past.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

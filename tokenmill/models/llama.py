@@ -91,7 +91,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend, ops) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj.forward(x)                                  # (T, (Hq + 2 Hkv) * D)
+        qkv = self.qkv_proj.forward(x)                          # (T, (Hq + 2 Hkv) * D)
         if self.q_norm is not None:  # Qwen3: RMSNorm on every q and k head, before the rotation
             q, k, _ = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
             q.copy_(self.q_norm(q))

@@ -6,7 +6,7 @@ product itself. Packing once at load avoids it. Two packed forms, measured on th
 model's 121 matrices (2 threads, see BENCHMARKS.md):
 
 - panels of 16 output features for tokenmill's own kernel (csrc/gemm_cpu.cpp), used whenever
-  the C++ kernels are built: 1.5x oneDNN at M = 1, 1.2-1.4x from 16 to 128 rows, 1.1x at 512;
+  the C++ kernels are built: 1.5x oneDNN at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512;
 - oneDNN's packed layout otherwise: against `F.linear`, M = 8 62 -> 34 ms, M = 64 148 -> 127 ms,
   M = 1 35 -> 22 ms, M = 512 within a few percent.
 

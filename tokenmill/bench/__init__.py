@@ -42,6 +42,12 @@ def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=600, help="stop sending new requests after this")
     p.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=2000,tpot=200 (milliseconds)")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="leave out vLLM's ignore_eos field, for servers that reject it (transformers "
+                        "serve): outputs then end at EOS or --output-len, and only tokens received count")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send each prompt as text (its token ids decoded with --model's tokenizer) for servers "
+                        "that take only strings (transformers serve); the server's token count may differ")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     add_engine_args(p)

@@ -3,8 +3,11 @@ OpenAI-compatible server (tokenmill, vLLM, llama.cpp's server) or one it starts 
 
 Requests arrive as a Poisson process at each --request-rate (gamma-distributed gaps when
 --burstiness is not 1), or as fast as --max-concurrency allows. Each is a streaming
-/v1/completions call with a token-id prompt and a fixed output length (ignore_eos), so
-every server does the same work. The run is bounded by --num-prompts and --max-seconds.
+/v1/completions call with a token-id prompt and a fixed output length (vLLM's ignore_eos
+extension, which llama.cpp's server also takes), so every server does the same work; for a
+server that rejects the field, --no-ignore-eos leaves it out, and for one that takes only
+text prompts, --text-prompts decodes the token ids with the model's tokenizer. The run is
+bounded by --num-prompts and --max-seconds.
 
 Per request: TTFT (send to first token), ITL (gaps between streamed chunks), TPOT
 ((end - first token) / (tokens - 1)) and end-to-end latency; goodput counts the requests
@@ -23,7 +26,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenmill.bench.workloads import BenchRequest, random_workload
+from tokenmill.bench.workloads import random_workload
+
+
+@dataclass
+class Prompt:
+    prompt: list[int] | str  # token ids, or their text for servers that take only strings
+    max_tokens: int
 
 
 @dataclass
@@ -40,9 +49,11 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
 
-async def send(client, url: str, model: str, req: BenchRequest) -> RequestResult:
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "stream": True,
-            "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+async def send(client, url: str, model: str, req: Prompt, ignore_eos: bool = True) -> RequestResult:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     start = time.perf_counter()
     first, last, chunks, usage_tokens = None, None, 0, None
     itl = []
@@ -77,8 +88,9 @@ async def send(client, url: str, model: str, req: BenchRequest) -> RequestResult
     return RequestResult(True, usage_tokens or chunks, first - start, end - start, itl)
 
 
-async def run_rate(url: str, model: str, workload: list[BenchRequest], rate: float, burstiness: float,
-                   max_concurrency: int | None, max_seconds: float, seed: int, progress: bool) -> tuple:
+async def run_rate(url: str, model: str, workload: list[Prompt], rate: float, burstiness: float,
+                   max_concurrency: int | None, max_seconds: float, seed: int, progress: bool,
+                   ignore_eos: bool = True) -> tuple:
     import httpx
     from tqdm.auto import tqdm
 
@@ -91,9 +103,9 @@ async def run_rate(url: str, model: str, workload: list[BenchRequest], rate: flo
     async def one(client, req):
         if limit is not None:
             async with limit:
-                result = await send(client, url, model, req)
+                result = await send(client, url, model, req, ignore_eos)
         else:
-            result = await send(client, url, model, req)
+            result = await send(client, url, model, req, ignore_eos)
         results.append(result)
         bar.update(1)
 
@@ -202,13 +214,19 @@ def bench_serve(args) -> dict:
     try:
         wait_healthy(url, proc)
         model = args.served_model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        workload = random_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
-                                   args.dataset_seed)
+        workload = [Prompt(r.prompt_token_ids, r.max_tokens) for r in
+                    random_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
+                                    args.dataset_seed)]
+        if args.text_prompts:
+            from tokenmill.models.loader import load_tokenizer, resolve_model_path
+            tokenizer = load_tokenizer(resolve_model_path(args.model), args.tokenizer)
+            workload = [Prompt(tokenizer.decode(p.prompt), p.max_tokens) for p in workload]
         slo = parse_slo(args.slo)
         rows = []
         for rate in args.request_rate:
             results, wall = asyncio.run(run_rate(url, model, workload, rate, args.burstiness, args.max_concurrency,
-                                                 args.max_seconds, args.dataset_seed, progress=True))
+                                                 args.max_seconds, args.dataset_seed, progress=True,
+                                                 ignore_eos=args.ignore_eos))
             rows.append(summarize(results, wall, rate, slo))
     finally:
         if proc is not None:

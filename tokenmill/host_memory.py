@@ -26,7 +26,10 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without transparent huge pages: plain pages then
+        pass
     raw = torch.frombuffer(region, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE  # huge pages back only 2 MB-aligned ranges
     return raw[start:start + nbytes].view(dtype).view(shape)
@@ -39,6 +42,8 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if not tensors:
         return []
     dtype = tensors[0].dtype
+    if any(t.dtype != dtype for t in tensors):
+        raise ValueError("huge_page_copies: tensors of one dtype only")
     align = 64 // dtype.itemsize
     sizes = [-(-t.numel() // align) * align for t in tensors]
     arena = huge_page_zeros((sum(sizes),), dtype)

@@ -138,3 +138,15 @@ def test_cpu_kernel_head_shapes(hkv, hq, d, many_tokens):
     expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, d ** -0.5)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_write_kv_rejects_bad_slots_and_shapes():
+    kernel = make_backend("cpu", torch.device("cpu")).kernel
+    k_cache, v_cache = torch.zeros(4, HKV, BS, D), torch.zeros(4, HKV, BS, D)
+    k = v = torch.ones(1, HKV, D)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernel.write_kv(k, v, k_cache, v_cache, torch.tensor([4]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        kernel.write_kv(torch.ones(1, 1, D), torch.ones(1, 1, D), k_cache, v_cache, torch.tensor([0]),
+                        torch.tensor([0]))
+    assert not k_cache.any()

@@ -33,3 +33,11 @@ def test_huge_page_copies_are_equal_aligned_and_independent():
         assert torch.equal(a, b) and b.data_ptr() % 64 == 0 and b.data_ptr() != a.data_ptr()
     copies[0].zero_()
     assert torch.equal(copies[1], src[1]) and src[0].any()
+
+
+def test_huge_page_copies_refuse_mixed_dtypes():
+    import pytest
+
+    from tokenmill.host_memory import huge_page_copies
+    with pytest.raises(ValueError, match="one dtype"):
+        huge_page_copies([torch.zeros(2), torch.zeros(2, dtype=torch.float64)])

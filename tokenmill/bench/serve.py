@@ -220,7 +220,9 @@ def bench_serve(args) -> dict:
         if args.text_prompts:
             from tokenmill.models.loader import load_tokenizer, resolve_model_path
             tokenizer = load_tokenizer(resolve_model_path(args.model), args.tokenizer)
-            workload = [Prompt(tokenizer.decode(p.prompt), p.max_tokens) for p in workload]
+            # special ids would come back as control tokens; the server's count may differ a little
+            workload = [Prompt(tokenizer.decode(p.prompt, skip_special_tokens=True), p.max_tokens)
+                        for p in workload]
         slo = parse_slo(args.slo)
         rows = []
         for rate in args.request_rate:

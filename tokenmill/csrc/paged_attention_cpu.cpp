@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "simd.h"
@@ -219,7 +220,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
              cost_before.begin();
     };
     const int64_t begin = item_at(chunk_begin), end = chunk_end == num_chunks ? num_items : item_at(chunk_end);
-    std::vector<float> scores(H * G * row), acc(H * G * D), sums(H * G);
+    // every score an item reads is written first by its pass 1, so no zero fill
+    std::unique_ptr<float[]> scores(new float[H * G * row]);
+    std::vector<float> acc(H * G * D), sums(H * G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / per_token, h0 = item % per_token * H;
       const int64_t b = token_seq[t];
@@ -261,9 +264,15 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "write_kv: heads must be contiguous");
   TORCH_CHECK(slot_block.dtype() == torch::kInt64 && slot_offset.dtype() == torch::kInt64, "write_kv: int64 slots");
-  TORCH_CHECK(k.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() &&
-              v_cache.is_contiguous(), "write_kv: contiguous float32 caches");
-  const int64_t T = k.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2), D = k_cache.size(3);
+  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
+              v_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "write_kv: contiguous float32 caches");
+  const int64_t T = k.size(0), num_blocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2),
+                D = k_cache.size(3);
+  TORCH_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
+              v_cache.sizes() == k_cache.sizes(), "write_kv: k/v shapes disagree with the cache");
+  TORCH_CHECK(slot_block.is_contiguous() && slot_offset.is_contiguous() && slot_block.numel() == T &&
+              slot_offset.numel() == T, "write_kv: one contiguous slot per token");
   const int64_t* blocks = slot_block.data_ptr<int64_t>();
   const int64_t* offsets = slot_offset.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
@@ -271,6 +280,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks && offsets[t] >= 0 && offsets[t] < bs,
+                "write_kv: slot out of range");
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t dst = ((blocks[t] * Hkv + h) * bs + offsets[t]) * D;
       std::copy_n(kp + t * k.stride(0) + h * D, D, kc + dst);

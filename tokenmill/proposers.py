@@ -39,6 +39,9 @@ class NgramProposer:
                 return arr[start:start + k].tolist()
         return []
 
+    def sync(self, request: Request) -> None:
+        pass  # no state of its own: drafts are read from the sequence each step
+
     def release(self, request_id: str) -> None:
         pass
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.proposers import DraftModelProposer
 from tokenmill.request import Request
 from tokenmill.sampler import Sampler, SamplingMetadata, filter_logits
 
@@ -175,7 +174,7 @@ class Speculator:
         for r in changed:
             if r.is_finished:
                 self.proposer.release(r.request_id)
-            elif isinstance(self.proposer, DraftModelProposer):
+            else:
                 self.proposer.sync(r)
         for request_id in finished_ids:  # aborted or stopped outside the token checks
             self.proposer.release(request_id)

@@ -35,8 +35,6 @@ void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, flo
 }
 
 #ifdef TOKENMILL_AVX2
-// Named accumulators, not an array: GCC kept an accumulator array on the stack (a store per
-// FMA, a third of the speed).
 // One row of a tile at one k: (lo, hi) += x_r[k] * (w0, w1).
 inline void row_fma(const float* xk, __m256 w0, __m256 w1, __m256& lo, __m256& hi) {
   const __m256 xb = _mm256_broadcast_ss(xk);
@@ -69,6 +67,8 @@ void tile_avx2<1>(const float* x, int64_t, const float* panel, int64_t K, float*
   _mm256_storeu_ps(out + 8, _mm256_add_ps(a1, a3));
 }
 
+// Named accumulators, not an array: GCC kept an accumulator array on the stack (a store per
+// FMA, a third of the speed).
 template <int R>
 void tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;

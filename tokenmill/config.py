@@ -77,8 +77,8 @@ class EngineConfig:
     max_num_seqs: int = 256                  # most sequences in one step
     max_num_batched_tokens: int = 512        # per-step token budget (decodes + prompt chunks)
     max_model_len: int | None = None         # prompt + output; default: the model's context length
-    long_prefill_token_threshold: int | None = None  # while others decode, a prompt chunk of a request
-                                             # with more left than this is cut to this size
+    long_prefill_token_threshold: int | None = None  # a prompt longer than this gets small chunks while
+                                             # others decode (default: max_num_batched_tokens; 0: off)
     block_size: int = 16                     # tokens per KV block
     kv_cache_memory: int | str | None = None  # KV pool size in bytes or "2GiB"
     num_kv_blocks: int | None = None         # exact pool size in blocks (overrides kv_cache_memory)
@@ -107,8 +107,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
-            raise ValueError(f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -181,7 +181,8 @@ class SchedulerConfig:
     kv_watermark: float = 0.01
     preemption_mode: str = "recompute"
     static_batching: bool = False
-    long_prefill_token_threshold: int | None = None
+    long_prefill_token_threshold: int = 0  # 0: long prompts are not held back
+    long_prefill_min_chunk: int = 16       # a long prompt's chunk beside decodes: max(this, decodes / 2)
     starvation_seconds: float = 30.0   # a request waiting this long is served first, whatever the policy
 
     def __post_init__(self) -> None:
@@ -199,4 +200,6 @@ class SchedulerConfig:
                    max_model_len=max_model_len, policy=config.scheduling_policy,
                    kv_watermark=config.kv_watermark, preemption_mode=config.preemption_mode,
                    static_batching=config.static_batching,
-                   long_prefill_token_threshold=config.long_prefill_token_threshold)
+                   long_prefill_token_threshold=(config.max_num_batched_tokens
+                                                 if config.long_prefill_token_threshold is None
+                                                 else config.long_prefill_token_threshold))

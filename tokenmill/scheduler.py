@@ -8,9 +8,11 @@ each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
   3. Waiting requests are admitted in policy order while the budget, `max_num_seqs` and the
      KV pool (less a watermark) allow; each gets a chunk of its prompt.
 
-With `long_prefill_token_threshold`, a step that carries decodes gives a long prompt (more
-than the threshold left) at most that many tokens, so one huge prompt cannot stretch the
-step every decoding user waits on (Sarathi-style stall-free batching).
+A step that carries decodes gives a long prompt (more tokens than `long_prefill_token_threshold`,
+by default one step's budget) only max(`long_prefill_min_chunk`, decodes / 2) tokens: a step's
+cost grows with its tokens, so that keeps every decoding user's step to about 1.5x its cost
+without the prompt, and one huge prompt cannot stretch the step they all wait on
+(Sarathi-style stall-free batching). A step without decodes gives it the whole budget.
 
 When a running request needs a block and the pool is empty, the running request the
 policy values least (among those not yet scheduled in this step) is preempted. By
@@ -100,7 +102,7 @@ class Scheduler:
         preempted: list[Request] = []
         self._swap_out, swap_in = [], []
         admit_new = not static or not self.running
-        decoding = False  # whether this step carries a decode (long prompt chunks are capped then)
+        num_decodes = 0  # decodes in this step so far (long prompt chunks are capped by them)
 
         # 1 + 2: running requests, decodes before prompt chunks (a stable sort keeps admission order).
         for request in sorted(self.running, key=lambda r: r.num_remaining_prefill > 1):
@@ -108,7 +110,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(request.num_remaining_prefill, budget, decoding)
+            num_new = self._chunk(request, request.num_remaining_prefill, budget, num_decodes)
             if request.draft_token_ids and request.num_remaining_prefill == 1:
                 # Speculation: the last sampled token plus the drafts to verify, within the budget.
                 request.draft_token_ids = request.draft_token_ids[:budget - 1]
@@ -123,7 +125,7 @@ class Scheduler:
                 scheduled[request] = num_new
                 drafts[request] = len(request.draft_token_ids)
                 budget -= num_new
-                decoding = decoding or request.num_remaining_prefill == 1
+                num_decodes += request.num_remaining_prefill == 1
 
         # 3: admit waiting requests (none in a step that had to preempt: memory is short).
         while (admit_new and not preempted and self.waiting and budget > 0
@@ -137,7 +139,7 @@ class Scheduler:
                 swap_in.extend(self.kv.swap_in(request, num_new))
             else:
                 hit = self.kv.find_prefix(request)
-                num_new = self._chunk(request.num_tokens - hit.num_tokens, budget, decoding)
+                num_new = self._chunk(request, request.num_tokens - hit.num_tokens, budget, num_decodes)
                 if not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
                     break
                 self.kv.allocate(request, num_new, hit)
@@ -159,12 +161,14 @@ class Scheduler:
             preempted_request_ids=[r.request_id for r in preempted], finished_request_ids=finished,
             swap_out=self._swap_out, swap_in=swap_in)
 
-    def _chunk(self, remaining: int, budget: int, decoding: bool) -> int:
+    def _chunk(self, request: Request, remaining: int, budget: int, num_decodes: int) -> int:
         """Tokens to compute for a request with `remaining` to go: within the budget, and capped
-        for a long prompt while the step carries decodes."""
-        limit = self.config.long_prefill_token_threshold
-        if decoding and limit is not None and remaining > limit:
-            return min(limit, budget)
+        for a long prompt while the step carries decodes. Long is the request's whole length,
+        not what is left, so its last chunks do not come back at full size."""
+        threshold = self.config.long_prefill_token_threshold
+        if num_decodes and threshold and request.num_tokens > threshold:
+            cap = max(self.config.long_prefill_min_chunk, num_decodes // 2)
+            return min(remaining, cap, budget)
         return min(remaining, budget)
 
     def _next_waiting(self) -> Request:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from fakes import make_request, make_scheduler, run_to_completion
 
+from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.request import RequestStatus
 
 
@@ -177,10 +178,36 @@ def test_duplicate_request_id_is_rejected():
 
 
 def test_long_prompt_chunks_are_capped_while_others_decode():
-    s = make_scheduler(budget=100, long_prefill_token_threshold=8)
-    s.add_request(make_request("short", prompt_len=5, max_tokens=20))
+    s = make_scheduler(num_blocks=200, budget=100, max_num_seqs=40,
+                       long_prefill_token_threshold=50, long_prefill_min_chunk=8)
+    s.add_request(make_request("short", prompt_len=5, max_tokens=60))
     s.add_request(make_request("long", prompt_len=300, max_tokens=2))
     first = step(s)
     assert scheduled(first) == {"short": 5, "long": 95}  # nobody decodes yet: the full budget
     second = step(s)
     assert scheduled(second) == {"short": 1, "long": 8}  # short decodes: the long prompt trickles
+    for i in range(30):  # more decoders: the long prompt's share grows to half their number
+        s.add_request(make_request(f"d{i}", prompt_len=1, max_tokens=60))
+    step(s)
+    assert scheduled(step(s))["long"] == 31 // 2
+    left, chunks = 300 - 95 - 8 - 8 - 15, []
+    while sum(chunks) < left:  # its last chunks stay capped too
+        chunks.append(scheduled(step(s))["long"])
+    assert chunks[:-1] == [15] * (len(chunks) - 1) and chunks[-1] == left - 15 * (len(chunks) - 1)
+
+
+def test_prompts_within_the_threshold_or_with_threshold_zero_are_not_capped():
+    for threshold, prompt_len in ((50, 40), (0, 300)):
+        s = make_scheduler(num_blocks=200, budget=100, long_prefill_token_threshold=threshold,
+                           long_prefill_min_chunk=8)
+        s.add_request(make_request("short", prompt_len=5, max_tokens=20))
+        step(s)
+        s.add_request(make_request("other", prompt_len=prompt_len, max_tokens=2))
+        assert scheduled(step(s)) == {"short": 1, "other": min(prompt_len, 99)}
+
+
+def test_engine_default_threshold_is_one_steps_budget():
+    config = SchedulerConfig.from_engine(EngineConfig(max_num_batched_tokens=256), max_model_len=1024)
+    assert config.long_prefill_token_threshold == 256
+    off = SchedulerConfig.from_engine(EngineConfig(long_prefill_token_threshold=0), max_model_len=1024)
+    assert off.long_prefill_token_threshold == 0

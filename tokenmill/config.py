@@ -18,6 +18,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, 
 SCHEDULING_POLICIES = ("fcfs", "priority", "srpf", "edf")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float16")
 
 
 def parse_size(value: int | str) -> int:
@@ -83,6 +84,8 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # KV pool size in bytes or "2GiB"
     num_kv_blocks: int | None = None         # exact pool size in blocks (overrides kv_cache_memory)
     dtype: str | None = None                 # "float32" (CPU default), "bfloat16" (CUDA default)
+    kv_cache_dtype: str = "auto"             # "auto": the model's dtype; "float16" (CPU): half the KV
+                                             # bytes to store and read, values rounded to 11 bits
     device: str = "cpu"                      # "cpu" or "cuda"
     seed: int = 0                            # seeds the sampler for requests without their own seed
     enable_prefix_caching: bool = True
@@ -119,6 +122,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "float16" and self.device != "cpu":
+            raise ValueError("kv_cache_dtype='float16' is for the CPU (on CUDA the pool already takes the "
+                             "model's 2-byte dtype)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
@@ -150,6 +158,10 @@ class EngineConfig:
         if self.dtype is not None:
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return self.torch_dtype_name if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
+        self.kv_dtype = getattr(torch, config.kv_dtype_name)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
@@ -60,13 +61,13 @@ class LLMEngine:
             max_len = num_blocks * config.block_size
         self.max_model_len = max_len
         self.cache_config = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
-        bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
         num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.kv)
         backend = make_backend(config.attention_backend, self.device, config.block_size, self.model_config.head_dim)
         self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
-                                  self.dtype, config.seed, num_host_blocks)
+                                  self.kv_dtype, config.seed, num_host_blocks)
         self.speculator = None
         if config.speculative is not None:
             proposer = make_proposer(config.speculative, config, self.model_config.vocab_size, num_blocks,
@@ -81,7 +82,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        bytes_per_block = cfg.block_size * self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        bytes_per_block = cfg.block_size * self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
         if cfg.kv_cache_memory is not None:
             budget = parse_size(cfg.kv_cache_memory)
         elif self.device.type == "cuda":

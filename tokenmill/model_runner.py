@@ -46,7 +46,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig,
-                 backend, device: torch.device, dtype: torch.dtype, seed: int, num_host_blocks: int = 0) -> None:
+                 backend, device: torch.device, kv_dtype: torch.dtype, seed: int, num_host_blocks: int = 0) -> None:
         self.model = model
         self.model_config = model_config
         self.cache_config = cache_config
@@ -59,14 +59,14 @@ class ModelRunner:
         shape = (model_config.num_layers, 2, cache_config.num_blocks, model_config.num_kv_heads,
                  cache_config.block_size, model_config.head_dim)
         if device.type == "cpu":
-            self.kv_cache = huge_page_zeros(shape, dtype)
+            self.kv_cache = huge_page_zeros(shape, kv_dtype)
         else:
             alloc = torch.zeros if getattr(backend, "reads_padding", False) else torch.empty
-            self.kv_cache = alloc(shape, dtype=dtype, device=device)
+            self.kv_cache = alloc(shape, dtype=kv_dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
         # Host pool for preemption by swapping (pinned on CUDA so the copies run at full speed).
         self.host_kv_cache = None if not num_host_blocks else torch.empty(
-            (*self.kv_cache.shape[:2], num_host_blocks, *self.kv_cache.shape[3:]), dtype=dtype,
+            (*self.kv_cache.shape[:2], num_host_blocks, *self.kv_cache.shape[3:]), dtype=kv_dtype,
             pin_memory=device.type == "cuda")
         self.sampler = Sampler(seed, device)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator

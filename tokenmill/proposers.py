@@ -74,7 +74,7 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         backend = make_backend(engine_config.attention_backend, device, block_size, checkpoint.config.head_dim)
         self.runner = ModelRunner(model, checkpoint.config, CacheConfig(num_blocks, block_size), backend, device,
-                                  dtype, engine_config.seed)
+                                  getattr(torch, engine_config.kv_dtype_name), engine_config.seed)
         self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:

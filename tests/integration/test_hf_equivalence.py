@@ -33,18 +33,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("backend_name, kernels", [("reference", "torch"), ("cpu", "auto")])
+@pytest.mark.parametrize("backend_name, kernels, kv_dtype, tol", [
+    ("reference", "torch", torch.float32, 1e-4), ("cpu", "auto", torch.float32, 1e-4),
+    ("cpu", "auto", torch.float16, 3e-3)])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels):
-    """Reference path (SDPA, F.linear, torch ops) and fast path (C++ attention kernel,
-    oneDNN-packed projections, fused C++ ops) both match transformers."""
+def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, kv_dtype, tol):
+    """Reference path (SDPA, F.linear, torch ops) and fast path (C++ attention kernel, panel
+    GEMM projections, fused C++ ops) both match transformers; with a float16 KV pool, to within
+    what rounding K and V to float16 costs."""
     path = tiny_models[arch]
     checkpoint = open_checkpoint(path)
     cfg = checkpoint.config
     model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels=kernels)
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
     runner = ModelRunner(model, cfg, CacheConfig(64, 16), make_backend(backend_name, torch.device("cpu")),
-                         torch.device("cpu"), torch.float32, seed=0)
+                         torch.device("cpu"), kv_dtype, seed=0)
     rng = random.Random(arch)
     lengths = {"a": 70, "b": 23, "c": 41, "d": 9}
     reqs = {k: Request(request_id=k, prompt_token_ids=[rng.randrange(2, 384) for _ in range(n)],
@@ -83,7 +86,7 @@ def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels):
     for rid, (start, end) in {"a": (30, 70), "b": (23, 24), "c": (40, 41), "d": (0, 9)}.items():
         with torch.no_grad():
             ref = hf(torch.tensor([reqs[rid].token_ids[:end]])).logits[0, start:end]
-        assert rel_err(step[rid], ref) <= 1e-4, f"{arch}/{rid}: {rel_err(step[rid], ref):.2e}"
+        assert rel_err(step[rid], ref) <= tol, f"{arch}/{rid}: {rel_err(step[rid], ref):.2e}"
 
 
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 33, 48, 64, 65, 100, 128, 160, 200, 256, 300]

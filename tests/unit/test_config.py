@@ -30,10 +30,18 @@ def test_sampling_params_normalise():
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 0), ("max_model_len", 1),
     ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu"), ("scheduling_policy", "random"),
     ("kv_watermark", 1.0), ("kv_cache_memory", "lots"), ("attention_backend", "magic"),
+    ("kv_cache_dtype", "int8"),
 ])
 def test_invalid_engine_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_float16_kv_cache_is_for_the_cpu():
+    assert EngineConfig(kv_cache_dtype="float16").kv_dtype_name == "float16"
+    assert EngineConfig(device="cuda").kv_dtype_name == "bfloat16"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(device="cuda", kv_cache_dtype="float16")
 
 
 def test_parse_size():

@@ -55,8 +55,8 @@ class AttentionMetadata:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """Store this step's keys and values. k, v: (T, Hkv, D); caches: (num_blocks, Hkv, bs, D)."""
-    k_cache[meta.slot_block, :, meta.slot_offset] = k
-    v_cache[meta.slot_block, :, meta.slot_offset] = v
+    k_cache[meta.slot_block, :, meta.slot_offset] = k.to(k_cache.dtype)
+    v_cache[meta.slot_block, :, meta.slot_offset] = v.to(v_cache.dtype)
 
 
 def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim: int = 64):

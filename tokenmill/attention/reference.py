@@ -30,8 +30,9 @@ def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     n = q.shape[0]
     # 4-d (batch of one) inputs: torch's CPU SDPA takes its blocked flash kernel only for those.
-    k = gather_context(k_cache, block_table, seq_len).unsqueeze(0)  # (1, Hkv, seq_len, D)
-    v = gather_context(v_cache, block_table, seq_len).unsqueeze(0)
+    # (1, Hkv, seq_len, D), widened to the queries' dtype where the pool is narrower
+    k = gather_context(k_cache, block_table, seq_len).unsqueeze(0).to(q.dtype)
+    v = gather_context(v_cache, block_table, seq_len).unsqueeze(0).to(q.dtype)
     q = q.transpose(0, 1).unsqueeze(0)                                # (1, Hq, n, D)
     if n == seq_len:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

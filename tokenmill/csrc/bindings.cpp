@@ -15,7 +15,7 @@ torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32)");
+  m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)");
   m.def("write_kv", &write_kv, "Store a step's K/V into the block pool");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight");
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");

@@ -15,7 +15,10 @@
 // (A single pass with an online softmax per block was a third slower again: its per-block max,
 // exp and rescaling were scalar work on every 16 keys.)
 //
-// Shapes (all float32, contiguous):
+// The pool holds float32 or float16 (kv_cache_dtype="float16": half the bytes to read, each
+// row widened to float32 as it is loaded, F16C); queries, scores and sums are float32.
+//
+// Shapes (contiguous):
 //   q            (T, Hq, D)                         queries, flat (rows may be strided)
 //   k_cache      (num_blocks, Hkv, block_size, D)   the pool of one layer
 //   v_cache      (num_blocks, Hkv, block_size, D)
@@ -36,23 +39,25 @@
 
 namespace {
 
-// ---- portable primitives (any D) ----------------------------------------------------------
+// ---- portable primitives (any D); KV is float or at::Half -------------------------------
 
 // scores[j] = scale * <q, k_j> for j < n, k: (n, D)
-void block_scores_scalar(const float* q, const float* k, int64_t n, int64_t D, float scale, float* scores) {
+template <typename KV>
+void block_scores_scalar(const float* q, const KV* k, int64_t n, int64_t D, float scale, float* scores) {
   for (int64_t j = 0; j < n; ++j) {
     float s = 0.0f;
-    for (int64_t d = 0; d < D; ++d) s += q[d] * k[j * D + d];
+    for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(k[j * D + d]);
     scores[j] = s * scale;
   }
 }
 
 // acc[g] += sum_j w[g * w_stride + j] * v_j for g < G, v: (n, D), acc: (G, D)
-void block_accumulate_scalar(float* acc, int64_t G, const float* w, int64_t w_stride, const float* v, int64_t n,
+template <typename KV>
+void block_accumulate_scalar(float* acc, int64_t G, const float* w, int64_t w_stride, const KV* v, int64_t n,
                              int64_t D) {
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t j = 0; j < n; ++j) {
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w[g * w_stride + j] * v[j * D + d];
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w[g * w_stride + j] * static_cast<float>(v[j * D + d]);
     }
   }
 }
@@ -68,6 +73,12 @@ float softmax_numerator_scalar(float* x, int64_t n) {
 #ifdef TOKENMILL_AVX2
 // ---- AVX2 + FMA primitives (D a multiple of 8) --------------------------------------------
 
+// Eight cache elements as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in seven shuffles instead of forty.
 inline __m256 reduce8(const __m256* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -76,7 +87,8 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-void block_scores_avx2(const float* q, const float* k, int64_t n, int64_t D, float scale, float* scores) {
+template <typename KV>
+void block_scores_avx2(const float* q, const KV* k, int64_t n, int64_t D, float scale, float* scores) {
   const __m256 vscale = _mm256_set1_ps(scale);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {  // eight keys at a time, one accumulator each
@@ -84,7 +96,7 @@ void block_scores_avx2(const float* q, const float* k, int64_t n, int64_t D, flo
     for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + r) * D + d), a[r]);
+      for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, load8(k + (j + r) * D + d), a[r]);
     }
     _mm256_storeu_ps(scores + j, _mm256_mul_ps(reduce8(a), vscale));
   }
@@ -93,14 +105,14 @@ void block_scores_avx2(const float* q, const float* k, int64_t n, int64_t D, flo
 
 // GC heads x VC vectors of the accumulator in registers while the n value rows stream past:
 // each loaded value vector feeds GC FMAs.
-template <int GC, int VC>
-void accumulate_tile(float* acc, const float* w, int64_t w_stride, const float* v, int64_t n, int64_t D) {
+template <typename KV, int GC, int VC>
+void accumulate_tile(float* acc, const float* w, int64_t w_stride, const KV* v, int64_t n, int64_t D) {
   __m256 r[GC][VC];
   for (int g = 0; g < GC; ++g)
     for (int i = 0; i < VC; ++i) r[g][i] = _mm256_loadu_ps(acc + g * D + 8 * i);
   for (int64_t j = 0; j < n; ++j) {
     __m256 vj[VC];
-    for (int i = 0; i < VC; ++i) vj[i] = _mm256_loadu_ps(v + j * D + 8 * i);
+    for (int i = 0; i < VC; ++i) vj[i] = load8(v + j * D + 8 * i);
     for (int g = 0; g < GC; ++g) {
       const __m256 wg = _mm256_set1_ps(w[g * w_stride + j]);
       for (int i = 0; i < VC; ++i) r[g][i] = _mm256_fmadd_ps(wg, vj[i], r[g][i]);
@@ -110,23 +122,24 @@ void accumulate_tile(float* acc, const float* w, int64_t w_stride, const float* 
     for (int i = 0; i < VC; ++i) _mm256_storeu_ps(acc + g * D + 8 * i, r[g][i]);
 }
 
-template <int VC>
-void accumulate_heads(float* acc, int64_t G, const float* w, int64_t w_stride, const float* v, int64_t n,
+template <typename KV, int VC>
+void accumulate_heads(float* acc, int64_t G, const float* w, int64_t w_stride, const KV* v, int64_t n,
                       int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += 8 * VC) {  // tiles of up to 3 heads x VC vectors (12 registers)
     int64_t g = 0;
-    for (; g + 3 <= G; g += 3) accumulate_tile<3, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D);
-    if (G - g == 2) accumulate_tile<2, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D);
-    if (G - g == 1) accumulate_tile<1, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D);
+    for (; g + 3 <= G; g += 3) accumulate_tile<KV, 3, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D);
+    if (G - g == 2) accumulate_tile<KV, 2, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D);
+    if (G - g == 1) accumulate_tile<KV, 1, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D);
   }
 }
 
-void block_accumulate_avx2(float* acc, int64_t G, const float* w, int64_t w_stride, const float* v, int64_t n,
+template <typename KV>
+void block_accumulate_avx2(float* acc, int64_t G, const float* w, int64_t w_stride, const KV* v, int64_t n,
                            int64_t D) {
   if (D % 32 == 0) {
-    accumulate_heads<4>(acc, G, w, w_stride, v, n, D);
+    accumulate_heads<KV, 4>(acc, G, w, w_stride, v, n, D);
   } else {
-    accumulate_heads<1>(acc, G, w, w_stride, v, n, D);
+    accumulate_heads<KV, 1>(acc, G, w, w_stride, v, n, D);
   }
 }
 
@@ -151,26 +164,25 @@ float softmax_numerator_avx2(float* x, int64_t n) {
 }
 #endif
 
+template <typename KV>
 struct Primitives {
-  void (*scores)(const float*, const float*, int64_t, int64_t, float, float*);
-  void (*accumulate)(float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t);
+  void (*scores)(const float*, const KV*, int64_t, int64_t, float, float*);
+  void (*accumulate)(float*, int64_t, const float*, int64_t, const KV*, int64_t, int64_t);
   float (*softmax_numerator)(float*, int64_t);
 };
 
-Primitives pick_primitives(int64_t D) {
+template <typename KV>
+Primitives<KV> pick_primitives(int64_t D) {
 #ifdef TOKENMILL_AVX2
-  if (D % 8 == 0) return {block_scores_avx2, block_accumulate_avx2, softmax_numerator_avx2};
+  if (D % 8 == 0) return {block_scores_avx2<KV>, block_accumulate_avx2<KV>, softmax_numerator_avx2};
 #endif
-  return {block_scores_scalar, block_accumulate_scalar, softmax_numerator_scalar};
+  return {block_scores_scalar<KV>, block_accumulate_scalar<KV>, softmax_numerator_scalar};
 }
 
-}  // namespace
-
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor query_start,
-                              torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-                  v_cache.dtype() == torch::kFloat32, "paged_attention: float32 only");
+template <typename KV>
+torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor query_start,
+                                   torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
               "paged_attention: the pool and block tables must be contiguous");
@@ -184,8 +196,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "paged_attention: head shapes disagree");
 
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
@@ -210,7 +222,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t num_chunks = std::min(threads, num_items);
   const int64_t total_cost = cost_before[num_items];
   const float fscale = static_cast<float>(scale);
-  const Primitives prim = pick_primitives(D);
+  const Primitives<KV> prim = pick_primitives<KV>(D);
   const int64_t row = (max_len + 7) / 8 * 8;  // one query head's scores
 
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
@@ -257,35 +269,65 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   return out;
 }
 
+}  // namespace
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor query_start,
+                              torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
+                  (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
+              "paged_attention: float32 queries, a float32 or float16 pool");
+  if (k_cache.dtype() == torch::kFloat16)
+    return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale);
+  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale);
+}
+
 // Store this step's keys and values: token t goes to block slot_block[t], offset slot_offset[t].
-// k, v: (T, Hkv, D) (rows may be strided views of the fused qkv projection); caches as above.
+// k, v: (T, Hkv, D) float32 (rows may be strided views of the fused qkv projection); caches as
+// above, float32 or float16 (rounded to nearest on the way in).
+template <typename KV>
+void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                   const int64_t* blocks, const int64_t* offsets) {
+  const int64_t T = k.size(0), num_blocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2),
+                D = k_cache.size(3);
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  KV* kc = k_cache.data_ptr<KV>();
+  KV* vc = v_cache.data_ptr<KV>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks && offsets[t] >= 0 && offsets[t] < bs,
+                "write_kv: slot out of range");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t dst = ((blocks[t] * Hkv + h) * bs + offsets[t]) * D;
+      const float* ks = kp + t * k.stride(0) + h * D;
+      const float* vs = vp + t * v.stride(0) + h * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kc[dst + d] = static_cast<KV>(ks[d]);
+        vc[dst + d] = static_cast<KV>(vs[d]);
+      }
+    }
+  }
+}
+
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_block, torch::Tensor slot_offset) {
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "write_kv: heads must be contiguous");
   TORCH_CHECK(slot_block.dtype() == torch::kInt64 && slot_offset.dtype() == torch::kInt64, "write_kv: int64 slots");
-  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-              v_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "write_kv: contiguous float32 caches");
-  const int64_t T = k.size(0), num_blocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2),
-                D = k_cache.size(3);
+  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
+              (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16) &&
+              k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "write_kv: float32 k/v, contiguous float32 or float16 caches");
+  const int64_t T = k.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
   TORCH_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
               v_cache.sizes() == k_cache.sizes(), "write_kv: k/v shapes disagree with the cache");
   TORCH_CHECK(slot_block.is_contiguous() && slot_offset.is_contiguous() && slot_block.numel() == T &&
               slot_offset.numel() == T, "write_kv: one contiguous slot per token");
   const int64_t* blocks = slot_block.data_ptr<int64_t>();
   const int64_t* offsets = slot_offset.data_ptr<int64_t>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks && offsets[t] >= 0 && offsets[t] < bs,
-                "write_kv: slot out of range");
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t dst = ((blocks[t] * Hkv + h) * bs + offsets[t]) * D;
-      std::copy_n(kp + t * k.stride(0) + h * D, D, kc + dst);
-      std::copy_n(vp + t * v.stride(0) + h * D, D, vc + dst);
-    }
+  if (k_cache.dtype() == torch::kFloat16) {
+    write_kv_impl<at::Half>(k, v, k_cache, v_cache, blocks, offsets);
+  } else {
+    write_kv_impl<float>(k, v, k_cache, v_cache, blocks, offsets);
   }
 }

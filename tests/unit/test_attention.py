@@ -126,6 +126,19 @@ def test_cpu_kernel_handles_multi_token_short_queries():
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("query_lens", [[20, 9, 1, 17], [20, 9, 1, 17, 1, 1, 1, 8, 1, 3]])
+def test_cpu_kernel_tiles_prompt_chunks(query_lens):
+    """Prompt chunks longer than a tile (8 tokens) through the kernel: each token still sees
+    exactly the keys up to itself. Few tiles give one kv head per item, many give all."""
+    backend = make_backend("cpu", torch.device("cpu"))
+    seq_lens = [q + 13 * i for i, q in enumerate(query_lens)]
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(query_lens, seq_lens, seed=11, hkv=3, hq=9, d=64)
+    meta.num_short, meta.num_short_tokens = len(query_lens), sum(query_lens)
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.125)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("hkv,hq,d", [(3, 9, 64), (2, 4, 128), (1, 7, 32), (4, 4, 8), (2, 16, 24)])
 @pytest.mark.parametrize("many_tokens", [False, True])
 def test_cpu_kernel_head_shapes(hkv, hq, d, many_tokens):

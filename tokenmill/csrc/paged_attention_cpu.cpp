@@ -1,16 +1,19 @@
 // Paged attention for short queries on the CPU, reading K/V in place from the block pool.
 //
-// A work item is one query token and a range of kv heads. It makes two passes over the
-// sequence's blocks: the first scores the G = Hq / Hkv query heads of each kv head against
-// every key, then one softmax per query head runs over its whole row of scores (vectorised,
-// no per-block rescaling), and the second pass sums the values weighted by it, all G heads of
-// a kv head at once so each value row is loaded once. An item's scores stay in L2.
+// A work item is a tile of up to 8 consecutive query tokens of one sequence (one token for a
+// decode) and a range of kv heads. It makes two passes over the sequence's blocks: the first
+// scores the G = Hq / Hkv query heads of each kv head and each token of the tile against every
+// key it may see, then one softmax per (token, query head) runs over its whole row of scores
+// (vectorised, no per-block rescaling), and the second pass sums the values weighted by it,
+// all G heads of a kv head at once so each value row is loaded once. A tile reads each block
+// once for all its tokens: a prompt chunk late in a long prompt would otherwise read the
+// whole context once per token.
 //
 // What bounds this kernel is reading the pool: each block is a few KB somewhere in memory,
 // and short scattered runs stream at half the rate of long ones (measured on one core: 6 GB/s
-// for 4 KB runs at random places, 10 for 12 KB, 15 sequential). So with enough tokens to keep
-// every thread busy an item takes all kv heads of its token, reading each block's heads as one
-// contiguous run; with few tokens (batch-1 decode) it takes one head, for parallelism. Items
+// for 4 KB runs at random places, 10 for 12 KB, 15 sequential). So with enough tiles to keep
+// every thread busy an item takes all kv heads of its tile, reading each block's heads as one
+// contiguous run; with few tiles (batch-1 decode) it takes one head, for parallelism. Items
 // are spread over threads in contiguous ranges of equal total context length.
 // (A single pass with an online softmax per block was a third slower again: its per-block max,
 // exp and rescaling were scalar work on every 16 keys.)
@@ -179,6 +182,8 @@ Primitives<KV> pick_primitives(int64_t D) {
   return {block_scores_scalar<KV>, block_accumulate_scalar<KV>, softmax_numerator_scalar};
 }
 
+constexpr int64_t kQueryTile = 8;  // query tokens of one sequence that share each block read
+
 template <typename KV>
 torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor query_start,
@@ -205,25 +210,38 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   auto out = torch::empty({T, Hq, D}, q.options());
   float* op = out.data_ptr<float>();
 
-  const int64_t threads = at::get_num_threads();
-  const int64_t H = T >= 4 * threads ? Hkv : 1;  // kv heads per item
-  const int64_t per_token = Hkv / H, num_items = T * per_token;
-  std::vector<int32_t> token_seq(T);
-  std::vector<int64_t> cost_before(num_items + 1, 0);  // prefix sums of the context each item reads
+  // Tiles: up to kQueryTile consecutive query tokens of one sequence, so a prompt chunk reads
+  // each block once for the whole tile rather than once per token.
+  std::vector<int32_t> tile_start, tile_seq;
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) {
     max_len = std::max<int64_t>(max_len, sl[b]);
-    for (int32_t t = qs[b]; t < qs[b + 1]; ++t) {
-      token_seq[t] = static_cast<int32_t>(b);
-      const int64_t kv_len = sl[b] - (qs[b + 1] - qs[b]) + (t - qs[b]) + 1;
-      for (int64_t i = t * per_token; i < (t + 1) * per_token; ++i) cost_before[i + 1] = cost_before[i] + kv_len;
+    for (int32_t t = qs[b]; t < qs[b + 1]; t += kQueryTile) {
+      tile_start.push_back(t);
+      tile_seq.push_back(static_cast<int32_t>(b));
     }
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tile_seq.size());
+  tile_start.push_back(static_cast<int32_t>(T));
+  // keys token t sees: its sequence's context up to and including itself
+  const auto kv_len_of = [&](int64_t t, int64_t b) { return sl[b] - (qs[b + 1] - t) + 1; };
+  const auto tile_end = [&](int64_t i) { return std::min<int64_t>(tile_start[i] + kQueryTile, qs[tile_seq[i] + 1]); };
+
+  const int64_t threads = at::get_num_threads();
+  const int64_t H = num_tiles >= 4 * threads ? Hkv : 1;  // kv heads per item
+  const int64_t per_tile = Hkv / H, num_items = num_tiles * per_tile;
+  std::vector<int64_t> cost_before(num_items + 1, 0);  // prefix sums of the keys each item reads
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    int64_t cost = 0;
+    for (int64_t t = tile_start[i]; t < tile_end(i); ++t) cost += kv_len_of(t, tile_seq[i]);
+    for (int64_t item = i * per_tile; item < (i + 1) * per_tile; ++item) cost_before[item + 1] = cost_before[item] + cost;
   }
   const int64_t num_chunks = std::min(threads, num_items);
   const int64_t total_cost = cost_before[num_items];
   const float fscale = static_cast<float>(scale);
   const Primitives<KV> prim = pick_primitives<KV>(D);
   const int64_t row = (max_len + 7) / 8 * 8;  // one query head's scores
+  const int64_t HG = H * G;                   // query heads of an item, per token
 
   at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     // items whose cost prefix falls in [chunk_begin, chunk_end) / num_chunks of the total
@@ -233,36 +251,51 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
     };
     const int64_t begin = item_at(chunk_begin), end = chunk_end == num_chunks ? num_items : item_at(chunk_end);
     // every score an item reads is written first by its pass 1, so no zero fill
-    std::unique_ptr<float[]> scores(new float[H * G * row]);
-    std::vector<float> acc(H * G * D), sums(H * G);
+    std::unique_ptr<float[]> scores(new float[kQueryTile * HG * row]);
+    std::vector<float> acc(kQueryTile * HG * D), sums(kQueryTile * HG);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / per_token, h0 = item % per_token * H;
-      const int64_t b = token_seq[t];
-      const int64_t kv_len = sl[b] - (qs[b + 1] - qs[b]) + (t - qs[b]) + 1;
-      const float* qh = qp + t * q_stride + h0 * G * D;  // the item's query heads, contiguous
+      const int64_t tile = item / per_tile, h0 = item % per_tile * H;
+      const int64_t b = tile_seq[tile], t0 = tile_start[tile], nt = tile_end(tile) - t0;
+      const int64_t last_len = kv_len_of(t0 + nt - 1, b);  // the tile's longest context
       const int32_t* table = bt + b * max_blocks;
       const auto head_base = [&](int64_t p0, int64_t h) {  // keys p0.. of kv head h0 + h
         return (static_cast<int64_t>(table[p0 / block_size]) * Hkv + h0 + h) * block_size * D;
       };
-      for (int64_t p0 = 0; p0 < kv_len; p0 += block_size) {  // pass 1: every score
-        const int64_t n = std::min(block_size, kv_len - p0);
+      const auto query = [&](int64_t j, int64_t g) { return qp + (t0 + j) * q_stride + (h0 * G + g) * D; };
+      // keys of block p0 that token j of the tile sees (0 when the block is past it)
+      const auto visible = [&](int64_t j, int64_t p0) {
+        return std::clamp<int64_t>(last_len - (nt - 1 - j) - p0, 0, block_size);
+      };
+      for (int64_t p0 = 0; p0 < last_len; p0 += block_size) {  // pass 1: every score
         for (int64_t h = 0; h < H; ++h) {
           const int64_t base = head_base(p0, h);
-          for (int64_t g = h * G; g < (h + 1) * G; ++g)
-            prim.scores(qh + g * D, kp + base, n, D, fscale, &scores[g * row + p0]);
+          for (int64_t j = 0; j < nt; ++j) {
+            const int64_t n = visible(j, p0);
+            for (int64_t g = h * G; n > 0 && g < (h + 1) * G; ++g)
+              prim.scores(query(j, g), kp + base, n, D, fscale, &scores[(j * HG + g) * row + p0]);
+          }
         }
       }
-      for (int64_t g = 0; g < H * G; ++g) sums[g] = prim.softmax_numerator(&scores[g * row], kv_len);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t p0 = 0; p0 < kv_len; p0 += block_size) {  // pass 2: the weighted values
-        const int64_t n = std::min(block_size, kv_len - p0);
-        for (int64_t h = 0; h < H; ++h)
-          prim.accumulate(&acc[h * G * D], G, &scores[h * G * row + p0], row, vp + head_base(p0, h), n, D);
+      for (int64_t j = 0; j < nt; ++j)
+        for (int64_t g = 0; g < HG; ++g)
+          sums[j * HG + g] = prim.softmax_numerator(&scores[(j * HG + g) * row], last_len - (nt - 1 - j));
+      std::fill(acc.begin(), acc.begin() + nt * HG * D, 0.0f);
+      for (int64_t p0 = 0; p0 < last_len; p0 += block_size) {  // pass 2: the weighted values
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t base = head_base(p0, h);
+          for (int64_t j = 0; j < nt; ++j) {
+            const int64_t n = visible(j, p0);
+            if (n > 0)
+              prim.accumulate(&acc[(j * HG + h * G) * D], G, &scores[(j * HG + h * G) * row + p0], row, vp + base, n, D);
+          }
+        }
       }
-      float* oh = op + (t * Hq + h0 * G) * D;
-      for (int64_t g = 0; g < H * G; ++g) {
-        const float inv = 1.0f / sums[g];
-        for (int64_t d = 0; d < D; ++d) oh[g * D + d] = acc[g * D + d] * inv;
+      for (int64_t j = 0; j < nt; ++j) {
+        float* oh = op + ((t0 + j) * Hq + h0 * G) * D;
+        for (int64_t g = 0; g < HG; ++g) {
+          const float inv = 1.0f / sums[j * HG + g];
+          for (int64_t d = 0; d < D; ++d) oh[g * D + d] = acc[(j * HG + g) * D + d] * inv;
+        }
       }
     }
   });

@@ -10,7 +10,7 @@ run throughput_compare bench throughput --compare --plot "$OUT/plots"
 run pressure bench throughput --pressure
 run prefix bench throughput --workload prefix
 run long_default bench throughput --workload long
-run long_capped bench throughput --workload long --long-prefill-token-threshold 16
+run long_uncapped bench throughput --workload long --long-prefill-token-threshold 0
 run spec bench spec
 run roofline bench roofline
 run serve bench serve --request-rate 0.5 1 2 inf --num-prompts 32 --slo ttft=2000,tpot=250 --plot "$OUT/plots"

@@ -10,8 +10,9 @@ each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
 
 A step that carries decodes gives a long prompt (more tokens than `long_prefill_token_threshold`,
 by default one step's budget) only max(`long_prefill_min_chunk`, decodes / 2) tokens: a step's
-cost grows with its tokens, so that keeps every decoding user's step to about 1.5x its cost
-without the prompt, and one huge prompt cannot stretch the step they all wait on
+cost grows with its tokens, so that keeps the step every decoding user waits on to about 1.5x
+its projections' cost without the prompt (the chunk's attention over a long context adds to
+that: 1.9x in all, measured in BENCHMARKS.md), and one huge prompt cannot stretch it
 (Sarathi-style stall-free batching). A step without decodes gives it the whole budget.
 
 When a running request needs a block and the pool is empty, the running request the

@@ -110,6 +110,7 @@ def _bench_long(args, engine, workload) -> dict:
     gaps_alone, gaps_mixed = _gaps_after_mark(alone, len(short)), _gaps_after_mark(mixed, len(short))
     p99_alone, p99_mixed = np.percentile(gaps_alone, 99), np.percentile(gaps_mixed, 99)
     threshold = engine.scheduler.config.long_prefill_token_threshold
+    min_chunk = engine.scheduler.config.long_prefill_min_chunk
     print()
     print(f"{'32 decoding sequences':<24} {'p50 ITL ms':>10} {'p99 ITL ms':>10} {'max ITL ms':>10}")
     for name, gaps in (("alone", gaps_alone), ("with a 4k prompt", gaps_mixed)):
@@ -117,7 +118,7 @@ def _bench_long(args, engine, workload) -> dict:
               f"{max(gaps) * 1e3:>10.1f}")
     print(f"p99 ITL ratio (with / alone): {p99_mixed / p99_alone:.2f}x; long prompt TTFT {mixed.ttft[-1]:.1f} s; "
           f"budget {args.max_num_batched_tokens} tokens/step; " + (
-              f"beside decodes, prompts over {threshold} tokens get max({engine.scheduler.config.long_prefill_min_chunk}, "
+              f"beside decodes, prompts over {threshold} tokens get max({min_chunk}, "
               "decodes / 2) a step" if threshold else "long-prompt chunks not capped"))
     return {"workload": "long", "results": [alone.summary(), mixed.summary()], "p99_itl_alone_s": p99_alone,
             "p99_itl_with_long_s": p99_mixed, "ratio": p99_mixed / p99_alone, "long_ttft_s": mixed.ttft[-1]}

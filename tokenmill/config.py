@@ -86,6 +86,7 @@ class EngineConfig:
     dtype: str | None = None                 # "float32" (CPU default), "bfloat16" (CUDA default)
     kv_cache_dtype: str = "auto"             # "auto": the model's dtype; "float16" (CPU): half the KV
                                              # bytes to store and read, values rounded to 11 bits
+                                             # (and held within +-65504)
     device: str = "cpu"                      # "cpu" or "cuda"
     seed: int = 0                            # seeds the sampler for requests without their own seed
     enable_prefix_caching: bool = True
@@ -124,7 +125,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "float16" and self.device != "cpu":
+        if self.kv_cache_dtype == "float16" and self.device.split(":")[0] != "cpu":
             raise ValueError("kv_cache_dtype='float16' is for the CPU (on CUDA the pool already takes the "
                              "model's 2-byte dtype)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -205,6 +206,9 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.long_prefill_token_threshold < 0 or self.long_prefill_min_chunk < 1:
+            raise ValueError("scheduler config: long_prefill_token_threshold must be >= 0 and "
+                             "long_prefill_min_chunk >= 1")
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":

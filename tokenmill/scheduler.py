@@ -8,8 +8,9 @@ each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
   3. Waiting requests are admitted in policy order while the budget, `max_num_seqs` and the
      KV pool (less a watermark) allow; each gets a chunk of its prompt.
 
-A step that carries decodes gives a long prompt (more tokens than `long_prefill_token_threshold`,
-by default one step's budget) only max(`long_prefill_min_chunk`, decodes / 2) tokens: a step's
+A step that carries decodes gives long prompts (more tokens than `long_prefill_token_threshold`,
+by default one step's budget; prompt and output for a request replayed after preemption) only
+max(`long_prefill_min_chunk`, decodes / 2) tokens, all of them together: a step's
 cost grows with its tokens, so that keeps the step every decoding user waits on to about 1.5x
 its projections' cost without the prompt (the chunk's attention over a long context adds to
 that: 1.9x in all, measured in BENCHMARKS.md), and one huge prompt cannot stretch it
@@ -103,7 +104,8 @@ class Scheduler:
         preempted: list[Request] = []
         self._swap_out, swap_in = [], []
         admit_new = not static or not self.running
-        num_decodes = 0  # decodes in this step so far (long prompt chunks are capped by them)
+        num_decodes = 0  # decodes in this step so far (they set the long prompts' allowance)
+        long_tokens = 0  # tokens granted so far to long prompts held back beside them
 
         # 1 + 2: running requests, decodes before prompt chunks (a stable sort keeps admission order).
         for request in sorted(self.running, key=lambda r: r.num_remaining_prefill > 1):
@@ -111,7 +113,9 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._chunk(request, request.num_remaining_prefill, budget, num_decodes)
+            num_new, held = self._chunk(request, request.num_remaining_prefill, budget, num_decodes, long_tokens)
+            if num_new == 0:
+                continue  # a long prompt whose share of this step went to an earlier one
             if request.draft_token_ids and request.num_remaining_prefill == 1:
                 # Speculation: the last sampled token plus the drafts to verify, within the budget.
                 request.draft_token_ids = request.draft_token_ids[:budget - 1]
@@ -127,6 +131,7 @@ class Scheduler:
                 drafts[request] = len(request.draft_token_ids)
                 budget -= num_new
                 num_decodes += request.num_remaining_prefill == 1
+                long_tokens += num_new if held else 0
 
         # 3: admit waiting requests (none in a step that had to preempt: memory is short).
         while (admit_new and not preempted and self.waiting and budget > 0
@@ -134,14 +139,16 @@ class Scheduler:
             request = self._next_waiting()
             reserve = self._watermark_blocks if self.running else 0
             if request.swapped_block_ids:  # swapped out: copy its blocks back, counter kept
-                num_new = min(request.num_remaining_prefill, budget)
-                if not self.kv.can_swap_in(request, num_new, reserve=reserve):
+                num_new, held = self._chunk(request, request.num_remaining_prefill, budget, num_decodes,
+                                            long_tokens)
+                if num_new == 0 or not self.kv.can_swap_in(request, num_new, reserve=reserve):
                     break
                 swap_in.extend(self.kv.swap_in(request, num_new))
             else:
                 hit = self.kv.find_prefix(request)
-                num_new = self._chunk(request, request.num_tokens - hit.num_tokens, budget, num_decodes)
-                if not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
+                num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens, budget, num_decodes,
+                                            long_tokens)
+                if num_new == 0 or not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
                     break
                 self.kv.allocate(request, num_new, hit)
             self.waiting.remove(request)
@@ -152,6 +159,7 @@ class Scheduler:
             scheduled[request] = num_new
             drafts[request] = 0
             budget -= num_new
+            long_tokens += num_new if held else 0
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
@@ -162,15 +170,16 @@ class Scheduler:
             preempted_request_ids=[r.request_id for r in preempted], finished_request_ids=finished,
             swap_out=self._swap_out, swap_in=swap_in)
 
-    def _chunk(self, request: Request, remaining: int, budget: int, num_decodes: int) -> int:
-        """Tokens to compute for a request with `remaining` to go: within the budget, and capped
-        for a long prompt while the step carries decodes. Long is the request's whole length,
-        not what is left, so its last chunks do not come back at full size."""
+    def _chunk(self, request: Request, remaining: int, budget: int, num_decodes: int,
+               long_tokens: int) -> tuple[int, bool]:
+        """Tokens to compute for a request with `remaining` to go, within the budget, and whether
+        it is held back: a long request (by its whole length, so its last chunks stay small too)
+        in a step with decodes gets what is left of the step's one allowance for long prompts."""
         threshold = self.config.long_prefill_token_threshold
-        if num_decodes and threshold and request.num_tokens > threshold:
-            cap = max(self.config.long_prefill_min_chunk, num_decodes // 2)
-            return min(remaining, cap, budget)
-        return min(remaining, budget)
+        if num_decodes and threshold and remaining > 1 and request.num_tokens > threshold:
+            allowance = max(self.config.long_prefill_min_chunk, num_decodes // 2) - long_tokens
+            return min(remaining, allowance, budget), True
+        return min(remaining, budget), False
 
     def _next_waiting(self) -> Request:
         """The waiting request the policy serves next; preempted ones first, then any request that

@@ -126,16 +126,23 @@ def test_cpu_kernel_handles_multi_token_short_queries():
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 8])
 @pytest.mark.parametrize("query_lens", [[20, 9, 1, 17], [20, 9, 1, 17, 1, 1, 1, 8, 1, 3]])
-def test_cpu_kernel_tiles_prompt_chunks(query_lens):
+def test_cpu_kernel_tiles_prompt_chunks(query_lens, threads):
     """Prompt chunks longer than a tile (8 tokens) through the kernel: each token still sees
-    exactly the keys up to itself. Few tiles give one kv head per item, many give all."""
+    exactly the keys up to itself. With 1 thread both batches have enough tiles for items of all
+    kv heads; with 8 threads they have few, and an item takes one kv head."""
     backend = make_backend("cpu", torch.device("cpu"))
     seq_lens = [q + 13 * i for i, q in enumerate(query_lens)]
     q, k, v, k_cache, v_cache, meta, contexts = build_case(query_lens, seq_lens, seed=11, hkv=3, hq=9, d=64)
     meta.num_short, meta.num_short_tokens = len(query_lens), sum(query_lens)
     expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.125)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    finally:
+        torch.set_num_threads(before)
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
@@ -153,16 +160,19 @@ def test_cpu_kernel_head_shapes(hkv, hq, d, many_tokens):
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-FP16_CASES = {**CASES, "many_decodes": ([1] * 40, [1 + (7 * i) % 61 for i in range(40)])}
+FP16_CASES = {**CASES, "many_decodes": ([1] * 40, [1 + (7 * i) % 61 for i in range(40)]),
+              "kernel_tiles": ([20, 1, 9], [50, 17, 9])}
 
 
-@pytest.mark.parametrize("backend_name", ["reference", "cpu"])
+@pytest.mark.parametrize("backend_name", ["reference", "torch", "cpu"])
 @pytest.mark.parametrize("case", list(FP16_CASES))
 def test_float16_pool_matches_the_oracle_on_its_rounded_values(backend_name, case):
     """kv_cache_dtype="float16": the step's K/V are rounded into the pool, and attention over the
     pool equals exact attention over those rounded values (the kernel widens them to float32)."""
     backend = make_backend(backend_name, torch.device("cpu"), block_size=BS, head_dim=64)
     q, k, v, k_cache, v_cache, meta, contexts = build_case(*FP16_CASES[case], seed=7, hkv=3, hq=9, d=64)
+    if case == "kernel_tiles" and backend_name == "cpu":  # every sequence through the kernel
+        meta.num_short, meta.num_short_tokens = 3, 30
     k_cache, v_cache = k_cache.half(), v_cache.half()
     expected = dense_oracle(q, k.half().float(), v.half().float(), k_cache.float(), v_cache.float(), meta,
                             contexts, 0.125)
@@ -171,6 +181,18 @@ def test_float16_pool_matches_the_oracle_on_its_rounded_values(backend_name, cas
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
     slots = meta.slot_block * BS + meta.slot_offset
     assert torch.equal(by_slot(k_cache)[slots], k.half()) and torch.equal(by_slot(v_cache)[slots], v.half())
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "cpu"])
+def test_float16_pool_saturates_instead_of_overflowing(backend_name):
+    backend = make_backend(backend_name, torch.device("cpu"), block_size=BS, head_dim=64)
+    q, k, v, k_cache, v_cache, meta, contexts = build_case([1], [5], seed=2, hkv=3, hq=9, d=64)
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    k[0, 0, 0], v[0, 0, 0] = 1e6, -1e6
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    slot = int(meta.slot_block[0] * BS + meta.slot_offset[0])
+    assert by_slot(k_cache)[slot, 0, 0] == 65504 and by_slot(v_cache)[slot, 0, 0] == -65504
+    assert torch.isfinite(out).all()
 
 
 def test_cpu_write_kv_rejects_bad_slots_and_shapes():

@@ -206,6 +206,38 @@ def test_prompts_within_the_threshold_or_with_threshold_zero_are_not_capped():
         assert scheduled(step(s)) == {"short": 1, "other": min(prompt_len, 99)}
 
 
+def test_long_prompts_share_one_allowance_per_step():
+    s = make_scheduler(num_blocks=400, budget=100, max_num_seqs=10, long_prefill_token_threshold=50,
+                       long_prefill_min_chunk=8)
+    s.add_request(make_request("short", prompt_len=5, max_tokens=60))
+    step(s)
+    for i in range(3):
+        s.add_request(make_request(f"long{i}", prompt_len=300, max_tokens=2))
+    assert scheduled(step(s)) == {"short": 1, "long0": 8}  # the others wait: the share is spent
+    s.add_request(make_request("late", prompt_len=3, max_tokens=2))
+    # long0 takes the share again; admission stops at long1 (FCFS), so "late" waits behind it
+    assert scheduled(step(s)) == {"short": 1, "long0": 8}
+
+
+def test_a_replay_after_preemption_counts_its_output_toward_long():
+    """Recompute replays prompt + output: a short prompt with a long output replays held back."""
+    s = make_scheduler(num_blocks=400, budget=100, long_prefill_token_threshold=50, long_prefill_min_chunk=8)
+    s.add_request(make_request("short", prompt_len=5, max_tokens=200, ignore_eos=True))
+    s.add_request(make_request("r", prompt_len=30, max_tokens=200, ignore_eos=True))
+    for _ in range(30):
+        step(s)
+    r = s.requests["r"]
+    s._preempt(r)
+    assert r.num_computed_tokens == 0 and r.num_tokens > 50
+    assert scheduled(step(s))["r"] == 8
+
+
+@pytest.mark.parametrize("field", ["long_prefill_token_threshold", "long_prefill_min_chunk"])
+def test_bad_long_prefill_settings_are_rejected(field):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64, **{field: -1})
+
+
 def test_engine_default_threshold_is_one_steps_budget():
     config = SchedulerConfig.from_engine(EngineConfig(max_num_batched_tokens=256), max_model_len=1024)
     assert config.long_prefill_token_threshold == 256

@@ -55,6 +55,8 @@ class AttentionMetadata:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """Store this step's keys and values. k, v: (T, Hkv, D); caches: (num_blocks, Hkv, bs, D)."""
+    if k_cache.dtype == torch.float16 and k.dtype != torch.float16:  # saturate, as the C++ kernel does
+        k, v = k.clamp(-65504, 65504), v.clamp(-65504, 65504)
     k_cache[meta.slot_block, :, meta.slot_offset] = k.to(k_cache.dtype)
     v_cache[meta.slot_block, :, meta.slot_offset] = v.to(v_cache.dtype)
 

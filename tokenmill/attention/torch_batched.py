@@ -32,8 +32,9 @@ class TorchBatchedAttention:
             num_blocks = -(-max(meta.seq_lens_host[:b]) // bs)
             tables = meta.block_tables[:b, :num_blocks].long()
             shape = (b, k_cache.shape[1], num_blocks * bs, k_cache.shape[3])
-            keys = k_cache[tables].transpose(1, 2).reshape(shape)     # (B, Hkv, L, D)
-            values = v_cache[tables].transpose(1, 2).reshape(shape)
+            # (B, Hkv, L, D), widened to the queries' dtype where the pool is narrower
+            keys = k_cache[tables].transpose(1, 2).reshape(shape).to(q.dtype)
+            values = v_cache[tables].transpose(1, 2).reshape(shape).to(q.dtype)
             mask = torch.arange(num_blocks * bs, device=q.device) < meta.seq_lens[:b].unsqueeze(1)  # (B, L)
             queries = q[:b].unsqueeze(2)              # (B, Hq, 1, D)
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :],

@@ -36,6 +36,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -213,9 +214,10 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   // Tiles: up to kQueryTile consecutive query tokens of one sequence, so a prompt chunk reads
   // each block once for the whole tile rather than once per token.
   std::vector<int32_t> tile_start, tile_seq;
-  int64_t max_len = 0;
+  int64_t max_len = 0, max_tile = 1;
   for (int64_t b = 0; b < B; ++b) {
     max_len = std::max<int64_t>(max_len, sl[b]);
+    max_tile = std::max<int64_t>(max_tile, std::min<int64_t>(qs[b + 1] - qs[b], kQueryTile));
     for (int32_t t = qs[b]; t < qs[b + 1]; t += kQueryTile) {
       tile_start.push_back(t);
       tile_seq.push_back(static_cast<int32_t>(b));
@@ -230,7 +232,9 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   const int64_t threads = at::get_num_threads();
   const int64_t H = num_tiles >= 4 * threads ? Hkv : 1;  // kv heads per item
   const int64_t per_tile = Hkv / H, num_items = num_tiles * per_tile;
-  std::vector<int64_t> cost_before(num_items + 1, 0);  // prefix sums of the keys each item reads
+  // prefix sums of each item's work: keys scored, summed over its tokens (a tile reads each block
+  // once, but scores it once per token)
+  std::vector<int64_t> cost_before(num_items + 1, 0);
   for (int64_t i = 0; i < num_tiles; ++i) {
     int64_t cost = 0;
     for (int64_t t = tile_start[i]; t < tile_end(i); ++t) cost += kv_len_of(t, tile_seq[i]);
@@ -251,8 +255,8 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
     };
     const int64_t begin = item_at(chunk_begin), end = chunk_end == num_chunks ? num_items : item_at(chunk_end);
     // every score an item reads is written first by its pass 1, so no zero fill
-    std::unique_ptr<float[]> scores(new float[kQueryTile * HG * row]);
-    std::vector<float> acc(kQueryTile * HG * D), sums(kQueryTile * HG);
+    std::unique_ptr<float[]> scores(new float[max_tile * HG * row]);
+    std::vector<float> acc(max_tile * HG * D), sums(max_tile * HG);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = item / per_tile, h0 = item % per_tile * H;
       const int64_t b = tile_seq[tile], t0 = tile_start[tile], nt = tile_end(tile) - t0;
@@ -317,7 +321,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
 
 // Store this step's keys and values: token t goes to block slot_block[t], offset slot_offset[t].
 // k, v: (T, Hkv, D) float32 (rows may be strided views of the fused qkv projection); caches as
-// above, float32 or float16 (rounded to nearest on the way in).
+// above, float32 or float16 (rounded to nearest on the way in, saturating at +-65504).
 template <typename KV>
 void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
                    const int64_t* blocks, const int64_t* offsets) {
@@ -327,6 +331,14 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
   const float* vp = v.data_ptr<float>();
   KV* kc = k_cache.data_ptr<KV>();
   KV* vc = v_cache.data_ptr<KV>();
+  // float16 saturates at its largest finite value rather than turning into inf (and NaN scores)
+  const auto store = [](float x) -> KV {
+    if constexpr (std::is_same_v<KV, at::Half>) {
+      return static_cast<KV>(std::clamp(x, -65504.0f, 65504.0f));
+    } else {
+      return x;
+    }
+  };
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks && offsets[t] >= 0 && offsets[t] < bs,
                 "write_kv: slot out of range");
@@ -335,8 +347,8 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
       const float* ks = kp + t * k.stride(0) + h * D;
       const float* vs = vp + t * v.stride(0) + h * D;
       for (int64_t d = 0; d < D; ++d) {
-        kc[dst + d] = static_cast<KV>(ks[d]);
-        vc[dst + d] = static_cast<KV>(vs[d]);
+        kc[dst + d] = store(ks[d]);
+        vc[dst + d] = store(vs[d]);
       }
     }
   }

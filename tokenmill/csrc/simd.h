@@ -1,7 +1,7 @@
-// Small SIMD helpers shared by the CPU kernels (AVX2 + FMA when the compiler targets it).
+// Small SIMD helpers shared by the CPU kernels (AVX2 + FMA + F16C when the compiler targets them).
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TOKENMILL_AVX2 1
 

@@ -106,8 +106,10 @@ def test_greedy_generation_equals_hf_under_chunking_and_preemption(tiny_models, 
     path = tiny_models[arch]
     rng = random.Random(1)
     prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in PROMPT_LENGTHS]
+    # Long prompts not held back (threshold 0): whole-budget chunks fill the small pool fast
+    # enough to force preemptions.
     llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=40, block_size=16,
-              attention_backend=backend, enable_prefix_caching=False)
+              attention_backend=backend, enable_prefix_caching=False, long_prefill_token_threshold=0)
     engine = llm.engine
     chunked = set()
     original = engine.scheduler.schedule

@@ -13,7 +13,7 @@ by default one step's budget; prompt and output for a request replayed after pre
 max(`long_prefill_min_chunk`, decodes / 2) tokens, all of them together: a step's
 cost grows with its tokens, so that keeps the step every decoding user waits on to about 1.5x
 its projections' cost without the prompt (the chunk's attention over a long context adds to
-that: 1.9x in all, measured in BENCHMARKS.md), and one huge prompt cannot stretch it
+that: 1.6-1.9x in all, measured in BENCHMARKS.md), and one huge prompt cannot stretch it
 (Sarathi-style stall-free batching). A step without decodes gives it the whole budget.
 
 When a running request needs a block and the pool is empty, the running request the

@@ -144,7 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "max_num_seqs"):  # a command with engine options: a bad value is a usage error
+        try:
+            engine_config_from_args(args)
+        except ValueError as e:
+            parser.error(str(e))
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -50,3 +50,14 @@ def test_parse_size():
     assert parse_size(1234) == 1234
     assert EngineConfig(device="cuda").torch_dtype_name == "bfloat16"
     assert EngineConfig().torch_dtype_name == "float32"
+
+
+@pytest.mark.parametrize("flags", [["--block-size", "0"], ["--kv-cache-dtype", "int8"],
+                                   ["--long-prefill-token-threshold", "-1"]])
+def test_cli_reports_bad_engine_options_as_usage_errors(flags, capsys):
+    from tokenmill.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hello", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and flags[0][2:].replace("-", "_") in err and "Traceback" not in err

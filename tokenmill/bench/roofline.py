@@ -78,9 +78,10 @@ def layer_gemm_rate(model: torch.nn.Module, m: int = 512) -> float:
         return flops / _time(run) / 1e9
 
 
-def read_bandwidth(nbytes: int = 1 << 30) -> float:
-    a = torch.ones(nbytes // 4)
-    return nbytes / _time(lambda: a.sum()) / 1e9
+def read_bandwidth(buffer: torch.Tensor | None = None, min_time: float = 1.0, trials: int = 3) -> float:
+    """GB/s of summing `buffer` (default: a new 1 GiB float32 tensor)."""
+    a = torch.ones((1 << 30) // 4) if buffer is None else buffer
+    return a.numel() * a.element_size() / _time(lambda: a.sum(), min_time, trials) / 1e9
 
 
 def batch1_against_bandwidth(engine, wbytes: int, rounds: int = 5, steps: int = 16,
@@ -95,7 +96,7 @@ def batch1_against_bandwidth(engine, wbytes: int, rounds: int = 5, steps: int = 
     a = torch.ones((1 << 30) // 4)
     results = []
     for _ in range(rounds):
-        bandwidth = a.numel() * 4 / _time(lambda: a.sum(), min_time=0.5, trials=2) / 1e9
+        bandwidth = read_bandwidth(a, min_time=0.5, trials=2)
         times = []
         for _ in range(steps):
             start = time.perf_counter()

@@ -224,7 +224,6 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
     }
   }
   const int64_t num_tiles = static_cast<int64_t>(tile_seq.size());
-  tile_start.push_back(static_cast<int32_t>(T));
   // keys token t sees: its sequence's context up to and including itself
   const auto kv_len_of = [&](int64_t t, int64_t b) { return sl[b] - (qs[b + 1] - t) + 1; };
   const auto tile_end = [&](int64_t i) { return std::min<int64_t>(tile_start[i] + kQueryTile, qs[tile_seq[i] + 1]); };

@@ -68,6 +68,8 @@ class LLMEngine:
         backend = make_backend(config.attention_backend, self.device, config.block_size, self.model_config.head_dim)
         self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
                                   self.kv_dtype, config.seed, num_host_blocks)
+        if self.device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False):
+            self.runner.capture_graphs(config.max_num_seqs, max_len)
         self.speculator = None
         if config.speculative is not None:
             proposer = make_proposer(config.speculative, config, self.model_config.vocab_size, num_blocks,

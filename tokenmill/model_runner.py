@@ -27,6 +27,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.host_memory import huge_page_zeros
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
 from tokenmill.request import Request
@@ -56,7 +57,10 @@ class ModelRunner:
         # One tensor for the whole pool: (layers, K|V, blocks, kv_heads, block_size, head_dim). On the
         # CPU it sits on huge pages, lazily committed (pages never touched cost no memory); on a GPU
         # it is zeroed when the backend reads past a sequence's end, where it needs finite values.
-        shape = (model_config.num_layers, 2, cache_config.num_blocks, model_config.num_kv_heads,
+        # It holds one block more than the block manager hands out: the scratch block that padding
+        # rows of a replayed decode graph write to (cuda_graphs.py).
+        self.null_block = cache_config.num_blocks
+        shape = (model_config.num_layers, 2, cache_config.num_blocks + 1, model_config.num_kv_heads,
                  cache_config.block_size, model_config.head_dim)
         if device.type == "cpu":
             self.kv_cache = huge_page_zeros(shape, kv_dtype)
@@ -70,6 +74,12 @@ class ModelRunner:
             pin_memory=device.type == "cuda")
         self.sampler = Sampler(seed, device)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Replay plain decode steps of up to max_batch sequences from CUDA graphs from now on."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.block_size, max_batch,
+                                   max_model_len, self.null_block, self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -79,7 +89,10 @@ class ModelRunner:
         self.swap(sched.swap_out, sched.swap_in)
         inputs = self.prepare(sched.requests, sched.num_scheduled_tokens, sched.num_draft_tokens)
         t1 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend)
+        if self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampling_requests else None
         t2 = time.perf_counter()
         result = RunnerOutput(sampled_token_ids={}, time_prepare=t1 - t0, time_forward=t2 - t1)

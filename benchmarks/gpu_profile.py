@@ -40,3 +40,15 @@ with torch.profiler.profile(activities=activities) as prof:
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+# Where the host's time goes in a step (Python side), with the GPU work included where it is waited for.
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
+
+profiler = cProfile.Profile()
+profiler.enable()
+for _ in range(20):
+    engine.step()
+torch.cuda.synchronize()
+profiler.disable()
+pstats.Stats(profiler).sort_stats("tottime").print_stats(25)

@@ -32,9 +32,13 @@ from tokenmill.attention import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
+MAX_CAPTURED_BATCH = 512  # larger decode steps run eagerly: their launches cost little beside the work
+
+
 def capture_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 up to max_batch (rounded up): a step pads at most 15
-    rows, which costs little while decoding is bound by reading the weights and the KV cache."""
+    """1, 2, 4, 8, then every multiple of 16 up to max_batch (rounded up, at most 512): a step pads
+    at most 15 rows, which costs little while decoding is bound by reading the weights and the KV cache."""
+    max_batch = min(max_batch, MAX_CAPTURED_BATCH)
     sizes = [n for n in (1, 2, 4, 8) if n < max_batch]
     return sizes + list(range(16, max_batch + 16, 16)) if max_batch > 8 else sizes + [max_batch]
 
@@ -91,7 +95,8 @@ class DecodeGraphs:
 
     def fits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A plain decode step (one token per sequence) of a batch no larger than the largest graph."""
-        return input_ids.shape[0] == meta.num_seqs <= self.sizes[-1]
+        return (input_ids.shape[0] == meta.num_seqs <= self.sizes[-1]
+                and meta.block_tables.shape[1] <= self.block_tables.shape[1])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Copy the step into the buffers, reset the padding rows and replay. Returns the hidden

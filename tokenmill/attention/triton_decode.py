@@ -23,7 +23,10 @@ import triton.language as tl
 from tokenmill.attention import AttentionMetadata, write_kv
 
 
-@triton.jit
+# Triton compiles a kernel again for each new pattern of integer arguments equal to 1 or divisible
+# by 16; those that vary from step to step are kept out of that, or the first steps of a fresh
+# process each paid about a second of compiling.
+@triton.jit(do_not_specialize=["stride_table"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, scale,
                          stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -74,7 +77,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "stride_table"])
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale, first_seq,
                           stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh,
                           G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,

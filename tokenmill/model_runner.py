@@ -45,6 +45,17 @@ class StepInputs:
     num_rows: list[int]              # logits rows of each: 1, or 1 + its drafts
 
 
+@dataclass
+class PendingStep:
+    """A launched step: its work queued on the device, its sampled tokens not yet on the host."""
+
+    result: RunnerOutput                   # filled by collect (and by launch for verified drafts)
+    plain_requests: list[Request]          # sampled in one batch, in row order
+    meta: SamplingMetadata | None
+    tokens: torch.Tensor | None = None     # (len(plain_requests),) on the device
+    raw_logprobs: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig,
                  backend, device: torch.device, kv_dtype: torch.dtype, seed: int, num_host_blocks: int = 0) -> None:
@@ -81,24 +92,57 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.block_size, max_batch,
                                    max_model_len, self.null_block, self.device)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step and bring its sampled tokens to the host."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Queue the step's work: on a GPU this returns while it runs, so the engine can do host
+        work meanwhile; `collect` then waits for the tokens. Everything the host sends the
+        device (step tensors, sampling parameters) goes before the forward pass, so that no
+        copy waits behind it."""
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
         t0 = time.perf_counter()
         self.swap(sched.swap_out, sched.swap_in)
         inputs = self.prepare(sched.requests, sched.num_scheduled_tokens, sched.num_draft_tokens)
+        requests, num_rows = inputs.sampling_requests, inputs.num_rows
+        plain = [i for i, n in enumerate(num_rows) if n == 1]  # sampled in one batch; the others verify drafts
+        plain_requests = [requests[i] for i in plain]
+        meta = self._sampling_metadata(plain_requests) if plain else None
         t1 = time.perf_counter()
         if self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampling_requests else None
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if requests else None
         t2 = time.perf_counter()
-        result = RunnerOutput(sampled_token_ids={}, time_prepare=t1 - t0, time_forward=t2 - t1)
-        if logits is not None:
-            self._sample(logits, inputs.sampling_requests, inputs.num_rows, result)
-        result.time_sample = time.perf_counter() - t2
+        pending = PendingStep(RunnerOutput(sampled_token_ids={}, time_prepare=t1 - t0, time_forward=t2 - t1),
+                              plain_requests, meta)
+        ends = np.cumsum(num_rows)
+        if meta is not None:
+            if len(plain) < logits.shape[0]:  # pick the plain rows (each sequence's last) out
+                logits_plain = logits.index_select(0, torch.as_tensor(ends[plain] - 1, device=logits.device))
+            else:
+                logits_plain = logits
+            pending.tokens, pending.raw_logprobs = self.sampler.sample(logits_plain, meta)
+        for i, n in enumerate(num_rows):
+            if n > 1:
+                self._verify(logits[ends[i] - n:ends[i]], requests[i], pending.result)
+        pending.result.time_sample = time.perf_counter() - t2
+        return pending
+
+    def collect(self, pending: PendingStep) -> RunnerOutput:
+        """Wait for the step's tokens (the host sync) and key them by request."""
+        start, result = time.perf_counter(), pending.result
+        if pending.meta is not None:
+            out = self.sampler.collect(pending.tokens, pending.raw_logprobs, pending.meta)
+            for r, token, logprobs in zip(pending.plain_requests, out.token_ids, out.logprobs):
+                result.sampled_token_ids[r.request_id] = [token]
+                if logprobs is not None:
+                    result.logprobs[r.request_id] = [logprobs]
+        result.time_sample += time.perf_counter() - start  # with the wait for the device
         return result
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -111,34 +155,24 @@ class ModelRunner:
                 dst_idx = torch.tensor([b for _, b in copies], device=dst.device)
                 dst.index_copy_(2, dst_idx, src.index_select(2, src_idx).to(dst.device))
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], num_rows: list[int],
-                result: RunnerOutput) -> None:
+    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         for r in requests:
             if r.params.seed is not None and r.request_id not in self.generators:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(r.params.seed)
                 self.generators[r.request_id] = gen
-        ends = np.cumsum(num_rows)
-        plain = [i for i, n in enumerate(num_rows) if n == 1]
-        if plain:  # one batched sampler call for every sequence without drafts
-            rows = torch.as_tensor(ends[plain] - 1, device=logits.device)
-            plain_requests = [requests[i] for i in plain]
-            meta = SamplingMetadata.build(plain_requests, self.generators, logits.shape[1], self.device)
-            out = self.sampler(logits.index_select(0, rows), meta)
-            for r, token, logprobs in zip(plain_requests, out.token_ids, out.logprobs):
-                result.sampled_token_ids[r.request_id] = [token]
-                if logprobs is not None:
-                    result.logprobs[r.request_id] = [logprobs]
-        for i, n in enumerate(num_rows):
-            if n > 1:
-                r = requests[i]
-                tokens, logprobs = verify(logits[ends[i] - n:ends[i]], r, self.sampler,
-                                          self.generators.get(r.request_id, self.sampler.generator))
-                result.sampled_token_ids[r.request_id] = tokens
-                if logprobs is not None:
-                    result.logprobs[r.request_id] = logprobs
-                result.num_draft_tokens += n - 1
-                result.num_accepted_tokens += len(tokens) - 1
+        vocab = self.model.embed_tokens.num_embeddings  # the width of the logits
+        return SamplingMetadata.build(requests, self.generators, vocab, self.device)
+
+    def _verify(self, logits: torch.Tensor, request: Request, result: RunnerOutput) -> None:
+        """A sequence with drafts: keep those the model agrees with, plus one token of its own."""
+        tokens, logprobs = verify(logits, request, self.sampler,
+                                  self.generators.get(request.request_id, self.sampler.generator))
+        result.sampled_token_ids[request.request_id] = tokens
+        if logprobs is not None:
+            result.logprobs[request.request_id] = logprobs
+        result.num_draft_tokens += logits.shape[0] - 1
+        result.num_accepted_tokens += len(tokens) - 1
 
     def prepare(self, requests: list[Request], num_tokens: list[int],
                 num_drafts: list[int] | None = None) -> StepInputs:

@@ -132,6 +132,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: (S, V) float32, one row per sequence that samples this step."""
+        return self.collect(*self.sample(logits, meta), meta)
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled tokens (S,), and the raw logprobs where a row asked for them, left on the
+        logits' device: nothing here waits for the device."""
         want_logprobs = any(n is not None for n in meta.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if meta.penalty_rows or meta.banned:
@@ -149,9 +154,14 @@ class Sampler:
                 noise[row].exponential_(generator=gen)
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(meta.greedy, tokens, sampled)
+        return tokens, raw_logprobs
+
+    def collect(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                meta: SamplingMetadata) -> SamplerOutput:
+        """Bring the tokens (and logprobs) to the host."""
         token_list = tokens.tolist()  # the step's one host sync
         return SamplerOutput(token_list, self.logprobs(raw_logprobs, tokens, token_list, meta)
-                             if want_logprobs else [None] * len(token_list))
+                             if raw_logprobs is not None else [None] * len(token_list))
 
     @staticmethod
     def logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],

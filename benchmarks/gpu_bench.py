@@ -169,7 +169,10 @@ def workload(seed: int = 0, n: int = 256, vocab: int = 10000):
     return [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024)) for _ in range(n)]
 
 
-def bench_tokenmill(model: Path, reqs, args, eager: bool = False) -> dict:
+MODES = {"graphs": {}, "eager": {"enforce_eager": True}, "sync": {"async_output": False}}
+
+
+def bench_tokenmill(model: Path, reqs, args, mode: str = "graphs") -> dict:
     from tokenmill.config import EngineConfig
     from tokenmill.engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
@@ -177,7 +180,7 @@ def bench_tokenmill(model: Path, reqs, args, eager: bool = False) -> dict:
     engine = LLMEngine(EngineConfig(model=str(model), device="cuda", max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=4096,
                                     kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
-                                    enforce_eager=eager))
+                                    **MODES[mode]))
     # warm up: one short request
     engine.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -198,7 +201,7 @@ def bench_tokenmill(model: Path, reqs, args, eager: bool = False) -> dict:
                                                                        "detokenize")}
     del engine
     torch.cuda.empty_cache()  # give the KV pool back before the next engine takes its own
-    return {"engine": "tokenmill" + (" (eager)" if eager else ""), "output_tokens": tokens, "wall_s": wall,
+    return {"engine": "tokenmill" + ("" if mode == "graphs" else f" ({mode})"), "output_tokens": tokens, "wall_s": wall,
             "output_tok_s": tokens / wall, "steps": len(steps), "time_split_s": split,
             "preemptions": sum(s.num_preemptions for s in steps),
             "per_step": [(s.num_seqs, s.num_prefill_tokens, s.time_total, s.time_forward, s.time_sample)
@@ -239,7 +242,7 @@ def main() -> None:
     parser.add_argument("what", choices=["check", "kernels", "bench"])
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--modes", default="graphs", help="tokenmill runs in order, e.g. graphs,eager,graphs "
-                        "(eager: without decode graphs)")
+                        "(eager: without decode graphs; sync: outputs built at once, not during the next step)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -258,8 +261,8 @@ def main() -> None:
         print(f"{len(reqs)} requests, {prompt_tokens} prompt and {output_tokens} output tokens", flush=True)
         result = {}
         for i, mode in enumerate(args.modes.split(",")):
-            run = bench_tokenmill(model, reqs, args, eager=mode == "eager")
-            result.setdefault("tokenmill" + ("_eager" if mode == "eager" else ""), run)
+            run = bench_tokenmill(model, reqs, args, mode)
+            result.setdefault("tokenmill" + ("" if mode == "graphs" else f"_{mode}"), run)
             (OUT / f"gpu_steps_{i}_{mode}.json").write_text(json.dumps(run.pop("per_step")))
             print(run, flush=True)
         if "tokenmill_eager" in result and "tokenmill" in result:

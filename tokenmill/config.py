@@ -99,6 +99,8 @@ class EngineConfig:
     kernels: str = "auto"                    # "auto": packed projections (C++ panel GEMM) and fused C++
                                              # ops on CPU float32; "torch": plain torch ops (the reference)
     enforce_eager: bool = False              # CUDA: no decode graphs, every step launched from Python
+    async_output: bool | None = None         # build a step's outputs during the next step's device work
+                                             # (one step later); default: on CUDA, off on CPU
     num_threads: int | None = None           # torch intra-op threads on CPU (default: torch's choice)
     speculative: str | None = None           # "ngram" (prompt lookup) or "draft:PATH" (a smaller model)
     num_speculative_tokens: int = 4          # most drafts per sequence per step

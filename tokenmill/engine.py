@@ -77,6 +77,10 @@ class LLMEngine:
             self.speculator = Speculator(proposer, SpeculationPolicy(config.num_speculative_tokens),
                                          adaptive=config.speculative_adaptive)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Build outputs one step late, during the next step's device work (see step()); on a CPU
+        # the forward pass runs on the host itself, so there is nothing to overlap.
+        self.async_output = config.async_output if config.async_output is not None else self.device.type == "cuda"
+        self._unreported: list[Request] = []  # requests with tokens whose outputs are still to build
         self.last_stats = StepStats()
         self.stats_listeners: list[Callable[[StepStats], None]] = []
 
@@ -161,34 +165,51 @@ class LLMEngine:
         return self._end(request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._unreported)
 
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run, update, detokenize. Returns outputs of requests that
-        got new tokens or finished."""
+        got new tokens or finished.
+
+        With `async_output` (on a GPU) a step's outputs are built during the next step, while
+        the device computes it: they arrive one step later, and the host's detokenizing no
+        longer adds to the step's time. A stop string found then ends its request while the
+        next step is in flight; the token that step computed for it is dropped."""
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
         if self.speculator is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        earlier, self._unreported = self._unreported, []
         t1 = time.perf_counter()
         try:
-            result = self.runner.execute(sched) if sched.requests else RunnerOutput({})
+            pending = self.runner.launch(sched) if sched.requests else None
+            t2 = time.perf_counter()
+            outputs = self._outputs(earlier)  # empty unless async_output
+            t3 = time.perf_counter()
+            result = self.runner.collect(pending) if pending is not None else RunnerOutput({})
         except Exception as exc:  # fail this step's requests, keep the engine serving
             logger.exception("step failed; failing its %d requests", len(sched.requests))
-            return [self._fail(r, f"{type(exc).__name__}: {exc}") for r in sched.requests if not r.is_finished]
-        t2 = time.perf_counter()
-        changed = self.scheduler.update(sched, result)
-        t3 = time.perf_counter()
-        outputs = [self._make_output(r) for r in changed]
+            return self._outputs(earlier) + [self._fail(r, f"{type(exc).__name__}: {exc}")
+                                             for r in sched.requests if not r.is_finished]
         t4 = time.perf_counter()
-        self._record_stats(sched, result, preemptions_before, time_schedule=(t1 - t0) + (t3 - t2),
-                           time_detokenize=t4 - t3, start=t0, end=t4)
+        changed = self.scheduler.update(sched, result)
+        t5 = time.perf_counter()
+        if self.async_output:
+            self._unreported = changed
+        else:
+            outputs = self._outputs(changed)
+        t6 = time.perf_counter()
+        self._record_stats(sched, result, preemptions_before, time_schedule=(t1 - t0) + (t5 - t4),
+                           time_detokenize=(t3 - t2) + (t6 - t5), start=t0, end=t6)
         if self.speculator is not None:
             self.speculator.observe(self.last_stats, sched.finished_request_ids, changed)
         return outputs
+
+    def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        return [self._make_output(r) for r in requests]
 
     def _propose(self) -> None:
         sched = self.scheduler
@@ -219,6 +240,7 @@ class LLMEngine:
     def _end(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
         """Finish a request outside the token-level stop checks; its final output."""
         request = self.scheduler.finish_request(request_id, status)
+        self._unreported = [r for r in self._unreported if r.request_id != request_id]
         if request is None:
             return None
         detok = self.detokenizers.pop(request_id, None)

@@ -7,9 +7,42 @@ import pytest
 from tokenmill import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_models):
-    return LLM(str(tiny_models["llama"]), max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_output"])
+def llm(tiny_models, request):
+    return LLM(str(tiny_models["llama"]), max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64,
+               async_output=request.param)
+
+
+def test_async_output_gives_the_same_outputs_one_step_later(tiny_models):
+    """async_output (the GPU default) builds a step's outputs during the next step: the same
+    tokens, text, stops and deltas as building them at once, one step later. A stop string
+    found a step late ends its request while the next step runs; that step's token is dropped."""
+    def run(async_output: bool):
+        llm = LLM(str(tiny_models["llama"]), max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64,
+                  async_output=async_output)
+        engine = llm.engine
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        full = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0]
+        stops = {"a": greedy.clone(stop=[full.text.split()[4]]), "b": greedy.clone(max_tokens=3),
+                 "c": SamplingParams(max_tokens=20, temperature=0.0), "d": greedy}
+        for rid, params in stops.items():
+            engine.add_request(rid, [5, 6, 7] if rid == "a" else [9, 10, 11, int(rid, 16)], params)
+        streamed = {rid: "" for rid in stops}
+        finals, first_output_step, step = {}, None, 0
+        while engine.has_unfinished_requests():
+            step += 1
+            for out in engine.step():
+                first_output_step = first_output_step or step
+                streamed[out.request_id] += out.new_text
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0]
+        assert engine.kv.pool.num_used_blocks == 0
+        assert all(streamed[rid] == finals[rid].text for rid in stops)
+        return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()}, first_output_step
+
+    (sync, sync_first), (late, late_first) = run(False), run(True)
+    assert late == sync and late_first == sync_first + 1
+    assert sync["a"][2] == "stop" and len(sync["a"][0]) < 12 and sync["b"][2] == "length"
 
 
 def test_outputs_come_back_in_input_order_for_every_prompt_form(llm):

@@ -221,7 +221,7 @@ def test_api_key_is_enforced(tiny_llama):
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, client):
     runner = server.engine.runner
-    original = runner.execute
+    original = runner.launch
     calls = {"n": 0}
 
     def flaky(sched):
@@ -229,7 +229,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, client
         if calls["n"] <= 2:
             raise RuntimeError("injected fault")
         return original(sched)
-    runner.execute = flaky
+    runner.launch = flaky
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 5})
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
@@ -239,7 +239,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, client
             lines = [line for line in stream.iter_lines() if line.startswith("data:")]
         assert "injected fault" in lines[0] and len(lines) == 1
     finally:
-        runner.execute = original
+        runner.launch = original
     assert_still_serving(client)
     assert httpx.get(server.url + "/health").status_code == 200
 

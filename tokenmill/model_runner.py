@@ -92,10 +92,6 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.block_size, max_batch,
                                    max_model_len, self.null_block, self.device)
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Run one step and bring its sampled tokens to the host."""
-        return self.collect(self.launch(sched))
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep:
         """Queue the step's work: on a GPU this returns while it runs, so the engine can do host

@@ -1,6 +1,6 @@
 """The dataclasses handed between layers, one per arrow of the data path:
 
-    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> RunnerOutput
+    Scheduler.schedule() -> SchedulerOutput -> ModelRunner.launch() / collect() -> RunnerOutput
     -> Scheduler.update() -> LLMEngine (detokenize) -> RequestOutput -> LLM / server
 """
 

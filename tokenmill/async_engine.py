@@ -130,6 +130,7 @@ class AsyncLLMEngine:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
                 if self.on_step is not None:
                     self.on_step(engine.last_stats, outputs)
+            self._drain_commands()  # an abort_all sent with stop() still ends every stream
         except BaseException as exc:  # the loop cannot go on: fail every waiting client
             logger.exception("engine loop died")
             self.error = exc
@@ -144,7 +145,7 @@ class AsyncLLMEngine:
             if kind == "add":
                 self.engine.add(arg)
                 continue
-            ids = list(self.engine.scheduler.requests) if kind == "abort_all" else [arg]
+            ids = self.engine.unfinished_request_ids() if kind == "abort_all" else [arg]
             outputs = [out for out in map(self.engine.abort, ids) if out is not None]
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)

@@ -37,7 +37,8 @@ MAX_CAPTURED_BATCH = 512  # larger decode steps run eagerly: their launches cost
 
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_batch (rounded up, at most 512): a step pads
-    at most 15 rows, which costs little while decoding is bound by reading the weights and the KV cache."""
+    at most 15 rows, which costs little while decoding is bound by reading the weights and the KV
+    cache. Up to 8 sequences: the powers of two below max_batch, and max_batch itself."""
     max_batch = min(max_batch, MAX_CAPTURED_BATCH)
     sizes = [n for n in (1, 2, 4, 8) if n < max_batch]
     return sizes + list(range(16, max_batch + 16, 16)) if max_batch > 8 else sizes + [max_batch]

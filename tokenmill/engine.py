@@ -147,6 +147,8 @@ class LLMEngine:
 
     def add(self, request: Request) -> None:
         """Queue a request built by make_request."""
+        if request.request_id in self.detokenizers:  # not finished, or its end not yet reported
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         self.scheduler.add_request(request)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.params)
@@ -164,6 +166,10 @@ class LLMEngine:
         final output (finish_reason "abort"), or None for an unknown or finished request."""
         return self._end(request_id, RequestStatus.FINISHED_ABORTED)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Every request whose final output is still to come."""
+        return list(self.detokenizers)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._unreported)
 
@@ -176,7 +182,8 @@ class LLMEngine:
         With `async_output` (on a GPU) a step's outputs are built during the next step, while
         the device computes it: they arrive one step later, and the host's detokenizing no
         longer adds to the step's time. A stop string found then ends its request while the
-        next step is in flight; the token that step computed for it is dropped."""
+        next step is in flight; the token that step computed for it is dropped. Timestamps
+        (first token, finish) stay those of the sampling step, not of the report."""
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
         if self.speculator is not None:
@@ -186,14 +193,15 @@ class LLMEngine:
         t1 = time.perf_counter()
         try:
             pending = self.runner.launch(sched) if sched.requests else None
-            t2 = time.perf_counter()
-            outputs = self._outputs(earlier)  # empty unless async_output
-            t3 = time.perf_counter()
-            result = self.runner.collect(pending) if pending is not None else RunnerOutput({})
         except Exception as exc:  # fail this step's requests, keep the engine serving
-            logger.exception("step failed; failing its %d requests", len(sched.requests))
-            return self._outputs(earlier) + [self._fail(r, f"{type(exc).__name__}: {exc}")
-                                             for r in sched.requests if not r.is_finished]
+            return self._outputs(earlier) + self._fail_step(sched, exc)
+        t2 = time.perf_counter()
+        outputs = self._outputs(earlier)  # empty unless async_output
+        t3 = time.perf_counter()
+        try:
+            result = self.runner.collect(pending) if pending is not None else RunnerOutput({})
+        except Exception as exc:  # the device failed the step
+            return outputs + self._fail_step(sched, exc)
         t4 = time.perf_counter()
         changed = self.scheduler.update(sched, result)
         t5 = time.perf_counter()
@@ -210,6 +218,13 @@ class LLMEngine:
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
         return [self._make_output(r) for r in requests]
+
+    def _fail_step(self, sched, exc: Exception) -> list[RequestOutput]:
+        """Fail the step's requests and forget every cached prefix: the step may have left blocks
+        half written, and a request a late stop string ended meanwhile is not among the failed."""
+        logger.exception("step failed; failing its %d requests", len(sched.requests))
+        self.kv.pool.uncache(list(range(self.kv.pool.num_blocks)))
+        return [self._fail(r, f"{type(exc).__name__}: {exc}") for r in sched.requests if not r.is_finished]
 
     def _propose(self) -> None:
         sched = self.scheduler
@@ -240,7 +255,10 @@ class LLMEngine:
     def _end(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
         """Finish a request outside the token-level stop checks; its final output."""
         request = self.scheduler.finish_request(request_id, status)
-        self._unreported = [r for r in self._unreported if r.request_id != request_id]
+        unreported = next((r for r in self._unreported if r.request_id == request_id), None)
+        if unreported is not None:  # async_output: its last tokens, or its end, are still to report
+            self._unreported.remove(unreported)
+            return self._make_output(unreported)
         if request is None:
             return None
         detok = self.detokenizers.pop(request_id, None)

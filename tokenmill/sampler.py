@@ -136,7 +136,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled tokens (S,), and the raw logprobs where a row asked for them, left on the
-        logits' device: nothing here waits for the device."""
+        logits' device. Nothing here waits for the device, except the index lists that penalties
+        and min_tokens bans copy to it (those steps give up the overlap of async_output)."""
         want_logprobs = any(n is not None for n in meta.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if meta.penalty_rows or meta.banned:

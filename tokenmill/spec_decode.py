@@ -166,7 +166,11 @@ class Speculator:
         self.num_steps_speculated += 1
 
     def observe(self, stats, finished_ids: list[str], changed: list[Request]) -> None:
-        """After a step: learn its cost and acceptance, trim draft caches, drop finished sequences."""
+        """After a step: learn its cost and acceptance, trim draft caches, drop finished sequences.
+
+        The cost model was fitted and tested on the CPU. On CUDA, steps with drafts run eagerly
+        while plain decode steps replay graphs, and async_output hides part of a plain step's
+        host time: one linear fit mixes those regimes, so the choice of k there is untuned."""
         self.policy.observe_step(stats.num_tokens, stats.time_forward + stats.time_sample,
                                  stats.num_draft_tokens, stats.num_accepted_tokens)
         self.num_proposed += stats.num_draft_tokens

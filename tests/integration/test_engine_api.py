@@ -121,3 +121,69 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
 def test_chat_uses_the_chat_template(llm):
     out = llm.chat([{"role": "user", "content": "w7 w8"}], SamplingParams(max_tokens=3, temperature=0.0))
     assert out[0].prompt_token_ids == [2, 7, 8, 3, 4]
+
+
+def test_a_step_the_device_fails_fails_its_requests_and_loses_no_output(llm):
+    """collect() raising (a device error surfaces at the sync): the step's requests fail, the
+    outputs built before it (async_output: the last step's) still come back, and the engine goes on."""
+    engine, runner = llm.engine, llm.engine.runner
+    engine.add_request("short", [5, 6], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.add_request("long", [7, 8], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    streamed = {"short": [], "long": []}
+    finals = {}
+
+    def take(outputs):
+        for out in outputs:
+            streamed[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out
+    while "short" in engine.scheduler.requests:  # until it ends by length
+        take(engine.step())
+    assert ("short" in finals) != engine.async_output  # async_output: the failing step must report it
+    original = runner.collect
+
+    def broken(pending):
+        original(pending)
+        raise RuntimeError("injected device fault")
+    runner.collect = broken
+    try:
+        take(engine.step())
+    finally:
+        runner.collect = original
+    assert set(finals) == {"short", "long"} and not engine.has_unfinished_requests()
+    short = finals["short"].outputs[0]
+    assert short.finish_reason == "length" and streamed["short"] == short.token_ids
+    assert finals["long"].outputs[0].finish_reason == "error" and "injected device fault" in finals["long"].error
+    assert engine.unfinished_request_ids() == [] and engine.kv.pool.num_used_blocks == 0
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_abort_reports_every_token_and_a_finished_request_keeps_its_end(llm):
+    """An abort's final output holds every sampled token's text (with async_output, also those of
+    the last step, not yet reported); a request that ended by length before its end was reported
+    gets that end, not an abort; and its id is not taken again until then."""
+    engine = llm.engine
+    engine.add_request("run", [5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.add_request("ends", [5, 6, 9], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    streamed = {"run": "", "ends": ""}
+    finals = {}
+    while "ends" in engine.scheduler.requests:  # until it ends by length
+        for out in engine.step():
+            streamed[out.request_id] += out.new_text
+            if out.finished:
+                finals[out.request_id] = out
+    assert ("ends" in engine.unfinished_request_ids()) == engine.async_output  # its end not yet reported
+    if engine.async_output:
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("ends", [5], SamplingParams(max_tokens=1))
+        out = engine.abort("ends")
+        streamed["ends"] += out.new_text
+        finals["ends"] = out
+    assert finals["ends"].outputs[0].finish_reason == "length"
+    assert streamed["ends"] == finals["ends"].outputs[0].text and len(finals["ends"].outputs[0].token_ids) == 3
+    out = engine.abort("run")
+    streamed["run"] += out.new_text
+    assert out.outputs[0].finish_reason == "abort" and streamed["run"] == out.outputs[0].text
+    assert len(out.outputs[0].text.split()) == len(out.outputs[0].token_ids) > 0
+    assert engine.unfinished_request_ids() == [] and not engine.has_unfinished_requests()

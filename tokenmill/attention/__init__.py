@@ -21,8 +21,8 @@ Backends share that contract and differ in speed:
                reference, where SDPA's blocked kernel is faster.
   * torch:     decodes batched by gathering a padded context (fine where memory bandwidth
                is plentiful, i.e. on a GPU); prompt chunks as in the reference.
-  * triton:    (CUDA) a Triton kernel reads decodes' K/V in place from the pool; prompt
-               chunks as in the reference.
+  * triton:    (CUDA) Triton kernels read K/V in place from the pool: one for decodes, one
+               for all the step's prompt chunks at once (causal, tiles of 64 queries).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from tokenmill.attention.reference import attend_sequences
 class CpuPagedAttention:
     name = "cpu"
     short_query_max = 32  # longer prompt chunks are faster through SDPA's blocked kernel
-    graph_safe = True     # a plain decode step reads only the metadata's device tensors
+    graph_safe = True     # a plain decode step reads only the metadata's device tensors (graphs are
+                          # captured on CUDA only; tests run the padded graph path through this one)
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel

@@ -1,7 +1,8 @@
 """The reference backend: one sequence at a time, gather its context, call SDPA.
 
 Slow for many decodes (a Python loop per layer) but obviously right; the faster
-backends are tested against it, and reuse `attend_sequence` for long prompt chunks.
+backends are tested against it, and the cpu and torch ones reuse `attend_sequence` for
+long prompt chunks.
 """
 
 from __future__ import annotations

@@ -1,0 +1,42 @@
+"""The engine thread behind the server (async_engine.py): shutdown ends every stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tokenmill.async_engine import AsyncLLMEngine
+from tokenmill.config import EngineConfig
+from tokenmill.engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("async_output", [False, True])
+def test_abort_all_then_stop_gives_every_stream_its_end(tiny_llama, async_output):
+    """The server's shutdown: abort_all() and at once stop(). Whatever the engine thread was doing,
+    each open stream gets a final output: an abort, or the end it reached (async_output: also an
+    end that was still to be reported)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=4, async_output=async_output))
+
+    async def main() -> dict:
+        front = AsyncLLMEngine(engine)
+        front.start()
+        finals = {}
+
+        async def consume(request_id: str, max_tokens: int) -> None:
+            request = front.make_request(request_id, [5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            async for out in front.generate(request):
+                finals[request_id] = out
+        tasks = [asyncio.create_task(consume(f"r{i}", n)) for i, n in enumerate((1, 300, 300))]
+        while len(engine.scheduler.requests) < 2:
+            await asyncio.sleep(0.01)
+        front.abort_all()
+        front.stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+        return finals
+
+    finals = asyncio.run(main())
+    assert all(out.finished for out in finals.values()) and set(finals) == {"r0", "r1", "r2"}
+    assert finals["r0"].outputs[0].finish_reason == "length"
+    assert {finals[r].outputs[0].finish_reason for r in ("r1", "r2")} == {"abort"}

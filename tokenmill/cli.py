@@ -19,6 +19,8 @@ _ENGINE_HELP = {
     "max_model_len": "context length (prompt + output)",
     "kv_cache_memory": "KV pool size, bytes or a string like 2GiB",
     "num_kv_blocks": "exact KV pool size in blocks",
+    "enforce_eager": "CUDA: launch every step from Python, no decode graphs",
+    "async_output": "build a step's outputs while the next step runs (default: on for CUDA)",
 }
 
 

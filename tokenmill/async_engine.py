@@ -130,7 +130,11 @@ class AsyncLLMEngine:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
                 if self.on_step is not None:
                     self.on_step(engine.last_stats, outputs)
-            self._drain_commands()  # an abort_all sent with stop() still ends every stream
+            # Stopping: whatever is still open (an abort_all sent with stop(), an add that came
+            # after it) ends with an abort, so that no stream waits forever.
+            self._drain_commands()
+            self._commands.put(("abort_all", None))
+            self._drain_commands()
         except BaseException as exc:  # the loop cannot go on: fail every waiting client
             logger.exception("engine loop died")
             self.error = exc

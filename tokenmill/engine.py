@@ -221,11 +221,23 @@ class LLMEngine:
         return [self._make_output(r) for r in requests]
 
     def _fail_step(self, sched, exc: Exception) -> list[RequestOutput]:
-        """Fail the step's requests and forget every cached prefix: the step may have left blocks
-        half written, and a request a late stop string ended meanwhile is not among the failed."""
+        """Fail the step's requests, and distrust what the step may have left half done: forget
+        every cached prefix (a request a late stop string ended meanwhile is not among the
+        failed), recompute requests it swapped out, and release the draft state of its requests
+        and of those that ended before it (the speculator learns of them after a step that
+        completes)."""
         logger.exception("step failed; failing its %d requests", len(sched.requests))
         self.kv.pool.uncache(list(range(self.kv.pool.num_blocks)))
-        return [self._fail(r, f"{type(exc).__name__}: {exc}") for r in sched.requests if not r.is_finished]
+        for request_id in sched.preempted_request_ids:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and request.swapped_block_ids:
+                self.kv.free(request)  # its host copy may never have been written
+        self.last_stats = StepStats()  # the failed step ran nothing that listeners should count
+        outputs = [self._fail(r, f"{type(exc).__name__}: {exc}") for r in sched.requests if not r.is_finished]
+        if self.speculator is not None:
+            for request_id in sched.finished_request_ids + [r.request_id for r in sched.requests]:
+                self.speculator.proposer.release(request_id)
+        return outputs
 
     def _propose(self) -> None:
         sched = self.scheduler
@@ -263,7 +275,8 @@ class LLMEngine:
         if request is None:
             return None
         detok = self.detokenizers.pop(request_id, None)
-        return self._output(request, detok.text[:detok.emitted] if detok else "", "", [])
+        delta = detok.flush() if detok else ""  # the held-back tail: no stop string can match now
+        return self._output(request, detok.text[:detok.emitted] if detok else "", delta, [])
 
     def _output(self, request: Request, text: str, delta: str, new_ids: list[int]) -> RequestOutput:
         completion = CompletionOutput(

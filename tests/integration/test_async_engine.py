@@ -40,3 +40,28 @@ def test_abort_all_then_stop_gives_every_stream_its_end(tiny_llama, async_output
     assert all(out.finished for out in finals.values()) and set(finals) == {"r0", "r1", "r2"}
     assert finals["r0"].outputs[0].finish_reason == "length"
     assert {finals[r].outputs[0].finish_reason for r in ("r1", "r2")} == {"abort"}
+
+
+def test_stop_alone_ends_every_stream(tiny_llama):
+    """stop() without abort_all (or an add that comes after it): the engine thread ends what is
+    still open with an abort before it exits, so no client waits forever."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=4))
+
+    async def main() -> dict:
+        front = AsyncLLMEngine(engine)
+        front.start()
+        finals = {}
+
+        async def consume(request_id: str) -> None:
+            request = front.make_request(request_id, [5, 6, 7], SamplingParams(max_tokens=300, ignore_eos=True))
+            async for out in front.generate(request):
+                finals[request_id] = out
+        tasks = [asyncio.create_task(consume(f"r{i}")) for i in range(2)]
+        while len(engine.scheduler.requests) < 2:
+            await asyncio.sleep(0.01)
+        front.stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+        return finals
+
+    finals = asyncio.run(main())
+    assert {out.outputs[0].finish_reason for out in finals.values()} == {"abort"} and len(finals) == 2

@@ -123,37 +123,44 @@ def test_chat_uses_the_chat_template(llm):
     assert out[0].prompt_token_ids == [2, 7, 8, 3, 4]
 
 
-def test_a_step_the_device_fails_fails_its_requests_and_loses_no_output(llm):
-    """collect() raising (a device error surfaces at the sync): the step's requests fail, the
-    outputs built before it (async_output: the last step's) still come back, and the engine goes on."""
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_a_failed_step_fails_its_requests_and_loses_no_output(llm, where):
+    """launch() raising (a host-side error) or collect() raising (a device error surfaces at the
+    sync): the step's requests fail, the outputs built before it (async_output: the last step's)
+    still come back once, cached prefixes are forgotten, and the engine goes on."""
     engine, runner = llm.engine, llm.engine.runner
-    engine.add_request("short", [5, 6], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    engine.add_request("long", [7, 8], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    prompt = list(range(5, 45))  # two full blocks and a half: blocks get cached
+    engine.add_request("short", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.add_request("long", prompt[::-1], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     streamed = {"short": [], "long": []}
     finals = {}
 
     def take(outputs):
         for out in outputs:
+            assert out.request_id not in finals, "an output after the final one"
             streamed[out.request_id] += out.new_token_ids
             if out.finished:
                 finals[out.request_id] = out
     while "short" in engine.scheduler.requests:  # until it ends by length
         take(engine.step())
     assert ("short" in finals) != engine.async_output  # async_output: the failing step must report it
-    original = runner.collect
+    assert engine.kv.pool.cached
+    original = getattr(runner, where)
 
-    def broken(pending):
-        original(pending)
-        raise RuntimeError("injected device fault")
-    runner.collect = broken
+    def broken(arg):
+        if where == "collect":
+            original(arg)
+        raise RuntimeError("injected fault")
+    setattr(runner, where, broken)
     try:
         take(engine.step())
     finally:
-        runner.collect = original
+        setattr(runner, where, original)
     assert set(finals) == {"short", "long"} and not engine.has_unfinished_requests()
     short = finals["short"].outputs[0]
     assert short.finish_reason == "length" and streamed["short"] == short.token_ids
-    assert finals["long"].outputs[0].finish_reason == "error" and "injected device fault" in finals["long"].error
+    assert finals["long"].outputs[0].finish_reason == "error" and "injected fault" in finals["long"].error
+    assert not engine.kv.pool.cached  # the failed step may have left blocks half written
     assert engine.unfinished_request_ids() == [] and engine.kv.pool.num_used_blocks == 0
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
@@ -187,3 +194,18 @@ def test_abort_reports_every_token_and_a_finished_request_keeps_its_end(llm):
     assert out.outputs[0].finish_reason == "abort" and streamed["run"] == out.outputs[0].text
     assert len(out.outputs[0].text.split()) == len(out.outputs[0].token_ids) > 0
     assert engine.unfinished_request_ids() == [] and not engine.has_unfinished_requests()
+
+
+def test_abort_text_holds_every_token_with_or_without_stop_strings(llm):
+    """A request with a stop string that never matches holds back the tail that might still turn
+    into it; an abort ends that doubt, so its text is every sampled token's, in both modes."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=["never matches this"])
+    engine.add_request("held", [5, 6, 7], params)
+    streamed = ""
+    while len(engine.scheduler.requests["held"].output_token_ids) < 6:
+        streamed += "".join(out.new_text for out in engine.step())
+    out = engine.abort("held")
+    streamed += out.new_text
+    ids = out.outputs[0].token_ids
+    assert streamed == out.outputs[0].text and len(out.outputs[0].text.split()) == len(ids) >= 6  # a word a token

@@ -44,3 +44,32 @@ def test_outputs_equal_under_pressure_with_caching_on_and_off(tiny_llama, roomy,
     if caching:
         assert engine.kv.prompt_tokens_hit > 0, "the shared prefix should be served from the cache"
     assert tokens == roomy
+
+
+def test_a_step_failing_before_its_swap_copies_recomputes_the_swapped(tiny_llama, roomy):
+    """A step whose launch fails may not have copied its swap victims' blocks to the host: those
+    requests recompute instead of swapping garbage back in, and give the same tokens."""
+    llm = LLM(str(tiny_llama), max_num_seqs=6, max_num_batched_tokens=64, block_size=16, num_kv_blocks=24,
+              enable_prefix_caching=False, preemption_mode="swap", swap_space=1 << 24)
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    for i, p in enumerate(prompts()):
+        engine.add_request(str(i), p, params)
+    original, failed = runner.launch, []
+
+    def launch(sched):
+        if sched.swap_out and not failed:  # the first step that swaps a request out fails first
+            failed.extend(r.request_id for r in sched.requests)
+            raise RuntimeError("injected fault")
+        return original(sched)
+    runner.launch = launch
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    assert failed and engine.scheduler.num_swapped_out > 0
+    survivors = [i for i in range(len(prompts())) if str(i) not in failed]
+    assert all(finals[str(i)].finish_reason == "error" for i in map(int, failed))
+    assert [finals[str(i)].token_ids for i in survivors] == [roomy[i] for i in survivors]
+    assert engine.kv.pool.num_used_blocks == 0 and engine.kv.host_pool.num_used_blocks == 0

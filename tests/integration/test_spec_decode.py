@@ -106,3 +106,28 @@ def test_speculative_sampling_matches_the_target_end_to_end(tmp_path):
     critical = {k: v for k, v in zip(range(1, 17), [10.8, 13.8, 16.3, 18.5, 20.5, 22.5, 24.3, 26.1, 27.9, 29.6,
                                                      31.3, 32.9, 34.5, 36.1, 37.7, 39.3])}[dof]  # p = 0.001
     assert chi2 < critical, f"chi-square {chi2:.1f} with {dof} d.o.f."
+
+
+def test_a_failed_step_leaves_no_draft_state_behind(tiny_llama, draft_model):
+    """A request aborted just before a step that fails: the speculator learns of it from that
+    step's finished ids, which the failure must not lose."""
+    llm = LLM(str(tiny_llama), max_num_seqs=4, num_kv_blocks=64, speculative=f"draft:{draft_model}",
+              speculative_adaptive=False)
+    engine, runner = llm.engine, llm.engine.runner
+    proposer = engine.speculator.proposer
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("A", [5, 6, 7, 8], greedy)
+    engine.add_request("B", [9, 10, 11], greedy)
+    for _ in range(5):
+        engine.step()
+    assert set(proposer.seqs) == {"A", "B"}
+    engine.abort("A")
+    original = runner.launch
+    runner.launch = lambda sched: (_ for _ in ()).throw(RuntimeError("injected fault"))
+    try:
+        engine.step()
+    finally:
+        runner.launch = original
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert proposer.seqs == {} and proposer.kv.pool.num_used_blocks == 0

@@ -81,8 +81,9 @@ CASES = {
     "decodes_only": ([1, 1, 1], [5, 17, 1]),
     "prefill_only": ([9, 12], [9, 12]),
     "mixed": ([1, 1, 3, 7, 20], [33, 2, 10, 7, 45]),
-    # chunks over several 64-token tiles (Triton's prefill kernel), continuing earlier ones
-    "long_chunks": ([1, 1, 70, 130, 5], [40, 3, 100, 130, 200]),
+    # chunks over several 64-token tiles (Triton's prefill kernel), continuing earlier ones, and a
+    # decode over more than 64 keys (several steps of the decode kernel)
+    "long_chunks": ([1, 1, 70, 130, 5], [140, 3, 100, 130, 200]),
 }
 
 

@@ -130,9 +130,8 @@ class AsyncLLMEngine:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
                 if self.on_step is not None:
                     self.on_step(engine.last_stats, outputs)
-            # Stopping: whatever is still open (an abort_all sent with stop(), an add that came
-            # after it) ends with an abort, so that no stream waits forever.
-            self._drain_commands()
+            # Stopping: an abort_all queued behind whatever is pending (an add that came after the
+            # server's own abort_all, say) ends every open stream, so that none waits forever.
             self._commands.put(("abort_all", None))
             self._drain_commands()
         except BaseException as exc:  # the loop cannot go on: fail every waiting client

@@ -163,6 +163,27 @@ def test_cpu_kernel_head_shapes(hkv, hq, d, many_tokens):
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("hkv,hq,d", [(3, 9, 64), (2, 4, 128), (2, 2, 64), (1, 7, 32), (2, 16, 24)])
+def test_cpu_kernel_prompt_chunks_head_shapes(hkv, hq, d):
+    """Prompt chunks through the kernel: tiles of 8 query rows or more per kv head run as small
+    matrix products when d is a multiple of 32 (group sizes 1 to 8, a partial last panel of 16
+    rows, a first chunk and later chunks, a 300-token chunk in tiles of 16), the per-row path
+    otherwise; every query still sees exactly the keys up to itself."""
+    backend = make_backend("cpu", torch.device("cpu"), head_dim=d)
+    query_lens = [1, 300, 3, 37, 8, 2]
+    seq_lens = [40, 330, 3, 37, 100, 9]
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(query_lens, seq_lens, seed=13, hkv=hkv, hq=hq, d=d)
+    meta.num_short, meta.num_short_tokens = len(query_lens), sum(query_lens)
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, d ** -0.5)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_backend_routes_prompt_chunks_by_head_size():
+    assert make_backend("cpu", torch.device("cpu"), head_dim=64).short_query_max > 100_000
+    assert make_backend("cpu", torch.device("cpu"), head_dim=24).short_query_max == 32
+
+
 FP16_CASES = {**CASES, "many_decodes": ([1] * 40, [1 + (7 * i) % 61 for i in range(40)]),
               "kernel_tiles": ([20, 1, 9], [50, 17, 9])}
 

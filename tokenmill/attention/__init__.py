@@ -16,9 +16,10 @@ head in one block are 4 KB of contiguous memory, which the CPU kernel streams.
 
 Backends share that contract and differ in speed:
   * reference: per sequence, gather the context and call SDPA. Obvious; the oracle.
-  * cpu:       a C++ kernel reads K/V straight from the pool for short queries (decodes,
-               speculative verification); long prompt chunks go through SDPA as in the
-               reference, where SDPA's blocked kernel is faster.
+  * cpu:       a C++ kernel reads K/V straight from the pool for decodes, speculative
+               verification and, when the head size is a multiple of 32, prompt chunks of
+               any length (as small matrix products); otherwise chunks longer than 32 tokens
+               go through SDPA as in the reference.
   * torch:     decodes batched by gathering a padded context (fine where memory bandwidth
                is plentiful, i.e. on a GPU); prompt chunks as in the reference.
   * triton:    (CUDA) Triton kernels read K/V in place from the pool: one for decodes, one
@@ -73,7 +74,7 @@ def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim
         from tokenmill.attention.cpu import CpuPagedAttention
         from tokenmill.cpu_kernels import load_cpu_kernels
         kernels = load_cpu_kernels(required=name == "cpu")
-        return CpuPagedAttention(kernels) if kernels is not None else TorchBatchedAttention()
+        return CpuPagedAttention(kernels, head_dim) if kernels is not None else TorchBatchedAttention()
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         backend = _triton_backend(block_size, head_dim, required=name == "triton")
         if backend is not None:

@@ -1,4 +1,5 @@
-"""CPU backend: a C++ kernel (csrc/paged_attention_cpu.cpp) for short queries, SDPA for long ones."""
+"""CPU backend: a C++ kernel (csrc/paged_attention_cpu.cpp) for every query it runs well, SDPA
+for the rest (long prompt chunks of head sizes that are not a multiple of 32)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from tokenmill.attention.reference import attend_sequences
 
 class CpuPagedAttention:
     name = "cpu"
-    short_query_max = 32  # longer prompt chunks are faster through SDPA's blocked kernel
     graph_safe = True     # a plain decode step reads only the metadata's device tensors (graphs are
                           # captured on CUDA only; tests run the padded graph path through this one)
 
-    def __init__(self, kernel) -> None:
+    def __init__(self, kernel, head_dim: int = 64) -> None:
         self.kernel = kernel
+        # Sequences with at most this many query tokens go through the kernel. With head sizes a
+        # multiple of 32 it runs prompt tiles as small matrix products, faster than SDPA at every
+        # length measured (BENCHMARKS.md); otherwise SDPA's blocked kernel wins above 32 tokens.
+        self.short_query_max = 1 << 30 if head_dim % 32 == 0 else 32
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -4,8 +4,8 @@
 // 60-110 GFLOP/s on this model's matrices against 150 at M = 512, and at M = 1 it left
 // bandwidth unused. This kernel keeps W in panels of 16 output features, (ceil(N / 16), K, 16):
 // a panel is one contiguous run that streams from memory once per block of rows, and the inner
-// loop holds a 6 x 16 tile of y in twelve registers, loading two vectors of W and broadcasting
-// six scalars of x per k. Measured against oneDNN on the default model's matrices (2 threads):
+// loop (tile_gemm.h) holds a 6 x 16 tile of y in twelve registers, loading two vectors of W and
+// broadcasting six scalars of x per k. Measured against oneDNN on the default model's matrices (2 threads):
 // 1.5x at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512. Panels are split across threads;
 // rows go in blocks of 512 so that a block of x stays in cache while the panels stream past.
 //
@@ -20,7 +20,7 @@
 
 #include <algorithm>
 
-#include "simd.h"
+#include "tile_gemm.h"
 
 namespace {
 
@@ -28,11 +28,12 @@ constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kRows = 6;    // rows of x per tile
 constexpr int64_t kRowBlock = 512;  // rows of x per pass over the panels (a default prefill chunk)
 constexpr int64_t kPrefetchRows = 4;  // prefetch the next panel from this many rows of x up
+#ifdef TOKENMILL_AVX2
+static_assert(kPanel == tokenmill::kTileWidth && kRows == tokenmill::kTileRows, "panels are the tile's shape");
+#endif
 
-// The 16 outputs of one panel for `rows` rows of x (any row count up to 6), into out (rows, 16);
-// meanwhile lines 0..pf_lines-1 of pf (k rows of the next panel) are prefetched, one per k.
-using TileKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, const float*, int64_t);
-
+// The 16 outputs of one panel for `rows` rows of x (any row count up to 6), into out (rows, 16),
+// without AVX2.
 void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < kPanel; ++j) {
@@ -42,76 +43,6 @@ void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, flo
     }
   }
 }
-
-#ifdef TOKENMILL_AVX2
-// One row of a tile at one k: (lo, hi) += x_r[k] * (w0, w1).
-inline void row_fma(const float* xk, __m256 w0, __m256 w1, __m256& lo, __m256& hi) {
-  const __m256 xb = _mm256_broadcast_ss(xk);
-  lo = _mm256_fmadd_ps(xb, w0, lo);
-  hi = _mm256_fmadd_ps(xb, w1, hi);
-}
-
-inline void prefetch_line(const float* pf, int64_t k, int64_t pf_lines) {
-  if (k < pf_lines) _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel), _MM_HINT_T0);
-}
-
-template <int R>
-void tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, const float* pf,
-               int64_t pf_lines);
-
-// One row (batch-1 decode): the four accumulators take alternate k, so that no single FMA
-// chain's latency paces the stream (measured 3% faster, at the plain read rate).
-template <>
-void tile_avx2<1>(const float* x, int64_t, const float* panel, int64_t K, float* out, const float* pf,
-                  int64_t pf_lines) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t k = 0;
-  for (; k + 1 < K; k += 2) {
-    prefetch_line(pf, k, pf_lines);
-    prefetch_line(pf, k + 1, pf_lines);
-    const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
-    a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + k * kPanel), a0);
-    a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + k * kPanel + 8), a1);
-    a2 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(panel + (k + 1) * kPanel), a2);
-    a3 = _mm256_fmadd_ps(x1, _mm256_loadu_ps(panel + (k + 1) * kPanel + 8), a3);
-  }
-  if (k < K) {
-    prefetch_line(pf, k, pf_lines);
-    const __m256 x0 = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + k * kPanel), a0);
-    a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(panel + k * kPanel + 8), a1);
-  }
-  _mm256_storeu_ps(out, _mm256_add_ps(a0, a2));
-  _mm256_storeu_ps(out + 8, _mm256_add_ps(a1, a3));
-}
-
-// Named accumulators, not an array: GCC kept an accumulator array on the stack (a store per
-// FMA, a third of the speed).
-template <int R>
-void tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, const float* pf,
-               int64_t pf_lines) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-  __m256 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
-  for (int64_t k = 0; k < K; ++k) {
-    prefetch_line(pf, k, pf_lines);
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    row_fma(x + k, w0, w1, a0, a1);
-    if constexpr (R > 1) row_fma(x + ldx + k, w0, w1, a2, a3);
-    if constexpr (R > 2) row_fma(x + 2 * ldx + k, w0, w1, a4, a5);
-    if constexpr (R > 3) row_fma(x + 3 * ldx + k, w0, w1, a6, a7);
-    if constexpr (R > 4) row_fma(x + 4 * ldx + k, w0, w1, a8, a9);
-    if constexpr (R > 5) row_fma(x + 5 * ldx + k, w0, w1, a10, a11);
-  }
-  const __m256 acc[12] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * kPanel, acc[2 * r]);
-    _mm256_storeu_ps(out + r * kPanel + 8, acc[2 * r + 1]);
-  }
-}
-
-constexpr TileKernel kTiles[kRows + 1] = {nullptr,        tile_avx2<1>, tile_avx2<2>, tile_avx2<3>,
-                                          tile_avx2<4>, tile_avx2<5>, tile_avx2<6>};
-#endif
 
 }  // namespace
 
@@ -165,7 +96,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
 #ifdef TOKENMILL_AVX2
           // this pass's share of the next panel's K lines
           const int64_t first = K * (m0 - block) / block_rows, last = K * (m0 - block + rows) / block_rows;
-          kTiles[rows](xp + m0 * K, K, panel, K, tile, panel + (K + first) * kPanel, prefetch ? last - first : 0);
+          tokenmill::kTiles[rows](xp + m0 * K, K, panel, K, tile, kPanel, panel + (K + first) * kPanel,
+                                  prefetch ? last - first : 0);
 #else
           tile_scalar(xp + m0 * K, K, panel, K, tile, rows);
 #endif

@@ -179,6 +179,29 @@ def test_cpu_kernel_prompt_chunks_head_shapes(hkv, hq, d):
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [8, 12, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cpu_kernel_other_block_sizes(block_size, dtype):
+    """The kernel at block sizes other than 16 (prompt tiles, a long chunk, a decode), against the
+    reference backend's per-sequence SDPA over the same pool."""
+    from tokenmill.attention.reference import attend_sequence
+    from tokenmill.cpu_kernels import load_cpu_kernels
+    kernels = load_cpu_kernels(required=True)
+    g = torch.Generator().manual_seed(1)
+    num_blocks, hkv, d, hq = 200, 2, 64, 8
+    k_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
+    query_lens, seq_lens = [30, 1, 300, 9], [70, 20, 300, 9]
+    width = max(-(-s // block_size) for s in seq_lens)
+    tables = torch.randperm(num_blocks, generator=g)[:4 * width].view(4, width).int()
+    q = torch.randn(sum(query_lens), hq, d, generator=g)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = kernels.paged_attention(q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens, dtype=torch.int32), 0.125)
+    expected = torch.cat([attend_sequence(q[starts[i]:starts[i + 1]], k_cache, v_cache, tables[i], seq_lens[i], 0.125)
+                          for i in range(4)])
+    assert torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_cpu_backend_routes_prompt_chunks_by_head_size():
     assert make_backend("cpu", torch.device("cpu"), head_dim=64).short_query_max > 100_000
     assert make_backend("cpu", torch.device("cpu"), head_dim=24).short_query_max == 32

@@ -2,7 +2,7 @@
 // pool.
 //
 // A work item is a tile of up to 8 consecutive query tokens of one sequence (16 for sequences
-// with 256 query tokens or more; one token for a decode) and a range of kv heads. It makes two
+// with 64 query tokens or more; one token for a decode) and a range of kv heads. It makes two
 // passes over the sequence's blocks: the first scores the G = Hq / Hkv query heads of each kv
 // head and each token of the tile against every key it may see, then one softmax per (token,
 // query head) runs over its whole row of scores (vectorised, no per-block rescaling), and the
@@ -281,7 +281,7 @@ Primitives<KV> pick_primitives(int64_t D) {
 }
 
 constexpr int64_t kQueryTile = 8;  // query tokens of one sequence that share each block read
-constexpr int64_t kLongQuery = 256;  // from this many query tokens a sequence takes tiles of 2 * kQueryTile
+constexpr int64_t kLongQuery = 64;  // from this many query tokens a sequence takes tiles of 2 * kQueryTile
 constexpr int64_t kPromptRowsMin = 8;  // query rows per kv head from which a tile runs prompt_tile_gemm
 
 // Ask for `bytes` from p (one kv head of one block) into cache ahead of use: a block sits at a

@@ -5,9 +5,10 @@
 // bandwidth unused. This kernel keeps W in panels of 16 output features, (ceil(N / 16), K, 16):
 // a panel is one contiguous run that streams from memory once per block of rows, and the inner
 // loop (tile_gemm.h) holds a 6 x 16 tile of y in twelve registers, loading two vectors of W and
-// broadcasting six scalars of x per k. Measured against oneDNN on the default model's matrices (2 threads):
-// 1.5x at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512. Panels are split across threads;
-// rows go in blocks of 512 so that a block of x stays in cache while the panels stream past.
+// broadcasting six scalars of x per k. Measured against oneDNN on the default model's matrices
+// (2 threads): 1.5x at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512. Panels are split
+// across threads; rows go in blocks of 512 so that a block of x stays in cache while the panels
+// stream past.
 //
 // From 4 rows up, the passes over one panel also prefetch the next panel (one 64-byte line, a k
 // row of it, per k, shared between the passes in proportion to their rows): the first pass would

@@ -318,8 +318,9 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   auto out = torch::empty({T, Hq, D}, q.options());
   float* op = out.data_ptr<float>();
 
-  // Tiles: up to kQueryTile consecutive query tokens of one sequence, so a prompt chunk reads
-  // each block once for the whole tile rather than once per token.
+  // Tiles: up to kQueryTile consecutive query tokens of one sequence (twice that from kLongQuery
+  // query tokens up), so a prompt chunk reads each block once for the whole tile rather than once
+  // per token.
   std::vector<int32_t> tile_start, tile_stop, tile_seq;
   int64_t max_len = 0, max_tile = 1;
   for (int64_t b = 0; b < B; ++b) {

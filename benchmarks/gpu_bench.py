@@ -114,13 +114,13 @@ def check_attention() -> dict:
 
 def kernels() -> dict:
     """Attention of one layer at the benchmark model's shapes (D = 128, 16 query and 8 kv heads,
-    bfloat16): the decode kernel with 16 or 64 keys a step at several batch sizes, and a prompt
+    bfloat16): the decode kernel with 16 or 64 keys a step, whole or split, at several batch sizes, and a prompt
     step of 29 chunks through the prefill kernel and through per-sequence SDPA."""
     from triton.testing import do_bench
 
     from tokenmill.attention import AttentionMetadata
     from tokenmill.attention.reference import attend_sequences
-    from tokenmill.attention.triton_decode import paged_decode, paged_prefill
+    from tokenmill.attention.triton_decode import decode_splits, paged_decode, paged_prefill
 
     torch.manual_seed(0)
     dev, bs, results = torch.device("cuda"), 16, {}
@@ -131,13 +131,14 @@ def kernels() -> dict:
         q = torch.randn(b, 16, 128, device=dev, dtype=torch.bfloat16)
         tables = torch.randperm(40000, device=dev)[:b * 94].view(b, 94).int()
         seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-        for block_n in (16, 64):
-            ms = do_bench(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.088, block_n=block_n),
-                          return_mode="median")
+        splits = decode_splits(b, 8, torch.cuda.get_device_properties(dev).multi_processor_count)
+        for block_n, num_splits in sorted({(16, 1), (64, 1), (64, splits)}):
+            ms = do_bench(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.088, block_n=block_n,
+                                               num_splits=num_splits), return_mode="median")
             gbs = b * ctx * 8 * 128 * 2 * 2 / ms / 1e6
-            results[f"decode b={b} ctx={ctx} block_n={block_n}"] = {"ms": ms, "GB/s": gbs}
-            print(f"decode  batch {b:3d} context {ctx}, {block_n:2d} keys a step: {ms * 1e3:7.1f} us  {gbs:6.0f} GB/s",
-                  flush=True)
+            results[f"decode b={b} ctx={ctx} block_n={block_n} splits={num_splits}"] = {"ms": ms, "GB/s": gbs}
+            print(f"decode  batch {b:3d} context {ctx}, {block_n:2d} keys a step, {num_splits:2d} splits: "
+                  f"{ms * 1e3:7.1f} us  {gbs:6.0f} GB/s", flush=True)
     rng = random.Random(0)
     lens = [rng.randint(100, 1024) for _ in range(29)]
     cu = [0]

@@ -1,4 +1,7 @@
-"""Profile a few decode steps of the Qwen3-0.6B-shaped model on CUDA (see gpu_bench.py)."""
+"""Profile a few decode steps of the Qwen3-0.6B-shaped model on CUDA (see gpu_bench.py).
+
+    python benchmarks/gpu_profile.py BATCH [nosplit]   # nosplit: one program per context
+"""
 
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ batch = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 model = build_qwen3_0_6b(Path("/tmp/qwen3-0.6b-random"))
 engine = LLMEngine(EngineConfig(model=str(model), device="cuda", max_num_seqs=256, max_num_batched_tokens=16384,
                                 max_model_len=4096, kv_cache_memory="24GiB", enable_prefix_caching=False))
+if "nosplit" in sys.argv:  # decode attention without splitting contexts (the graphs are captured again)
+    engine.runner.backend.num_sms = 1
+    engine.runner.capture_graphs(256, 4096)
 rng = random.Random(0)
 for i in range(batch):
     prompt = [rng.randrange(10000) for _ in range(500)]

@@ -95,9 +95,8 @@ def triton_usable() -> bool:
         torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-BACKENDS = ["reference", "torch", "cpu",
-            pytest.param("triton", marks=pytest.mark.skipif(not triton_usable(), reason="needs triton (CUDA or "
-                                                                                          "TRITON_INTERPRET=1)"))]
+BACKENDS = ["reference", "torch", "cpu", pytest.param("triton", marks=pytest.mark.skipif(
+    not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)"))]
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -117,6 +116,33 @@ def test_backend_matches_dense_oracle(backend_name, case):
     # the step's K/V landed in the pool
     slots = (meta.slot_block * BS + meta.slot_offset).cpu()
     assert torch.equal(by_slot(k_cache.cpu())[slots], k.cpu()) and torch.equal(by_slot(v_cache.cpu())[slots], v.cpu())
+
+
+needs_triton = pytest.mark.skipif(not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)")
+
+
+@needs_triton
+@pytest.mark.parametrize("num_sms", [1, 12, 64])  # 1, 2 and 16 splits of each context for 3 decodes
+def test_triton_decode_splits_contexts(num_sms):
+    """Flash-decoding: contexts split over several programs and merged equal the oracle, with
+    splits that get no keys (short contexts), and in a mixed step that writes into a view."""
+    from tokenmill.attention.triton_decode import TritonPagedAttention
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = TritonPagedAttention(num_sms=num_sms)
+    for query_lens, seq_lens in (([1, 1, 1], [300, 2, 65]), ([1, 1, 1, 20], [130, 1, 64, 40])):
+        q, k, v, k_cache, v_cache, meta, contexts = build_case(query_lens, seq_lens, seed=num_sms)
+        expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.25)
+        out = backend.forward(*(x.to(device) for x in (q, k, v, k_cache, v_cache)), _to(meta, device), 0.25)
+        assert torch.allclose(out.cpu().double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_splits_fill_the_gpu():
+    pytest.importorskip("triton")
+    from tokenmill.attention.triton_decode import decode_splits
+    assert decode_splits(1, 8, 132) == 16      # 8 programs: as many splits as allowed
+    assert decode_splits(4, 8, 132) == 8       # 32 programs: 5 splits wanted, a power of two
+    assert decode_splits(16, 8, 132) == 2
+    assert decode_splits(17, 8, 132) == 1      # 136 programs fill 132 SMs
 
 
 def test_cpu_kernel_handles_multi_token_short_queries():

@@ -2,7 +2,9 @@
 
 Decodes: one program per (sequence, kv head) walks the block table, loads keys and values
 straight from the pool (no gathered copy), 64 at a time from 4 blocks, and keeps an online
-softmax for the G query heads sharing that kv head, padded to 16 rows for tl.dot.
+softmax for the G query heads sharing that kv head, padded to 16 rows for tl.dot. A batch
+with fewer programs than the GPU has SMs splits each context in up to 16 parts, each part a
+program, and a second kernel merges the parts by their log-sum-exp (flash-decoding).
 
 Prompt chunks: one program per (sequence, tile of 64 query tokens, query head), a causal
 flash-attention loop over the sequence's context in steps of 64 keys gathered through the
@@ -27,13 +29,18 @@ from tokenmill.attention import AttentionMetadata, write_kv
 # by 16; those that vary from step to step are kept out of that, or the first steps of a fresh
 # process each paid about a second of compiling.
 @triton.jit(do_not_specialize=["stride_table"])
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr, scale,
                          stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # this program's share of the context, in whole steps of BLOCK_N keys (the last splits may get none)
+    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     heads = kv_head * G + g
@@ -42,9 +49,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr,
     m = tl.full((GP,), float("-inf"), tl.float32)
     denom = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
-    for start in range(0, seq_len, BLOCK_N):  # BLOCK_N keys a step, from BLOCK_N / BS blocks
+    for start in range(lo, hi, BLOCK_N):  # BLOCK_N keys a step, from BLOCK_N / BS blocks
         n = start + tl.arange(0, BLOCK_N)
-        valid = n < seq_len
+        valid = n < hi
         block = tl.load(tables_ptr + seq * stride_table + n // BS, mask=valid, other=0).to(tl.int64)
         offset = block * stride_kb + kv_head * stride_kh + (n % BS) * stride_kt   # (BLOCK_N,)
         k = tl.load(k_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D)
@@ -57,23 +64,66 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr,
         denom = denom * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    out = acc / denom[:, None]
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(g < G)[:, None])
+    if SPLITS == 1:
+        out = acc / denom[:, None]
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+    else:  # float32 partial result and its log-sum-exp, (B, Hq, SPLITS, D) and (B, Hq, SPLITS)
+        seen = denom > 0
+        out = acc / tl.where(seen, denom, 1.0)[:, None]
+        lse = tl.where(seen, m + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
+        row = (seq * G * tl.num_programs(1) + heads) * SPLITS + split
+        tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
+        tl.store(lse_ptr + row, lse, mask=g < G)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+                         D: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per (sequence, query head): weigh each split's result by its share of the softmax."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    row = (seq * num_heads + head) * SPLITS
+    lse = tl.load(lse_ptr + row + s)                     # split 0 always has keys, so the max is finite
+    w = tl.exp(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + (row + s)[:, None] * D + d[None, :])
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Splits of each sequence's context so that a small batch still fills the GPU (flash-decoding):
+    with one program per (sequence, kv head), batch 1 of an 8-kv-head model ran 8 programs on 132
+    SMs, each walking the whole context alone. A power of two (the merge kernel's tile)."""
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    return min(max_splits, triton.next_power_of_2(-(-num_sms // programs)))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
-    """q: (B, Hq, D), one query per sequence (its last position); caches (blocks, Hkv, bs, D)."""
+                 seq_lens: torch.Tensor, scale: float, block_n: int = 64, num_splits: int = 1,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: (B, Hq, D), one query per sequence (its last position); caches (blocks, Hkv, bs, D).
+    Writes into `out` (B, Hq, D) when given, a view of the step's output for a mixed step."""
     b, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
-    _paged_decode_kernel[(b, hkv)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+    if out is None:
+        out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    part = lse = out  # unused with one split
+    if num_splits > 1:
+        part = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(b, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs,
-        BLOCK_N=max(block_n, bs), PRECISION=_precision(q.dtype))
+        BLOCK_N=max(block_n, bs), SPLITS=num_splits, PRECISION=_precision(q.dtype))
+    if num_splits > 1:
+        _merge_splits_kernel[(b, hq)](part, lse, out, hq, out.stride(0), out.stride(1), D=d, SPLITS=num_splits)
     return out
 
 
@@ -149,14 +199,22 @@ class TritonPagedAttention:
     short_query_max = 1
     graph_safe = True  # a plain decode step reads only the metadata's device tensors: capturable
 
+    def __init__(self, num_sms: int | None = None) -> None:
+        self.num_sms = num_sms  # read from the device at the first step unless given
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta)
         b = meta.num_short
+        if self.num_sms is None:
+            self.num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        # The split count depends on the batch size alone, so a captured graph keeps a valid one.
+        splits = decode_splits(b, k_cache.shape[1], self.num_sms) if b else 1
         if b == meta.num_seqs:
-            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if b:
-            out[:b] = paged_decode(q[:b], k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], scale)
+            paged_decode(q[:b], k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], scale,
+                         num_splits=splits, out=out[:b])
         paged_prefill(q, k_cache, v_cache, meta, scale, out, first=b)
         return out

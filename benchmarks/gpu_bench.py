@@ -66,11 +66,13 @@ def check() -> dict:
                 out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
                                   eos_token_id=1, pad_token_id=1, attention_mask=torch.ones(1, len(p), device="cuda"))
             refs.append(out[0, len(p):].tolist())
-        for mode, eager in (("recompute", False), ("swap", False), ("recompute", True)):
+        for mode, eager, ahead in (("recompute", False, True), ("swap", False, True), ("recompute", True, True),
+                                   ("recompute", False, False)):
             llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
                       num_kv_blocks=24, preemption_mode=mode, swap_space=1 << 26, enforce_eager=eager,
+                      async_scheduling=ahead,
                       long_prefill_token_threshold=0)  # whole-budget chunks: the small pool fills, forcing preemptions
-            mode += " eager" if eager else " graphs"
+            mode += (" eager" if eager else " graphs") + ("" if ahead else " no-ahead")
             greedy = SamplingParams(max_tokens=24, temperature=0)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
             same = [o.outputs[0].token_ids == r for o, r in zip(outs, refs)]
@@ -79,7 +81,7 @@ def check() -> dict:
             results[f"{arch}/{mode}"] = {"equal": all(same), "preemptions": sched.num_preemptions,
                                          "swapped_out": sched.num_swapped_out, "backend": backend,
                                          "graphs": llm.engine.runner.graphs is not None}
-            print(f"{arch:6s} {mode:16s} {backend} equal to transformers: {all(same)} {same} preemptions "
+            print(f"{arch:6s} {mode:25s} {backend} equal to transformers: {all(same)} {same} preemptions "
                   f"{sched.num_preemptions} swapped {sched.num_swapped_out}", flush=True)
         llm = LLM(str(path), device="cuda")  # bfloat16 default
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -170,7 +172,8 @@ def workload(seed: int = 0, n: int = 256, vocab: int = 10000):
     return [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024)) for _ in range(n)]
 
 
-MODES = {"graphs": {}, "eager": {"enforce_eager": True}, "sync": {"async_output": False}}
+MODES = {"graphs": {}, "eager": {"enforce_eager": True}, "no_ahead": {"async_scheduling": False},
+         "sync": {"async_scheduling": False, "async_output": False}}
 
 
 def bench_tokenmill(model: Path, reqs, args, mode: str = "graphs") -> dict:
@@ -243,7 +246,8 @@ def main() -> None:
     parser.add_argument("what", choices=["check", "kernels", "bench"])
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--modes", default="graphs", help="tokenmill runs in order, e.g. graphs,eager,graphs "
-                        "(eager: without decode graphs; sync: outputs built at once, not during the next step)")
+                        "(eager: without decode graphs; no_ahead: without async scheduling; sync: also outputs "
+                        "built at once, not during the next step)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)

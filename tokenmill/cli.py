@@ -21,6 +21,8 @@ _ENGINE_HELP = {
     "num_kv_blocks": "exact KV pool size in blocks",
     "enforce_eager": "CUDA: launch every step from Python, no decode graphs",
     "async_output": "build a step's outputs while the next step runs (default: on for CUDA)",
+    "async_scheduling": "schedule and launch the next step before this one's tokens reach the host "
+                        "(default: on for CUDA without speculation)",
 }
 
 

@@ -101,6 +101,9 @@ class EngineConfig:
     enforce_eager: bool = False              # CUDA: no decode graphs, every step launched from Python
     async_output: bool | None = None         # build a step's outputs during the next step's device work
                                              # (one step later); default: on CUDA, off on CPU
+    async_scheduling: bool | None = None     # schedule and launch step N+1 before step N's tokens reach
+                                             # the host (they feed N+1 on the device); default: on CUDA
+                                             # without speculation, off on CPU
     num_threads: int | None = None           # torch intra-op threads on CPU (default: torch's choice)
     speculative: str | None = None           # "ngram" (prompt lookup) or "draft:PATH" (a smaller model)
     num_speculative_tokens: int = 4          # most drafts per sequence per step
@@ -131,6 +134,9 @@ class EngineConfig:
         if self.kv_cache_dtype == "float16" and self.device.split(":")[0] != "cpu":
             raise ValueError("kv_cache_dtype='float16' is for the CPU (on CUDA the pool already takes the "
                              "model's 2-byte dtype)")
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("async_scheduling does not combine with speculative decoding: drafts are "
+                             "proposed from tokens on the host")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")

@@ -18,9 +18,9 @@ from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.kv_cache import KVCacheManager
-from tokenmill.model_runner import ModelRunner
+from tokenmill.model_runner import ModelRunner, PendingStep
 from tokenmill.models.loader import load_model, load_tokenizer, open_checkpoint, resolve_model_path
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, RunnerOutput, StepStats
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, RunnerOutput, SchedulerOutput, StepStats
 from tokenmill.proposers import make_proposer
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -81,6 +81,10 @@ class LLMEngine:
         # the forward pass runs on the host itself, so there is nothing to overlap.
         self.async_output = config.async_output if config.async_output is not None else self.device.type == "cuda"
         self._unreported: list[Request] = []  # requests with tokens whose outputs are still to build
+        # Schedule and launch each step before the last one's tokens reach the host (see _step_ahead).
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda" and self.speculator is None)
+        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet collected
         self.last_stats = StepStats()
         self.stats_listeners: list[Callable[[StepStats], None]] = []
 
@@ -172,6 +176,7 @@ class LLMEngine:
         return list(self.detokenizers)
 
     def has_unfinished_requests(self) -> bool:
+        # (a step still in flight holds no other requests: those not finished are the scheduler's)
         return self.scheduler.has_unfinished_requests() or bool(self._unreported)
 
     # ---- the step ------------------------------------------------------------------------
@@ -185,6 +190,11 @@ class LLMEngine:
         longer adds to the step's time. A stop string found then ends its request while the
         next step is in flight; the token that step computed for it is dropped. Timestamps
         (first token, finish) stay those of the sampling step, not of the report."""
+        if self.async_scheduling:
+            if self._can_step_ahead():
+                return self._step_ahead()
+            if self._in_flight is not None:  # a request with penalties needs its tokens on the host
+                return self._finish_in_flight(time.perf_counter())
         t0 = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
         if self.speculator is not None:
@@ -215,6 +225,54 @@ class LLMEngine:
                            time_detokenize=(t3 - t2) + (t6 - t5), start=t0, end=t6)
         if self.speculator is not None:
             self.speculator.observe(self.last_stats, sched.finished_request_ids, changed)
+        return outputs
+
+    def _can_step_ahead(self) -> bool:
+        """Penalties read a request's past tokens on the host, so they need the last step's."""
+        return not any(r.params.has_penalties for r in self.scheduler.requests.values())
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Async scheduling: schedule and launch this step while the last one still runs on the
+        device (its sampled tokens feed this one's decodes there), then collect the last one.
+        The host's scheduling and input preparation no longer leave the device idle; outputs
+        come back one step after their tokens were sampled, as with async_output. A request that
+        stops on EOS or a stop string has a token computed in vain, dropped."""
+        t0 = time.perf_counter()
+        preemptions_before = self.scheduler.num_preemptions
+        sched = self.scheduler.schedule()
+        earlier, self._unreported = self._unreported, []  # from steps run before in sync
+        t1 = time.perf_counter()
+        try:
+            pending = self.runner.launch(sched) if sched.requests else None
+        except Exception as exc:
+            return (self._outputs(earlier) + self._finish_in_flight(t0, t1 - t0, preemptions_before)
+                    + self._fail_step(sched, exc))
+        self.scheduler.advance(sched)
+        outputs = self._outputs(earlier) + self._finish_in_flight(t0, t1 - t0, preemptions_before)
+        self._in_flight = (sched, pending) if pending is not None else None
+        return outputs
+
+    def _finish_in_flight(self, start: float, time_schedule: float = 0.0,
+                          preemptions_before: int | None = None) -> list[RequestOutput]:
+        """Collect the launched step (waiting for the device), append its tokens, build outputs.
+        Its stats take the host's time since `start` (scheduling the next step meanwhile, and
+        its preemptions, included) with the prepare, forward and sample times of its own launch."""
+        if self._in_flight is None:
+            return []
+        sched, pending = self._in_flight
+        self._in_flight = None
+        try:
+            result = self.runner.collect(pending)  # its wait for the device counts as sampling time
+        except Exception as exc:  # the device failed the step
+            return self._fail_step(sched, exc)
+        t1 = time.perf_counter()
+        changed = self.scheduler.update(sched, result, advanced=True)
+        t2 = time.perf_counter()
+        outputs = self._outputs(changed)
+        end = time.perf_counter()
+        before = preemptions_before if preemptions_before is not None else self.scheduler.num_preemptions
+        self._record_stats(sched, result, before, time_schedule=time_schedule + (t2 - t1),
+                           time_detokenize=end - t2, start=start, end=end)
         return outputs
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:

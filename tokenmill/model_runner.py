@@ -15,6 +15,10 @@ itself would have produced, plus one token of its own.
 
 Sequences with short queries (decodes) are put first so the attention backend can run
 them through its batched kernel; outputs are keyed by request id, so order is free.
+
+Under async scheduling a step is prepared while the one before still runs: a decode's input
+token is then the one that step is sampling, copied from its output on the device into the
+input row (a placeholder on the host side).
 """
 
 from __future__ import annotations
@@ -86,6 +90,10 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
         self.graphs: DecodeGraphs | None = None
+        # The last step's sampled tokens, still on the device, and each sampling request's row in them:
+        # under async scheduling the next step is prepared before they reach the host.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Replay plain decode steps of up to max_batch sequences from CUDA graphs from now on."""
@@ -123,6 +131,8 @@ class ModelRunner:
             else:
                 logits_plain = logits
             pending.tokens, pending.raw_logprobs = self.sampler.sample(logits_plain, meta)
+        self._last_tokens = pending.tokens
+        self._last_rows = {r.request_id: i for i, r in enumerate(plain_requests)}
         for i, n in enumerate(num_rows):
             if n > 1:
                 self._verify(logits[ends[i] - n:ends[i]], requests[i], pending.result)
@@ -185,8 +195,14 @@ class ModelRunner:
         total = int(cu[-1])
 
         token_ids: list[int] = []
+        pending_rows: list[int] = []  # async scheduling: rows whose token the last step sampled
+        pending_src: list[int] = []   # and its row among that step's tokens
         for r, start, n, d in zip(requests, starts.tolist(), counts.tolist(), drafts.tolist()):
             token_ids.extend(r.token_ids[start:start + n - d])
+            if r.num_pending_tokens and start + n - d > r.num_tokens:
+                pending_rows.append(len(token_ids))
+                pending_src.append(self._last_rows[r.request_id])
+                token_ids.append(0)  # a placeholder, replaced on the device
             token_ids.extend(r.draft_token_ids[:d])
         seq_of_token = np.repeat(np.arange(len(requests)), counts)
         positions = np.arange(total, dtype=np.int64) - (cu[:-1] - starts)[seq_of_token]
@@ -198,7 +214,7 @@ class ModelRunner:
             tables[i, :len(r.block_ids)] = r.block_ids
         slot_block = tables[seq_of_token, positions // bs].astype(np.int64)
 
-        samples = seq_lens - drafts == np.array([r.num_tokens for r in requests])
+        samples = seq_lens - drafts == np.array([r.num_tokens + r.num_pending_tokens for r in requests])
         sampling_requests = [r for r, s in zip(requests, samples) if s]
         num_rows = (1 + drafts[samples]).tolist()
         # the last 1 + d rows of each sampling sequence
@@ -215,7 +231,9 @@ class ModelRunner:
             block_tables=to_dev(tables),
             query_start_loc_host=cu.tolist(), seq_lens_host=seq_lens.tolist(), block_size=bs,
             num_short=num_short, num_short_tokens=int(cu[num_short]))
+        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        if pending_rows:
+            input_ids[to_dev(np.array(pending_rows))] = self._last_tokens[to_dev(np.array(pending_src))]
         return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=to_dev(positions), meta=meta,
+            input_ids=input_ids, positions=to_dev(positions), meta=meta,
             logits_indices=to_dev(logits_rows), sampling_requests=sampling_requests, num_rows=num_rows)

@@ -7,7 +7,8 @@ Progress is one counter, not a phase. `num_computed_tokens` catches up with
 `num_tokens` (prompt + generated so far); a step grants it some of the gap.
 A prompt is "prefilling" while the gap is large, "decoding" when the gap is the
 one token sampled last step; after a recompute preemption the counter drops to
-zero and the same rule replays prompt and output.
+zero and the same rule replays prompt and output. Under async scheduling a token the step in
+flight is sampling counts as pending (`num_pending_tokens`) until it reaches the host.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the model sees
     num_computed_tokens: int = 0            # tokens whose K/V sit in this request's blocks
+    num_pending_tokens: int = 0             # async scheduling: sampled by launched steps, not yet on
+                                            # the host; the next step reads its input from the device
     num_cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
@@ -104,7 +107,7 @@ class Request:
     @property
     def num_remaining_prefill(self) -> int:
         """Tokens still to compute before this request can sample (1 when decoding)."""
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -69,7 +69,7 @@ class SamplingMetadata:
             meta.presence = tensor([params[i].presence_penalty for i in rows], torch.float32)
             meta.frequency = tensor([params[i].frequency_penalty for i in rows], torch.float32)
         for i, r in enumerate(requests):
-            if r.num_output_tokens < r.params.min_tokens:
+            if r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens:
                 meta.banned.append((i, sorted(set(r.params.stop_token_ids) | r.eos_token_ids)))
         return meta
 

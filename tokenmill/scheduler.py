@@ -27,6 +27,13 @@ accepts requests whose full length fits the pool alone.
 `update()` advances the counters with what the runner computed, appends sampled
 tokens, and finishes requests on EOS, stop tokens, max_tokens or max_model_len.
 Finished requests leave in the same step; their blocks are free for the next one.
+
+Async scheduling (the engine's, on a GPU) schedules step N+1 while step N runs: `advance()`
+counts N's tokens as computed at launch, and a token N samples is pending until N's
+`update()`. A request that ends by length with its pending token is not scheduled again;
+one that ends by EOS or a stop has one step of wasted work, dropped. A request preempted with
+a token in flight gets it at that step's update, before the next schedule() could readmit it
+(no step that preempts admits).
 """
 
 from __future__ import annotations
@@ -113,6 +120,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.num_pending_tokens and self._pending_token_is_last(request):
+                continue  # async scheduling: it ends with the token in flight, by length
             num_new, held = self._chunk(request, request.num_remaining_prefill, budget, num_decodes, long_tokens)
             if num_new == 0:
                 continue  # a long prompt whose share of this step went to an earlier one
@@ -219,26 +228,44 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(request)
 
+    def _pending_token_is_last(self, request: Request) -> bool:
+        num_tokens = request.num_tokens + request.num_pending_tokens
+        return (request.num_output_tokens + request.num_pending_tokens >= request.max_tokens
+                or num_tokens >= self.config.max_model_len)
+
     # ---- update -----------------------------------------------------------------------
 
-    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance counters, append sampled tokens, finish what must stop.
+    def advance(self, sched: SchedulerOutput) -> None:
+        """Async scheduling: count a launched step's tokens as computed before its sampled tokens
+        reach the host, so that the next step can be scheduled meanwhile; a sequence that samples
+        holds a pending token until `update(..., advanced=True)` appends it. No speculation here."""
+        for request, num_new in zip(sched.requests, sched.num_scheduled_tokens):
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+                request.num_pending_tokens += 1
 
-        Returns the requests that got new tokens or finished in this step.
+    def update(self, sched: SchedulerOutput, result: RunnerOutput, advanced: bool = False) -> list[Request]:
+        """Advance counters (unless `advance` did), append sampled tokens, finish what must stop.
+
+        Returns the requests that got new tokens or finished in this step. After `advance`, a
+        request preempted since the step was launched still gets its token.
         """
         now = self.clock()
         changed = []
         for request, num_new, num_draft in zip(sched.requests, sched.num_scheduled_tokens, sched.num_draft_tokens):
-            if request.status != RequestStatus.RUNNING:
+            if request.is_finished:
                 continue  # ended while the step ran
             new_tokens = result.sampled_token_ids.get(request.request_id, [])
-            # Speculation: len(new_tokens) - 1 drafts were accepted. The K/V written for the rejected
-            # ones lies past the counter (overwritten later) and blocks only they needed are freed.
-            rejected = num_draft - max(len(new_tokens) - 1, 0)
-            request.num_computed_tokens += num_new - rejected
-            request.draft_token_ids, request.draft_probs = [], None
-            if rejected:
-                self.kv.trim(request)
+            if advanced:
+                request.num_pending_tokens -= len(new_tokens)
+            else:
+                # Speculation: len(new_tokens) - 1 drafts were accepted. The K/V written for the rejected
+                # ones lies past the counter (overwritten later) and blocks only they needed are freed.
+                rejected = num_draft - max(len(new_tokens) - 1, 0)
+                request.num_computed_tokens += num_new - rejected
+                request.draft_token_ids, request.draft_probs = [], None
+                if rejected:
+                    self.kv.trim(request)
             if not new_tokens:
                 continue  # a prompt chunk that did not reach the end
             # Sampled tokens are appended (each checked for a stop); the last one's K/V is computed next step.

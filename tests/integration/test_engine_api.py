@@ -7,42 +7,54 @@ import pytest
 from tokenmill import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_output"])
+@pytest.fixture(scope="module", params=["sync", "async_output", "async_scheduling"])
 def llm(tiny_models, request):
     return LLM(str(tiny_models["llama"]), max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64,
-               async_output=request.param)
+               async_output=request.param == "async_output", async_scheduling=request.param == "async_scheduling")
 
 
-def test_async_output_gives_the_same_outputs_one_step_later(tiny_models):
-    """async_output (the GPU default) builds a step's outputs during the next step: the same
-    tokens, text, stops and deltas as building them at once, one step later. A stop string
-    found a step late ends its request while the next step runs; that step's token is dropped."""
-    def run(async_output: bool):
+@pytest.mark.parametrize("mode", ["async_output", "async_scheduling"])
+def test_late_modes_give_the_same_outputs_one_step_later(tiny_models, mode):
+    """async_output builds a step's outputs during the next step; async_scheduling launches the
+    next step before collecting this one (the GPU defaults). Both give the same tokens, text,
+    stops and deltas as the plain loop, one step later. A stop string found a step late ends its
+    request while the next step runs; that step's token is dropped. With async_scheduling, a
+    request with penalties makes the engine wait for each step's tokens while it runs."""
+    def run(late: str | None):
         llm = LLM(str(tiny_models["llama"]), max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64,
-                  async_output=async_output)
+                  async_output=late == "async_output", async_scheduling=late == "async_scheduling")
         engine = llm.engine
         greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         full = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0]
+        # e: a stop token first sampled at index k, allowed from there on by min_tokens = k
+        e_tokens = llm.generate([[9, 10, 11, 14]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        k = next(i for i in range(2, 12) if e_tokens[i] not in e_tokens[:i])
         stops = {"a": greedy.clone(stop=[full.text.split()[4]]), "b": greedy.clone(max_tokens=3),
-                 "c": SamplingParams(max_tokens=20, temperature=0.0), "d": greedy}
+                 "c": SamplingParams(max_tokens=20, temperature=0.0), "d": greedy,
+                 "e": greedy.clone(min_tokens=k, stop_token_ids=[e_tokens[k]]),
+                 "g": SamplingParams(max_tokens=9, temperature=1.0, seed=3)}
         for rid, params in stops.items():
-            engine.add_request(rid, [5, 6, 7] if rid == "a" else [9, 10, 11, int(rid, 16)], params)
+            engine.add_request(rid, [5, 6, 7] if rid == "a" else [9, 10, 11, int(rid, 36)], params)
         streamed = {rid: "" for rid in stops}
         finals, first_output_step, step = {}, None, 0
         while engine.has_unfinished_requests():
             step += 1
+            if step == 6:  # penalties: async_scheduling waits for each step's tokens from here on
+                engine.add_request("f", [9, 10, 11, 15], greedy.clone(repetition_penalty=1.5, max_tokens=6))
+                streamed["f"] = ""
             for out in engine.step():
                 first_output_step = first_output_step or step
                 streamed[out.request_id] += out.new_text
                 if out.finished:
                     finals[out.request_id] = out.outputs[0]
         assert engine.kv.pool.num_used_blocks == 0
-        assert all(streamed[rid] == finals[rid].text for rid in stops)
+        assert all(streamed[rid] == finals[rid].text for rid in streamed)
         return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()}, first_output_step
 
-    (sync, sync_first), (late, late_first) = run(False), run(True)
+    (sync, sync_first), (late, late_first) = run(None), run(mode)
     assert late == sync and late_first == sync_first + 1
     assert sync["a"][2] == "stop" and len(sync["a"][0]) < 12 and sync["b"][2] == "length"
+    assert sync["e"][2] == "stop" and sync["e"][0][-1] not in sync["e"][0][:-1]
 
 
 def test_outputs_come_back_in_input_order_for_every_prompt_form(llm):

@@ -34,11 +34,13 @@ def roomy(tiny_llama):
     return tokens
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async_scheduling"])
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_outputs_equal_under_pressure_with_caching_on_and_off(tiny_llama, roomy, caching, mode):
+def test_outputs_equal_under_pressure_with_caching_on_and_off(tiny_llama, roomy, caching, mode, ahead):
+    """With async scheduling, requests are preempted while a token of theirs is still in flight."""
     tokens, engine = run(tiny_llama, num_kv_blocks=24, enable_prefix_caching=caching, preemption_mode=mode,
-                         swap_space=1 << 24)
+                         swap_space=1 << 24, async_scheduling=ahead)
     assert engine.scheduler.num_preemptions > 0, "the small pool should force preemption"
     assert (engine.scheduler.num_swapped_out > 0) == (mode == "swap")
     if caching:

@@ -243,3 +243,59 @@ def test_engine_default_threshold_is_one_steps_budget():
     assert config.long_prefill_token_threshold == 256
     off = SchedulerConfig.from_engine(EngineConfig(long_prefill_token_threshold=0), max_model_len=1024)
     assert off.long_prefill_token_threshold == 0
+
+
+def run_ahead(scheduler, check=None) -> dict[str, int]:
+    """Async scheduling as the engine runs it: each step is scheduled and launched (advance)
+    before the one in flight is updated. Returns the tokens computed for each request."""
+    from fakes import fake_token
+
+    from tokenmill.outputs import RunnerOutput
+    computed: dict[str, int] = {}
+    in_flight = None
+    while scheduler.has_unfinished_requests():
+        assert len(computed) < 10_000
+        sched = scheduler.schedule()
+        result = RunnerOutput({r.request_id: [fake_token(r)] for r, n in zip(sched.requests, sched.num_scheduled_tokens)
+                               if r.num_computed_tokens + n == r.num_tokens + r.num_pending_tokens})
+        for r, n in zip(sched.requests, sched.num_scheduled_tokens):
+            assert n <= r.num_remaining_prefill
+            computed[r.request_id] = computed.get(r.request_id, 0) + n
+        scheduler.advance(sched)
+        if in_flight is not None:
+            scheduler.update(*in_flight, advanced=True)
+        in_flight = (sched, result)
+        if check is not None:
+            check(scheduler)
+    return computed
+
+
+def test_async_scheduling_computes_no_token_past_a_length_end():
+    """A request whose in-flight token is its last (max_tokens) is not scheduled again, so
+    ending by length costs no step; outputs are as many as asked."""
+    s = make_scheduler(budget=10)
+    prompts = {"a": 3, "b": 17, "c": 1}
+    for rid, n in prompts.items():
+        s.add_request(make_request(rid, prompt_len=n, max_tokens=5, ignore_eos=True))
+    reqs = dict(s.requests)
+    computed = run_ahead(s)
+    assert computed == {rid: n + 5 - 1 for rid, n in prompts.items()}
+    assert all(r.num_output_tokens == 5 and r.status == RequestStatus.FINISHED_LENGTH for r in reqs.values())
+    assert s.kv.pool.num_used_blocks == 0
+
+
+def test_async_scheduling_preempts_requests_with_a_token_in_flight():
+    """Preempted while its token is in flight: the token is still appended, before the request
+    can be readmitted (its replayed context must hold it)."""
+    s = make_scheduler(num_blocks=10, block_size=4, budget=16)
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", prompt_len=6, max_tokens=8, ignore_eos=True))
+    reqs = dict(s.requests)
+
+    def check(scheduler):
+        for r in scheduler.running:
+            assert r.num_computed_tokens <= r.num_tokens + r.num_pending_tokens
+    run_ahead(s, check)
+    assert s.num_preemptions > 0
+    assert all(r.num_output_tokens == 8 and r.num_pending_tokens == 0 for r in reqs.values())
+    assert s.kv.pool.num_used_blocks == 0

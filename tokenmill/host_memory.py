@@ -1,4 +1,5 @@
-"""Large host tensors backed by transparent huge pages.
+"""Host memory: large tensors backed by transparent huge pages, and copies to the device that
+do not wait for it.
 
 The CPU kernels read the KV pool in scattered runs of a few KB (one block of one layer), and
 each run on a 4 KB page costs a TLB miss and a cold start of the hardware prefetcher.
@@ -52,3 +53,13 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         copies.append(arena[offset:offset + t.numel()].view(t.shape).copy_(t))
         offset += size
     return copies
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to a GPU without waiting for the work queued there: through pinned
+    memory, non-blocking. A plain copy waits for the stream to drain, and under async scheduling
+    the stream holds the last step, still running, while the next one is prepared. On a CPU the
+    tensor itself."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -32,7 +32,7 @@ import torch
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.cuda_graphs import DecodeGraphs
-from tokenmill.host_memory import huge_page_zeros
+from tokenmill.host_memory import huge_page_zeros, to_device
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
 from tokenmill.request import Request
 from tokenmill.sampler import Sampler, SamplingMetadata
@@ -127,7 +127,7 @@ class ModelRunner:
         ends = np.cumsum(num_rows)
         if meta is not None:
             if len(plain) < logits.shape[0]:  # pick the plain rows (each sequence's last) out
-                logits_plain = logits.index_select(0, torch.as_tensor(ends[plain] - 1, device=logits.device))
+                logits_plain = logits.index_select(0, to_device(torch.from_numpy(ends[plain] - 1), logits.device))
             else:
                 logits_plain = logits
             pending.tokens, pending.raw_logprobs = self.sampler.sample(logits_plain, meta)
@@ -224,14 +224,14 @@ class ModelRunner:
         dev = self.device
 
         def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
+            return to_device(torch.from_numpy(a), dev)
         meta = AttentionMetadata(
             slot_block=to_dev(slot_block), slot_offset=to_dev(positions % bs),
             query_start_loc=to_dev(cu.astype(np.int32)), seq_lens=to_dev(seq_lens.astype(np.int32)),
             block_tables=to_dev(tables),
             query_start_loc_host=cu.tolist(), seq_lens_host=seq_lens.tolist(), block_size=bs,
             num_short=num_short, num_short_tokens=int(cu[num_short]))
-        input_ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        input_ids = to_device(torch.tensor(token_ids, dtype=torch.int64), dev)
         if pending_rows:
             input_ids[to_dev(np.array(pending_rows))] = self._last_tokens[to_dev(np.array(pending_src))]
         return StepInputs(

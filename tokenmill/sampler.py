@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.host_memory import to_device
 from tokenmill.request import Request
 
 
@@ -47,7 +48,7 @@ class SamplingMetadata:
         greedy = [p.temperature == 0.0 for p in params]
 
         def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
         meta = cls(
             all_greedy=all(greedy),
             greedy=tensor(greedy, torch.bool),
@@ -144,8 +145,10 @@ class Sampler:
             logits = logits.clone()
         if meta.penalty_rows:
             apply_penalties(logits, meta)
-        for row, ids in meta.banned:
-            logits[row, ids] = float("-inf")
+        if meta.banned:
+            rows = torch.tensor([row for row, ids in meta.banned for _ in ids])
+            cols = torch.tensor([t for _, ids in meta.banned for t in ids])
+            logits[to_device(rows, logits.device), to_device(cols, logits.device)] = float("-inf")
 
         tokens = logits.argmax(dim=-1)
         if not meta.all_greedy:

@@ -35,7 +35,7 @@ from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.host_memory import huge_page_zeros, to_device
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
 from tokenmill.request import Request
-from tokenmill.sampler import Sampler, SamplingMetadata
+from tokenmill.sampler import HostTokens, Sampler, SamplingMetadata
 from tokenmill.spec_decode import verify
 
 
@@ -56,8 +56,7 @@ class PendingStep:
     result: RunnerOutput                   # filled by collect (and by launch for verified drafts)
     plain_requests: list[Request]          # sampled in one batch, in row order
     meta: SamplingMetadata | None
-    tokens: torch.Tensor | None = None     # (len(plain_requests),) on the device
-    raw_logprobs: torch.Tensor | None = None
+    host: HostTokens | None = None         # their sampled tokens, being copied to the host
 
 
 class ModelRunner:
@@ -130,8 +129,9 @@ class ModelRunner:
                 logits_plain = logits.index_select(0, to_device(torch.from_numpy(ends[plain] - 1), logits.device))
             else:
                 logits_plain = logits
-            pending.tokens, pending.raw_logprobs = self.sampler.sample(logits_plain, meta)
-        self._last_tokens = pending.tokens
+            tokens, raw_logprobs = self.sampler.sample(logits_plain, meta)
+            pending.host = self.sampler.to_host(tokens, raw_logprobs, meta)
+            self._last_tokens = tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(plain_requests)}
         for i, n in enumerate(num_rows):
             if n > 1:
@@ -143,7 +143,7 @@ class ModelRunner:
         """Wait for the step's tokens (the host sync) and key them by request."""
         start, result = time.perf_counter(), pending.result
         if pending.meta is not None:
-            out = self.sampler.collect(pending.tokens, pending.raw_logprobs, pending.meta)
+            out = self.sampler.collect(pending.host, pending.meta)
             for r, token, logprobs in zip(pending.plain_requests, out.token_ids, out.logprobs):
                 result.sampled_token_ids[r.request_id] = [token]
                 if logprobs is not None:

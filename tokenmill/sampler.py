@@ -126,6 +126,22 @@ def filter_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
+@dataclass
+class HostTokens:
+    """A step's sampled tokens (and logprob tables) on their way to the host. On a GPU the copies
+    are queued right behind the sampling, with an event, so that waiting for them does not also
+    wait for work queued after it: under async scheduling, the whole next step."""
+
+    tokens: torch.Tensor                   # (S,)
+    chosen: torch.Tensor | None = None     # (S,) logprob of each sampled token
+    top_vals: torch.Tensor | None = None   # (S, n) the n best logprobs of each row
+    top_ids: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    def tables(self) -> list[torch.Tensor | None]:
+        return [self.tokens, self.chosen, self.top_vals, self.top_ids]
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device)
@@ -133,12 +149,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: (S, V) float32, one row per sequence that samples this step."""
-        return self.collect(*self.sample(logits, meta), meta)
+        return self.collect(self.to_host(*self.sample(logits, meta), meta), meta)
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled tokens (S,), and the raw logprobs where a row asked for them, left on the
         logits' device. Nothing here waits for the device, except the index lists that penalties
-        and min_tokens bans copy to it (those steps give up the overlap of async_output)."""
+        copy to it (async scheduling waits for the last step's tokens while such a request runs)."""
         want_logprobs = any(n is not None for n in meta.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
         if meta.penalty_rows or meta.banned:
@@ -160,21 +176,37 @@ class Sampler:
             tokens = torch.where(meta.greedy, tokens, sampled)
         return tokens, raw_logprobs
 
-    def collect(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
-                meta: SamplingMetadata) -> SamplerOutput:
-        """Bring the tokens (and logprobs) to the host."""
-        token_list = tokens.tolist()  # the step's one host sync
-        return SamplerOutput(token_list, self.logprobs(raw_logprobs, tokens, token_list, meta)
-                             if raw_logprobs is not None else [None] * len(token_list))
+    @staticmethod
+    def to_host(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, meta: SamplingMetadata) -> HostTokens:
+        """Queue the copies of what collect() reads: the tokens, and the logprob tables (the
+        sampled token's and the top-n) computed on the device."""
+        out = HostTokens(tokens)
+        if raw_logprobs is not None:
+            top_n = max(n for n in meta.num_logprobs if n is not None)
+            out.chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            out.top_vals, out.top_ids = raw_logprobs.topk(max(top_n, 1), dim=-1)
+        if tokens.is_cuda:
+            out.tokens, out.chosen, out.top_vals, out.top_ids = (
+                t.to("cpu", non_blocking=True) if t is not None else None for t in out.tables())
+            out.ready = torch.cuda.Event()
+            out.ready.record()
+        return out
 
     @staticmethod
-    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
-                  meta: SamplingMetadata) -> list[dict[int, float] | None]:
+    def collect(host: HostTokens, meta: SamplingMetadata) -> SamplerOutput:
+        """Wait for the copies (the step's one host sync) and list the tokens and logprobs."""
+        if host.ready is not None:
+            host.ready.synchronize()
+        token_list = host.tokens.tolist()
+        if host.chosen is None:
+            return SamplerOutput(token_list, [None] * len(token_list))
+        return SamplerOutput(token_list, Sampler.logprobs(host.chosen.tolist(), host.top_vals.tolist(),
+                                                          host.top_ids.tolist(), token_list, meta))
+
+    @staticmethod
+    def logprobs(chosen: list[float], top_vals: list[list[float]], top_ids: list[list[int]],
+                 token_list: list[int], meta: SamplingMetadata) -> list[dict[int, float] | None]:
         """Per row: {sampled token: logprob} followed by the row's top-n alternatives."""
-        top_n = max(n for n in meta.num_logprobs if n is not None)
-        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = raw.topk(max(top_n, 1), dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         out: list[dict[int, float] | None] = []
         for row, n in enumerate(meta.num_logprobs):
             if n is None:

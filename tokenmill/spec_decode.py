@@ -57,7 +57,8 @@ def verify(logits: torch.Tensor, request: Request, sampler: Sampler,
     rows = len(tokens)
     raw = logits[:rows].log_softmax(dim=-1)
     meta.num_logprobs = meta.num_logprobs[:rows]
-    return tokens, sampler.logprobs(raw, torch.tensor(tokens, device=logits.device), tokens, meta)
+    return tokens, sampler.collect(sampler.to_host(torch.tensor(tokens, device=logits.device), raw, meta),
+                                   meta).logprobs
 
 
 def _rejection_sample(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,

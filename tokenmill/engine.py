@@ -2,8 +2,10 @@
 
     step() = schedule -> run the model once -> update counters and tokens -> detokenize
 
-It is synchronous and single-threaded; the async front (async_engine.py) runs it in a
-thread for the server, and `LLM` (llm.py) drives it to completion for offline use.
+It is single-threaded; the async front (async_engine.py) runs it in a thread for the
+server, and `LLM` (llm.py) drives it to completion for offline use. On a GPU it keeps the
+device ahead of the host: outputs are built while the next step runs (`async_output`), and
+with async scheduling (`_step_ahead`) each step is launched before the last one is collected.
 """
 
 from __future__ import annotations

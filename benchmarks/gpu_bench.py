@@ -173,7 +173,7 @@ def workload(seed: int = 0, n: int = 256, vocab: int = 10000):
 
 
 MODES = {"graphs": {}, "eager": {"enforce_eager": True}, "no_ahead": {"async_scheduling": False},
-         "sync": {"async_scheduling": False, "async_output": False}}
+         "sync": {"async_scheduling": False, "async_output": False}, "torch_ops": {"kernels": "torch"}}
 
 
 def bench_tokenmill(model: Path, reqs, args, mode: str = "graphs") -> dict:
@@ -247,7 +247,8 @@ def main() -> None:
     parser.add_argument("--hf-cb", action="store_true")
     parser.add_argument("--modes", default="graphs", help="tokenmill runs in order, e.g. graphs,eager,graphs "
                         "(eager: without decode graphs; no_ahead: without async scheduling; sync: also outputs "
-                        "built at once, not during the next step)")
+                        "built at once, not during the next step; torch_ops: torch's element-wise ops, not "
+                        "the Triton ones)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)

@@ -1,7 +1,8 @@
 """Profile a few decode steps of the Qwen3-0.6B-shaped model on CUDA (see gpu_bench.py).
 
-    python benchmarks/gpu_profile.py BATCH [nosplit] [noahead]
-    nosplit: one program per context; noahead: without async scheduling
+    python benchmarks/gpu_profile.py BATCH [nosplit] [noahead] [torchops]
+    nosplit: one program per context; noahead: without async scheduling; torchops: torch's
+    element-wise ops instead of the Triton kernels
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ batch = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 model = build_qwen3_0_6b(Path("/tmp/qwen3-0.6b-random"))
 engine = LLMEngine(EngineConfig(model=str(model), device="cuda", max_num_seqs=256, max_num_batched_tokens=16384,
                                 max_model_len=4096, kv_cache_memory="24GiB", enable_prefix_caching=False,
-                                async_scheduling="noahead" not in sys.argv))
+                                async_scheduling="noahead" not in sys.argv,
+                                kernels="torch" if "torchops" in sys.argv else "auto"))
 if "nosplit" in sys.argv:  # decode attention without splitting contexts (the graphs are captured again)
     engine.runner.backend.num_sms = 1
     engine.runner.capture_graphs(256, 4096)

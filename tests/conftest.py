@@ -22,6 +22,16 @@ TINY_CONFIGS = {
 }
 
 
+def triton_usable() -> bool:
+    """Triton runs on CUDA, or on the CPU under its interpreter (TRITON_INTERPRET=1)."""
+    import importlib.util
+    import os
+
+    import torch
+    return importlib.util.find_spec("triton") is not None and (
+        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def _save_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

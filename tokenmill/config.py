@@ -97,7 +97,8 @@ class EngineConfig:
     static_batching: bool = False            # baseline mode for benchmarks: admit a batch only when empty
     attention_backend: str = "auto"          # "auto", "reference", "cpu", "torch", "triton" (CUDA)
     kernels: str = "auto"                    # "auto": packed projections (C++ panel GEMM) and fused C++
-                                             # ops on CPU float32; "torch": plain torch ops (the reference)
+                                             # ops on CPU float32, Triton element-wise kernels on CUDA;
+                                             # "torch": plain torch ops (the reference)
     enforce_eager: bool = False              # CUDA: no decode graphs, every step launched from Python
     async_output: bool | None = None         # build a step's outputs during the next step's device work
                                              # (one step later); default: on CUDA, off on CPU

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from conftest import triton_usable
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -35,16 +36,23 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("backend_name, kernels, kv_dtype, tol", [
     ("reference", "torch", torch.float32, 1e-4), ("cpu", "auto", torch.float32, 1e-4),
-    ("cpu", "auto", torch.float16, 3e-3)])
+    ("cpu", "auto", torch.float16, 3e-3),
+    pytest.param("reference", "triton", torch.float32, 1e-4, marks=pytest.mark.skipif(
+        not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)"))])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, kv_dtype, tol):
     """Reference path (SDPA, F.linear, torch ops) and fast path (C++ attention kernel, panel
     GEMM projections, fused C++ ops) both match transformers; with a float16 KV pool, to within
-    what rounding K and V to float16 costs."""
+    what rounding K and V to float16 costs; and the Triton element-wise kernels of CUDA (here
+    under the Triton interpreter without a GPU)."""
     path = tiny_models[arch]
     checkpoint = open_checkpoint(path)
     cfg = checkpoint.config
-    model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels=kernels)
+    model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"),
+                       kernels="torch" if kernels == "triton" else kernels)
+    if kernels == "triton":
+        from tokenmill.models.triton_ops import TritonFusedOps
+        model.ops = TritonFusedOps()
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
     runner = ModelRunner(model, cfg, CacheConfig(64, 16), make_backend(backend_name, torch.device("cpu")),
                          torch.device("cpu"), kv_dtype, seed=0)

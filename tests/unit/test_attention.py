@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from conftest import triton_usable
 
 from tokenmill.attention import AttentionMetadata, make_backend
 
@@ -85,14 +86,6 @@ CASES = {
     # decode over more than 64 keys (several steps of the decode kernel)
     "long_chunks": ([1, 1, 70, 130, 5], [140, 3, 100, 130, 200]),
 }
-
-
-def triton_usable() -> bool:
-    """Triton runs on CUDA, or on the CPU under its interpreter (TRITON_INTERPRET=1)."""
-    import importlib.util
-    import os
-    return importlib.util.find_spec("triton") is not None and (
-        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 BACKENDS = ["reference", "torch", "cpu", pytest.param("triton", marks=pytest.mark.skipif(

@@ -1,11 +1,12 @@
-"""The fast CPU paths against their torch references: fused C++ element-wise ops and
-oneDNN-packed projections."""
+"""The fast paths against their torch references: fused C++ element-wise ops, oneDNN-packed
+projections, and the Triton element-wise kernels (CUDA, or the Triton interpreter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import triton_usable
 
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.llama import RMSNorm
@@ -72,3 +73,55 @@ def test_packed_linear_with_panels_matches_for_every_row_count(fused):
     for rows in (1, 8, 64, 300, 1100):  # 1100: three blocks of rows
         x = torch.randn(rows, 48)
         assert torch.allclose(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+needs_triton = pytest.mark.skipif(not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def triton_ops():
+    from tokenmill.models.triton_ops import TritonFusedOps
+    return TritonFusedOps()
+
+
+def _norm(dim: int) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6).to(DEVICE)
+    norm.weight.data = torch.randn(dim, device=DEVICE)
+    return norm
+
+
+@needs_triton
+@pytest.mark.parametrize("rows, dim", [(1, 40), (7, 576), (33, 96)])
+def test_triton_add_rms_norm(triton_ops, rows, dim):
+    norm = _norm(dim)
+    x, res = torch.randn(rows, dim, device=DEVICE), torch.randn(rows, dim, device=DEVICE)
+    ref_out, ref_res = TorchOps().add_rms_norm(x, res.clone(), norm)
+    out, new_res = triton_ops.add_rms_norm(x, res, norm)    # updates res in place
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(new_res, ref_res) and new_res is res
+    first, stream = triton_ops.add_rms_norm(x, None, norm)  # first layer: the stream is x itself
+    assert stream is x and torch.allclose(first, TorchOps().add_rms_norm(x, None, norm)[0], atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (4, 4, 24), (16, 8, 128)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_triton_rotary_qkv(triton_ops, heads, kv_heads, dim, qk_norm):
+    """Rotation in place, with Qwen3's per-head norms first; v untouched. dim 24: a half of 12
+    that the kernel pads to 16."""
+    t = 11
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, device=DEVICE)
+    angles = torch.rand(t, dim // 2, device=DEVICE) * 6
+    cos, sin = angles.cos(), angles.sin()
+    norms = (_norm(dim), _norm(dim)) if qk_norm else (None, None)
+    ref = TorchOps().rotary_qkv(qkv.clone(), cos, sin, heads, kv_heads, dim, *norms)
+    out = triton_ops.rotary_qkv(qkv, cos, sin, heads, kv_heads, dim, *norms)
+    for a, b in zip(out, ref):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [100, 3000])  # 3000: three tiles, the last one partial
+def test_triton_silu_mul(triton_ops, n):
+    gate_up = torch.randn(5, 2 * n, device=DEVICE) * 5
+    assert torch.allclose(triton_ops.silu_mul(gate_up), TorchOps().silu_mul(gate_up), rtol=1e-5, atol=1e-5)

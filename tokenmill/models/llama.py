@@ -22,7 +22,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
-from tokenmill.models.ops import TorchOps, split_qkv
+from tokenmill.models.ops import TorchOps
 
 
 class RMSNorm(nn.Module):
@@ -92,11 +92,8 @@ class Attention(nn.Module):
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend, ops) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)                          # (T, (Hq + 2 Hkv) * D)
-        if self.q_norm is not None:  # Qwen3: RMSNorm on every q and k head, before the rotation
-            q, k, _ = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
-            q.copy_(self.q_norm(q))
-            k.copy_(self.k_norm(k))
-        q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                                 self.q_norm, self.k_norm)      # Qwen3: RMSNorm on each q/k head first
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
         return self.o_proj.forward(out.view(t, self.q_size))
 
@@ -148,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
         self.packed_lm_head: nn.Module | None = None  # set by pack_for_cpu()
-        self.ops = TorchOps()                         # element-wise steps; CpuFusedOps once loaded
+        self.ops = TorchOps()                         # element-wise steps; fused ones set by the loader
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:

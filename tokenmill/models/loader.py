@@ -200,7 +200,7 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
                kernels: str = "torch") -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
     on a CPU in float32, pack its projections (for the C++ panel kernel, or oneDNN without it)
-    and use the fused C++ element-wise ops."""
+    and use the fused C++ element-wise ops; on CUDA, use the Triton element-wise kernels."""
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(ckpt.config, max_len)
     model = model.to_empty(device=device).to(dtype)
@@ -212,6 +212,12 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
             model.pack_for_cpu(cpu_kernels)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
+    elif kernels == "auto" and device.type == "cuda":
+        try:
+            from tokenmill.models.triton_ops import TritonFusedOps
+            model.ops = TritonFusedOps()
+        except ImportError:  # no triton: torch's own element-wise kernels
+            pass
     return model.eval()
 
 

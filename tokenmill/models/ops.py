@@ -2,7 +2,8 @@
 
 TorchOps is the readable reference; CpuFusedOps runs the same math as single-pass C++
 kernels (csrc/fused_cpu.cpp) that skip the temporaries, which on a CPU cost more than the
-arithmetic. Tests check that both give the same logits.
+arithmetic, and TritonFusedOps (triton_ops.py) as one Triton kernel per step on CUDA. Tests
+check that they give the same results.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ class TorchOps:
         residual = x if residual is None else residual + x
         return F.rms_norm(residual, norm.weight.shape, norm.weight, norm.eps), residual
 
-    def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+    def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_norm=None, k_norm=None):
+        """Rotate q and k; first, with q_norm and k_norm (Qwen3), an RMSNorm on every q and k head."""
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -52,7 +56,11 @@ class CpuFusedOps(TorchOps):
             return self.kernels.add_rms_norm(x, None, norm.weight, norm.eps), x
         return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps), residual
 
-    def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+    def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_norm=None, k_norm=None):
+        if q_norm is not None:  # the head norms in torch, in place, then the kernel's rotation
+            q, k, _ = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+            q.copy_(q_norm(q))
+            k.copy_(k_norm(k))
         self.kernels.rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 

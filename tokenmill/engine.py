@@ -88,6 +88,7 @@ class LLMEngine:
                                  else self.device.type == "cuda" and self.speculator is None)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not yet collected
         self.last_stats = StepStats()
+        self._preemptions_recorded = 0  # the scheduler's count when stats were last recorded
         self.stats_listeners: list[Callable[[StepStats], None]] = []
 
     def _num_kv_blocks(self, max_len: int) -> int:
@@ -139,6 +140,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "
@@ -196,16 +199,16 @@ class LLMEngine:
             if self._can_step_ahead():
                 return self._step_ahead()
             if self._in_flight is not None:  # a request with penalties needs its tokens on the host
-                return self._finish_in_flight(time.perf_counter())
+                previous, self._in_flight = self._in_flight, None
+                return self._finish(previous, time.perf_counter())
         t0 = time.perf_counter()
-        preemptions_before = self.scheduler.num_preemptions
         if self.speculator is not None:
             self._propose()
         sched = self.scheduler.schedule()
         earlier, self._unreported = self._unreported, []
         t1 = time.perf_counter()
         try:
-            pending = self.runner.launch(sched) if sched.requests else None
+            pending = self.runner.launch(sched)
         except Exception as exc:  # fail this step's requests, keep the engine serving
             return self._outputs(earlier) + self._fail_step(sched, exc)
         t2 = time.perf_counter()
@@ -223,7 +226,7 @@ class LLMEngine:
         else:
             outputs = self._outputs(changed)
         t6 = time.perf_counter()
-        self._record_stats(sched, result, preemptions_before, time_schedule=(t1 - t0) + (t5 - t4),
+        self._record_stats(sched, result, time_schedule=(t1 - t0) + (t5 - t4),
                            time_detokenize=(t3 - t2) + (t6 - t5), start=t0, end=t6)
         if self.speculator is not None:
             self.speculator.observe(self.last_stats, sched.finished_request_ids, changed)
@@ -240,29 +243,29 @@ class LLMEngine:
         come back one step after their tokens were sampled, as with async_output. A request that
         stops on EOS or a stop string has a token computed in vain, dropped."""
         t0 = time.perf_counter()
-        preemptions_before = self.scheduler.num_preemptions
         sched = self.scheduler.schedule()
         earlier, self._unreported = self._unreported, []  # from steps run before in sync
         t1 = time.perf_counter()
+        previous, self._in_flight = self._in_flight, None
         try:
-            pending = self.runner.launch(sched) if sched.requests else None
+            pending = self.runner.launch(sched)
         except Exception as exc:
-            return (self._outputs(earlier) + self._finish_in_flight(t0, t1 - t0, preemptions_before)
-                    + self._fail_step(sched, exc))
-        self.scheduler.advance(sched)
-        outputs = self._outputs(earlier) + self._finish_in_flight(t0, t1 - t0, preemptions_before)
-        self._in_flight = (sched, pending) if pending is not None else None
-        return outputs
+            return self._outputs(earlier) + self._finish(previous, t0, t1 - t0) + self._fail_step(sched, exc)
+        if pending is not None:
+            self.scheduler.advance(sched)
+            self._in_flight = (sched, pending)  # before collecting the last one, so it is never lost
+        if previous is None:
+            self.last_stats = StepStats()  # no step completed in this call
+        return self._outputs(earlier) + self._finish(previous, t0, t1 - t0)
 
-    def _finish_in_flight(self, start: float, time_schedule: float = 0.0,
-                          preemptions_before: int | None = None) -> list[RequestOutput]:
-        """Collect the launched step (waiting for the device), append its tokens, build outputs.
-        Its stats take the host's time since `start` (scheduling the next step meanwhile, and
-        its preemptions, included) with the prepare, forward and sample times of its own launch."""
-        if self._in_flight is None:
+    def _finish(self, step: tuple[SchedulerOutput, PendingStep] | None, start: float,
+                time_schedule: float = 0.0) -> list[RequestOutput]:
+        """Collect a launched step (waiting for the device), append its tokens, build outputs.
+        Its stats take the host's time since `start` (scheduling the next step meanwhile
+        included) with the prepare, forward and sample times of its own launch."""
+        if step is None:
             return []
-        sched, pending = self._in_flight
-        self._in_flight = None
+        sched, pending = step
         try:
             result = self.runner.collect(pending)  # its wait for the device counts as sampling time
         except Exception as exc:  # the device failed the step
@@ -272,9 +275,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         outputs = self._outputs(changed)
         end = time.perf_counter()
-        before = preemptions_before if preemptions_before is not None else self.scheduler.num_preemptions
-        self._record_stats(sched, result, before, time_schedule=time_schedule + (t2 - t1),
-                           time_detokenize=end - t2, start=start, end=end)
+        self._record_stats(sched, result, time_schedule=time_schedule + (t2 - t1), time_detokenize=end - t2,
+                           start=start, end=end)
         return outputs
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
@@ -349,8 +351,10 @@ class LLMEngine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
                              request.is_finished, new_text=delta, new_token_ids=new_ids, metrics=metrics)
 
-    def _record_stats(self, sched, result: RunnerOutput, preemptions_before: int,
-                      time_schedule: float, time_detokenize: float, start: float, end: float) -> None:
+    def _record_stats(self, sched, result: RunnerOutput, time_schedule: float, time_detokenize: float,
+                      start: float, end: float) -> None:
+        """The step's figures; preemptions: all since the last record (a step that failed, or an
+        async-scheduling call that completed no step, records none)."""
         pool = self.kv.pool
         s = StepStats(
             num_seqs=len(sched.requests), num_tokens=sched.total_num_tokens,
@@ -360,10 +364,11 @@ class LLMEngine:
             kv_slots_used=self.kv.slots_filled(self.scheduler.running),
             prefix_tokens_queried=self.kv.prompt_tokens_queried, prefix_tokens_hit=self.kv.prompt_tokens_hit,
             num_evictions=pool.num_evictions,
-            num_preemptions=self.scheduler.num_preemptions - preemptions_before,
+            num_preemptions=self.scheduler.num_preemptions - self._preemptions_recorded,
             time_schedule=time_schedule, time_prepare=result.time_prepare, time_forward=result.time_forward,
             time_sample=result.time_sample, time_detokenize=time_detokenize, time_total=end - start,
             start=start, num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens)
+        self._preemptions_recorded = self.scheduler.num_preemptions
         self.last_stats = s
         for listener in self.stats_listeners:
             listener(s)

@@ -100,15 +100,18 @@ class ModelRunner:
                                    max_model_len, self.null_block, self.device)
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> PendingStep:
+    def launch(self, sched: SchedulerOutput) -> PendingStep | None:
         """Queue the step's work: on a GPU this returns while it runs, so the engine can do host
         work meanwhile; `collect` then waits for the tokens. Everything the host sends the
         device (step tensors, sampling parameters) goes before the forward pass, so that no
-        copy waits behind it."""
+        copy waits behind it. A step that runs no request (its preemptions may still swap
+        blocks out) returns None."""
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
         t0 = time.perf_counter()
         self.swap(sched.swap_out, sched.swap_in)
+        if not sched.requests:
+            return None
         inputs = self.prepare(sched.requests, sched.num_scheduled_tokens, sched.num_draft_tokens)
         requests, num_rows = inputs.sampling_requests, inputs.num_rows
         plain = [i for i, n in enumerate(num_rows) if n == 1]  # sampled in one batch; the others verify drafts

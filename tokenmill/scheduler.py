@@ -30,10 +30,11 @@ Finished requests leave in the same step; their blocks are free for the next one
 
 Async scheduling (the engine's, on a GPU) schedules step N+1 while step N runs: `advance()`
 counts N's tokens as computed at launch, and a token N samples is pending until N's
-`update()`. A request that ends by length with its pending token is not scheduled again;
-one that ends by EOS or a stop has one step of wasted work, dropped. A request preempted with
-a token in flight gets it at that step's update, before the next schedule() could readmit it
-(no step that preempts admits).
+`update()`. A request that ends by length with its pending token is not scheduled again, and
+while one holds blocks that its update will free, a request short of a block waits a step
+instead of preempting anyone. One that ends by EOS or a stop has one step of wasted work,
+dropped. A request preempted with a token in flight gets it at that step's update, before the
+next schedule() could readmit it (no step that preempts admits).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if request.num_pending_tokens and self._pending_token_is_last(request):
+            if self._ends_in_flight(request):
                 continue  # async scheduling: it ends with the token in flight, by length
             num_new, held = self._chunk(request, request.num_remaining_prefill, budget, num_decodes, long_tokens)
             if num_new == 0:
@@ -130,6 +131,8 @@ class Scheduler:
                 request.draft_token_ids = request.draft_token_ids[:budget - 1]
                 num_new = 1 + len(request.draft_token_ids)
             while not self.kv.allocate(request, num_new):
+                if any(self._ends_in_flight(r) for r in self.running):
+                    break  # async scheduling: blocks come back at the in-flight step's update; wait a step
                 victim = self._pick_victim(exclude=scheduled) or request
                 self._preempt(victim)
                 preempted.append(victim)
@@ -174,7 +177,7 @@ class Scheduler:
         return SchedulerOutput(
             requests=list(scheduled), num_scheduled_tokens=list(scheduled.values()),
             num_draft_tokens=list(drafts.values()),
-            num_decode_tokens=sum(1 + drafts[r] for r in scheduled if r.num_output_tokens > 0
+            num_decode_tokens=sum(1 + drafts[r] for r in scheduled if r.num_output_tokens + r.num_pending_tokens > 0
                                   and r.num_remaining_prefill == 1),
             preempted_request_ids=[r.request_id for r in preempted], finished_request_ids=finished,
             swap_out=self._swap_out, swap_in=swap_in)
@@ -206,9 +209,10 @@ class Scheduler:
 
     def _pick_victim(self, exclude: dict[Request, int]) -> Request | None:
         """The running request to preempt, among those not yet scheduled in this step (their
-        blocks may already be registered for this step's tokens): under fcfs the latest
-        admitted, otherwise the one the policy ranks last (ties: latest admitted)."""
-        candidates = [(i, r) for i, r in enumerate(self.running) if r not in exclude]
+        blocks may already be registered for this step's tokens) and those ending with their
+        token in flight (async scheduling: their blocks are freed at that step's update): under
+        fcfs the latest admitted, otherwise the one the policy ranks last (ties: latest admitted)."""
+        candidates = [(i, r) for i, r in enumerate(self.running) if r not in exclude and not self._ends_in_flight(r)]
         if not candidates:
             return None
         if self.config.policy == "fcfs":
@@ -228,10 +232,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(request)
 
-    def _pending_token_is_last(self, request: Request) -> bool:
-        num_tokens = request.num_tokens + request.num_pending_tokens
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Async scheduling: its pending token is its last, by length (it finishes at that step's update)."""
+        if not request.num_pending_tokens:
+            return False
         return (request.num_output_tokens + request.num_pending_tokens >= request.max_tokens
-                or num_tokens >= self.config.max_model_len)
+                or request.num_tokens + request.num_pending_tokens >= self.config.max_model_len)
 
     # ---- update -----------------------------------------------------------------------
 

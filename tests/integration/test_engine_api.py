@@ -122,6 +122,7 @@ def test_step_api_streams_deltas_and_abort_frees_blocks(llm):
     ([5] * 1100, SamplingParams(max_tokens=1), "context length"),
     ([5] * 1000, SamplingParams(max_tokens=100), "exceeds"),
     ([99999], SamplingParams(), r"token ids must be integers in \[0, 384\)"),
+    ([5], SamplingParams(stop_token_ids=[400], min_tokens=2), r"stop_token_ids must be integers in \[0, 384\)"),
     ({"nope": 1}, SamplingParams(), "prompt"),
 ])
 def test_bad_requests_raise_clear_errors(llm, prompt, params, message):

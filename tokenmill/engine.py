@@ -173,7 +173,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its blocks return to the pool at once. Returns its
         final output (finish_reason "abort"), or None for an unknown or finished request; with
-        async_output, a request that finished but whose end was not reported yet gets that end."""
+        async_output, a request that finished but whose end was not reported yet gets that end;
+        with async scheduling, a token of it still in flight is dropped."""
         return self._end(request_id, RequestStatus.FINISHED_ABORTED)
 
     def unfinished_request_ids(self) -> list[str]:

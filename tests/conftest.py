@@ -32,6 +32,9 @@ def triton_usable() -> bool:
         torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+needs_triton = pytest.mark.skipif(not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)")
+
+
 def _save_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -209,10 +209,10 @@ class Scheduler:
 
     def _pick_victim(self, exclude: dict[Request, int]) -> Request | None:
         """The running request to preempt, among those not yet scheduled in this step (their
-        blocks may already be registered for this step's tokens) and those ending with their
-        token in flight (async scheduling: their blocks are freed at that step's update): under
-        fcfs the latest admitted, otherwise the one the policy ranks last (ties: latest admitted)."""
-        candidates = [(i, r) for i, r in enumerate(self.running) if r not in exclude and not self._ends_in_flight(r)]
+        blocks may already be registered for this step's tokens): under fcfs the latest
+        admitted, otherwise the one the policy ranks last (ties: latest admitted). Never called
+        while a request ends with its token in flight: schedule() waits for its blocks instead."""
+        candidates = [(i, r) for i, r in enumerate(self.running) if r not in exclude]
         if not candidates:
             return None
         if self.config.policy == "fcfs":

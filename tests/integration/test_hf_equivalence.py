@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from conftest import triton_usable
+from conftest import needs_triton
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -37,8 +37,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("backend_name, kernels, kv_dtype, tol", [
     ("reference", "torch", torch.float32, 1e-4), ("cpu", "auto", torch.float32, 1e-4),
     ("cpu", "auto", torch.float16, 3e-3),
-    pytest.param("reference", "triton", torch.float32, 1e-4, marks=pytest.mark.skipif(
-        not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)"))])
+    pytest.param("reference", "triton", torch.float32, 1e-4, marks=needs_triton)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, kv_dtype, tol):
     """Reference path (SDPA, F.linear, torch ops) and fast path (C++ attention kernel, panel

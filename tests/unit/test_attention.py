@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import triton_usable
+from conftest import needs_triton
 
 from tokenmill.attention import AttentionMetadata, make_backend
 
@@ -88,8 +88,7 @@ CASES = {
 }
 
 
-BACKENDS = ["reference", "torch", "cpu", pytest.param("triton", marks=pytest.mark.skipif(
-    not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)"))]
+BACKENDS = ["reference", "torch", "cpu", pytest.param("triton", marks=needs_triton)]
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -109,9 +108,6 @@ def test_backend_matches_dense_oracle(backend_name, case):
     # the step's K/V landed in the pool
     slots = (meta.slot_block * BS + meta.slot_offset).cpu()
     assert torch.equal(by_slot(k_cache.cpu())[slots], k.cpu()) and torch.equal(by_slot(v_cache.cpu())[slots], v.cpu())
-
-
-needs_triton = pytest.mark.skipif(not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)")
 
 
 @needs_triton

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import triton_usable
+from conftest import needs_triton
 
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.llama import RMSNorm
@@ -75,7 +75,6 @@ def test_packed_linear_with_panels_matches_for_every_row_count(fused):
         assert torch.allclose(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-needs_triton = pytest.mark.skipif(not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -21,24 +21,29 @@ def default_llm():
     return LLM()
 
 
-def test_gguf_loader_matches_transformers_gguf_loading(default_llm):
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    engine = default_llm.engine
-    ids = engine.tokenizer.encode("The capital of France is")
-    model = engine.runner.model
+def _logits(engine, ids):
     from tokenmill.request import Request
     from tokenmill.sampling_params import SamplingParams
     r = Request(request_id="x", prompt_token_ids=ids, params=SamplingParams(), max_tokens=1)
     assert engine.kv.allocate(r, len(ids))
     inputs = engine.runner.prepare([r], [len(ids)])
+    model = engine.runner.model
     with torch.inference_mode():
         hidden = model(inputs.input_ids, inputs.positions, inputs.meta, engine.runner.kv_caches, engine.runner.backend)
         logits = model.compute_logits(hidden)
-        ref = hf(torch.tensor([ids])).logits[0]
     engine.kv.free(r)
+    return logits
+
+
+def test_gguf_loader_matches_transformers_gguf_loading(default_llm):
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = default_llm.engine.tokenizer.encode("The capital of France is")
+    logits = _logits(default_llm.engine, ids)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
     assert float((logits - ref).norm() / ref.norm()) <= 1e-4
     assert logits[-1].argmax() == ref[-1].argmax()
 
@@ -49,3 +54,18 @@ def test_chat_knows_the_capital_of_france(default_llm):
                            SamplingParams(max_tokens=32, temperature=0.0))
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm, monkeypatch):
+    """Steps of up to six rows read the Q4_1/Q8_0 blocks instead of the float32 panels: the
+    same weights, decoded and summed in the same order, so the logits must be identical."""
+    from tokenmill.models.packed_linear import BLOCK_ROWS, PackedLinear
+    engine = default_llm.engine
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    if not all(m.block_panels is not None for m in linears):
+        pytest.skip("the CPU kernels' block formats are unavailable (no AVX2)")
+    ids = engine.tokenizer.encode("The capital of France is")[:BLOCK_ROWS]
+    with_blocks = _logits(engine, ids)
+    for m in linears:
+        monkeypatch.setattr(m, "block_panels", None)
+    assert torch.equal(with_blocks, _logits(engine, ids))

@@ -66,6 +66,96 @@ def test_panel_kernel_matches_f_linear(fused, rows, n):
     assert torch.allclose(fused.kernels.panel_linear(x, panels, None, n), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
+def _gguf_rows(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows as a GGUF file stores them, the float32 weights gguf dequantizes them to)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    qtype = GGMLQuantizationType[kind]
+    raw = quantize(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32), qtype)
+    weights = dequantize(raw, qtype).astype(np.float32).reshape(n, k)
+    return torch.from_numpy(raw.copy()), torch.from_numpy(weights.copy())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
+    """The kernel decodes GGUF blocks with gguf's own arithmetic and sums in the float32 panels'
+    order, so the two products must be identical, not just close."""
+    if not fused.kernels.block_formats:
+        pytest.skip("block formats need AVX2")
+    from tokenmill.models.packed_linear import BLOCK_FORMATS
+    n, k = 37, 96  # 37: a partly filled last panel; 96: three blocks of 32
+    raw, w = _gguf_rows(kind, n, k)
+    blocks = fused.kernels.pack_block_panels(raw, BLOCK_FORMATS[kind], k)
+    panels, b = fused.kernels.pack_panels(w), torch.randn(n)
+    for rows in (1, 2, 3, 5, 6, 7, 13):  # 7, 13: more than one tile of six rows
+        x = torch.randn(rows, k)
+        assert torch.equal(fused.kernels.panel_linear(x, blocks, b, n, BLOCK_FORMATS[kind]),
+                           fused.kernels.panel_linear(x, panels, b, n))
+    with pytest.raises(RuntimeError, match="block panels"):
+        fused.kernels.panel_linear(torch.randn(1, k), blocks, b, n, BLOCK_FORMATS["Q8_0" if kind != "Q8_0" else "Q4_0"])
+
+
+def test_packed_linear_reads_blocks_for_small_steps_only(fused):
+    if not fused.kernels.block_formats:
+        pytest.skip("block formats need AVX2")
+    from tokenmill.models.packed_linear import BLOCK_ROWS
+    raw, w = _gguf_rows("Q4_1", 48, 64)
+    layer = PackedLinear(w, None, fused.kernels, ("Q4_1", raw))
+    assert layer.block_panels is not None and "Q4_1 blocks" in repr(layer)
+    calls = []
+    real = fused.kernels
+
+    class Spy:
+        block_formats = True
+
+        def panel_linear(self, x, panels, bias, n, fmt=0):
+            calls.append(fmt)
+            return real.panel_linear(x, panels, bias, n, fmt)
+    layer.kernels = Spy()
+    for rows in (1, BLOCK_ROWS, BLOCK_ROWS + 1, 64):
+        x = torch.randn(rows, 64)
+        assert torch.allclose(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert calls == [2, 2, 0, 0]
+
+
+def test_pack_for_cpu_keeps_blocks_where_every_part_has_one_type(fused):
+    """q/k/v (and gate/up) fuse into one projection: it keeps blocks only when all its parts came
+    in one block type; the rest keep float32 panels alone, and the logits stay bit-identical."""
+    if not fused.kernels.block_formats:
+        pytest.skip("block formats need AVX2")
+    from tokenmill.config import ModelConfig
+    from tokenmill.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(architecture="llama", vocab_size=80, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg, max_len=64)
+    kinds = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q8_0",
+             "up_proj": "Q8_0", "down_proj": "Q4_1", "embed_tokens": "Q8_0"}
+    hf = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+          "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+          "down_proj": "mlp.down_proj"}
+    sizes = {"q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
+             "gate_proj": (96, 64), "up_proj": (96, 64), "down_proj": (64, 96), "embed_tokens": (80, 64)}
+    weights, blocks = [], {}
+    for short, kind in kinds.items():
+        name = "model.embed_tokens.weight" if short == "embed_tokens" else f"model.layers.0.{hf[short]}.weight"
+        raw, w = _gguf_rows(kind, *sizes[short])
+        weights.append((name, w))
+        blocks[name] = (kind, raw)
+    for norm in ("layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"):
+        weights.append((f"model.{norm}.weight", torch.ones(64)))
+    model.load_weights(weights)
+    model.pack_for_cpu(fused.kernels, blocks)
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.block_panels is None          # Q4_1, Q4_1, Q8_0: mixed
+    assert layer.mlp.gate_up_proj.block_format == 3                # Q8_0 twice
+    assert layer.self_attn.o_proj.block_format == 1 and layer.mlp.down_proj.block_format == 2
+    assert model.packed_lm_head.block_format == 3                  # the tied embeddings' blocks
+    hidden = torch.randn(3, 64)
+    assert torch.equal(model.compute_logits(hidden), model.packed_lm_head.kernels.panel_linear(
+        hidden, model.packed_lm_head.panels, None, 80))
+
+
 def test_packed_linear_with_panels_matches_for_every_row_count(fused):
     w = torch.randn(96, 48)
     layer = PackedLinear(w, None, fused.kernels)

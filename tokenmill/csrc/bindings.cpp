@@ -1,6 +1,8 @@
 // Python bindings of the CPU kernels: one extension module, built on first use.
 #include <torch/extension.h>
 
+#include "simd.h"
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,
                               torch::Tensor seq_lens, double scale);
@@ -12,7 +14,9 @@ void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_
                  int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor pack_panels(torch::Tensor weight);
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N);
+torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
+                           int64_t format);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)");
@@ -21,5 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row");
   m.def("pack_panels", &pack_panels, "W (N, K) -> panels (ceil(N/16), K, 16) for panel_linear");
-  m.def("panel_linear", &panel_linear, "x @ W.T + b for decode-sized M, W as 16-feature panels");
+  m.def("pack_block_panels", &pack_block_panels, "GGUF Q4_0/Q4_1/Q8_0 rows (N, bytes) -> block panels for panel_linear");
+  m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-3: Q4_0, Q4_1, Q8_0)",
+        py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0);
+#ifdef TOKENMILL_AVX2
+  m.attr("block_formats") = true;
+#else
+  m.attr("block_formats") = false;
+#endif
 }

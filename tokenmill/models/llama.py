@@ -163,16 +163,29 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def pack_for_cpu(self, kernels=None) -> None:
+    def pack_for_cpu(self, kernels=None, weight_blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> None:
         """Pack every projection (and the output head, tied or not) in panels for the C++ kernel
         when `kernels` is given, else for oneDNN. See packed_linear.py.
 
+        `weight_blocks` maps Hugging Face weight names to their GGUF blocks (type name, rows):
+        a projection whose parts all have blocks of one type keeps them for small steps.
         Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
         from tokenmill.models.packed_linear import PackedLinear, pack_linears, panels_to_huge_pages
+        blocks = weight_blocks or {}
+
+        def blocks_of(name: str) -> tuple[str, torch.Tensor] | None:
+            """A projection's blocks, its parts' rows stacked as load_weights stacks the weights."""
+            parts = sorted((i, name.replace(ours, hf)) for hf, (ours, i) in _FUSED.items() if name.endswith(ours))
+            found = [blocks.get(f"model.{part}.weight") for _, part in parts or [(0, name)]]
+            if any(f is None for f in found) or len({kind for kind, _ in found}) != 1:
+                return None
+            return found[0][0], torch.cat([rows for _, rows in found])
+
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_lm_head = PackedLinear(head, None, kernels)
+        head_blocks = blocks.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
+        self.packed_lm_head = PackedLinear(head, None, kernels, head_blocks)
         self.lm_head = None
-        pack_linears(self.layers, kernels)
+        pack_linears(self.layers, kernels, lambda name: blocks_of(f"layers.{name}"))
         if kernels is not None:
             panels_to_huge_pages(self)
 

@@ -1,6 +1,7 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer)
 and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
-dequantized at load through the `gguf` package).
+dequantized at load through the `gguf` package; Q4_0, Q4_1 and Q8_0 matrices are also kept as
+stored, for the CPU kernel's small steps).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
 model has one loading routine. The tokenizer and chat template come through
@@ -23,7 +24,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.ops import CpuFusedOps
-from tokenmill.models.packed_linear import onednn_available
+from tokenmill.models.packed_linear import BLOCK_FORMATS, onednn_available
 
 logger = logging.getLogger(__name__)
 
@@ -152,24 +153,47 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
+    """(Hugging Face name or None to skip, heads to un-permute the rows by or 0)."""
+    parts = gguf_name.split(".")
+    if parts[0] != "blk":  # None for e.g. rope_freqs: derived from the config instead
+        return {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}.get(gguf_name), 0
+    layer, kind, suffix = parts[1], parts[2], parts[3]
+    heads = 0
+    if cfg.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k") and suffix == "weight":
+        heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
+    return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
+
+
 def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
+        name, heads = _gguf_name(tensor.name, cfg)
+        if name is None:
+            continue
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         data = data.reshape([int(d) for d in reversed(tensor.shape)])
-        parts = tensor.name.split(".")
-        if parts[0] == "blk":
-            layer, kind, suffix = parts[1], parts[2], parts[3]
-            if cfg.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k") and suffix == "weight":
-                data = _unpermute(data, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
-            name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
-        else:
-            name = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                    "output.weight": "lm_head.weight"}.get(tensor.name)
-            if name is None:
-                continue  # e.g. rope_freqs: derived from the config instead
+        if heads:
+            data = _unpermute(data, heads)
         yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
+
+
+def gguf_weight_blocks(reader, cfg: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every Q4_0, Q4_1 or Q8_0 matrix as stored: Hugging Face name -> (type name, rows (N, bytes)
+    uint8), rows in the order gguf_weights gives them. The CPU panel kernel reads these for
+    small steps (packed_linear.py)."""
+    out = {}
+    for tensor in reader.tensors:
+        name, heads = _gguf_name(tensor.name, cfg)
+        if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
+            continue
+        rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
+        if heads:
+            rows = _unpermute(rows, heads)
+        out[name] = (tensor.tensor_type.name, torch.from_numpy(np.require(rows, requirements=["C", "W"])))
+    return out
 
 
 # ---- entry points ----------------------------------------------------------------------
@@ -186,6 +210,10 @@ class Checkpoint:
         if self.gguf_reader is not None:
             return gguf_weights(self.gguf_reader, self.config)
         return hf_weights(self.path)
+
+    def weight_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """GGUF matrices in the block types the CPU kernel reads (none for other checkpoints)."""
+        return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config)
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
@@ -209,7 +237,7 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     if kernels == "auto" and device.type == "cpu" and dtype == torch.float32:
         cpu_kernels = load_cpu_kernels(required=False)
         if cpu_kernels is not None or onednn_available(device, dtype):
-            model.pack_for_cpu(cpu_kernels)
+            model.pack_for_cpu(cpu_kernels, ckpt.weight_blocks() if cpu_kernels is not None else None)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
     elif kernels == "auto" and device.type == "cuda":

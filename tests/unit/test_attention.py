@@ -164,6 +164,25 @@ def test_cpu_kernel_tiles_prompt_chunks(query_lens, threads):
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 8])
+@pytest.mark.parametrize("seq_lens", [[1000], [300, 70], [129, 1, 640, 64, 200]])
+@pytest.mark.parametrize("hkv,hq,d", [(3, 9, 64), (2, 16, 32)])  # group 16: would take the prompt route unsplit
+def test_cpu_kernel_splits_decode_contexts(threads, seq_lens, hkv, hq, d):
+    """A step of few decodes splits each long context into parts of whole blocks, one per work
+    item, and merges the parts' softmax sums: the result must still be each token's attention
+    over its whole context, for any number of parts (threads) and contexts too short to split."""
+    backend = make_backend("cpu", torch.device("cpu"))
+    q, k, v, k_cache, v_cache, meta, contexts = build_case([1] * len(seq_lens), seq_lens, seed=3, hkv=hkv, hq=hq, d=d)
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, d ** -0.5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("hkv,hq,d", [(3, 9, 64), (2, 4, 128), (1, 7, 32), (4, 4, 8), (2, 16, 24)])
 @pytest.mark.parametrize("many_tokens", [False, True])
 def test_cpu_kernel_head_shapes(hkv, hq, d, many_tokens):

@@ -1,12 +1,12 @@
 """Decode steps of the default model with its projections reading the GGUF blocks (Q4_1, the
 head Q8_0) against reading the float32 panels, side by side in one engine.
 
-    python benchmarks/cpu_gguf_blocks.py [BATCH ...]    (default: 1 2 4 6 8)
+    python benchmarks/cpu_gguf_blocks.py [BATCH ...]    (default: 1 2 4 6 8 12 16)
 
 For each batch size, BATCH requests decode while the two layouts alternate: eight steps on
 one, eight on the other, six rounds; the table gives the median step of each. Steps of more
-than six rows read the float32 panels either way (packed_linear.BLOCK_ROWS), so the last
-column should stay near 1.00 from 7 up.
+than twelve rows read the float32 panels either way (packed_linear.BLOCK_ROWS), so the last
+column should stay near 1.00 from 13 up.
 """
 
 from __future__ import annotations
@@ -63,4 +63,4 @@ def main(batches: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [1, 2, 4, 6, 8])
+    main([int(a) for a in sys.argv[1:]] or [1, 2, 4, 6, 8, 12, 16])

@@ -57,14 +57,15 @@ def test_chat_knows_the_capital_of_france(default_llm):
 
 
 def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm, monkeypatch):
-    """Steps of up to six rows read the Q4_1/Q8_0 blocks instead of the float32 panels: the
+    """Steps of up to twelve rows read the Q4_1/Q8_0 blocks instead of the float32 panels: the
     same weights, decoded and summed in the same order, so the logits must be identical."""
     from tokenmill.models.packed_linear import BLOCK_ROWS, PackedLinear
     engine = default_llm.engine
     linears = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
     if not all(m.block_panels is not None for m in linears):
         pytest.skip("the CPU kernels' block formats are unavailable (no AVX2)")
-    ids = engine.tokenizer.encode("The capital of France is")[:BLOCK_ROWS]
+    ids = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")[:BLOCK_ROWS]
+    assert len(ids) == BLOCK_ROWS  # two passes of the kernel's six-row tile
     with_blocks = _logits(engine, ids)
     for m in linears:
         monkeypatch.setattr(m, "block_panels", None)

@@ -13,9 +13,9 @@ model's 121 matrices (2 threads, see BENCHMARKS.md):
 `F.linear` stays the reference (kernels="torch"), and tests compare all three.
 
 Weights that came from a GGUF file in Q4_0, Q4_1 or Q8_0 also keep their blocks (a fifth of the
-float32 bytes for Q4_1), in panels the same kernel reads: steps of up to six rows, which stream
-every weight once and are bound by memory, read those instead (1.2-2.1x faster on the default
-model, BENCHMARKS.md), with bit-identical results.
+float32 bytes for Q4_1), in panels the same kernel reads: steps of up to twelve rows, which
+stream every weight once or twice and are bound by memory, read those instead (up to 3x faster
+on the default model's matrices, BENCHMARKS.md), with bit-identical results.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tokenmill.host_memory import huge_page_copies
 
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
 BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3}  # GGUF types the panel kernel reads as blocks
-BLOCK_ROWS = 6  # steps of at most this many rows read the blocks: one pass of the kernel's tile
+BLOCK_ROWS = 12  # steps of at most this many rows read the blocks: two passes of the kernel's tile
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -21,8 +21,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
     """Views (T, Hq, D), (T, Hkv, D), (T, Hkv, D) into the fused projection's rows."""
-    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim)  # one view, three slices: cheap
-    return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
+    heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim)  # one view, three narrows: cheap
+    return (heads.narrow(1, 0, num_heads), heads.narrow(1, num_heads, num_kv_heads),
+            heads.narrow(1, num_heads + num_kv_heads, num_kv_heads))
 
 
 class TorchOps:

@@ -88,7 +88,9 @@ def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
     raw, w = _gguf_rows(kind, n, k)
     blocks = fused.kernels.pack_block_panels(raw, BLOCK_FORMATS[kind], k)
     panels, b = fused.kernels.pack_panels(w), torch.randn(n)
-    for rows in (1, 2, 3, 5, 6, 7, 13):  # 7, 13: two and three tiles of up to six rows
+    # 7, 13: two and three tiles of up to six rows; 513, 517: a one-row tile after the first 512
+    # rows in one path and not the other, if they cut the rows differently
+    for rows in (1, 2, 3, 5, 6, 7, 13, 513, 517):
         x = torch.randn(rows, k)
         assert torch.equal(fused.kernels.panel_linear(x, blocks, b, n, BLOCK_FORMATS[kind]),
                            fused.kernels.panel_linear(x, panels, b, n))

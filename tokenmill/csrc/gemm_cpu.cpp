@@ -190,11 +190,16 @@ void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_
     float tile[kRows * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* src = wp + p * panel_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int64_t rows = std::min(kRows, M - m0);
-        const bool prefetch = m0 == 0 && p + 1 < end;  // the first pass fetches the next panel
-        kBlockTiles[format][rows](xp + m0 * K, K, src, K / kBlock, tile, prefetch ? src + panel_bytes : nullptr);
-        store(tile, p, m0, rows);
+      // tiles restart at every kRowBlock rows, as in the float32 path: a one-row tile sums in
+      // another order than a row of a bigger tile, so both paths must cut the rows alike
+      for (int64_t block = 0; block < M; block += kRowBlock) {
+        const int64_t block_end = std::min(M, block + kRowBlock);
+        for (int64_t m0 = block; m0 < block_end; m0 += kRows) {
+          const int64_t rows = std::min(kRows, block_end - m0);
+          const bool prefetch = m0 == 0 && p + 1 < end;  // the first pass fetches the next panel
+          kBlockTiles[format][rows](xp + m0 * K, K, src, K / kBlock, tile, prefetch ? src + panel_bytes : nullptr);
+          store(tile, p, m0, rows);
+        }
       }
     }
   });

@@ -1,12 +1,11 @@
-"""Decode steps of the default model with its projections reading the GGUF blocks (Q4_1, the
-head Q8_0) against reading the float32 panels, side by side in one engine.
+"""Decode steps of the default model with its projections in their GGUF blocks (Q4_1, the head
+Q8_0; the default) against the same weights dequantized to float32 panels (gguf_blocks=False),
+side by side: two engines in one process, their steps alternated.
 
-    python benchmarks/cpu_gguf_blocks.py [BATCH ...]    (default: 1 2 4 6 8 12 16)
+    python benchmarks/cpu_gguf_blocks.py [BATCH ...]    (default: 1 2 4 8 16 32 64)
 
-For each batch size, BATCH requests decode while the two layouts alternate: eight steps on
-one, eight on the other, six rounds; the table gives the median step of each. Steps of more
-than twelve rows read the float32 panels either way (packed_linear.BLOCK_ROWS), so the last
-column should stay near 1.00 from 13 up.
+For each batch size, BATCH requests decode in each engine while the two alternate: eight steps
+on one, eight on the other, six rounds; the table gives the median step of each.
 """
 
 from __future__ import annotations
@@ -34,33 +33,32 @@ def median_step(engine: LLMEngine, steps: int) -> float:
     return statistics.median(times)
 
 
+def weight_mb(engine: LLMEngine) -> float:
+    return sum(m.panels.nbytes for m in engine.runner.model.modules() if isinstance(m, PackedLinear)) / 1e6
+
+
 def main(batches: list[int]) -> None:
-    engine = LLMEngine(EngineConfig())
-    linears = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
-    blocks = [m.block_panels for m in linears]
-    if any(b is None for b in blocks):
-        raise SystemExit("the default model's projections have no GGUF blocks here (no AVX2?)")
-    mb = sum(b.nbytes for b in blocks) / 1e6
-    print(f"default model: {len(linears)} projections, {mb:.0f} MB of blocks, "
-          f"{sum(m.panels.nbytes for m in linears) / 1e6:.0f} MB of float32 panels")
+    engines = {"blocks": LLMEngine(EngineConfig()), "float32": LLMEngine(EngineConfig(gguf_blocks=False))}
+    print(", ".join(f"{name}: {weight_mb(e):.0f} MB of projections" for name, e in engines.items()))
     print(f"{'batch':>5} {'blocks ms':>10} {'float32 ms':>11} {'blocks/float32':>15}")
     for batch in batches:
         ids = [f"b{batch}-{i}" for i in range(batch)]
-        for i, rid in enumerate(ids):
-            engine.add_request(rid, list(range(100 + i, 164 + i)),
-                               SamplingParams(max_tokens=ROUNDS * STEPS * 2 + 4, ignore_eos=True, temperature=0.0))
-        engine.step()  # the prompts
-        results: dict[bool, list[float]] = {True: [], False: []}
+        for engine in engines.values():
+            for i, rid in enumerate(ids):
+                engine.add_request(rid, list(range(100 + i, 164 + i)),
+                                   SamplingParams(max_tokens=ROUNDS * STEPS + 40, ignore_eos=True, temperature=0.0))
+            for _ in range(-(-batch * 64 // engine.config.max_num_batched_tokens) + 1):
+                engine.step()  # the prompts, in chunks
+        results: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(ROUNDS):
-            for on in (True, False):
-                for m, b in zip(linears, blocks):
-                    m.block_panels = b if on else None
-                results[on].append(median_step(engine, STEPS))
-        for rid in ids:
-            engine.abort(rid)
-        with_blocks, without = (statistics.median(results[on]) * 1e3 for on in (True, False))
-        print(f"{batch:>5} {with_blocks:>10.1f} {without:>11.1f} {with_blocks / without:>14.2f}x")
+            for name, engine in engines.items():
+                results[name].append(median_step(engine, STEPS))
+        for engine in engines.values():
+            for rid in ids:
+                engine.abort(rid)
+        blocks, floats = (statistics.median(results[name]) * 1e3 for name in engines)
+        print(f"{batch:>5} {blocks:>10.1f} {floats:>11.1f} {blocks / floats:>14.2f}x")
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [1, 2, 4, 6, 8, 12, 16])
+    main([int(a) for a in sys.argv[1:]] or [1, 2, 4, 8, 16, 32, 64])

@@ -56,17 +56,17 @@ def test_chat_knows_the_capital_of_france(default_llm):
     assert out[0].outputs[0].finish_reason == "stop"
 
 
-def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm, monkeypatch):
-    """Steps of up to twelve rows read the Q4_1/Q8_0 blocks instead of the float32 panels: the
-    same weights, decoded and summed in the same order, so the logits must be identical."""
-    from tokenmill.models.packed_linear import BLOCK_ROWS, PackedLinear
+def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm):
+    """The projections read the file's Q4_1/Q8_0 blocks; dequantized to float32 panels instead
+    (gguf_blocks=False) they are the same weights, decoded and summed in the same order, so the
+    logits must be identical: one row (registers), twelve (two passes) and more (a buffer)."""
+    from tokenmill import LLM
+    from tokenmill.models.packed_linear import PackedLinear
     engine = default_llm.engine
-    linears = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
-    if not all(m.block_panels is not None for m in linears):
+    if not all(m.format for m in engine.runner.model.modules() if isinstance(m, PackedLinear)):
         pytest.skip("the CPU kernels' block formats are unavailable (no AVX2)")
-    ids = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")[:BLOCK_ROWS]
-    assert len(ids) == BLOCK_ROWS  # two passes of the kernel's six-row tile
-    with_blocks = _logits(engine, ids)
-    for m in linears:
-        monkeypatch.setattr(m, "block_panels", None)
-    assert torch.equal(with_blocks, _logits(engine, ids))
+    floats = LLM(gguf_blocks=False).engine
+    assert not any(m.format for m in floats.runner.model.modules() if isinstance(m, PackedLinear))
+    ids = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)
+    for n in (1, 12, len(ids)):
+        assert torch.equal(_logits(engine, ids[:n]), _logits(floats, ids[:n]))

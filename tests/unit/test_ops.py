@@ -98,32 +98,21 @@ def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
         fused.kernels.panel_linear(torch.randn(1, k), blocks, b, n, BLOCK_FORMATS["Q8_0" if kind != "Q8_0" else "Q4_0"])
 
 
-def test_packed_linear_reads_blocks_for_small_steps_only(fused):
+def test_packed_linear_with_blocks_gives_the_float32_panels_result(fused):
     if not fused.kernels.block_formats:
         pytest.skip("block formats need AVX2")
-    from tokenmill.models.packed_linear import BLOCK_ROWS
     raw, w = _gguf_rows("Q4_1", 48, 64)
-    layer = PackedLinear(w, None, fused.kernels, ("Q4_1", raw))
-    assert layer.block_panels is not None and "Q4_1 blocks" in repr(layer)
-    calls = []
-    real = fused.kernels
-
-    class Spy:
-        block_formats = True
-
-        def panel_linear(self, x, panels, bias, n, fmt=0):
-            calls.append(fmt)
-            return real.panel_linear(x, panels, bias, n, fmt)
-    layer.kernels = Spy()
-    for rows in (1, BLOCK_ROWS, BLOCK_ROWS + 1, 64):
+    with_blocks, with_floats = PackedLinear(w, None, fused.kernels, ("Q4_1", raw)), PackedLinear(w, None, fused.kernels)
+    assert with_blocks.format == 2 and with_blocks.panels.dtype == torch.uint8 and "Q4_1 blocks" in repr(with_blocks)
+    assert with_floats.format == 0 and with_floats.panels.dtype == torch.float32
+    for rows in (1, 12, 13, 64, 600):  # registers up to 12 rows, a decoded buffer above
         x = torch.randn(rows, 64)
-        assert torch.allclose(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    assert calls == [2, 2, 0, 0]
+        assert torch.equal(with_blocks(x), with_floats(x))
 
 
 def test_pack_for_cpu_keeps_blocks_where_every_part_has_one_type(fused):
     """q/k/v (and gate/up) fuse into one projection: it keeps blocks only when all its parts came
-    in one block type; the rest keep float32 panels alone, and the logits stay bit-identical."""
+    in one block type, else float32 panels; the logits stay bit-identical."""
     if not fused.kernels.block_formats:
         pytest.skip("block formats need AVX2")
     from tokenmill.config import ModelConfig
@@ -149,13 +138,13 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_one_type(fused):
     model.load_weights(weights)
     model.pack_for_cpu(fused.kernels, blocks)
     layer = model.layers[0]
-    assert layer.self_attn.qkv_proj.block_panels is None          # Q4_1, Q4_1, Q8_0: mixed
-    assert layer.mlp.gate_up_proj.block_format == 3                # Q8_0 twice
-    assert layer.self_attn.o_proj.block_format == 1 and layer.mlp.down_proj.block_format == 2
-    assert model.packed_lm_head.block_format == 3                  # the tied embeddings' blocks
+    assert layer.self_attn.qkv_proj.format == 0                    # Q4_1, Q4_1, Q8_0: mixed
+    assert layer.mlp.gate_up_proj.format == 3                      # Q8_0 twice
+    assert layer.self_attn.o_proj.format == 1 and layer.mlp.down_proj.format == 2
+    assert model.packed_lm_head.format == 3                        # the tied embeddings' blocks
     hidden = torch.randn(3, 64)
-    assert torch.equal(model.compute_logits(hidden), model.packed_lm_head.kernels.panel_linear(
-        hidden, model.packed_lm_head.panels, None, 80))
+    floats = fused.kernels.pack_panels(dict(weights)["model.embed_tokens.weight"])  # dequantized
+    assert torch.equal(model.compute_logits(hidden), fused.kernels.panel_linear(hidden, floats, None, 80))
 
 
 def test_packed_linear_with_panels_matches_for_every_row_count(fused):

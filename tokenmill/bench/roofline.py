@@ -47,13 +47,13 @@ def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
 
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int | None:
-    """Bytes a batch-1 step streams when its projections read GGUF blocks (packed_linear.py), or
-    None when they read the float32 weights."""
+    """Bytes a batch-1 step streams when its projections are GGUF blocks (packed_linear.py), or
+    None when they are float32."""
     from tokenmill.models.packed_linear import PackedLinear
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    if not linears or all(m.block_panels is None for m in linears):
+    if not any(m.format for m in linears):
         return None
-    return sum((m.block_panels if m.block_panels is not None else m.panels).nbytes for m in linears)
+    return sum(m.panels.nbytes for m in linears)
 
 
 def _time(fn, min_time: float = 1.0, trials: int = 3) -> float:

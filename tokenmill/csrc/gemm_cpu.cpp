@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "tile_gemm.h"
 
@@ -174,30 +175,63 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blo
   }
 }
 
+// A whole panel of blocks -> float32 (K, 16) in `out`, for the float32 path's tiles to run over
+// when there are too many rows to decode once per tile; prefetches the next panel (pf) meanwhile.
+template <int64_t F>
+void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
+  const int64_t block_bytes = panel_block_bytes(F), codes_at = 2 * kPanel + offset_bytes(F);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* blk = src + b * block_bytes;
+    if (pf != nullptr) prefetch_block(pf + b * block_bytes, block_bytes);
+    const BlockScales s = block_scales<F>(blk);
+    for (int64_t i = 0; i < kBlock; ++i) {
+      __m256 w0, w1;
+      decode_row<F>(blk + codes_at, i, s, w0, w1);
+      _mm256_storeu_ps(out + (b * kBlock + i) * kPanel, w0);
+      _mm256_storeu_ps(out + (b * kBlock + i) * kPanel + 8, w1);
+    }
+  }
+}
+
+using DecodeFn = void (*)(const uint8_t*, int64_t, float*, const uint8_t*);
+constexpr DecodeFn kDecoders[4] = {nullptr, decode_panel<kQ4_0>, decode_panel<kQ4_1>, decode_panel<kQ8_0>};
+
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
 template <int64_t F>
 constexpr BlockTileFn kBlockTilesOf[kRows + 1] = {nullptr,           block_tile<F, 1>, block_tile<F, 2>, block_tile<F, 3>,
                                                   block_tile<F, 4>, block_tile<F, 5>, block_tile<F, 6>};
 constexpr const BlockTileFn* kBlockTiles[4] = {nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>};
 
-// x (M, K) times block panels, tile by tile of up to 6 rows, each tile decoding the panel anew:
-// meant for the few rows of small decode steps (see PackedLinear), where one pass is all there is.
-// store(tile, p, m0, rows) writes a finished tile.
+// x (M, K) times block panels. Up to kDecodeRows rows per block of rows, each tile of up to 6
+// rows decodes the panel anew into registers (small decode steps: one or two passes); more rows
+// decode it once into a buffer the float32 path's tiles then run over. Either way each row's sum
+// is the float32 panels' own. store(tile, p, m0, rows) writes a finished tile.
+constexpr int64_t kDecodeRows = 12;
+
 template <class Store>
 void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t* wp, int64_t format, Store store) {
   const int64_t panel_bytes = K / kBlock * panel_block_bytes(format);
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     float tile[kRows * kPanel];
+    // 64-byte aligned, as the float32 panels are: a panel row is one cache line, not two
+    std::vector<float> buffer(M > kDecodeRows ? K * kPanel + kPanel : 0);
+    float* decoded = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* src = wp + p * panel_bytes;
+      const uint8_t* next = p + 1 < end ? src + panel_bytes : nullptr;  // fetched by the first pass
       // tiles restart at every kRowBlock rows, as in the float32 path: a one-row tile sums in
       // another order than a row of a bigger tile, so both paths must cut the rows alike
       for (int64_t block = 0; block < M; block += kRowBlock) {
         const int64_t block_end = std::min(M, block + kRowBlock);
+        const bool buffered = block_end - block > kDecodeRows;
+        if (buffered) kDecoders[format](src, K / kBlock, decoded, block == 0 ? next : nullptr);
         for (int64_t m0 = block; m0 < block_end; m0 += kRows) {
           const int64_t rows = std::min(kRows, block_end - m0);
-          const bool prefetch = m0 == 0 && p + 1 < end;  // the first pass fetches the next panel
-          kBlockTiles[format][rows](xp + m0 * K, K, src, K / kBlock, tile, prefetch ? src + panel_bytes : nullptr);
+          if (buffered) {
+            tokenmill::kTiles[rows](xp + m0 * K, K, decoded, K, tile, kPanel, nullptr, 0);
+          } else {
+            kBlockTiles[format][rows](xp + m0 * K, K, src, K / kBlock, tile, m0 == 0 ? next : nullptr);
+          }
           store(tile, p, m0, rows);
         }
       }

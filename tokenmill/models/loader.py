@@ -225,10 +225,11 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,
-               kernels: str = "torch") -> LlamaForCausalLM:
+               kernels: str = "torch", gguf_blocks: bool = True) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
-    on a CPU in float32, pack its projections (for the C++ panel kernel, or oneDNN without it)
-    and use the fused C++ element-wise ops; on CUDA, use the Triton element-wise kernels."""
+    on a CPU in float32, pack its projections (for the C++ panel kernel, in their GGUF blocks
+    where the file has them and `gguf_blocks` is set; or for oneDNN without the kernel) and use
+    the fused C++ element-wise ops; on CUDA, use the Triton element-wise kernels."""
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(ckpt.config, max_len)
     model = model.to_empty(device=device).to(dtype)
@@ -237,7 +238,8 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     if kernels == "auto" and device.type == "cpu" and dtype == torch.float32:
         cpu_kernels = load_cpu_kernels(required=False)
         if cpu_kernels is not None or onednn_available(device, dtype):
-            model.pack_for_cpu(cpu_kernels, ckpt.weight_blocks() if cpu_kernels is not None else None)
+            blocks = ckpt.weight_blocks() if cpu_kernels is not None and gguf_blocks else None
+            model.pack_for_cpu(cpu_kernels, blocks)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
     elif kernels == "auto" and device.type == "cuda":

@@ -12,10 +12,11 @@ model's 121 matrices (2 threads, see BENCHMARKS.md):
 
 `F.linear` stays the reference (kernels="torch"), and tests compare all three.
 
-Weights that came from a GGUF file in Q4_0, Q4_1 or Q8_0 also keep their blocks (a fifth of the
-float32 bytes for Q4_1), in panels the same kernel reads: steps of up to twelve rows, which
-stream every weight once or twice and are bound by memory, read those instead (up to 3x faster
-on the default model's matrices, BENCHMARKS.md), with bit-identical results.
+Weights that came from a GGUF file in Q4_0, Q4_1 or Q8_0 stay in their blocks instead (a fifth
+of the float32 bytes for Q4_1), re-laid as panels the same kernel reads and decodes with gguf's
+own arithmetic, so results are bit-identical to the float32 panels': 2.4x faster at batch-1
+decode, which streams every weight once, and even with them on the default workload
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from tokenmill.host_memory import huge_page_copies
 
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
 BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3}  # GGUF types the panel kernel reads as blocks
-BLOCK_ROWS = 12  # steps of at most this many rows read the blocks: two passes of the kernel's tile
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,8 +40,8 @@ class PackedLinear(nn.Module):
     """y = x @ W.T + b with W packed once: in panels when `kernels` (the C++ module) is given,
     else in oneDNN's layout. One packed copy either way; the plain weight is dropped.
 
-    `blocks` (GGUF type name, rows (N, bytes) uint8) are the same weights as stored in a GGUF
-    file; with the panel kernel they are kept too, for steps of up to BLOCK_ROWS rows."""
+    `blocks` (GGUF type name, rows (N, bytes) uint8) are the same weights as a GGUF file stores
+    them: with the panel kernel, the panels hold those blocks rather than float32 (`format`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels=None,
                  blocks: tuple[str, torch.Tensor] | None = None) -> None:
@@ -49,25 +49,24 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
-        weight = weight.detach().contiguous()
-        self.panels = kernels.pack_panels(weight) if kernels is not None else None
-        self.packed = None if kernels is not None else torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
-        self.block_format, self.block_panels = 0, None
-        if blocks is not None and kernels is not None and kernels.block_formats:
-            self.block_format = BLOCK_FORMATS[blocks[0]]
-            self.block_panels = kernels.pack_block_panels(blocks[1], self.block_format, self.in_features)
+        self.format, self.panels, self.packed = 0, None, None  # format: 0 float32, else BLOCK_FORMATS
+        if kernels is not None and blocks is not None and kernels.block_formats:
+            self.format = BLOCK_FORMATS[blocks[0]]
+            self.panels = kernels.pack_block_panels(blocks[1], self.format, self.in_features)
+        elif kernels is not None:
+            self.panels = kernels.pack_panels(weight.detach().contiguous())
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.block_panels is not None and x.shape[0] <= BLOCK_ROWS:
-            return self.kernels.panel_linear(x, self.block_panels, self.bias, self.out_features, self.block_format)
         if self.panels is not None:
-            return self.kernels.panel_linear(x, self.panels, self.bias, self.out_features)
+            return self.kernels.panel_linear(x, self.panels, self.bias, self.out_features, self.format)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        layout = "panels" if self.panels is not None else "onednn"
-        if self.block_panels is not None:
-            layout += f" + {next(k for k, v in BLOCK_FORMATS.items() if v == self.block_format)} blocks"
+        layout = "onednn" if self.panels is None else "panels"
+        if self.format:
+            layout += f" of {next(k for k, v in BLOCK_FORMATS.items() if v == self.format)} blocks"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}"
 
 
@@ -84,10 +83,11 @@ def pack_linears(model: nn.Module, kernels=None, blocks_of: Callable[[str], tupl
 
 
 def panels_to_huge_pages(model: nn.Module) -> None:
-    """Move the panels (and the block panels, in an arena of their own) onto huge pages: a
-    batch-1 decode step streams all of them, and without a TLB miss every 4 KB it ran about 7%
-    faster (BENCHMARKS.md)."""
-    for attr in ("panels", "block_panels"):
-        linears = [m for m in model.modules() if isinstance(m, PackedLinear) and getattr(m, attr) is not None]
-        for linear, copy in zip(linears, huge_page_copies([getattr(m, attr) for m in linears])):
-            setattr(linear, attr, copy)
+    """Move the panels onto huge pages, one arena per dtype (float32, blocks): a batch-1 decode
+    step streams all of them, and without a TLB miss every 4 KB it ran about 7% faster
+    (BENCHMARKS.md)."""
+    for dtype in (torch.float32, torch.uint8):
+        linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels is not None
+                   and m.panels.dtype == dtype]
+        for linear, copy in zip(linears, huge_page_copies([m.panels for m in linears])):
+            linear.panels = copy

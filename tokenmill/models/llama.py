@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         when `kernels` is given, else for oneDNN. See packed_linear.py.
 
         `weight_blocks` maps Hugging Face weight names to their GGUF blocks (type name, rows):
-        a projection whose parts all have blocks of one type keeps them for small steps.
+        a projection whose parts all have blocks of one type is packed from those instead.
         Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
         from tokenmill.models.packed_linear import PackedLinear, pack_linears, panels_to_huge_pages
         blocks = weight_blocks or {}

@@ -1,7 +1,7 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer)
 and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
-dequantized at load through the `gguf` package; Q4_0, Q4_1 and Q8_0 matrices are also kept as
-stored, for the CPU kernel's small steps).
+dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1 and Q8_0 projections
+stay as stored, for the panel kernel to decode).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
 model has one loading routine. The tokenizer and chat template come through
@@ -182,8 +182,8 @@ def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
 
 def gguf_weight_blocks(reader, cfg: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
     """Every Q4_0, Q4_1 or Q8_0 matrix as stored: Hugging Face name -> (type name, rows (N, bytes)
-    uint8), rows in the order gguf_weights gives them. The CPU panel kernel reads these for
-    small steps (packed_linear.py)."""
+    uint8), rows in the order gguf_weights gives them. The CPU panel kernel reads these instead
+    of float32 copies (packed_linear.py)."""
     out = {}
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)

@@ -146,6 +146,20 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_one_type(fused):
     floats = fused.kernels.pack_panels(dict(weights)["model.embed_tokens.weight"])  # dequantized
     assert torch.equal(model.compute_logits(hidden), fused.kernels.panel_linear(hidden, floats, None, 80))
 
+    # the loader's way: the float32 weights of projections packed from blocks are never loaded
+    with torch.device("meta"):
+        lean = LlamaForCausalLM(cfg, max_len=64)
+    skip = lean.drop_block_weights(blocks)
+    assert skip == {f"model.layers.0.{hf[p]}.weight" for p in ("o_proj", "gate_proj", "up_proj", "down_proj")}
+    lean = lean.to_empty(device="cpu")
+    lean.rotary.build()
+    lean.load_weights([(name, w) for name, w in weights if name not in skip])
+    lean.pack_for_cpu(fused.kernels, blocks)
+    for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        ours, theirs = lean.layers[0].get_submodule(proj), layer.get_submodule(proj)
+        x = torch.randn(5, ours.in_features)
+        assert ours.format == theirs.format and torch.equal(ours(x), theirs(x))
+
 
 def test_packed_linear_with_panels_matches_for_every_row_count(fused):
     w = torch.randn(96, 48)

@@ -135,6 +135,19 @@ _FUSED = {
 }
 
 
+def projection_blocks(name: str, blocks: dict[str, tuple[str, torch.Tensor]]
+                      ) -> tuple[tuple[str, torch.Tensor] | None, list[str]]:
+    """GGUF blocks of our projection `name` ("layers.3.self_attn.qkv_proj", "lm_head"), its parts'
+    rows stacked as load_weights stacks the weights, and those parts' checkpoint names; None for
+    the blocks unless every part has blocks of one type."""
+    parts = sorted((i, name.replace(ours, hf)) for hf, (ours, i) in _FUSED.items() if name.endswith(ours))
+    names = [("" if name == "lm_head" else "model.") + f"{part}.weight" for _, part in parts or [(0, name)]]
+    found = [blocks.get(n) for n in names]
+    if any(f is None for f in found) or len({kind for kind, _ in found}) != 1:
+        return None, names
+    return (found[0][0], torch.cat([rows for _, rows in found])), names
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
@@ -172,22 +185,29 @@ class LlamaForCausalLM(nn.Module):
         Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
         from tokenmill.models.packed_linear import PackedLinear, pack_linears, panels_to_huge_pages
         blocks = weight_blocks or {}
-
-        def blocks_of(name: str) -> tuple[str, torch.Tensor] | None:
-            """A projection's blocks, its parts' rows stacked as load_weights stacks the weights."""
-            parts = sorted((i, name.replace(ours, hf)) for hf, (ours, i) in _FUSED.items() if name.endswith(ours))
-            found = [blocks.get(f"model.{part}.weight") for _, part in parts or [(0, name)]]
-            if any(f is None for f in found) or len({kind for kind, _ in found}) != 1:
-                return None
-            return found[0][0], torch.cat([rows for _, rows in found])
-
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        head_blocks = blocks.get("model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight")
-        self.packed_lm_head = PackedLinear(head, None, kernels, head_blocks)
+        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        self.packed_lm_head = PackedLinear(head, None, kernels, blocks.get(head_name))
         self.lm_head = None
-        pack_linears(self.layers, kernels, lambda name: blocks_of(f"layers.{name}"))
+        pack_linears(self.layers, kernels, lambda name: projection_blocks(f"layers.{name}", blocks)[0])
         if kernels is not None:
             panels_to_huge_pages(self)
+
+    def drop_block_weights(self, weight_blocks: dict[str, tuple[str, torch.Tensor]]) -> set[str]:
+        """Before loading: drop the float32 weight of every projection that pack_for_cpu will pack
+        from GGUF blocks, so it is never allocated nor dequantized. Returns the checkpoint names
+        not to load. (The tied head keeps the embeddings, which the lookup needs.)"""
+        skip = set()
+        linears = [(f"layers.{name}", m) for name, m in self.layers.named_modules() if isinstance(m, nn.Linear)]
+        if self.lm_head is not None:
+            linears.append(("lm_head", self.lm_head))
+        for name, linear in linears:
+            found, names = projection_blocks(name, weight_blocks)
+            if found is not None:
+                linear.weight = None
+                skip.update(names)
+        return skip
+
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

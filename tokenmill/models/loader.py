@@ -166,12 +166,13 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
     return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
 
 
-def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor but those named in `skip`, dequantized to float32 under its Hugging Face name."""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
-        if name is None:
+        if name is None or name in skip:
             continue
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         data = data.reshape([int(d) for d in reversed(tensor.shape)])
@@ -206,9 +207,11 @@ class Checkpoint:
     config: ModelConfig
     gguf_reader: object | None = None  # the open GGUFReader (reading its metadata takes seconds)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hugging Face-named float tensors; `skip` (names of GGUF tensors kept as blocks) only
+        applies to GGUF files."""
         if self.gguf_reader is not None:
-            return gguf_weights(self.gguf_reader, self.config)
+            return gguf_weights(self.gguf_reader, self.config, skip)
         return hf_weights(self.path)
 
     def weight_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
@@ -230,15 +233,17 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     on a CPU in float32, pack its projections (for the C++ panel kernel, in their GGUF blocks
     where the file has them and `gguf_blocks` is set; or for oneDNN without the kernel) and use
     the fused C++ element-wise ops; on CUDA, use the Triton element-wise kernels."""
+    packing = kernels == "auto" and device.type == "cpu" and dtype == torch.float32
+    cpu_kernels = load_cpu_kernels(required=False) if packing else None
+    blocks = ckpt.weight_blocks() if cpu_kernels is not None and cpu_kernels.block_formats and gguf_blocks else {}
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(ckpt.config, max_len)
+    skip = model.drop_block_weights(blocks)  # never allocated in float32: packed from the blocks
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)  # cos/sin tables in float32, cast per use
-    model.load_weights(ckpt.weights())
-    if kernels == "auto" and device.type == "cpu" and dtype == torch.float32:
-        cpu_kernels = load_cpu_kernels(required=False)
+    model.load_weights(ckpt.weights(frozenset(skip)))
+    if packing:
         if cpu_kernels is not None or onednn_available(device, dtype):
-            blocks = ckpt.weight_blocks() if cpu_kernels is not None and gguf_blocks else None
             model.pack_for_cpu(cpu_kernels, blocks)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)

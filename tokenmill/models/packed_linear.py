@@ -30,6 +30,7 @@ from tokenmill.host_memory import huge_page_copies
 
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
 BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3}  # GGUF types the panel kernel reads as blocks
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes of 32 weights of a row in the file
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -41,12 +42,19 @@ class PackedLinear(nn.Module):
     else in oneDNN's layout. One packed copy either way; the plain weight is dropped.
 
     `blocks` (GGUF type name, rows (N, bytes) uint8) are the same weights as a GGUF file stores
-    them: with the panel kernel, the panels hold those blocks rather than float32 (`format`)."""
+    them: with the panel kernel, the panels hold those blocks rather than float32 (`format`), and
+    `weight` may be None (never loaded, see LlamaForCausalLM.drop_block_weights)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels=None,
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, kernels=None,
                  blocks: tuple[str, torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        if weight is None and not (blocks is not None and kernels is not None and kernels.block_formats):
+            raise ValueError("PackedLinear: no weight, and no GGUF blocks the kernel can read")
+        if weight is None:
+            kind, rows = blocks
+            self.out_features, self.in_features = rows.shape[0], rows.shape[1] // _BLOCK_BYTES[kind] * 32
+        else:
+            self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
         self.format, self.panels, self.packed = 0, None, None  # format: 0 float32, else BLOCK_FORMATS

@@ -208,7 +208,6 @@ class LlamaForCausalLM(nn.Module):
                 skip.update(names)
         return skip
 
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; raise on anything missing."""

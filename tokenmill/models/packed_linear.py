@@ -14,7 +14,7 @@ model's 121 matrices (2 threads, see BENCHMARKS.md):
 
 Weights that came from a GGUF file in Q4_0, Q4_1 or Q8_0 stay in their blocks instead (a fifth
 of the float32 bytes for Q4_1), re-laid as panels the same kernel reads and decodes with gguf's
-own arithmetic, so results are bit-identical to the float32 panels': 2.4x faster at batch-1
+own arithmetic, so results are bit-identical to the float32 panels': 2.5x faster at batch-1
 decode, which streams every weight once, and even with them on the default workload
 (BENCHMARKS.md).
 """

@@ -1,0 +1,89 @@
+"""The GGUF loader with projections kept in their blocks, on tiny files written here: which
+projections keep blocks, that their float32 copies are never loaded, and that every projection
+gives what the same model loaded as float32 panels (gguf_blocks=False) gives, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.models.loader import load_model, open_checkpoint
+from tokenmill.models.packed_linear import BLOCK_FORMATS, PackedLinear
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 64, 4, 2, 16, 96, 80
+
+
+def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool) -> None:
+    """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, Q4_0, Q4_1 or Q8_0."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.vocab_size", VOCAB)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_block_count(1)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_context_length(64)
+
+    def matrix(name: str, rows: int, cols: int, kind: str) -> None:
+        data = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
+        if kind == "F32":
+            w.add_tensor(name, data)
+        else:
+            qtype = GGMLQuantizationType[kind]
+            w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    shapes = {"attn_q": (q, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN), "attn_output": (HIDDEN, q),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    matrix("token_embd.weight", VOCAB, HIDDEN, kinds["token_embd"])
+    if not tied:
+        matrix("output.weight", VOCAB, HIDDEN, kinds["output"])
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        w.add_tensor(f"{name}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    for name, (rows, cols) in shapes.items():
+        matrix(f"blk.0.{name}.weight", rows, cols, kinds[name])
+    if bias:
+        for name in ("attn_q", "attn_k", "attn_v"):
+            w.add_tensor(f"blk.0.{name}.bias", rng.standard_normal(shapes[name][0]).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+KINDS = {"token_embd": "Q8_0", "output": "Q4_0", "attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1",
+         "attn_output": "Q4_0", "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+ALL_BLOCKS = {"qkv_proj": "Q4_1", "o_proj": "Q4_0", "gate_up_proj": "Q8_0", "down_proj": "Q4_1", "head": "Q4_0"}
+CASES = {  # arch, kinds, tied, bias -> the block type each projection should keep (None: float32)
+    "llama_untied": ("llama", KINDS, False, False, ALL_BLOCKS),
+    "llama_tied_mixed": ("llama", {**KINDS, "attn_v": "Q8_0", "ffn_up": "F32"}, True, False,
+                         {**ALL_BLOCKS, "qkv_proj": None, "gate_up_proj": None, "head": "Q8_0"}),
+    "qwen2_bias": ("qwen2", KINDS, False, True, ALL_BLOCKS),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gguf_projections_keep_their_blocks_and_match_float32(tmp_path, case):
+    kernels = load_cpu_kernels(required=False)
+    if kernels is None or not kernels.block_formats:
+        pytest.skip("needs the C++ kernels with AVX2")
+    arch, kinds, tied, bias, expected = CASES[case]
+    path = tmp_path / f"{case}.gguf"
+    write_gguf(path, arch, kinds, tied, bias)
+    cpu = torch.device("cpu")
+    blocks = load_model(open_checkpoint(path), 64, torch.float32, cpu, "auto", gguf_blocks=True)
+    floats = load_model(open_checkpoint(path), 64, torch.float32, cpu, "auto", gguf_blocks=False)
+    pairs = {"head": (blocks.packed_lm_head, floats.packed_lm_head)}
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        pairs[name.split(".")[1]] = (blocks.layers[0].get_submodule(name), floats.layers[0].get_submodule(name))
+    for short, (ours, reference) in pairs.items():
+        assert isinstance(ours, PackedLinear) and reference.format == 0
+        assert ours.format == (BLOCK_FORMATS[expected[short]] if expected[short] else 0), short
+        for rows in (1, 7, 20):  # registers, two passes, a decoded buffer
+            x = torch.randn(rows, ours.in_features)
+            assert torch.equal(ours(x), reference(x)), (short, rows)

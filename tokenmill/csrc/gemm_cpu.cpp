@@ -277,25 +277,28 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K) {
   auto panels = torch::zeros({P, B, pb}, r.options());
   const uint8_t* src = r.data_ptr<uint8_t>();
   uint8_t* dst = panels.data_ptr<uint8_t>();
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t p = n / kPanel, j = n % kPanel;
-    for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* blk = src + n * rows.size(1) + b * gb;
-      uint8_t* out = dst + (p * B + b) * pb;
-      std::memcpy(out + 2 * j, blk, 2);                                         // scale d
-      if (format == kQ4_1) std::memcpy(out + 2 * kPanel + 2 * j, blk + 2, 2);  // offset m
-      const uint8_t* qs = blk + (format == kQ4_1 ? 4 : 2);
-      uint8_t* codes = out + codes_at;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        if (format == kQ8_0) {
-          codes[i * kPanel + j] = qs[i];
-        } else {  // GGUF: byte i holds weight i (low nibble) and weight i + 16 (high nibble)
-          const uint8_t q = i < kBlock / 2 ? (qs[i] & 0x0F) : (qs[i - kBlock / 2] >> 4);
-          codes[i * kPanel / 2 + j % 8] |= j < 8 ? q : q << 4;
+  const int64_t row_bytes = rows.size(1);
+  at::parallel_for(0, P, 1, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t n = p_begin * kPanel; n < std::min(N, p_end * kPanel); ++n) {
+      const int64_t p = n / kPanel, j = n % kPanel;
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t* blk = src + n * row_bytes + b * gb;
+        uint8_t* out = dst + (p * B + b) * pb;
+        std::memcpy(out + 2 * j, blk, 2);                                         // scale d
+        if (format == kQ4_1) std::memcpy(out + 2 * kPanel + 2 * j, blk + 2, 2);  // offset m
+        const uint8_t* qs = blk + (format == kQ4_1 ? 4 : 2);
+        uint8_t* codes = out + codes_at;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          if (format == kQ8_0) {
+            codes[i * kPanel + j] = qs[i];
+          } else {  // GGUF: byte i holds weight i (low nibble) and weight i + 16 (high nibble)
+            const uint8_t q = i < kBlock / 2 ? (qs[i] & 0x0F) : (qs[i - kBlock / 2] >> 4);
+            codes[i * kPanel / 2 + j % 8] |= j < 8 ? q : q << 4;
+          }
         }
       }
     }
-  }
+  });
   return panels;
 }
 

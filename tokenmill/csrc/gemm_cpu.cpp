@@ -18,7 +18,7 @@
 // those do without.
 //
 // Batch-1 decode streams every weight once and is bound by memory. For GGUF weights in Q4_0,
-// Q4_1 or Q8_0 the kernel can also read them in their blocks of 32 (a float16 scale, and for Q4_1
+// Q4_1, Q8_0 (or Q4_K, see Q4F below) the kernel can also read them in their blocks of 32 (a float16 scale, and for Q4_1
 // a float16 offset, per 32 weights of a row), re-laid as panels: per block of 32 k, the 16
 // features' scales, then each k's 16 codes side by side. A tile decodes each k's 16 weights into
 // two registers with exactly the arithmetic of gguf's own dequantization (d * q, + m for Q4_1,
@@ -59,20 +59,25 @@ void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, flo
   }
 }
 
-// Weight formats of panel_linear: float32 panels, or one of GGUF's block formats.
-enum Format : int64_t { kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3 };
+// Weight formats of panel_linear: float32 panels, or one of GGUF's block formats. Q4F is Q4_1
+// with float32 scales and offsets, what a Q4_K super-block becomes once gguf's own float32
+// arithmetic has made each 32 weights' scale (d * sc) and offset (-dmin * m); see loader.py.
+enum Format : int64_t { kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4 };
 constexpr int64_t kBlock = 32;  // weights per GGUF block
 
-// Bytes of one block of one row in the GGUF file.
+// Bytes of one block of one row as given to pack_block_panels: the GGUF file's, or for Q4F a
+// float32 scale, a float32 offset and Q4_1's 16 bytes of nibbles.
 int64_t gguf_block_bytes(int64_t format) {
-  return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : 34;
+  return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : 24;
 }
 
 // Bytes of one block of 32 k across a panel's 16 features: scales (and offsets), then codes
 // (32 k x 8 bytes of two nibbles, or 32 k x 16 int8).
-int64_t offset_bytes(int64_t format) { return format == kQ4_1 ? 2 * kPanel : 0; }
+int64_t scale_bytes(int64_t format) { return (format == kQ4F ? 4 : 2) * kPanel; }
+int64_t offset_bytes(int64_t format) { return format == kQ4_1 || format == kQ4F ? scale_bytes(format) : 0; }
+int64_t codes_at(int64_t format) { return scale_bytes(format) + offset_bytes(format); }
 int64_t code_bytes(int64_t format) { return format == kQ8_0 ? kBlock * kPanel : kBlock * kPanel / 2; }
-int64_t panel_block_bytes(int64_t format) { return 2 * kPanel + offset_bytes(format) + code_bytes(format); }
+int64_t panel_block_bytes(int64_t format) { return codes_at(format) + code_bytes(format); }
 
 #ifdef TOKENMILL_AVX2
 // v = d * q (+ m): the product is rounded before the offset is added, as in gguf's numpy
@@ -80,7 +85,7 @@ int64_t panel_block_bytes(int64_t format) { return 2 * kPanel + offset_bytes(for
 template <int64_t F>
 inline __m256 decode8(__m256i q, __m256 d, __m256 m) {
   __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
-  if constexpr (F == kQ4_1) {
+  if constexpr (F == kQ4_1 || F == kQ4F) {
     asm("" : "+x"(v));
     v = _mm256_add_ps(v, m);
   }
@@ -97,6 +102,11 @@ struct BlockScales {
 template <int64_t F>
 inline BlockScales block_scales(const uint8_t* blk) {
   BlockScales s;
+  if constexpr (F == kQ4F) {
+    const float* f = reinterpret_cast<const float*>(blk);
+    s.d0 = _mm256_loadu_ps(f), s.d1 = _mm256_loadu_ps(f + 8), s.m0 = _mm256_loadu_ps(f + 16), s.m1 = _mm256_loadu_ps(f + 24);
+    return s;
+  }
   s.d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
   s.d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
   s.m0 = s.m1 = _mm256_setzero_ps();
@@ -135,7 +145,7 @@ inline void prefetch_block(const uint8_t* pf, int64_t bytes) {
 // tile_gemm.h with its sums in its order, without a decoded buffer to write and read back.
 template <int64_t F, int R>
 void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  const int64_t block_bytes = panel_block_bytes(F), codes_at = 2 * kPanel + offset_bytes(F);
+  const int64_t block_bytes = panel_block_bytes(F), code_start = codes_at(F);
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
   __m256 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -145,8 +155,8 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blo
     const float* xb = x + b * kBlock;
     for (int64_t i = 0; i < kBlock; i += 2) {
       __m256 w0, w1, w2, w3;
-      decode_row<F>(blk + codes_at, i, s, w0, w1);
-      decode_row<F>(blk + codes_at, i + 1, s, w2, w3);
+      decode_row<F>(blk + code_start, i, s, w0, w1);
+      decode_row<F>(blk + code_start, i + 1, s, w2, w3);
       if constexpr (R == 1) {  // the one-row tile's four chains: even k in a0/a1, odd k in a2/a3
         row_fma(xb + i, w0, w1, a0, a1);
         row_fma(xb + i + 1, w2, w3, a2, a3);
@@ -179,14 +189,14 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blo
 // when there are too many rows to decode once per tile; prefetches the next panel (pf) meanwhile.
 template <int64_t F>
 void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  const int64_t block_bytes = panel_block_bytes(F), codes_at = 2 * kPanel + offset_bytes(F);
+  const int64_t block_bytes = panel_block_bytes(F), code_start = codes_at(F);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* blk = src + b * block_bytes;
     if (pf != nullptr) prefetch_block(pf + b * block_bytes, block_bytes);
     const BlockScales s = block_scales<F>(blk);
     for (int64_t i = 0; i < kBlock; ++i) {
       __m256 w0, w1;
-      decode_row<F>(blk + codes_at, i, s, w0, w1);
+      decode_row<F>(blk + code_start, i, s, w0, w1);
       _mm256_storeu_ps(out + (b * kBlock + i) * kPanel, w0);
       _mm256_storeu_ps(out + (b * kBlock + i) * kPanel + 8, w1);
     }
@@ -194,13 +204,15 @@ void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint
 }
 
 using DecodeFn = void (*)(const uint8_t*, int64_t, float*, const uint8_t*);
-constexpr DecodeFn kDecoders[4] = {nullptr, decode_panel<kQ4_0>, decode_panel<kQ4_1>, decode_panel<kQ8_0>};
+constexpr DecodeFn kDecoders[5] = {nullptr, decode_panel<kQ4_0>, decode_panel<kQ4_1>, decode_panel<kQ8_0>,
+                                   decode_panel<kQ4F>};
 
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
 template <int64_t F>
 constexpr BlockTileFn kBlockTilesOf[kRows + 1] = {nullptr,           block_tile<F, 1>, block_tile<F, 2>, block_tile<F, 3>,
                                                   block_tile<F, 4>, block_tile<F, 5>, block_tile<F, 6>};
-constexpr const BlockTileFn* kBlockTiles[4] = {nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>};
+constexpr const BlockTileFn* kBlockTiles[5] = {nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>,
+                                               kBlockTilesOf<kQ4F>};
 
 // x (M, K) times block panels. Up to kDecodeRows rows per block of rows, each tile of up to 6
 // rows decodes the panel anew into registers (small decode steps: one or two passes); more rows
@@ -261,18 +273,18 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return panels;
 }
 
-// A GGUF tensor's rows (N, K / 32 * block bytes) in Q4_0, Q4_1 or Q8_0 -> panels of blocks
+// A GGUF tensor's rows (N, K / 32 * block bytes) in Q4_0, Q4_1, Q8_0 or Q4F -> panels of blocks
 // (ceil(N / 16), K / 32, panel block bytes), the last panel padded with zero scales.
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K) {
 #ifndef TOKENMILL_AVX2
   TORCH_CHECK(false, "pack_block_panels: the block formats need AVX2, FMA and F16C");
 #endif
-  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "pack_block_panels: unknown format ", format);
+  TORCH_CHECK(format >= kQ4_0 && format <= kQ4F, "pack_block_panels: unknown format ", format);
   TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && K % kBlock == 0 &&
                   rows.size(1) == K / kBlock * gguf_block_bytes(format),
               "pack_block_panels: rows must be (N, K / 32 * block bytes) uint8");
   const int64_t N = rows.size(0), P = (N + kPanel - 1) / kPanel, B = K / kBlock;
-  const int64_t gb = gguf_block_bytes(format), pb = panel_block_bytes(format), codes_at = 2 * kPanel + offset_bytes(format);
+  const int64_t gb = gguf_block_bytes(format), pb = panel_block_bytes(format), sb = scale_bytes(format) / kPanel;
   auto r = rows.contiguous();
   auto panels = torch::zeros({P, B, pb}, r.options());
   const uint8_t* src = r.data_ptr<uint8_t>();
@@ -284,10 +296,10 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K) {
       for (int64_t b = 0; b < B; ++b) {
         const uint8_t* blk = src + n * row_bytes + b * gb;
         uint8_t* out = dst + (p * B + b) * pb;
-        std::memcpy(out + 2 * j, blk, 2);                                         // scale d
-        if (format == kQ4_1) std::memcpy(out + 2 * kPanel + 2 * j, blk + 2, 2);  // offset m
-        const uint8_t* qs = blk + (format == kQ4_1 ? 4 : 2);
-        uint8_t* codes = out + codes_at;
+        std::memcpy(out + sb * j, blk, sb);                                              // scale d
+        if (offset_bytes(format)) std::memcpy(out + sb * (kPanel + j), blk + sb, sb);  // offset m
+        const uint8_t* qs = blk + (offset_bytes(format) ? 2 * sb : sb);
+        uint8_t* codes = out + codes_at(format);
         for (int64_t i = 0; i < kBlock; ++i) {
           if (format == kQ8_0) {
             codes[i * kPanel + j] = qs[i];
@@ -303,7 +315,7 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K) {
 }
 
 // y = x @ W.T + bias for x (M, K), with W given as panels from pack_panels (format 0) or
-// pack_block_panels (formats 1-3) and N its row count.
+// pack_block_panels (formats 1-4) and N its row count.
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
                            int64_t format) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
@@ -316,7 +328,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
 #ifndef TOKENMILL_AVX2
     TORCH_CHECK(false, "panel_linear: the block formats need AVX2, FMA and F16C");
 #endif
-    TORCH_CHECK((format == kQ4_0 || format == kQ4_1 || format == kQ8_0) && panels.dtype() == torch::kUInt8 &&
+    TORCH_CHECK(format >= kQ4_0 && format <= kQ4F && panels.dtype() == torch::kUInt8 &&
                     K % kBlock == 0 && panels.size(1) == K / kBlock && panels.size(2) == panel_block_bytes(format),
                 "panel_linear: block panels (P, K / 32, bytes) of format ", format, " expected");
   }

@@ -1,7 +1,7 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer)
 and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
-dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1 and Q8_0 projections
-stay as stored, for the panel kernel to decode).
+dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q8_0 and Q4_K
+projections stay as blocks, for the panel kernel to decode).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
 model has one loading routine. The tokenizer and chat template come through
@@ -181,16 +181,38 @@ def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -
         yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
 
 
+def q4_k_as_blocks_of_32(rows: np.ndarray) -> np.ndarray:
+    """Q4_K rows (N, K / 256 * 144 bytes) -> rows of 32-weight blocks the CPU kernel reads (24
+    bytes each: a float32 scale d * sc, a float32 offset -(dmin * m), 16 bytes of nibbles in
+    Q4_1's order), made with gguf's own float32 arithmetic, so that the kernel's d * q + offset is
+    bit for bit gguf's d * q - dm."""
+    from gguf.quants import Q4_K
+    blocks = rows.reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    scale = (d * sc.astype(np.float32)).reshape(-1, 8, 1)
+    offset = -(dmin * m.astype(np.float32)).reshape(-1, 8, 1)
+    # sub-block 2c + h: nibble h of the 32 bytes c (gguf's order), then Q4_1's: byte i = weight i | weight i + 16
+    nibbles = (blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    nibbles = nibbles.reshape(-1, 8, 32)
+    codes = nibbles[..., :16] | (nibbles[..., 16:] << 4)
+    out = np.concatenate([scale.view(np.uint8), offset.view(np.uint8), codes.astype(np.uint8)], axis=-1)
+    return out.reshape(rows.shape[0], -1)
+
+
 def gguf_weight_blocks(reader, cfg: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
-    """Every Q4_0, Q4_1 or Q8_0 matrix as stored: Hugging Face name -> (type name, rows (N, bytes)
-    uint8), rows in the order gguf_weights gives them. The CPU panel kernel reads these instead
-    of float32 copies (packed_linear.py)."""
+    """Every Q4_0, Q4_1, Q8_0 or Q4_K matrix as stored (Q4_K re-cut into blocks of 32): Hugging
+    Face name -> (type name, rows (N, bytes) uint8), rows in the order gguf_weights gives them. The
+    CPU panel kernel reads these instead of float32 copies (packed_linear.py)."""
     out = {}
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
         if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
             continue
         rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
+        if tensor.tensor_type.name == "Q4_K":
+            rows = q4_k_as_blocks_of_32(rows)
         if heads:
             rows = _unpermute(rows, heads)
         out[name] = (tensor.tensor_type.name, torch.from_numpy(np.require(rows, requirements=["C", "W"])))

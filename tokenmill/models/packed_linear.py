@@ -12,7 +12,7 @@ model's 121 matrices (2 threads, see BENCHMARKS.md):
 
 `F.linear` stays the reference (kernels="torch"), and tests compare all three.
 
-Weights that came from a GGUF file in Q4_0, Q4_1 or Q8_0 stay in their blocks instead (a fifth
+Weights that came from a GGUF file in Q4_0, Q4_1, Q8_0 or Q4_K stay in their blocks instead (a fifth
 of the float32 bytes for Q4_1), re-laid as panels the same kernel reads and decodes with gguf's
 own arithmetic, so results are bit-identical to the float32 panels': 2.5x faster at batch-1
 decode, which streams every weight once, and even with them on the default workload
@@ -29,8 +29,9 @@ from torch import nn
 from tokenmill.host_memory import huge_page_copies
 
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
-BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3}  # GGUF types the panel kernel reads as blocks
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes of 32 weights of a row in the file
+# GGUF types the panel kernel reads as blocks; Q4_K as 32-weight blocks with float32 scales (loader.py)
+BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 24}  # bytes of 32 weights of a row as given
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -20,3 +20,4 @@ for b in true false; do
   echo "== tokenmill bench serve --max-concurrency 1 --num-prompts 8 --output-len 64 64 --gguf-blocks $b"
   tokenmill bench serve --max-concurrency 1 --num-prompts 8 --output-len 64 64 --gguf-blocks "$b" 2>/dev/null
 done | tee "$OUT/serve_concurrency1_gguf_blocks.txt"
+python benchmarks/cpu_block_formats.py 2>/dev/null | tee "$OUT/block_formats.txt"

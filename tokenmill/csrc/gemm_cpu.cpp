@@ -18,16 +18,16 @@
 // those do without.
 //
 // Batch-1 decode streams every weight once and is bound by memory. For GGUF weights in Q4_0,
-// Q4_1, Q8_0 (or Q4_K, see Q4F below) the kernel can also read them in their blocks of 32 (a float16 scale, and for Q4_1
-// a float16 offset, per 32 weights of a row), re-laid as panels: per block of 32 k, the 16
-// features' scales, then each k's 16 codes side by side. A tile decodes each k's 16 weights into
-// two registers with exactly the arithmetic of gguf's own dequantization (d * q, + m for Q4_1,
-// rounded the same way) and runs the same FMAs in the same order as over float32 panels, so the
-// product is bit for bit the same while a fifth of the bytes (Q4_1) stream from memory. Each pass
-// of up to six rows decodes everything again, so from 13 rows a panel is decoded once into a
-// 64-byte aligned buffer that the float32 tiles then run over. Measured over the default model's
-// matrices against float32 panels (paired): 0.31x the time at 1 row, 0.43x at 4, 0.70x at 8,
-// 0.83-0.89x at 12, 0.85x at 16, 0.90x at 32, 0.95x at 64, 1.01x at 512.
+// Q4_1 or Q8_0 (and Q4_K, see Q4F below) the kernel can also read them in their blocks of 32 (a
+// scale, and for Q4_1 an offset, per 32 weights of a row), re-laid as panels: per block of 32 k,
+// the 16 features' scales, then each k's 16 codes side by side. A tile decodes each k's 16
+// weights into two registers with exactly the arithmetic of gguf's own dequantization (d * q,
+// + m for Q4_1, rounded the same way) and runs the same FMAs in the same order as over float32
+// panels, so the product is bit for bit the same while a fifth of the bytes (Q4_1) stream from
+// memory. Each pass of up to six rows decodes everything again, so from 13 rows a panel is
+// decoded once into a 64-byte aligned buffer that the float32 tiles then run over. Measured over
+// the default model's matrices against float32 panels (paired): 0.31x the time at 1 row, 0.43x
+// at 4, 0.70x at 8, 0.83-0.89x at 12, 0.85x at 16, 0.90x at 32, 0.95x at 64, 1.01x at 512.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -187,7 +187,8 @@ class LlamaForCausalLM(nn.Module):
         blocks = weight_blocks or {}
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        self.packed_lm_head = PackedLinear(head, None, kernels, blocks.get(head_name))
+        self.packed_lm_head = PackedLinear(head, None, kernels, blocks.get(head_name),
+                                           (self.config.vocab_size, self.config.hidden_size))
         self.lm_head = None
         pack_linears(self.layers, kernels, lambda name: projection_blocks(f"layers.{name}", blocks)[0])
         if kernels is not None:

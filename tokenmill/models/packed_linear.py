@@ -31,7 +31,6 @@ from tokenmill.host_memory import huge_page_copies
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
 # GGUF types the panel kernel reads as blocks; Q4_K as 32-weight blocks with float32 scales (loader.py)
 BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4}
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 24}  # bytes of 32 weights of a row as given
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -44,22 +43,20 @@ class PackedLinear(nn.Module):
 
     `blocks` (GGUF type name, rows (N, bytes) uint8) are the same weights as a GGUF file stores
     them: with the panel kernel, the panels hold those blocks rather than float32 (`format`), and
-    `weight` may be None (never loaded, see LlamaForCausalLM.drop_block_weights)."""
+    `weight` may be None (never loaded, see LlamaForCausalLM.drop_block_weights) with its
+    (out, in) `shape` given instead."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, kernels=None,
-                 blocks: tuple[str, torch.Tensor] | None = None) -> None:
+                 blocks: tuple[str, torch.Tensor] | None = None, shape: tuple[int, int] | None = None) -> None:
         super().__init__()
-        if weight is None and not (blocks is not None and kernels is not None and kernels.block_formats):
-            raise ValueError("PackedLinear: no weight, and no GGUF blocks the kernel can read")
-        if weight is None:
-            kind, rows = blocks
-            self.out_features, self.in_features = rows.shape[0], rows.shape[1] // _BLOCK_BYTES[kind] * 32
-        else:
-            self.out_features, self.in_features = weight.shape
+        use_blocks = blocks is not None and kernels is not None and kernels.block_formats
+        if weight is None and not (use_blocks and shape is not None):
+            raise ValueError("PackedLinear: no weight, and no GGUF blocks the kernel can read with their shape")
+        self.out_features, self.in_features = weight.shape if weight is not None else shape
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
         self.format, self.panels, self.packed = 0, None, None  # format: 0 float32, else BLOCK_FORMATS
-        if kernels is not None and blocks is not None and kernels.block_formats:
+        if use_blocks:
             self.format = BLOCK_FORMATS[blocks[0]]
             self.panels = kernels.pack_block_panels(blocks[1], self.format, self.in_features)
         elif kernels is not None:
@@ -87,7 +84,8 @@ def pack_linears(model: nn.Module, kernels=None, blocks_of: Callable[[str], tupl
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         blocks = blocks_of(name) if blocks_of is not None else None
-        setattr(parent, child, PackedLinear(linear.weight, linear.bias, kernels, blocks))
+        shape = (linear.out_features, linear.in_features)
+        setattr(parent, child, PackedLinear(linear.weight, linear.bias, kernels, blocks, shape))
     return len(targets)
 
 

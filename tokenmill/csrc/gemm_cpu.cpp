@@ -214,9 +214,10 @@ constexpr BlockTileFn kBlockTilesOf[kRows + 1] = {nullptr,           block_tile<
 constexpr const BlockTileFn* kBlockTiles[5] = {nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>,
                                                kBlockTilesOf<kQ4F>};
 
-// x (M, K) times block panels. Up to kDecodeRows rows per block of rows, each tile of up to 6
-// rows decodes the panel anew into registers (small decode steps: one or two passes); more rows
-// decode it once into a buffer the float32 path's tiles then run over. Either way each row's sum
+// x (M, K) times block panels. The first block of rows with more than kDecodeRows rows decodes
+// a panel once into a buffer that the float32 path's tiles run over, for it and every block after
+// it; until then (small decode steps: one or two passes) each tile of up to 6 rows decodes the
+// panel anew into registers. Either way each row's sum
 // is the float32 panels' own. store(tile, p, m0, rows) writes a finished tile.
 constexpr int64_t kDecodeRows = 12;
 
@@ -231,12 +232,15 @@ void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* src = wp + p * panel_bytes;
       const uint8_t* next = p + 1 < end ? src + panel_bytes : nullptr;  // fetched by the first pass
+      bool buffered = false;  // the panel decoded into the buffer (once, for every block of rows)
       // tiles restart at every kRowBlock rows, as in the float32 path: a one-row tile sums in
       // another order than a row of a bigger tile, so both paths must cut the rows alike
       for (int64_t block = 0; block < M; block += kRowBlock) {
         const int64_t block_end = std::min(M, block + kRowBlock);
-        const bool buffered = block_end - block > kDecodeRows;
-        if (buffered) kDecoders[format](src, K / kBlock, decoded, block == 0 ? next : nullptr);
+        if (!buffered && block_end - block > kDecodeRows) {
+          kDecoders[format](src, K / kBlock, decoded, next);
+          buffered = true;
+        }
         for (int64_t m0 = block; m0 < block_end; m0 += kRows) {
           const int64_t rows = std::min(kRows, block_end - m0);
           if (buffered) {

@@ -1,7 +1,8 @@
-"""The CPU panel kernel over float32 panels, Q4_1 blocks and Q4_K blocks (re-cut into blocks of
-32 with float32 scales, loader.q4_k_as_blocks_of_32) of the same weights: the projections of
-24 layers of a Llama-shaped model with hidden 512 and FFN 1536 (Q4_K needs rows of 256s), from
-random Q4_K super-blocks; the three alternated, seven rounds, medians.
+"""The CPU panel kernel over float32 panels, Q4_1 blocks and K-quant blocks (re-cut into blocks
+of 32 with float32 scales, loader.k_quant_as_blocks_of_32): the projections of 24 layers of a
+Llama-shaped model with hidden 512 and FFN 1536 (K-quants need rows of 256s), from random Q4_K
+super-blocks (float32 and Q4_1 hold the same weights, dequantized) and random Q5_K and Q6_K
+super-blocks of the same shapes; the formats alternated, seven rounds, medians.
 
     python benchmarks/cpu_block_formats.py
 """
@@ -19,12 +20,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conftest import random_k_quant_rows  # noqa: E402
+
 from tokenmill.cpu_kernels import load_cpu_kernels  # noqa: E402
 from tokenmill.host_memory import huge_page_copies  # noqa: E402
-from tokenmill.models.loader import q4_k_as_blocks_of_32  # noqa: E402
+from tokenmill.models.loader import k_quant_as_blocks_of_32  # noqa: E402
+from tokenmill.models.packed_linear import BLOCK_FORMATS  # noqa: E402
 
 SHAPES = [(1536, 512), (512, 512), (3072, 512), (512, 1536)]  # qkv, o, gate_up, down: (N, K)
-FORMATS = {"float32": 0, "Q4_1": 2, "Q4_K": 4}
+FORMATS = {"float32": 0, **{kind: BLOCK_FORMATS[kind] for kind in ("Q4_1", "Q4_K", "Q5_K", "Q6_K")}}
 
 
 def build(kernels, layers: int = 24) -> dict[str, list[tuple[torch.Tensor, int, int]]]:
@@ -33,15 +38,14 @@ def build(kernels, layers: int = 24) -> dict[str, list[tuple[torch.Tensor, int, 
     mats: dict[str, list] = {name: [] for name in FORMATS}
     for _ in range(layers):
         for n, k in SHAPES:
-            raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
-            raw[..., 0:4] = (rng.random((n, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
-            raw = raw.reshape(n, -1)
-            w = dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32).reshape(n, k)
+            raw = {kind: random_k_quant_rows(rng, kind, n, k) for kind in ("Q4_K", "Q5_K", "Q6_K")}
+            w = dequantize(raw["Q4_K"], GGMLQuantizationType.Q4_K).astype(np.float32).reshape(n, k)
             mats["float32"].append(kernels.pack_panels(torch.from_numpy(w.copy())))
             q4_1 = torch.from_numpy(quantize(w, GGMLQuantizationType.Q4_1).copy())
             mats["Q4_1"].append(kernels.pack_block_panels(q4_1, FORMATS["Q4_1"], k))
-            q4_k = torch.from_numpy(q4_k_as_blocks_of_32(raw).copy())
-            mats["Q4_K"].append(kernels.pack_block_panels(q4_k, FORMATS["Q4_K"], k))
+            for kind, rows in raw.items():
+                recut = torch.from_numpy(k_quant_as_blocks_of_32(rows, kind).copy())
+                mats[kind].append(kernels.pack_block_panels(recut, FORMATS[kind], k))
     shapes = SHAPES * layers
     return {name: [(p, n, k) for p, (n, k) in zip(huge_page_copies(panels), shapes)] for name, panels in mats.items()}
 

@@ -35,6 +35,19 @@ def triton_usable() -> bool:
 needs_triton = pytest.mark.skipif(not triton_usable(), reason="needs triton (CUDA or TRITON_INTERPRET=1)")
 
 
+def random_k_quant_rows(rng, kind: str, n: int, k: int):
+    """(n, k / 256 * super-block bytes) uint8 rows of random Q4_K, Q5_K or Q6_K super-blocks with
+    small scales (gguf cannot quantize to the K-quants)."""
+    import numpy as np
+    raw = rng.integers(0, 256, (n, k // 256, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]), dtype=np.uint8)
+    scales = (rng.random((n, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if kind == "Q6_K":
+        raw[..., 208:210] = scales[..., :2]  # d, at the end
+    else:
+        raw[..., 0:4] = scales               # d and dmin, at the start
+    return raw.reshape(n, -1)
+
+
 def _save_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

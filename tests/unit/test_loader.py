@@ -7,16 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import random_k_quant_rows
 
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.loader import load_model, open_checkpoint
-from tokenmill.models.packed_linear import BLOCK_FORMATS, PackedLinear
+from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, PackedLinear
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 2, 64, 512, 80  # Q4_K rows need 256s
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 2, 64, 512, 80  # K-quant rows need 256s
 
 
 def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool) -> None:
-    """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, Q4_0, Q4_1, Q8_0 or Q4_K."""
+    """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, Q4_0, Q4_1, Q8_0 or a K-quant."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     rng = np.random.default_rng(0)
@@ -34,10 +35,8 @@ def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool) -
         data = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
         if kind == "F32":
             w.add_tensor(name, data)
-        elif kind == "Q4_K":  # gguf cannot quantize to it: random super-blocks with sane scales
-            raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-            raw[..., 0:4] = (rng.random((rows, cols // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
-            w.add_tensor(name, raw.reshape(rows, -1), raw_dtype=GGMLQuantizationType.Q4_K)
+        elif kind.endswith("_K"):
+            w.add_tensor(name, random_k_quant_rows(rng, kind, rows, cols), raw_dtype=GGMLQuantizationType[kind])
         else:
             qtype = GGMLQuantizationType[kind]
             w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
@@ -63,14 +62,22 @@ def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool) -
 KINDS = {"token_embd": "Q8_0", "output": "Q4_0", "attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1",
          "attn_output": "Q4_0", "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
 ALL_BLOCKS = {"qkv_proj": "Q4_1", "o_proj": "Q4_0", "gate_up_proj": "Q8_0", "down_proj": "Q4_1", "head": "Q4_0"}
-CASES = {  # arch, kinds, tied, bias -> the block type each projection should keep (None: float32)
+# arch, kinds, tied, bias -> the block type each projection should keep (None: float32; a tuple:
+# a ConcatLinear of one PackedLinear per run of parts of one type)
+CASES = {
     "llama_untied": ("llama", KINDS, False, False, ALL_BLOCKS),
     "llama_tied_mixed": ("llama", {**KINDS, "attn_v": "Q8_0", "ffn_up": "F32"}, True, False,
-                         {**ALL_BLOCKS, "qkv_proj": None, "gate_up_proj": None, "head": "Q8_0"}),
+                         {**ALL_BLOCKS, "qkv_proj": ("Q4_1", "Q8_0"), "gate_up_proj": None, "head": "Q8_0"}),
     "qwen2_bias": ("qwen2", KINDS, False, True, ALL_BLOCKS),
     "llama_q4_k": ("llama", {**KINDS, "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "ffn_gate": "Q4_K",
                              "ffn_up": "Q4_K", "ffn_down": "Q4_K", "output": "Q4_K"}, False, False,
                    {**ALL_BLOCKS, "qkv_proj": "Q4_K", "gate_up_proj": "Q4_K", "down_proj": "Q4_K", "head": "Q4_K"}),
+    # as in Q4_K_M / Q5_K_M files: v, ffn_down and the head in Q6_K; the bias split between runs
+    "qwen2_k_quants_mixed": ("qwen2", {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K",
+                                       "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q5_K", "ffn_up": "Q5_K",
+                                       "ffn_down": "Q6_K"}, False, True,
+                             {"qkv_proj": ("Q4_K", "Q6_K"), "o_proj": "Q5_K", "gate_up_proj": "Q5_K",
+                              "down_proj": "Q6_K", "head": "Q6_K"}),
 }
 
 
@@ -89,8 +96,12 @@ def test_gguf_projections_keep_their_blocks_and_match_float32(tmp_path, case):
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         pairs[name.split(".")[1]] = (blocks.layers[0].get_submodule(name), floats.layers[0].get_submodule(name))
     for short, (ours, reference) in pairs.items():
-        assert isinstance(ours, PackedLinear) and reference.format == 0
-        assert ours.format == (BLOCK_FORMATS[expected[short]] if expected[short] else 0), short
+        want = expected[short]
+        assert isinstance(reference, PackedLinear) and reference.format == 0
+        if isinstance(want, tuple):
+            assert isinstance(ours, ConcatLinear) and [p.format for p in ours.parts] == [BLOCK_FORMATS[k] for k in want]
+        else:
+            assert isinstance(ours, PackedLinear) and ours.format == (BLOCK_FORMATS[want] if want else 0), short
         for rows in (1, 7, 20):  # registers, two passes, a decoded buffer
             x = torch.randn(rows, ours.in_features)
             assert torch.equal(ours(x), reference(x)), (short, rows)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_triton
+from conftest import needs_triton, random_k_quant_rows
 
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.llama import RMSNorm
@@ -67,24 +67,31 @@ def test_panel_kernel_matches_f_linear(fused, rows, n):
 
 
 def _gguf_rows(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows as a GGUF file stores them, the float32 weights gguf dequantizes them to)."""
+    """(rows as a GGUF file stores them, K-quants re-cut as the loader does, and the float32
+    weights gguf dequantizes them to)."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
-    qtype = GGMLQuantizationType[kind]
-    raw = quantize(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32), qtype)
+
+    from tokenmill.models.loader import k_quant_as_blocks_of_32
+    qtype, rng = GGMLQuantizationType[kind], np.random.default_rng(0)
+    if kind.endswith("_K"):
+        raw = random_k_quant_rows(rng, kind, n, k)
+        rows = k_quant_as_blocks_of_32(raw, kind)
+    else:
+        raw = rows = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     weights = dequantize(raw, qtype).astype(np.float32).reshape(n, k)
-    return torch.from_numpy(raw.copy()), torch.from_numpy(weights.copy())
+    return torch.from_numpy(rows.copy()), torch.from_numpy(weights.copy())
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
     """The kernel decodes GGUF blocks with gguf's own arithmetic and sums in the float32 panels'
     order, so the two products must be identical, not just close."""
     if not fused.kernels.block_formats:
         pytest.skip("block formats need AVX2")
     from tokenmill.models.packed_linear import BLOCK_FORMATS
-    n, k = 37, 96  # 37: a partly filled last panel; 96: three blocks of 32
+    n, k = 37, 512 if kind.endswith("_K") else 96  # 37: a partly filled last panel; 96: three blocks of 32
     raw, w = _gguf_rows(kind, n, k)
     blocks = fused.kernels.pack_block_panels(raw, BLOCK_FORMATS[kind], k)
     panels, b = fused.kernels.pack_panels(w), torch.randn(n)
@@ -110,18 +117,20 @@ def test_packed_linear_with_blocks_gives_the_float32_panels_result(fused):
         assert torch.equal(with_blocks(x), with_floats(x))
 
 
-def test_pack_for_cpu_keeps_blocks_where_every_part_has_one_type(fused):
-    """q/k/v (and gate/up) fuse into one projection: it keeps blocks only when all its parts came
-    in one block type, else float32 panels; the logits stay bit-identical."""
+def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
+    """q/k/v (and gate/up) fuse into one projection: it keeps blocks when all its parts came in
+    blocks, one PackedLinear per run of one type when the types differ, else float32 panels; the
+    products stay bit-identical to float32 panels of the dequantized weights."""
     if not fused.kernels.block_formats:
         pytest.skip("block formats need AVX2")
     from tokenmill.config import ModelConfig
     from tokenmill.models.llama import LlamaForCausalLM
+    from tokenmill.models.packed_linear import ConcatLinear
     cfg = ModelConfig(architecture="llama", vocab_size=80, hidden_size=64, intermediate_size=96, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg, max_len=64)
     kinds = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q8_0",
-             "up_proj": "Q8_0", "down_proj": "Q4_1", "embed_tokens": "Q8_0"}
+             "up_proj": None, "down_proj": "Q4_1", "embed_tokens": "Q8_0"}  # None: float32 in the file
     hf = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
           "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
           "down_proj": "mlp.down_proj"}
@@ -130,27 +139,35 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_one_type(fused):
     weights, blocks = [], {}
     for short, kind in kinds.items():
         name = "model.embed_tokens.weight" if short == "embed_tokens" else f"model.layers.0.{hf[short]}.weight"
-        raw, w = _gguf_rows(kind, *sizes[short])
+        raw, w = _gguf_rows(kind, *sizes[short]) if kind else (None, torch.randn(sizes[short]))
         weights.append((name, w))
-        blocks[name] = (kind, raw)
+        if kind:
+            blocks[name] = (kind, raw)
     for norm in ("layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"):
         weights.append((f"model.{norm}.weight", torch.ones(64)))
     model.load_weights(weights)
     model.pack_for_cpu(fused.kernels, blocks)
     layer = model.layers[0]
-    assert layer.self_attn.qkv_proj.format == 0                    # Q4_1, Q4_1, Q8_0: mixed
-    assert layer.mlp.gate_up_proj.format == 3                      # Q8_0 twice
+    qkv = layer.self_attn.qkv_proj                                 # Q4_1, Q4_1, Q8_0: two runs
+    assert isinstance(qkv, ConcatLinear) and [part.format for part in qkv.parts] == [2, 3]
+    assert layer.mlp.gate_up_proj.format == 0                      # up came in float32
     assert layer.self_attn.o_proj.format == 1 and layer.mlp.down_proj.format == 2
     assert model.packed_lm_head.format == 3                        # the tied embeddings' blocks
+    dequantized = dict(weights)
+    qkv_floats = fused.kernels.pack_panels(torch.cat([dequantized[f"model.layers.0.self_attn.{p}.weight"]
+                                                      for p in ("q_proj", "k_proj", "v_proj")]))
+    for rows in (1, 7, 20):
+        x = torch.randn(rows, 64)
+        assert torch.equal(qkv(x), fused.kernels.panel_linear(x, qkv_floats, None, 128))
     hidden = torch.randn(3, 64)
-    floats = fused.kernels.pack_panels(dict(weights)["model.embed_tokens.weight"])  # dequantized
+    floats = fused.kernels.pack_panels(dequantized["model.embed_tokens.weight"])
     assert torch.equal(model.compute_logits(hidden), fused.kernels.panel_linear(hidden, floats, None, 80))
 
     # the loader's way: the float32 weights of projections packed from blocks are never loaded
     with torch.device("meta"):
         lean = LlamaForCausalLM(cfg, max_len=64)
     skip = lean.drop_block_weights(blocks)
-    assert skip == {f"model.layers.0.{hf[p]}.weight" for p in ("o_proj", "gate_proj", "up_proj", "down_proj")}
+    assert skip == {f"model.layers.0.{hf[p]}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")}
     lean = lean.to_empty(device="cpu")
     lean.rotary.build()
     lean.load_weights([(name, w) for name, w in weights if name not in skip])
@@ -158,7 +175,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_one_type(fused):
     for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         ours, theirs = lean.layers[0].get_submodule(proj), layer.get_submodule(proj)
         x = torch.randn(5, ours.in_features)
-        assert ours.format == theirs.format and torch.equal(ours(x), theirs(x))
+        assert type(ours) is type(theirs) and torch.equal(ours(x), theirs(x))
 
 
 def test_packed_linear_with_panels_matches_for_every_row_count(fused):

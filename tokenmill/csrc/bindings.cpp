@@ -16,7 +16,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
-                           int64_t format);
+                           int64_t format, c10::optional<torch::Tensor> out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)");
@@ -25,9 +25,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row");
   m.def("pack_panels", &pack_panels, "W (N, K) -> panels (ceil(N/16), K, 16) for panel_linear");
-  m.def("pack_block_panels", &pack_block_panels, "GGUF Q4_0/Q4_1/Q8_0 (or Q4F) rows (N, bytes) -> block panels for panel_linear");
-  m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-4: Q4_0, Q4_1, Q8_0, Q4F)",
-        py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0);
+  m.def("pack_block_panels", &pack_block_panels, "GGUF Q4_0/Q4_1/Q8_0 (or re-cut K-quant) rows (N, bytes) -> block panels for panel_linear");
+  m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-6: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F)",
+        py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0,
+        py::arg("out") = py::none());
 #ifdef TOKENMILL_AVX2
   m.attr("block_formats") = true;
 #else

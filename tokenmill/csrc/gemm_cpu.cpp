@@ -18,16 +18,17 @@
 // those do without.
 //
 // Batch-1 decode streams every weight once and is bound by memory. For GGUF weights in Q4_0,
-// Q4_1 or Q8_0 (and Q4_K, see Q4F below) the kernel can also read them in their blocks of 32 (a
-// scale, and for Q4_1 an offset, per 32 weights of a row), re-laid as panels: per block of 32 k,
-// the 16 features' scales, then each k's 16 codes side by side. A tile decodes each k's 16
-// weights into two registers with exactly the arithmetic of gguf's own dequantization (d * q,
-// + m for Q4_1, rounded the same way) and runs the same FMAs in the same order as over float32
-// panels, so the product is bit for bit the same while a fifth of the bytes (Q4_1) stream from
-// memory. Each pass of up to six rows decodes everything again, so from 13 rows a panel is
-// decoded once into a 64-byte aligned buffer that the float32 tiles then run over. Measured over
-// the default model's matrices against float32 panels (paired): 0.31x the time at 1 row, 0.43x
-// at 4, 0.70x at 8, 0.83-0.89x at 12, 0.85x at 16, 0.90x at 32, 0.95x at 64, 1.01x at 512.
+// Q4_1 or Q8_0 (and the K-quants Q4_K, Q5_K and Q6_K, see Format below) the kernel can also
+// read them in their blocks of 32 (a scale, and for Q4_1 an offset, per 32 weights of a row),
+// re-laid as panels: per block of 32 k, the 16 features' scales, then each k's 16 codes side by
+// side. A tile decodes each k's 16 weights into two registers with exactly the arithmetic of
+// gguf's own dequantization (d * q, + m for Q4_1, rounded the same way) and runs the same FMAs
+// in the same order as over float32 panels, so the product is bit for bit the same while a fifth
+// of the bytes (Q4_1) stream from memory. Each pass of up to six rows decodes everything again,
+// so from 13 rows a panel is decoded once into a 64-byte aligned buffer that the float32 tiles
+// then run over. Measured over the default model's matrices against float32 panels (paired):
+// 0.31x the time at 1 row, 0.43x at 4, 0.70x at 8, 0.83-0.89x at 12, 0.85x at 16, 0.90x at 32,
+// 0.95x at 64, 1.01x at 512.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -59,24 +60,33 @@ void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, flo
   }
 }
 
-// Weight formats of panel_linear: float32 panels, or one of GGUF's block formats. Q4F is Q4_1
-// with float32 scales and offsets, what a Q4_K super-block becomes once gguf's own float32
-// arithmetic has made each 32 weights' scale (d * sc) and offset (-dmin * m); see loader.py.
-enum Format : int64_t { kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4 };
+// Weight formats of panel_linear: float32 panels, or one of GGUF's block formats. The K-quants
+// are re-cut at load (loader.py) into blocks of 32 k with float32 scales made by gguf's own
+// float32 arithmetic: Q4F is Q4_1 with float32 scales and offsets, what a Q4_K super-block
+// becomes (scale d * sc, offset -dmin * m); Q5F the same with one byte per 5-bit code (Q5_K);
+// Q6F one int8 code per weight (q - 32) and a float32 scale d * sc per 16 k (Q6_K), the second
+// 16 k's scales in the slot where the other formats keep offsets.
+enum Format : int64_t { kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6 };
+constexpr int64_t kLastFormat = kQ6F;
 constexpr int64_t kBlock = 32;  // weights per GGUF block
 
-// Bytes of one block of one row as given to pack_block_panels: the GGUF file's, or for Q4F a
-// float32 scale, a float32 offset and Q4_1's 16 bytes of nibbles.
+constexpr bool float_scales(int64_t f) { return f >= kQ4F; }
+constexpr bool byte_codes(int64_t f) { return f == kQ8_0 || f == kQ5F || f == kQ6F; }
+constexpr bool has_offset(int64_t f) { return f == kQ4_1 || f == kQ4F || f == kQ5F; }  // v = d * q + m
+constexpr bool second_slot(int64_t f) { return has_offset(f) || f == kQ6F; }  // offsets, or Q6F's 2nd scales
+
+// Bytes of one block of one row as given to pack_block_panels: the GGUF file's, or for the
+// re-cut formats two float32 (scale and offset, or two scales) and the codes.
 int64_t gguf_block_bytes(int64_t format) {
-  return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : 24;
+  return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : format == kQ4F ? 24 : 40;
 }
 
 // Bytes of one block of 32 k across a panel's 16 features: scales (and offsets), then codes
-// (32 k x 8 bytes of two nibbles, or 32 k x 16 int8).
-int64_t scale_bytes(int64_t format) { return (format == kQ4F ? 4 : 2) * kPanel; }
-int64_t offset_bytes(int64_t format) { return format == kQ4_1 || format == kQ4F ? scale_bytes(format) : 0; }
+// (32 k x 8 bytes of two nibbles, or 32 k x 16 bytes).
+int64_t scale_bytes(int64_t format) { return (float_scales(format) ? 4 : 2) * kPanel; }
+int64_t offset_bytes(int64_t format) { return second_slot(format) ? scale_bytes(format) : 0; }
 int64_t codes_at(int64_t format) { return scale_bytes(format) + offset_bytes(format); }
-int64_t code_bytes(int64_t format) { return format == kQ8_0 ? kBlock * kPanel : kBlock * kPanel / 2; }
+int64_t code_bytes(int64_t format) { return byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2; }
 int64_t panel_block_bytes(int64_t format) { return codes_at(format) + code_bytes(format); }
 
 #ifdef TOKENMILL_AVX2
@@ -85,7 +95,7 @@ int64_t panel_block_bytes(int64_t format) { return codes_at(format) + code_bytes
 template <int64_t F>
 inline __m256 decode8(__m256i q, __m256 d, __m256 m) {
   __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
-  if constexpr (F == kQ4_1 || F == kQ4F) {
+  if constexpr (has_offset(F)) {
     asm("" : "+x"(v));
     v = _mm256_add_ps(v, m);
   }
@@ -94,7 +104,8 @@ inline __m256 decode8(__m256i q, __m256 d, __m256 m) {
 
 using tokenmill::row_fma;
 
-// A block's scales (d) and offsets (m, Q4_1 only) for the 16 features of a panel.
+// A block's scales (d) and offsets (m) for the 16 features of a panel; for Q6F, m holds the
+// scales of the block's second 16 k.
 struct BlockScales {
   __m256 d0, d1, m0, m1;
 };
@@ -102,7 +113,7 @@ struct BlockScales {
 template <int64_t F>
 inline BlockScales block_scales(const uint8_t* blk) {
   BlockScales s;
-  if constexpr (F == kQ4F) {
+  if constexpr (float_scales(F)) {
     const float* f = reinterpret_cast<const float*>(blk);
     s.d0 = _mm256_loadu_ps(f), s.d1 = _mm256_loadu_ps(f + 8), s.m0 = _mm256_loadu_ps(f + 16), s.m1 = _mm256_loadu_ps(f + 24);
     return s;
@@ -117,13 +128,22 @@ inline BlockScales block_scales(const uint8_t* blk) {
   return s;
 }
 
+// Q6F's scales for k 16-31 are in the offsets' slot: from there on, they are the scales.
+template <int64_t F>
+inline void next_half(BlockScales& s) {
+  if constexpr (F == kQ6F) s.d0 = s.m0, s.d1 = s.m1;
+}
+
 // The 16 weights of code row i of a block -> (w0, w1).
 template <int64_t F>
 inline void decode_row(const uint8_t* codes, int64_t i, const BlockScales& s, __m256& w0, __m256& w1) {
   __m256i q0, q1;
-  if constexpr (F == kQ8_0) {
+  if constexpr (F == kQ8_0 || F == kQ6F) {
     q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel)));
     q1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel + 8)));
+  } else if constexpr (F == kQ5F) {
+    q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel)));
+    q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel + 8)));
   } else {  // byte j: feature j in the low nibble, feature j + 8 in the high one
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel / 2)));
     q0 = _mm256_and_si256(c, _mm256_set1_epi32(0x0F));
@@ -151,9 +171,10 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blo
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* blk = src + b * block_bytes;
     if (pf != nullptr) prefetch_block(pf + b * block_bytes, block_bytes);
-    const BlockScales s = block_scales<F>(blk);
+    BlockScales s = block_scales<F>(blk);
     const float* xb = x + b * kBlock;
     for (int64_t i = 0; i < kBlock; i += 2) {
+      if (i == kBlock / 2) next_half<F>(s);
       __m256 w0, w1, w2, w3;
       decode_row<F>(blk + code_start, i, s, w0, w1);
       decode_row<F>(blk + code_start, i + 1, s, w2, w3);
@@ -193,8 +214,9 @@ void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* blk = src + b * block_bytes;
     if (pf != nullptr) prefetch_block(pf + b * block_bytes, block_bytes);
-    const BlockScales s = block_scales<F>(blk);
+    BlockScales s = block_scales<F>(blk);
     for (int64_t i = 0; i < kBlock; ++i) {
+      if (i == kBlock / 2) next_half<F>(s);
       __m256 w0, w1;
       decode_row<F>(blk + code_start, i, s, w0, w1);
       _mm256_storeu_ps(out + (b * kBlock + i) * kPanel, w0);
@@ -204,15 +226,17 @@ void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint
 }
 
 using DecodeFn = void (*)(const uint8_t*, int64_t, float*, const uint8_t*);
-constexpr DecodeFn kDecoders[5] = {nullptr, decode_panel<kQ4_0>, decode_panel<kQ4_1>, decode_panel<kQ8_0>,
-                                   decode_panel<kQ4F>};
+constexpr DecodeFn kDecoders[kLastFormat + 1] = {nullptr,           decode_panel<kQ4_0>, decode_panel<kQ4_1>,
+                                                 decode_panel<kQ8_0>, decode_panel<kQ4F>,  decode_panel<kQ5F>,
+                                                 decode_panel<kQ6F>};
 
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
 template <int64_t F>
 constexpr BlockTileFn kBlockTilesOf[kRows + 1] = {nullptr,           block_tile<F, 1>, block_tile<F, 2>, block_tile<F, 3>,
                                                   block_tile<F, 4>, block_tile<F, 5>, block_tile<F, 6>};
-constexpr const BlockTileFn* kBlockTiles[5] = {nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>,
-                                               kBlockTilesOf<kQ4F>};
+constexpr const BlockTileFn* kBlockTiles[kLastFormat + 1] = {
+    nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>, kBlockTilesOf<kQ4F>, kBlockTilesOf<kQ5F>,
+    kBlockTilesOf<kQ6F>};
 
 // x (M, K) times block panels. The first block of rows with more than kDecodeRows rows decodes
 // a panel once into a buffer that the float32 path's tiles run over, for it and every block after
@@ -277,13 +301,13 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return panels;
 }
 
-// A GGUF tensor's rows (N, K / 32 * block bytes) in Q4_0, Q4_1, Q8_0 or Q4F -> panels of blocks
+// A GGUF tensor's rows (N, K / 32 * block bytes) in Q4_0, Q4_1, Q8_0, or re-cut -> panels of blocks
 // (ceil(N / 16), K / 32, panel block bytes), the last panel padded with zero scales.
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K) {
 #ifndef TOKENMILL_AVX2
   TORCH_CHECK(false, "pack_block_panels: the block formats need AVX2, FMA and F16C");
 #endif
-  TORCH_CHECK(format >= kQ4_0 && format <= kQ4F, "pack_block_panels: unknown format ", format);
+  TORCH_CHECK(format >= kQ4_0 && format <= kLastFormat, "pack_block_panels: unknown format ", format);
   TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && K % kBlock == 0 &&
                   rows.size(1) == K / kBlock * gguf_block_bytes(format),
               "pack_block_panels: rows must be (N, K / 32 * block bytes) uint8");
@@ -301,11 +325,11 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K) {
         const uint8_t* blk = src + n * row_bytes + b * gb;
         uint8_t* out = dst + (p * B + b) * pb;
         std::memcpy(out + sb * j, blk, sb);                                              // scale d
-        if (offset_bytes(format)) std::memcpy(out + sb * (kPanel + j), blk + sb, sb);  // offset m
+        if (offset_bytes(format)) std::memcpy(out + sb * (kPanel + j), blk + sb, sb);  // offset m (Q6F: d)
         const uint8_t* qs = blk + (offset_bytes(format) ? 2 * sb : sb);
         uint8_t* codes = out + codes_at(format);
         for (int64_t i = 0; i < kBlock; ++i) {
-          if (format == kQ8_0) {
+          if (byte_codes(format)) {
             codes[i * kPanel + j] = qs[i];
           } else {  // GGUF: byte i holds weight i (low nibble) and weight i + 16 (high nibble)
             const uint8_t q = i < kBlock / 2 ? (qs[i] & 0x0F) : (qs[i - kBlock / 2] >> 4);
@@ -319,9 +343,11 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K) {
 }
 
 // y = x @ W.T + bias for x (M, K), with W given as panels from pack_panels (format 0) or
-// pack_block_panels (formats 1-4) and N its row count.
+// pack_block_panels (formats 1-6) and N its row count. With `out` (M, N), rows any distance
+// apart, y is written there: a column range of a wider output (a fused projection whose parts
+// came in different block formats).
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
-                           int64_t format) {
+                           int64_t format, c10::optional<torch::Tensor> out) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "panel_linear: x must be a float32 matrix");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && (N + kPanel - 1) / kPanel == P, "panel_linear: panel count");
@@ -332,7 +358,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
 #ifndef TOKENMILL_AVX2
     TORCH_CHECK(false, "panel_linear: the block formats need AVX2, FMA and F16C");
 #endif
-    TORCH_CHECK(format >= kQ4_0 && format <= kQ4F && panels.dtype() == torch::kUInt8 &&
+    TORCH_CHECK(format >= kQ4_0 && format <= kLastFormat && panels.dtype() == torch::kUInt8 &&
                     K % kBlock == 0 && panels.size(1) == K / kBlock && panels.size(2) == panel_block_bytes(format),
                 "panel_linear: block panels (P, K / 32, bytes) of format ", format, " expected");
   }
@@ -342,14 +368,20 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "panel_linear: bias shape");
     b = bias->data_ptr<float>();
   }
-  auto y = torch::empty({M, N}, x.options());
+  if (out.has_value()) {
+    TORCH_CHECK(out->dtype() == torch::kFloat32 && out->dim() == 2 && out->size(0) == M && out->size(1) == N &&
+                    out->stride(1) == 1,
+                "panel_linear: out must be a float32 (M, N) matrix with contiguous rows");
+  }
+  auto y = out.has_value() ? *out : torch::empty({M, N}, x.options());
+  const int64_t ldy = y.stride(0);
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // the 16 outputs of panel p for rows m0.. of one tile, from the tile buffer, plus the bias
   auto store = [&](const float* tile, int64_t p, int64_t m0, int64_t rows) {
     const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
     for (int64_t r = 0; r < rows; ++r) {
-      float* dst = yp + (m0 + r) * N + n0;
+      float* dst = yp + (m0 + r) * ldy + n0;
       for (int64_t j = 0; j < width; ++j) dst[j] = tile[r * kPanel + j] + (b ? b[n0 + j] : 0.0f);
     }
   };

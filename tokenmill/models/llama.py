@@ -13,6 +13,7 @@ handling cost 0.56 ms a step over 30 layers (measured on a 30-layer model with t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 
@@ -136,16 +137,18 @@ _FUSED = {
 
 
 def projection_blocks(name: str, blocks: dict[str, tuple[str, torch.Tensor]]
-                      ) -> tuple[tuple[str, torch.Tensor] | None, list[str]]:
-    """GGUF blocks of our projection `name` ("layers.3.self_attn.qkv_proj", "lm_head"), its parts'
-    rows stacked as load_weights stacks the weights, and those parts' checkpoint names; None for
-    the blocks unless every part has blocks of one type."""
+                      ) -> tuple[list[tuple[str, torch.Tensor]] | None, list[str]]:
+    """GGUF blocks of our projection `name` ("layers.3.self_attn.qkv_proj", "lm_head") and its
+    parts' checkpoint names. The blocks come as (type, rows) per run of parts of one block type,
+    rows stacked as load_weights stacks the weights (Q4_K_M files keep v in Q6_K in some layers:
+    two runs); None unless every part has blocks."""
     parts = sorted((i, name.replace(ours, hf)) for hf, (ours, i) in _FUSED.items() if name.endswith(ours))
     names = [("" if name == "lm_head" else "model.") + f"{part}.weight" for _, part in parts or [(0, name)]]
     found = [blocks.get(n) for n in names]
-    if any(f is None for f in found) or len({kind for kind, _ in found}) != 1:
+    if any(f is None for f in found):
         return None, names
-    return (found[0][0], torch.cat([rows for _, rows in found])), names
+    runs = itertools.groupby(found, key=lambda part: part[0])
+    return [(kind, torch.cat([rows for _, rows in run])) for kind, run in runs], names
 
 
 class LlamaForCausalLM(nn.Module):
@@ -181,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         when `kernels` is given, else for oneDNN. See packed_linear.py.
 
         `weight_blocks` maps Hugging Face weight names to their GGUF blocks (type name, rows):
-        a projection whose parts all have blocks of one type is packed from those instead.
+        a projection whose parts all have blocks is packed from those instead.
         Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
         from tokenmill.models.packed_linear import PackedLinear, pack_linears, panels_to_huge_pages
         blocks = weight_blocks or {}

@@ -1,7 +1,7 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer)
 and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
-dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q8_0 and Q4_K
-projections stay as blocks, for the panel kernel to decode).
+dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and
+Q6_K projections stay as blocks, for the panel kernel to decode).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
 model has one loading routine. The tokenizer and chat template come through
@@ -181,28 +181,45 @@ def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -
         yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
 
 
-def q4_k_as_blocks_of_32(rows: np.ndarray) -> np.ndarray:
-    """Q4_K rows (N, K / 256 * 144 bytes) -> rows of 32-weight blocks the CPU kernel reads (24
-    bytes each: a float32 scale d * sc, a float32 offset -(dmin * m), 16 bytes of nibbles in
-    Q4_1's order), made with gguf's own float32 arithmetic, so that the kernel's d * q + offset is
-    bit for bit gguf's d * q - dm."""
+def _bit_fields(packed: np.ndarray, groups: int, shifts: list[int], mask: int) -> np.ndarray:
+    """(n, bytes) -> (n, groups * len(shifts) * width) codes: each of `groups` runs of bytes read
+    once per shift, shifted and masked, in gguf's order of the K-quants' values."""
+    fields = packed.reshape(packed.shape[0], groups, 1, -1) >> np.array(shifts, np.uint8).reshape(1, 1, -1, 1)
+    return (fields & np.uint8(mask)).reshape(packed.shape[0], -1)
+
+
+def k_quant_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
+    """Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> rows of 32-weight blocks the
+    CPU kernel reads: two float32 then the codes. Q4_K and Q5_K: scale d * sc and offset
+    -(dmin * m), then Q4_1's 16 bytes of nibbles (Q4_K) or a byte per code (Q5_K); Q6_K: the
+    scales d * sc of both halves of 16, then a signed byte per code (q - 32). Scales are made with
+    gguf's own float32 arithmetic, so that the kernel's d * q (+ offset) is gguf's value bit for bit."""
     from gguf.quants import Q4_K
-    blocks = rows.reshape(-1, 144)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-    scale = (d * sc.astype(np.float32)).reshape(-1, 8, 1)
-    offset = -(dmin * m.astype(np.float32)).reshape(-1, 8, 1)
-    # sub-block 2c + h: nibble h of the 32 bytes c (gguf's order), then Q4_1's: byte i = weight i | weight i + 16
-    nibbles = (blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    nibbles = nibbles.reshape(-1, 8, 32)
-    codes = nibbles[..., :16] | (nibbles[..., 16:] << 4)
-    out = np.concatenate([scale.view(np.uint8), offset.view(np.uint8), codes.astype(np.uint8)], axis=-1)
+    blocks = rows.reshape(-1, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind])
+    if kind == "Q6_K":  # ql (128), qh (64), 16 int8 scales, d
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+        scales = (d * blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(-1, 8, 2)
+        low = _bit_fields(blocks[:, :128], 2, [0, 4], 0x0F)
+        high = _bit_fields(blocks[:, 128:192], 2, [0, 2, 4, 6], 0x03)
+        codes = ((low | (high << 4)).view(np.int8) - np.int8(32)).view(np.uint8).reshape(-1, 8, 32)
+        first, second = scales[..., :1], scales[..., 1:]
+    else:  # d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        first = (d * sc.astype(np.float32)).reshape(-1, 8, 1)
+        second = -(dmin * m.astype(np.float32)).reshape(-1, 8, 1)
+        codes = _bit_fields(blocks[:, -128:], 4, [0, 4], 0x0F).reshape(-1, 8, 32)
+        if kind == "Q5_K":
+            codes = codes | (_bit_fields(blocks[:, 16:48], 1, list(range(8)), 0x01).reshape(-1, 8, 32) << 4)
+        else:  # Q4_1's nibble order: byte i = weight i | weight i + 16 << 4
+            codes = codes[..., :16] | (codes[..., 16:] << 4)
+    out = np.concatenate([first.view(np.uint8), second.view(np.uint8), codes], axis=-1)
     return out.reshape(rows.shape[0], -1)
 
 
 def gguf_weight_blocks(reader, cfg: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
-    """Every Q4_0, Q4_1, Q8_0 or Q4_K matrix as stored (Q4_K re-cut into blocks of 32): Hugging
+    """Every matrix in a block type of BLOCK_FORMATS as stored (K-quants re-cut into blocks of 32): Hugging
     Face name -> (type name, rows (N, bytes) uint8), rows in the order gguf_weights gives them. The
     CPU panel kernel reads these instead of float32 copies (packed_linear.py)."""
     out = {}
@@ -211,8 +228,8 @@ def gguf_weight_blocks(reader, cfg: ModelConfig) -> dict[str, tuple[str, torch.T
         if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
             continue
         rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
-        if tensor.tensor_type.name == "Q4_K":
-            rows = q4_k_as_blocks_of_32(rows)
+        if tensor.tensor_type.name.endswith("_K"):
+            rows = k_quant_as_blocks_of_32(rows, tensor.tensor_type.name)
         if heads:
             rows = _unpermute(rows, heads)
         out[name] = (tensor.tensor_type.name, torch.from_numpy(np.require(rows, requirements=["C", "W"])))

@@ -12,11 +12,11 @@ model's 121 matrices (2 threads, see BENCHMARKS.md):
 
 `F.linear` stays the reference (kernels="torch"), and tests compare all three.
 
-Weights that came from a GGUF file in Q4_0, Q4_1, Q8_0 or Q4_K stay in their blocks instead (a fifth
-of the float32 bytes for Q4_1), re-laid as panels the same kernel reads and decodes with gguf's
-own arithmetic, so results are bit-identical to the float32 panels': 2.5x faster at batch-1
-decode, which streams every weight once, and even with them on the default workload
-(BENCHMARKS.md).
+Weights that came from a GGUF file in Q4_0, Q4_1, Q8_0 or a K-quant (Q4_K, Q5_K, Q6_K) stay
+in their blocks instead (a fifth of the float32 bytes for Q4_1), re-laid as panels the same
+kernel reads and decodes with gguf's own arithmetic, so results are bit-identical to the float32
+panels': 2.5x faster at batch-1 decode, which streams every weight once, and even with them on
+the default workload (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from torch import nn
 from tokenmill.host_memory import huge_page_copies
 
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
-# GGUF types the panel kernel reads as blocks; Q4_K as 32-weight blocks with float32 scales (loader.py)
-BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4}
+# GGUF types the panel kernel reads as blocks; the K-quants re-cut into 32-weight blocks with
+# float32 scales (loader.py), as the kernel's formats Q4F, Q5F and Q6F
+BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -64,9 +65,10 @@ class PackedLinear(nn.Module):
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: where to write y (the panel kernel only), a column range of a ConcatLinear's output."""
         if self.panels is not None:
-            return self.kernels.panel_linear(x, self.panels, self.bias, self.out_features, self.format)
+            return self.kernels.panel_linear(x, self.panels, self.bias, self.out_features, self.format, out)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -76,16 +78,52 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}"
 
 
-def pack_linears(model: nn.Module, kernels=None, blocks_of: Callable[[str], tuple | None] | None = None) -> int:
-    """Replace every nn.Linear inside `model` by a PackedLinear; returns how many were packed.
-    `blocks_of(name)` gives a linear's GGUF blocks, if any (see PackedLinear)."""
+class ConcatLinear(nn.Module):
+    """A fused projection whose parts came from GGUF in different block types (Q4_K_M files keep
+    v in Q6_K in some layers, q and k in Q4_K): one PackedLinear per run of one type, each writing
+    its columns of the one output, so that no part needs float32 weights."""
+
+    def __init__(self, parts: list[PackedLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], self.out_features)
+        start = 0
+        for part in self.parts:
+            part.forward(x, y[:, start:start + part.out_features])
+            start += part.out_features
+        return y
+
+
+def packed_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, kernels,
+                  blocks: list[tuple[str, torch.Tensor]] | None, shape: tuple[int, int]) -> nn.Module:
+    """A PackedLinear, or a ConcatLinear when `blocks` (GGUF type name, rows) come in more than one
+    run of a type and the kernel reads blocks."""
+    if blocks is None or len(blocks) == 1 or kernels is None or not kernels.block_formats:
+        return PackedLinear(weight, bias, kernels, blocks[0] if blocks and len(blocks) == 1 else None, shape)
+    parts, start = [], 0
+    for kind, rows in blocks:
+        n = rows.shape[0]
+        part_bias = None if bias is None else bias[start:start + n]
+        parts.append(PackedLinear(None, part_bias, kernels, (kind, rows), (n, shape[1])))
+        start += n
+    return ConcatLinear(parts)
+
+
+def pack_linears(model: nn.Module, kernels=None, blocks_of: Callable[[str], list | None] | None = None) -> int:
+    """Replace every nn.Linear inside `model` by a PackedLinear (or a ConcatLinear of them); returns
+    how many were packed. `blocks_of(name)` gives a linear's GGUF blocks, if any: (type, rows) per
+    run of parts of one type (see PackedLinear, llama.projection_blocks)."""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         blocks = blocks_of(name) if blocks_of is not None else None
         shape = (linear.out_features, linear.in_features)
-        setattr(parent, child, PackedLinear(linear.weight, linear.bias, kernels, blocks, shape))
+        setattr(parent, child, packed_linear(linear.weight, linear.bias, kernels, blocks, shape))
     return len(targets)
 
 

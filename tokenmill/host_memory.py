@@ -36,23 +36,23 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
-def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of `tensors` (one dtype) packed into one huge-page arena, each 64-byte
-    aligned. One arena rather than one mapping each: a mapping's last 2 MB page is committed
+def huge_page_slots(sizes: list[int]) -> list[torch.Tensor]:
+    """Uint8 tensors of `sizes` bytes, each 64-byte aligned, one after another in one huge-page
+    arena. One arena rather than one mapping each: a mapping's last 2 MB page is committed
     whole, which over a hundred matrices would waste a hundred MB."""
-    if not tensors:
+    if not sizes:
         return []
-    dtype = tensors[0].dtype
-    if any(t.dtype != dtype for t in tensors):
-        raise ValueError("huge_page_copies: tensors of one dtype only")
-    align = 64 // dtype.itemsize
-    sizes = [-(-t.numel() // align) * align for t in tensors]
-    arena = huge_page_zeros((sum(sizes),), dtype)
-    copies, offset = [], 0
-    for t, size in zip(tensors, sizes):
-        copies.append(arena[offset:offset + t.numel()].view(t.shape).copy_(t))
-        offset += size
-    return copies
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + -(-size // 64) * 64)
+    arena = huge_page_zeros((offsets[-1],), torch.uint8)
+    return [arena[start:start + size] for start, size in zip(offsets, sizes)]
+
+
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of `tensors` in one huge-page arena (huge_page_slots)."""
+    slots = huge_page_slots([t.numel() * t.element_size() for t in tensors])
+    return [slot.view(t.dtype).view(t.shape).copy_(t) for slot, t in zip(slots, tensors)]
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

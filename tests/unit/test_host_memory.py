@@ -35,9 +35,11 @@ def test_huge_page_copies_are_equal_aligned_and_independent():
     assert torch.equal(copies[1], src[1]) and src[0].any()
 
 
-def test_huge_page_copies_refuse_mixed_dtypes():
-    import pytest
-
-    from tokenmill.host_memory import huge_page_copies
-    with pytest.raises(ValueError, match="one dtype"):
-        huge_page_copies([torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
+def test_huge_page_slots_hold_any_dtypes_side_by_side():
+    from tokenmill.host_memory import huge_page_copies, huge_page_slots
+    src = [torch.randn(5), torch.arange(3, dtype=torch.uint8), torch.randn(4, dtype=torch.float64)]
+    copies = huge_page_copies(src)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype and b.data_ptr() % 64 == 0 for a, b in zip(src, copies))
+    slots = huge_page_slots([100, 1, 64])
+    assert [s.numel() for s in slots] == [100, 1, 64]
+    assert [s.data_ptr() - slots[0].data_ptr() for s in slots] == [0, 128, 192]

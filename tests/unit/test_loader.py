@@ -105,3 +105,6 @@ def test_gguf_projections_keep_their_blocks_and_match_float32(tmp_path, case):
         for rows in (1, 7, 20):  # registers, two passes, a decoded buffer
             x = torch.randn(rows, ours.in_features)
             assert torch.equal(ours(x), reference(x)), (short, rows)
+    # every panel, blocks or float32, packed in place into one arena
+    storages = {m.panels.untyped_storage().data_ptr() for m in blocks.modules() if isinstance(m, PackedLinear)}
+    assert len(storages) == 1

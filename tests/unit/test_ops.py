@@ -125,7 +125,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
         pytest.skip("block formats need AVX2")
     from tokenmill.config import ModelConfig
     from tokenmill.models.llama import LlamaForCausalLM
-    from tokenmill.models.packed_linear import ConcatLinear
+    from tokenmill.models.packed_linear import ConcatLinear, GGUFMatrix
     cfg = ModelConfig(architecture="llama", vocab_size=80, hidden_size=64, intermediate_size=96, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg, max_len=64)
@@ -142,7 +142,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
         raw, w = _gguf_rows(kind, *sizes[short]) if kind else (None, torch.randn(sizes[short]))
         weights.append((name, w))
         if kind:
-            blocks[name] = (kind, raw)
+            blocks[name] = GGUFMatrix(kind, raw.shape[0], lambda raw=raw: raw)
     for norm in ("layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"):
         weights.append((f"model.{norm}.weight", torch.ones(64)))
     model.load_weights(weights)

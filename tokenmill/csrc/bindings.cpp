@@ -13,8 +13,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
 void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
                  int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor pack_panels(torch::Tensor weight);
-torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K);
+std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
+torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
+torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
                            int64_t format, c10::optional<torch::Tensor> out);
 
@@ -24,8 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight");
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row");
-  m.def("pack_panels", &pack_panels, "W (N, K) -> panels (ceil(N/16), K, 16) for panel_linear");
-  m.def("pack_block_panels", &pack_block_panels, "GGUF Q4_0/Q4_1/Q8_0 (or re-cut K-quant) rows (N, bytes) -> block panels for panel_linear");
+  m.def("panel_shape", &panel_shape, "The panels' shape for an (N, K) matrix in a format (0: float32)");
+  m.def("pack_panels", &pack_panels, "W (N, K) -> panels (ceil(N/16), K, 16) for panel_linear",
+        py::arg("weight"), py::arg("out") = py::none());
+  m.def("pack_block_panels", &pack_block_panels,
+        "GGUF Q4_0/Q4_1/Q8_0 (or re-cut K-quant) rows (N, bytes) -> block panels for panel_linear", py::arg("rows"),
+        py::arg("format"), py::arg("K"), py::arg("out") = py::none());
   m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-6: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0,
         py::arg("out") = py::none());

@@ -282,12 +282,31 @@ void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_
 
 }  // namespace
 
+// The shape of the panels of an (N, K) matrix in `format`: (ceil(N / 16), K, 16) float32, or
+// (ceil(N / 16), K / 32, panel block bytes) uint8, for the loader to lay out every matrix's
+// panels in one arena before packing them into it.
+std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format) {
+  TORCH_CHECK(format >= kFloat32 && format <= kLastFormat && (format == kFloat32 || K % kBlock == 0),
+              "panel_shape: unknown format ", format, " or K not a multiple of 32");
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  if (format == kFloat32) return {P, K, kPanel};
+  return {P, K / kBlock, panel_block_bytes(format)};
+}
+
+// `out` given: zero it (it must have the panels' shape and dtype) and pack into it; else a new tensor.
+static torch::Tensor panels_tensor(c10::optional<torch::Tensor> out, std::vector<int64_t> shape, torch::ScalarType dtype) {
+  if (!out.has_value()) return torch::zeros(shape, torch::TensorOptions().dtype(dtype));
+  TORCH_CHECK(out->dtype() == dtype && out->sizes() == c10::IntArrayRef(shape) && out->is_contiguous(),
+              "pack: out must be contiguous, of the panels' shape and dtype");
+  return out->zero_();
+}
+
 // W (N, K) -> (ceil(N / 16), K, 16), the last panel zero-padded.
-torch::Tensor pack_panels(torch::Tensor weight) {
+torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out) {
   TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.dim() == 2, "pack_panels: a float32 matrix");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
   auto w = weight.contiguous();
-  auto panels = torch::zeros({P, K, kPanel}, w.options());
+  auto panels = panels_tensor(out, panel_shape(N, K, kFloat32), torch::kFloat32);
   const float* src = w.data_ptr<float>();
   float* dst = panels.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
@@ -303,7 +322,7 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 
 // A GGUF tensor's rows (N, K / 32 * block bytes) in Q4_0, Q4_1, Q8_0, or re-cut -> panels of blocks
 // (ceil(N / 16), K / 32, panel block bytes), the last panel padded with zero scales.
-torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K) {
+torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out) {
 #ifndef TOKENMILL_AVX2
   TORCH_CHECK(false, "pack_block_panels: the block formats need AVX2, FMA and F16C");
 #endif
@@ -314,7 +333,7 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K) {
   const int64_t N = rows.size(0), P = (N + kPanel - 1) / kPanel, B = K / kBlock;
   const int64_t gb = gguf_block_bytes(format), pb = panel_block_bytes(format), sb = scale_bytes(format) / kPanel;
   auto r = rows.contiguous();
-  auto panels = torch::zeros({P, B, pb}, r.options());
+  auto panels = panels_tensor(out, panel_shape(N, K, format), torch::kUInt8);
   const uint8_t* src = r.data_ptr<uint8_t>();
   uint8_t* dst = panels.data_ptr<uint8_t>();
   const int64_t row_bytes = rows.size(1);

@@ -24,6 +24,7 @@ from torch import nn
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.models.ops import TorchOps
+from tokenmill.models.packed_linear import GGUFMatrix, ToPack, pack_all
 
 
 class RMSNorm(nn.Module):
@@ -136,19 +137,18 @@ _FUSED = {
 }
 
 
-def projection_blocks(name: str, blocks: dict[str, tuple[str, torch.Tensor]]
-                      ) -> tuple[list[tuple[str, torch.Tensor]] | None, list[str]]:
-    """GGUF blocks of our projection `name` ("layers.3.self_attn.qkv_proj", "lm_head") and its
-    parts' checkpoint names. The blocks come as (type, rows) per run of parts of one block type,
-    rows stacked as load_weights stacks the weights (Q4_K_M files keep v in Q6_K in some layers:
-    two runs); None unless every part has blocks."""
+def projection_blocks(name: str, blocks: dict[str, GGUFMatrix]
+                      ) -> tuple[list[tuple[str, list[GGUFMatrix]]] | None, list[str]]:
+    """GGUF matrices of our projection `name` ("layers.3.self_attn.qkv_proj", "lm_head") as runs
+    of parts of one block type, in the order load_weights stacks the weights (Q4_K_M files keep v
+    in Q6_K in some layers: two runs), and its parts' checkpoint names; None for the runs unless
+    every part has blocks."""
     parts = sorted((i, name.replace(ours, hf)) for hf, (ours, i) in _FUSED.items() if name.endswith(ours))
     names = [("" if name == "lm_head" else "model.") + f"{part}.weight" for _, part in parts or [(0, name)]]
     found = [blocks.get(n) for n in names]
     if any(f is None for f in found):
         return None, names
-    runs = itertools.groupby(found, key=lambda part: part[0])
-    return [(kind, torch.cat([rows for _, rows in run])) for kind, run in runs], names
+    return [(kind, list(run)) for kind, run in itertools.groupby(found, key=lambda m: m.kind)], names
 
 
 class LlamaForCausalLM(nn.Module):
@@ -179,25 +179,29 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def pack_for_cpu(self, kernels=None, weight_blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> None:
+    def pack_for_cpu(self, kernels=None, weight_blocks: dict[str, GGUFMatrix] | None = None) -> None:
         """Pack every projection (and the output head, tied or not) in panels for the C++ kernel
         when `kernels` is given, else for oneDNN. See packed_linear.py.
 
-        `weight_blocks` maps Hugging Face weight names to their GGUF blocks (type name, rows):
-        a projection whose parts all have blocks is packed from those instead.
+        `weight_blocks` maps Hugging Face weight names to their GGUF matrices: a projection whose
+        parts all have blocks is packed from those instead.
         Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
-        from tokenmill.models.packed_linear import PackedLinear, pack_linears, panels_to_huge_pages
         blocks = weight_blocks or {}
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        self.packed_lm_head = PackedLinear(head, None, kernels, blocks.get(head_name),
-                                           (self.config.vocab_size, self.config.hidden_size))
+        head_blocks = blocks.get(head_name)
+        items = [ToPack(self, "packed_lm_head", head, None, (self.config.vocab_size, self.config.hidden_size),
+                        None if head_blocks is None else [(head_blocks.kind, [head_blocks])])]
+        for name, linear in self.layers.named_modules():
+            if isinstance(linear, nn.Linear):
+                parent, _, attr = name.rpartition(".")
+                items.append(ToPack(self.layers.get_submodule(parent), attr, linear.weight, linear.bias,
+                                    (linear.out_features, linear.in_features),
+                                    projection_blocks(f"layers.{name}", blocks)[0]))
+        pack_all(items, kernels)
         self.lm_head = None
-        pack_linears(self.layers, kernels, lambda name: projection_blocks(f"layers.{name}", blocks)[0])
-        if kernels is not None:
-            panels_to_huge_pages(self)
 
-    def drop_block_weights(self, weight_blocks: dict[str, tuple[str, torch.Tensor]]) -> set[str]:
+    def drop_block_weights(self, weight_blocks: dict[str, GGUFMatrix]) -> set[str]:
         """Before loading: drop the float32 weight of every projection that pack_for_cpu will pack
         from GGUF blocks, so it is never allocated nor dequantized. Returns the checkpoint names
         not to load. (The tied head keeps the embeddings, which the lookup needs.)"""

@@ -10,6 +10,7 @@ transformers in both cases (for GGUF, transformers rebuilds them from the metada
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
@@ -24,7 +25,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.ops import CpuFusedOps
-from tokenmill.models.packed_linear import BLOCK_FORMATS, onednn_available
+from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix, onednn_available
 
 logger = logging.getLogger(__name__)
 
@@ -218,21 +219,28 @@ def k_quant_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
     return out.reshape(rows.shape[0], -1)
 
 
-def gguf_weight_blocks(reader, cfg: ModelConfig) -> dict[str, tuple[str, torch.Tensor]]:
-    """Every matrix in a block type of BLOCK_FORMATS as stored (K-quants re-cut into blocks of 32): Hugging
-    Face name -> (type name, rows (N, bytes) uint8), rows in the order gguf_weights gives them. The
-    CPU panel kernel reads these instead of float32 copies (packed_linear.py)."""
+def _block_rows(tensor, heads: int) -> torch.Tensor:
+    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut, q/k rows
+    un-permuted, copied out of the file's read-only mapping."""
+    rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
+    if tensor.tensor_type.name.endswith("_K"):
+        rows = k_quant_as_blocks_of_32(rows, tensor.tensor_type.name)
+    if heads:
+        rows = _unpermute(rows, heads)
+    return torch.from_numpy(np.require(rows, requirements=["C", "W"]))
+
+
+def gguf_weight_blocks(reader, cfg: ModelConfig) -> dict[str, GGUFMatrix]:
+    """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
+    rows (K-quants re-cut into blocks of 32) are read when it is packed. The CPU panel kernel
+    reads these instead of float32 copies (packed_linear.py)."""
     out = {}
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
         if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
             continue
-        rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
-        if tensor.tensor_type.name.endswith("_K"):
-            rows = k_quant_as_blocks_of_32(rows, tensor.tensor_type.name)
-        if heads:
-            rows = _unpermute(rows, heads)
-        out[name] = (tensor.tensor_type.name, torch.from_numpy(np.require(rows, requirements=["C", "W"])))
+        read = functools.partial(_block_rows, tensor, heads)
+        out[name] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read)
     return out
 
 
@@ -253,7 +261,7 @@ class Checkpoint:
             return gguf_weights(self.gguf_reader, self.config, skip)
         return hf_weights(self.path)
 
-    def weight_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
+    def weight_blocks(self) -> dict[str, GGUFMatrix]:
         """GGUF matrices in the block types the CPU kernel reads (none for other checkpoints)."""
         return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config)
 

@@ -21,12 +21,14 @@ the default workload (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tokenmill.host_memory import huge_page_copies
+from tokenmill.host_memory import huge_page_slots
 
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
 # GGUF types the panel kernel reads as blocks; the K-quants re-cut into 32-weight blocks with
@@ -45,10 +47,12 @@ class PackedLinear(nn.Module):
     `blocks` (GGUF type name, rows (N, bytes) uint8) are the same weights as a GGUF file stores
     them: with the panel kernel, the panels hold those blocks rather than float32 (`format`), and
     `weight` may be None (never loaded, see LlamaForCausalLM.drop_block_weights) with its
-    (out, in) `shape` given instead."""
+    (out, in) `shape` given instead. `panels_out` (of the panels' shape and dtype) is where to pack
+    them, a slot of pack_all's arena."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, kernels=None,
-                 blocks: tuple[str, torch.Tensor] | None = None, shape: tuple[int, int] | None = None) -> None:
+                 blocks: tuple[str, torch.Tensor] | None = None, shape: tuple[int, int] | None = None,
+                 panels_out: torch.Tensor | None = None) -> None:
         super().__init__()
         use_blocks = blocks is not None and kernels is not None and kernels.block_formats
         if weight is None and not (use_blocks and shape is not None):
@@ -59,9 +63,9 @@ class PackedLinear(nn.Module):
         self.format, self.panels, self.packed = 0, None, None  # format: 0 float32, else BLOCK_FORMATS
         if use_blocks:
             self.format = BLOCK_FORMATS[blocks[0]]
-            self.panels = kernels.pack_block_panels(blocks[1], self.format, self.in_features)
+            self.panels = kernels.pack_block_panels(blocks[1], self.format, self.in_features, panels_out)
         elif kernels is not None:
-            self.panels = kernels.pack_panels(weight.detach().contiguous())
+            self.panels = kernels.pack_panels(weight.detach().contiguous(), panels_out)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT)
 
@@ -98,41 +102,59 @@ class ConcatLinear(nn.Module):
         return y
 
 
-def packed_linear(weight: torch.Tensor | None, bias: torch.Tensor | None, kernels,
-                  blocks: list[tuple[str, torch.Tensor]] | None, shape: tuple[int, int]) -> nn.Module:
-    """A PackedLinear, or a ConcatLinear when `blocks` (GGUF type name, rows) come in more than one
-    run of a type and the kernel reads blocks."""
-    if blocks is None or len(blocks) == 1 or kernels is None or not kernels.block_formats:
-        return PackedLinear(weight, bias, kernels, blocks[0] if blocks and len(blocks) == 1 else None, shape)
-    parts, start = [], 0
-    for kind, rows in blocks:
-        n = rows.shape[0]
-        part_bias = None if bias is None else bias[start:start + n]
-        parts.append(PackedLinear(None, part_bias, kernels, (kind, rows), (n, shape[1])))
-        start += n
-    return ConcatLinear(parts)
+@dataclass(frozen=True)
+class GGUFMatrix:
+    """A GGUF matrix kept in its blocks: its type name, its row count, and a way to read its rows
+    (N, bytes) uint8 (K-quants re-cut, loader.py). Rows are read only when the matrix is packed,
+    and dropped right after, so that loading holds one matrix's rows at a time."""
+
+    kind: str
+    rows: int
+    read: Callable[[], torch.Tensor]
 
 
-def pack_linears(model: nn.Module, kernels=None, blocks_of: Callable[[str], list | None] | None = None) -> int:
-    """Replace every nn.Linear inside `model` by a PackedLinear (or a ConcatLinear of them); returns
-    how many were packed. `blocks_of(name)` gives a linear's GGUF blocks, if any: (type, rows) per
-    run of parts of one type (see PackedLinear, llama.projection_blocks)."""
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        blocks = blocks_of(name) if blocks_of is not None else None
-        shape = (linear.out_features, linear.in_features)
-        setattr(parent, child, packed_linear(linear.weight, linear.bias, kernels, blocks, shape))
-    return len(targets)
+@dataclass
+class ToPack:
+    """A projection to pack into `owner.attr`: its float32 weight (None when never loaded), bias,
+    (out, in) shape, and its GGUF matrices as runs of one block type (None: float32)."""
+
+    owner: nn.Module
+    attr: str
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    shape: tuple[int, int]
+    runs: list[tuple[str, list[GGUFMatrix]]] | None = None
+
+    def pieces(self, kernels) -> list[tuple[str | None, list[GGUFMatrix], int]]:
+        """(block type, matrices, rows) of each PackedLinear this becomes: one per run of blocks
+        when the kernel reads them, else one of float32 (type None)."""
+        if not self.runs or kernels is None or not kernels.block_formats:
+            return [(None, [], self.shape[0])]
+        return [(kind, run, sum(m.rows for m in run)) for kind, run in self.runs]
 
 
-def panels_to_huge_pages(model: nn.Module) -> None:
-    """Move the panels onto huge pages, one arena per dtype (float32, blocks): a batch-1 decode
-    step streams all of them, and without a TLB miss every 4 KB it ran about 7% faster
-    (BENCHMARKS.md)."""
-    for dtype in (torch.float32, torch.uint8):
-        linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels is not None
-                   and m.panels.dtype == dtype]
-        for linear, copy in zip(linears, huge_page_copies([m.panels for m in linears])):
-            linear.panels = copy
+def pack_all(items: list[ToPack], kernels=None) -> None:
+    """Pack every projection: in panels when `kernels` (the C++ module) is given, else for oneDNN.
+
+    The panels go straight into slots of one huge-page arena, laid out first from their shapes: a
+    batch-1 decode step streams all of them, and without a TLB miss every 4 KB it ran about 7%
+    faster (BENCHMARKS.md); packing in place, rather than packing and copying, keeps loading from
+    holding the panels twice. A projection whose parts came in different block types becomes a
+    ConcatLinear of one PackedLinear per run."""
+    if kernels is None:
+        for item in items:
+            setattr(item.owner, item.attr, PackedLinear(item.weight, item.bias))
+        return
+    shapes = [[(kernels.panel_shape(rows, item.shape[1], BLOCK_FORMATS[kind] if kind else 0),
+                torch.uint8 if kind else torch.float32) for kind, _, rows in item.pieces(kernels)] for item in items]
+    slots = iter(huge_page_slots([math.prod(shape) * dtype.itemsize for piece in shapes for shape, dtype in piece]))
+    for item, piece_shapes in zip(items, shapes):
+        parts, start = [], 0
+        for (kind, run, rows), (shape, dtype) in zip(item.pieces(kernels), piece_shapes):
+            out = next(slots).view(dtype).view(shape)
+            bias = None if item.bias is None else item.bias[start:start + rows]
+            blocks = None if kind is None else (kind, torch.cat([m.read() for m in run]))
+            weight = None if kind else item.weight
+            parts.append(PackedLinear(weight, bias, kernels, blocks, (rows, item.shape[1]), out))
+            start += rows
+        setattr(item.owner, item.attr, parts[0] if len(parts) == 1 else ConcatLinear(parts))

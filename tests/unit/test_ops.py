@@ -105,6 +105,22 @@ def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
         fused.kernels.panel_linear(torch.randn(1, k), blocks, b, n, BLOCK_FORMATS["Q8_0" if kind != "Q8_0" else "Q4_0"])
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_recut_in_cpp_gives_numpys_bytes(fused, kind):
+    """The loader re-cuts K-quant super-blocks in C++; numpy's version is the readable reference."""
+    if not fused.kernels.block_formats:
+        pytest.skip("block formats need AVX2")
+    import numpy as np
+
+    from tokenmill.models.loader import k_quant_as_blocks_of_32
+    from tokenmill.models.packed_linear import BLOCK_FORMATS
+    raw = random_k_quant_rows(np.random.default_rng(1), kind, 9, 768)
+    supers = raw.reshape(9, 3, -1)
+    supers[1::2, :, 209 if kind == "Q6_K" else 1] |= 0x80  # negative d on every other row
+    ours = fused.kernels.recut_k_quant(torch.from_numpy(raw), BLOCK_FORMATS[kind])
+    assert torch.equal(ours, torch.from_numpy(k_quant_as_blocks_of_32(raw, kind)))
+
+
 def test_packed_linear_with_blocks_gives_the_float32_panels_result(fused):
     if not fused.kernels.block_formats:
         pytest.skip("block formats need AVX2")

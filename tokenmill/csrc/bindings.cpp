@@ -16,6 +16,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out);
+torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
                            int64_t format, c10::optional<torch::Tensor> out);
 
@@ -31,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_block_panels", &pack_block_panels,
         "GGUF Q4_0/Q4_1/Q8_0 (or re-cut K-quant) rows (N, bytes) -> block panels for panel_linear", py::arg("rows"),
         py::arg("format"), py::arg("K"), py::arg("out") = py::none());
+  m.def("recut_k_quant", &recut_k_quant, "Q4_K/Q5_K/Q6_K rows -> rows of 32-weight blocks in format Q4F/Q5F/Q6F");
   m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-6: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0,
         py::arg("out") = py::none());

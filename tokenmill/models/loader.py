@@ -219,18 +219,23 @@ def k_quant_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
     return out.reshape(rows.shape[0], -1)
 
 
-def _block_rows(tensor, heads: int) -> torch.Tensor:
-    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut, q/k rows
-    un-permuted, copied out of the file's read-only mapping."""
+def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
+    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut (in C++
+    when `kernels` is given, the same bytes as k_quant_as_blocks_of_32), q/k rows un-permuted,
+    copied out of the file's read-only mapping."""
+    kind = tensor.tensor_type.name
     rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
-    if tensor.tensor_type.name.endswith("_K"):
-        rows = k_quant_as_blocks_of_32(rows, tensor.tensor_type.name)
+    if kind.endswith("_K"):
+        if kernels is not None:
+            rows = kernels.recut_k_quant(torch.from_numpy(rows.copy()), BLOCK_FORMATS[kind]).numpy()
+        else:
+            rows = k_quant_as_blocks_of_32(rows, kind)
     if heads:
         rows = _unpermute(rows, heads)
     return torch.from_numpy(np.require(rows, requirements=["C", "W"]))
 
 
-def gguf_weight_blocks(reader, cfg: ModelConfig) -> dict[str, GGUFMatrix]:
+def gguf_weight_blocks(reader, cfg: ModelConfig, kernels=None) -> dict[str, GGUFMatrix]:
     """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
     rows (K-quants re-cut into blocks of 32) are read when it is packed. The CPU panel kernel
     reads these instead of float32 copies (packed_linear.py)."""
@@ -239,7 +244,7 @@ def gguf_weight_blocks(reader, cfg: ModelConfig) -> dict[str, GGUFMatrix]:
         name, heads = _gguf_name(tensor.name, cfg)
         if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
             continue
-        read = functools.partial(_block_rows, tensor, heads)
+        read = functools.partial(_block_rows, tensor, heads, kernels)
         out[name] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read)
     return out
 
@@ -261,9 +266,9 @@ class Checkpoint:
             return gguf_weights(self.gguf_reader, self.config, skip)
         return hf_weights(self.path)
 
-    def weight_blocks(self) -> dict[str, GGUFMatrix]:
+    def weight_blocks(self, kernels=None) -> dict[str, GGUFMatrix]:
         """GGUF matrices in the block types the CPU kernel reads (none for other checkpoints)."""
-        return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config)
+        return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config, kernels)
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
@@ -282,7 +287,8 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     the fused C++ element-wise ops; on CUDA, use the Triton element-wise kernels."""
     packing = kernels == "auto" and device.type == "cpu" and dtype == torch.float32
     cpu_kernels = load_cpu_kernels(required=False) if packing else None
-    blocks = ckpt.weight_blocks() if cpu_kernels is not None and cpu_kernels.block_formats and gguf_blocks else {}
+    use_blocks = cpu_kernels is not None and cpu_kernels.block_formats and gguf_blocks
+    blocks = ckpt.weight_blocks(cpu_kernels) if use_blocks else {}
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(ckpt.config, max_len)
     skip = model.drop_block_weights(blocks)  # never allocated in float32: packed from the blocks

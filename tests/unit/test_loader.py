@@ -10,6 +10,7 @@ import torch
 from conftest import random_k_quant_rows
 
 from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.models.llama import GGUFEmbedding
 from tokenmill.models.loader import load_model, open_checkpoint
 from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, PackedLinear
 
@@ -78,6 +79,9 @@ CASES = {
                                        "ffn_down": "Q6_K"}, False, True,
                              {"qkv_proj": ("Q4_K", "Q6_K"), "o_proj": "Q5_K", "gate_up_proj": "Q5_K",
                               "down_proj": "Q6_K", "head": "Q6_K"}),
+    # Q5_0 has no blocks in the kernel: float32 panels, and the tied head needs the float32 table
+    "llama_tied_q5_0": ("llama", dict.fromkeys(KINDS, "Q5_0"), True, False,
+                        {**dict.fromkeys(ALL_BLOCKS), "float32_embeddings": True}),
 }
 
 
@@ -105,6 +109,10 @@ def test_gguf_projections_keep_their_blocks_and_match_float32(tmp_path, case):
         for rows in (1, 7, 20):  # registers, two passes, a decoded buffer
             x = torch.randn(rows, ours.in_features)
             assert torch.equal(ours(x), reference(x)), (short, rows)
+    # quantized embeddings are looked up in the file's rows, unless a tied head needs the table
+    assert isinstance(blocks.embed_tokens, GGUFEmbedding) != expected.get("float32_embeddings", False)
+    tokens = torch.tensor([0, 7, VOCAB - 1, 7])
+    assert torch.equal(blocks.embed_tokens(tokens), floats.embed_tokens(tokens))
     # every panel, blocks or float32, packed in place into one arena
     storages = {m.panels.untyped_storage().data_ptr() for m in blocks.modules() if isinstance(m, PackedLinear)}
     assert len(storages) == 1

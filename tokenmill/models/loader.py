@@ -266,6 +266,14 @@ class Checkpoint:
             return gguf_weights(self.gguf_reader, self.config, skip)
         return hf_weights(self.path)
 
+    def quantized_embedding(self) -> tuple[np.ndarray, object] | None:
+        """A GGUF file's token embeddings as stored, (vocab, bytes) rows and their type, when they
+        are quantized (not F32, F16 or BF16)."""
+        for tensor in self.gguf_reader.tensors if self.gguf_reader is not None else ():
+            if tensor.name == "token_embd.weight" and tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+                return np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1), tensor.tensor_type
+        return None
+
     def weight_blocks(self, kernels=None) -> dict[str, GGUFMatrix]:
         """GGUF matrices in the block types the CPU kernel reads (none for other checkpoints)."""
         return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config, kernels)
@@ -283,8 +291,9 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
                kernels: str = "torch", gguf_blocks: bool = True) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
     on a CPU in float32, pack its projections (for the C++ panel kernel, in their GGUF blocks
-    where the file has them and `gguf_blocks` is set; or for oneDNN without the kernel) and use
-    the fused C++ element-wise ops; on CUDA, use the Triton element-wise kernels."""
+    where the file has them and `gguf_blocks` is set, quantized token embeddings then looked up
+    in the file; or for oneDNN without the kernel) and use the fused C++ element-wise ops; on
+    CUDA, use the Triton element-wise kernels."""
     packing = kernels == "auto" and device.type == "cpu" and dtype == torch.float32
     cpu_kernels = load_cpu_kernels(required=False) if packing else None
     use_blocks = cpu_kernels is not None and cpu_kernels.block_formats and gguf_blocks
@@ -292,6 +301,9 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(ckpt.config, max_len)
     skip = model.drop_block_weights(blocks)  # never allocated in float32: packed from the blocks
+    embedding = ckpt.quantized_embedding() if use_blocks else None
+    if embedding is not None and (not ckpt.config.tie_word_embeddings or "model.embed_tokens.weight" in blocks):
+        skip.add(model.use_gguf_embedding(*embedding))  # looked up in the file's rows
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)  # cos/sin tables in float32, cast per use
     model.load_weights(ckpt.weights(frozenset(skip)))

@@ -105,6 +105,18 @@ def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
         fused.kernels.panel_linear(torch.randn(1, k), blocks, b, n, BLOCK_FORMATS["Q8_0" if kind != "Q8_0" else "Q4_0"])
 
 
+def test_panel_linear_writes_into_a_column_range_and_checks_it(fused):
+    """ConcatLinear's parts write their columns of one output through `out`."""
+    panels, x = fused.kernels.pack_panels(torch.randn(37, 64)), torch.randn(5, 64)
+    y = torch.zeros(5, 50)
+    fused.kernels.panel_linear(x, panels, None, 37, 0, y[:, 3:40])
+    assert torch.equal(y[:, 3:40], fused.kernels.panel_linear(x, panels, None, 37, 0))
+    assert not y[:, :3].any() and not y[:, 40:].any()
+    for bad in (torch.empty(37).expand(5, 37), torch.empty(5, 36), torch.empty(37, 5).t()):  # rows overlap, N, stride
+        with pytest.raises(RuntimeError, match="out must be"):
+            fused.kernels.panel_linear(x, panels, None, 37, 0, bad)
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_recut_in_cpp_gives_numpys_bytes(fused, kind):
     """The loader re-cuts K-quant super-blocks in C++; numpy's version is the readable reference."""

@@ -14,6 +14,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,7 +228,10 @@ def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
     rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
     if kind.endswith("_K"):
         if kernels is not None:
-            rows = kernels.recut_k_quant(torch.from_numpy(rows.copy()), BLOCK_FORMATS[kind]).numpy()
+            with warnings.catch_warnings():  # read-only (the file's mapping): the kernel only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(rows)
+            rows = kernels.recut_k_quant(raw, BLOCK_FORMATS[kind]).numpy()
         else:
             rows = k_quant_as_blocks_of_32(rows, kind)
     if heads:

@@ -45,7 +45,8 @@ class PackedLinear(nn.Module):
     else in oneDNN's layout. One packed copy either way; the plain weight is dropped.
 
     `blocks` (GGUF type name, rows (N, bytes) uint8) are the same weights as a GGUF file stores
-    them: with the panel kernel, the panels hold those blocks rather than float32 (`format`), and
+    them (K-quants re-cut into blocks of 32, loader.py): with the panel kernel, the panels hold
+    those blocks rather than float32 (`format`), and
     `weight` may be None (never loaded, see LlamaForCausalLM.drop_block_weights) with its
     (out, in) `shape` given instead. `panels_out` (of the panels' shape and dtype) is where to pack
     them, a slot of pack_all's arena."""
@@ -71,6 +72,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: where to write y (the panel kernel only), a column range of a ConcatLinear's output."""
+        if out is not None and self.panels is None:
+            raise ValueError("PackedLinear: `out` needs the panel kernel")
         if self.panels is not None:
             return self.kernels.panel_linear(x, self.panels, self.bias, self.out_features, self.format, out)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -149,12 +152,19 @@ def pack_all(items: list[ToPack], kernels=None) -> None:
                 torch.uint8 if kind else torch.float32) for kind, _, rows in item.pieces(kernels)] for item in items]
     slots = iter(huge_page_slots([math.prod(shape) * dtype.itemsize for piece in shapes for shape, dtype in piece]))
     for item, piece_shapes in zip(items, shapes):
+        pieces = item.pieces(kernels)
+        if sum(rows for _, _, rows in pieces) != item.shape[0]:
+            raise ValueError(f"{item.attr}: the file's matrices have {sum(r for _, _, r in pieces)} rows, "
+                             f"the model expects {item.shape[0]}")
         parts, start = [], 0
-        for (kind, run, rows), (shape, dtype) in zip(item.pieces(kernels), piece_shapes):
+        for (kind, run, rows), (shape, dtype) in zip(pieces, piece_shapes):
             out = next(slots).view(dtype).view(shape)
             bias = None if item.bias is None else item.bias[start:start + rows]
-            blocks = None if kind is None else (kind, torch.cat([m.read() for m in run]))
-            weight = None if kind else item.weight
-            parts.append(PackedLinear(weight, bias, kernels, blocks, (rows, item.shape[1]), out))
+            blocks = None
+            if kind is not None:
+                blocks = (kind, run[0].read() if len(run) == 1 else torch.cat([m.read() for m in run]))
+            parts.append(PackedLinear(None if kind else item.weight, bias, kernels, blocks, (rows, item.shape[1]), out))
+            del blocks  # before the next matrix is read
             start += rows
         setattr(item.owner, item.attr, parts[0] if len(parts) == 1 else ConcatLinear(parts))
+        item.weight = None  # the float32 weight goes with the nn.Linear it came from

@@ -16,7 +16,6 @@ against the time to stream the projections' bytes at a read bandwidth measured b
 
 from __future__ import annotations
 
-import statistics
 import sys
 import threading
 import time
@@ -26,7 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import random_k_quant_rows  # noqa: E402
+from cpu_gguf_blocks import median_step  # noqa: E402
 
 from tokenmill.bench.roofline import read_bandwidth  # noqa: E402
 from tokenmill.config import EngineConfig  # noqa: E402
@@ -113,15 +114,6 @@ class MemorySampler:
         self.running = False
         self.thread.join()
         return self.peak
-
-
-def median_step(engine: LLMEngine, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(path: Path) -> None:

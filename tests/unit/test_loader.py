@@ -116,3 +116,24 @@ def test_gguf_projections_keep_their_blocks_and_match_float32(tmp_path, case):
     # every panel, blocks or float32, packed in place into one arena
     storages = {m.panels.untyped_storage().data_ptr() for m in blocks.modules() if isinstance(m, PackedLinear)}
     assert len(storages) == 1
+
+
+def test_gguf_embedding_checks_its_shape_at_load_and_takes_no_ids():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from tokenmill.config import ModelConfig
+    from tokenmill.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(architecture="llama", vocab_size=80, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16)
+    table = np.random.default_rng(0).standard_normal((80, 64)).astype(np.float32)
+    rows = quantize(table, GGMLQuantizationType.Q8_0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_len=64)
+    for bad in (rows[:79], quantize(table[:, :32], GGMLQuantizationType.Q8_0)):  # vocab, width
+        with pytest.raises(ValueError, match="token embeddings of"):
+            model.use_gguf_embedding(bad, GGMLQuantizationType.Q8_0)
+    assert model.use_gguf_embedding(rows, GGMLQuantizationType.Q8_0) == "model.embed_tokens.weight"
+    full = dequantize(rows, GGMLQuantizationType.Q8_0)
+    assert torch.equal(model.embed_tokens(torch.tensor([3, 79])), torch.from_numpy(full[[3, 79]]))
+    assert model.embed_tokens(torch.tensor([], dtype=torch.long)).shape == (0, 64)

@@ -165,6 +165,8 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from gguf.quants import dequantize
+        if ids.numel() == 0:
+            return torch.empty(0, self.embedding_dim)
         values = dequantize(self.rows[ids.numpy()], self.qtype).astype(np.float32, copy=False)
         return torch.from_numpy(values.reshape(-1, self.embedding_dim))
 
@@ -210,14 +212,11 @@ class LlamaForCausalLM(nn.Module):
         head_blocks = blocks.get(head_name)
         items = [ToPack(self, "packed_lm_head", head, None, (self.config.vocab_size, self.config.hidden_size),
                         None if head_blocks is None else [(head_blocks.kind, [head_blocks])])]
-        for name, linear in self.layers.named_modules():
-            if isinstance(linear, nn.Linear):
-                parent, _, attr = name.rpartition(".")
-                items.append(ToPack(self.layers.get_submodule(parent), attr, linear.weight, linear.bias,
-                                    (linear.out_features, linear.in_features),
-                                    projection_blocks(f"layers.{name}", blocks)[0]))
+        items += [ToPack(self.layers.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], m.weight,
+                         m.bias, (m.out_features, m.in_features), projection_blocks(f"layers.{name}", blocks)[0])
+                  for name, m in self.layers.named_modules() if isinstance(m, nn.Linear)]
+        self.lm_head, head = None, None  # pack_all frees each float32 weight once packed: no other holder
         pack_all(items, kernels)
-        self.lm_head = None
 
     def drop_block_weights(self, weight_blocks: dict[str, GGUFMatrix]) -> set[str]:
         """Before loading: drop the float32 weight of every projection that pack_for_cpu will pack
@@ -237,7 +236,13 @@ class LlamaForCausalLM(nn.Module):
     def use_gguf_embedding(self, rows, qtype) -> str:
         """Before loading: look tokens up in a GGUF file's quantized rows (GGUFEmbedding) instead
         of a float32 table; returns the checkpoint name not to load. A tied head needs its own
-        blocks then (pack_for_cpu), as the table is gone."""
+        blocks then (pack_for_cpu), as the table is gone. The file is read while serving: replace
+        it by renaming, never in place."""
+        from gguf.quants import dequantize
+        width = dequantize(rows[:1], qtype).size  # here rather than at the first step: a type gguf cannot read
+        if rows.shape[0] != self.config.vocab_size or width != self.config.hidden_size:
+            raise ValueError(f"token embeddings of {rows.shape[0]} x {width}, the model expects "
+                             f"{self.config.vocab_size} x {self.config.hidden_size}")
         self.embed_tokens = GGUFEmbedding(rows, qtype, self.config.hidden_size)
         return "model.embed_tokens.weight"
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from tokenmill.config import ModelConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
@@ -310,7 +311,9 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
         skip.add(model.use_gguf_embedding(*embedding))  # looked up in the file's rows
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)  # cos/sin tables in float32, cast per use
-    model.load_weights(ckpt.weights(frozenset(skip)))
+    weights = tqdm(ckpt.weights(frozenset(skip)), desc="loading weights", unit="tensor", delay=2, leave=False,
+                   disable=None)  # a bar only when loading takes a while, and on a terminal
+    model.load_weights(weights)
     if packing:
         if cpu_kernels is not None or onednn_available(device, dtype):
             model.pack_for_cpu(cpu_kernels, blocks)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from tokenmill.host_memory import huge_page_slots
 
@@ -151,7 +152,10 @@ def pack_all(items: list[ToPack], kernels=None) -> None:
     shapes = [[(kernels.panel_shape(rows, item.shape[1], BLOCK_FORMATS[kind] if kind else 0),
                 torch.uint8 if kind else torch.float32) for kind, _, rows in item.pieces(kernels)] for item in items]
     slots = iter(huge_page_slots([math.prod(shape) * dtype.itemsize for piece in shapes for shape, dtype in piece]))
-    for item, piece_shapes in zip(items, shapes):
+    # a bar only when packing takes a while (an 8B-class model: half a minute), and on a terminal
+    bar = tqdm(zip(items, shapes), total=len(items), desc="packing weights", unit="matrix", delay=2,
+               leave=False, disable=None)
+    for item, piece_shapes in bar:
         pieces = item.pieces(kernels)
         if sum(rows for _, _, rows in pieces) != item.shape[0]:
             raise ValueError(f"{item.attr}: the file's matrices have {sum(r for _, _, r in pieces)} rows, "

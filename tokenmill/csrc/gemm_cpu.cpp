@@ -337,22 +337,33 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c
   const uint8_t* src = r.data_ptr<uint8_t>();
   uint8_t* dst = panels.data_ptr<uint8_t>();
   const int64_t row_bytes = rows.size(1);
+  const int64_t code_from = offset_bytes(format) ? 2 * sb : sb;  // where a row's block keeps its codes
+  // panel by panel, block by block, each panel block written in order from its 16 rows' blocks
+  // (rows past N stay zero: zero scales)
   at::parallel_for(0, P, 1, [&](int64_t p_begin, int64_t p_end) {
-    for (int64_t n = p_begin * kPanel; n < std::min(N, p_end * kPanel); ++n) {
-      const int64_t p = n / kPanel, j = n % kPanel;
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t rows_here = std::min(kPanel, N - p * kPanel);
       for (int64_t b = 0; b < B; ++b) {
-        const uint8_t* blk = src + n * row_bytes + b * gb;
         uint8_t* out = dst + (p * B + b) * pb;
-        std::memcpy(out + sb * j, blk, sb);                                              // scale d
-        if (offset_bytes(format)) std::memcpy(out + sb * (kPanel + j), blk + sb, sb);  // offset m (Q6F: d)
-        const uint8_t* qs = blk + (offset_bytes(format) ? 2 * sb : sb);
         uint8_t* codes = out + codes_at(format);
-        for (int64_t i = 0; i < kBlock; ++i) {
-          if (byte_codes(format)) {
-            codes[i * kPanel + j] = qs[i];
-          } else {  // GGUF: byte i holds weight i (low nibble) and weight i + 16 (high nibble)
-            const uint8_t q = i < kBlock / 2 ? (qs[i] & 0x0F) : (qs[i - kBlock / 2] >> 4);
-            codes[i * kPanel / 2 + j % 8] |= j < 8 ? q : q << 4;
+        const uint8_t* qs[kPanel];
+        for (int64_t j = 0; j < rows_here; ++j) {
+          const uint8_t* blk = src + (p * kPanel + j) * row_bytes + b * gb;
+          std::memcpy(out + sb * j, blk, sb);                                              // scale d
+          if (offset_bytes(format)) std::memcpy(out + sb * (kPanel + j), blk + sb, sb);  // offset m (Q6F: d)
+          qs[j] = blk + code_from;
+        }
+        if (byte_codes(format)) {
+          for (int64_t i = 0; i < kBlock; ++i) {
+            for (int64_t j = 0; j < rows_here; ++j) codes[i * kPanel + j] = qs[j][i];
+          }
+        } else {  // GGUF: byte i holds weight i (low nibble) and weight i + 16 (high nibble); a
+                  // panel's byte holds feature j in its low nibble and feature j + 8 in its high one
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const int64_t at = i % (kBlock / 2), shift = i < kBlock / 2 ? 0 : 4;
+            for (int64_t j = 0; j < rows_here; ++j) {
+              codes[i * kPanel / 2 + j % 8] |= ((qs[j][at] >> shift) & 0x0F) << (j < 8 ? 0 : 4);
+            }
           }
         }
       }
@@ -385,12 +396,15 @@ torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
           first[i] = d * static_cast<float>(static_cast<int8_t>(sb[192 + 2 * i]));
           second[i] = d * static_cast<float>(static_cast<int8_t>(sb[193 + 2 * i]));
         }
-        for (int e = 0; e < 256; ++e) {
-          const int g = e / 128, r = e % 128;
-          const int low = (sb[g * 64 + r % 64] >> (4 * (r / 64))) & 0x0F;
-          const int high = (sb[128 + g * 32 + r % 32] >> (2 * (r / 32))) & 0x03;
-          q[e] = static_cast<uint8_t>(static_cast<int8_t>((low | high << 4) - 32));
+        for (int g = 0; g < 2; ++g) {  // gguf's order: 128 values per half, from 64 bytes of ql, 32 of qh
+          const uint8_t *ql = sb + g * 64, *qh = sb + 128 + g * 32;
+          uint8_t* v = q + g * 128;
+          for (int j = 0; j < 64; ++j) v[j] = ql[j] & 0x0F, v[64 + j] = ql[j] >> 4;
+          for (int s = 0; s < 4; ++s) {
+            for (int j = 0; j < 32; ++j) v[s * 32 + j] |= ((qh[j] >> (2 * s)) & 0x03) << 4;
+          }
         }
+        for (int e = 0; e < 256; ++e) q[e] = static_cast<uint8_t>(static_cast<int8_t>(q[e]) - 32);
       } else {  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
         const float d = c10::detail::fp16_ieee_to_fp32_value(sb[0] | sb[1] << 8);
         const float dmin = c10::detail::fp16_ieee_to_fp32_value(sb[2] | sb[3] << 8);
@@ -402,10 +416,12 @@ torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
           first[i] = d * static_cast<float>(scale);
           second[i] = -(dmin * static_cast<float>(min));
         }
-        for (int e = 0; e < 256; ++e) {
-          const int c = e / 32, j = e % 32;
-          q[e] = (qs[c / 2 * 32 + j] >> (4 * (c % 2))) & 0x0F;
-          if (format == kQ5F) q[e] |= ((sb[16 + j] >> c) & 0x01) << 4;
+        for (int c = 0; c < 8; ++c) {  // sub-block c: nibbles of 32 bytes (c / 2), fifth bits at bit c
+          const uint8_t* bytes = qs + c / 2 * 32;
+          for (int j = 0; j < 32; ++j) q[c * 32 + j] = (bytes[j] >> (4 * (c % 2))) & 0x0F;
+          if (format == kQ5F) {
+            for (int j = 0; j < 32; ++j) q[c * 32 + j] |= ((sb[16 + j] >> c) & 0x01) << 4;
+          }
         }
       }
       for (int i = 0; i < 8; ++i) {

@@ -39,7 +39,8 @@ def random_k_quant_rows(rng, kind: str, n: int, k: int):
     """(n, k / 256 * super-block bytes) uint8 rows of random Q4_K, Q5_K or Q6_K super-blocks with
     small scales (gguf cannot quantize to the K-quants)."""
     import numpy as np
-    raw = rng.integers(0, 256, (n, k // 256, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]), dtype=np.uint8)
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    raw = rng.integers(0, 256, (n, k // 256, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]), dtype=np.uint8)
     scales = (rng.random((n, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
     if kind == "Q6_K":
         raw[..., 208:210] = scales[..., :2]  # d, at the end

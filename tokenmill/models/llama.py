@@ -212,9 +212,10 @@ class LlamaForCausalLM(nn.Module):
         head_blocks = blocks.get(head_name)
         items = [ToPack(self, "packed_lm_head", head, None, (self.config.vocab_size, self.config.hidden_size),
                         None if head_blocks is None else [(head_blocks.kind, [head_blocks])])]
-        items += [ToPack(self.layers.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], m.weight,
-                         m.bias, (m.out_features, m.in_features), projection_blocks(f"layers.{name}", blocks)[0])
-                  for name, m in self.layers.named_modules() if isinstance(m, nn.Linear)]
+        items += [ToPack(self.layers.get_submodule(parent), attr, m.weight, m.bias, (m.out_features, m.in_features),
+                         projection_blocks(f"layers.{parent}.{attr}", blocks)[0])
+                  for name, m in self.layers.named_modules() if isinstance(m, nn.Linear)
+                  for parent, _, attr in [name.rpartition(".")]]
         self.lm_head, head = None, None  # pack_all frees each float32 weight once packed: no other holder
         pack_all(items, kernels)
 

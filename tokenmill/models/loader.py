@@ -197,8 +197,9 @@ def k_quant_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
     -(dmin * m), then Q4_1's 16 bytes of nibbles (Q4_K) or a byte per code (Q5_K); Q6_K: the
     scales d * sc of both halves of 16, then a signed byte per code (q - 32). Scales are made with
     gguf's own float32 arithmetic, so that the kernel's d * q (+ offset) is gguf's value bit for bit."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K
-    blocks = rows.reshape(-1, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind])
+    blocks = rows.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
     if kind == "Q6_K":  # ql (128), qh (64), 16 int8 scales, d
         d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
         scales = (d * blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(-1, 8, 2)
@@ -222,28 +223,25 @@ def k_quant_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
 
 
 def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
-    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut (in C++
-    when `kernels` is given, the same bytes as k_quant_as_blocks_of_32), q/k rows un-permuted,
+    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut by the
+    kernels' recut_k_quant (the same bytes as k_quant_as_blocks_of_32), q/k rows un-permuted,
     copied out of the file's read-only mapping."""
     kind = tensor.tensor_type.name
     rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
     if kind.endswith("_K"):
-        if kernels is not None:
-            with warnings.catch_warnings():  # read-only (the file's mapping): the kernel only reads it
-                warnings.simplefilter("ignore", UserWarning)
-                raw = torch.from_numpy(rows)
-            rows = kernels.recut_k_quant(raw, BLOCK_FORMATS[kind]).numpy()
-        else:
-            rows = k_quant_as_blocks_of_32(rows, kind)
+        with warnings.catch_warnings():  # read-only (the file's mapping): the kernel only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(rows)
+        rows = kernels.recut_k_quant(raw, BLOCK_FORMATS[kind]).numpy()
     if heads:
         rows = _unpermute(rows, heads)
     return torch.from_numpy(np.require(rows, requirements=["C", "W"]))
 
 
-def gguf_weight_blocks(reader, cfg: ModelConfig, kernels=None) -> dict[str, GGUFMatrix]:
+def gguf_weight_blocks(reader, cfg: ModelConfig, kernels) -> dict[str, GGUFMatrix]:
     """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
-    rows (K-quants re-cut into blocks of 32) are read when it is packed. The CPU panel kernel
-    reads these instead of float32 copies (packed_linear.py)."""
+    rows (K-quants re-cut into blocks of 32 by `kernels`, the C++ module) are read when it is
+    packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py)."""
     out = {}
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
@@ -279,8 +277,9 @@ class Checkpoint:
                 return np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1), tensor.tensor_type
         return None
 
-    def weight_blocks(self, kernels=None) -> dict[str, GGUFMatrix]:
-        """GGUF matrices in the block types the CPU kernel reads (none for other checkpoints)."""
+    def weight_blocks(self, kernels) -> dict[str, GGUFMatrix]:
+        """GGUF matrices in the block types the CPU kernel (`kernels`) reads (none for other
+        checkpoints)."""
         return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config, kernels)
 
 

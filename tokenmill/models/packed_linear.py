@@ -149,14 +149,15 @@ def pack_all(items: list[ToPack], kernels=None) -> None:
         for item in items:
             setattr(item.owner, item.attr, PackedLinear(item.weight, item.bias))
         return
+    pieces_of = [item.pieces(kernels) for item in items]
     shapes = [[(kernels.panel_shape(rows, item.shape[1], BLOCK_FORMATS[kind] if kind else 0),
-                torch.uint8 if kind else torch.float32) for kind, _, rows in item.pieces(kernels)] for item in items]
+                torch.uint8 if kind else torch.float32) for kind, _, rows in pieces]
+              for item, pieces in zip(items, pieces_of)]
     slots = iter(huge_page_slots([math.prod(shape) * dtype.itemsize for piece in shapes for shape, dtype in piece]))
     # a bar only when packing takes a while (an 8B-class model: half a minute), and on a terminal
-    bar = tqdm(zip(items, shapes), total=len(items), desc="packing weights", unit="matrix", delay=2,
+    bar = tqdm(zip(items, pieces_of, shapes), total=len(items), desc="packing weights", unit="matrix", delay=2,
                leave=False, disable=None)
-    for item, piece_shapes in bar:
-        pieces = item.pieces(kernels)
+    for item, pieces, piece_shapes in bar:
         if sum(rows for _, _, rows in pieces) != item.shape[0]:
             raise ValueError(f"{item.attr}: the file's matrices have {sum(r for _, _, r in pieces)} rows, "
                              f"the model expects {item.shape[0]}")

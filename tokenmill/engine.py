@@ -55,7 +55,8 @@ class LLMEngine:
 
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
-        model = load_model(checkpoint, max_len, self.dtype, self.device, config.kernels, config.gguf_blocks)
+        model = load_model(checkpoint, max_len, self.dtype, self.device, config.kernels, config.gguf_blocks,
+                           config.gguf_int8_rows)
         num_blocks = self._num_kv_blocks(max_len)
         if num_blocks * config.block_size < max_len:
             logger.warning("KV pool holds %d tokens: max_model_len lowered from %d",

@@ -70,7 +70,8 @@ class DraftModelProposer:
             raise ValueError(f"draft model vocab ({checkpoint.config.vocab_size}) differs from the target's "
                              f"({target_vocab}): it must share the tokenizer")
         max_len = checkpoint.config.max_position_embeddings
-        model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels, engine_config.gguf_blocks)
+        model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels,
+                           engine_config.gguf_blocks, engine_config.gguf_int8_rows)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         backend = make_backend(engine_config.attention_backend, device, block_size, checkpoint.config.head_dim)
         self.runner = ModelRunner(model, checkpoint.config, CacheConfig(num_blocks, block_size), backend, device,

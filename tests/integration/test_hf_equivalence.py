@@ -139,3 +139,36 @@ def test_greedy_generation_equals_hf_under_chunking_and_preemption(tiny_models, 
     hf = hf_model(path)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_layers_give_the_python_layers_results_bit_for_bit(tiny_models, arch):
+    """With the C++ kernels, a step whose attention is all in the kernel runs each layer in one C++
+    call (the same kernels in the same order): its hidden states equal the Python layers', bit for
+    bit; a step with a chunk the kernel does not take (over 32 tokens at head size 16) and Qwen3's
+    q/k norms go through the Python layers."""
+    checkpoint = open_checkpoint(tiny_models[arch])
+    model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels="auto")
+    fused = [layer.fused for layer in model.layers]
+    assert all(f is None for f in fused) if arch == "qwen3" else all(f is not None for f in fused)
+    kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
+    runner = ModelRunner(model, checkpoint.config, CacheConfig(64, 16), make_backend("cpu", torch.device("cpu")),
+                         torch.device("cpu"), torch.float32, seed=0)
+    rng = random.Random(0)
+    reqs = [Request(request_id=str(i), prompt_token_ids=[rng.randrange(2, 384) for _ in range(n)],
+                    params=SamplingParams(), max_tokens=8) for i, n in enumerate((20, 45, 7))]
+
+    def forward(requests, counts, use_fused):
+        for layer, f in zip(model.layers, fused):
+            layer.fused = f if use_fused else None
+        inputs = runner.prepare(requests, counts)
+        with torch.inference_mode():
+            return model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+
+    for r, n in zip(reqs, (20, 45, 7)):
+        assert kv.allocate(r, n)
+    for counts, requests in (([20, 7], [reqs[0], reqs[2]]), ([20, 45], reqs[:2])):  # in the kernel; not
+        assert torch.equal(forward(requests, counts, True), forward(requests, counts, False))
+    reqs[0].num_computed_tokens = 19   # a decode beside a 6-token chunk
+    reqs[2].num_computed_tokens = 1
+    assert torch.equal(forward([reqs[0], reqs[2]], [1, 6], True), forward([reqs[0], reqs[2]], [1, 6], False))

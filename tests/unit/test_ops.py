@@ -105,6 +105,39 @@ def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
         fused.kernels.panel_linear(torch.randn(1, k), blocks, b, n, BLOCK_FORMATS["Q8_0" if kind != "Q8_0" else "Q4_0"])
 
 
+def _int8_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """What the 8-bit path computes, in float64: each block of 32 values of x rounded to
+    dx * round(x / dx), dx = max |x| / 127 (in float32, as the kernel does), times the weights."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=2, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    xq = (torch.round(blocks * inv).double() * d.double()).reshape(x.shape)
+    return (xq @ w.double().T + b.double()).float()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_int8_rows_compute_the_product_with_x_in_8_bit_blocks(fused, kind):
+    """Up to `int8_rows` rows, x goes to 8 bits per block of 32 and the codes are multiplied as
+    integers: the result is that of the dequantized weights with x so rounded (to float32
+    rounding), and within a percent of the float32 product. Above it, the float path as before."""
+    if not fused.kernels.block_formats:
+        pytest.skip("block formats need AVX2")
+    from tokenmill.models.packed_linear import BLOCK_FORMATS
+    n, k = 37, 512 if kind.endswith("_K") else 96
+    raw, w = _gguf_rows(kind, n, k)
+    blocks, panels = fused.kernels.pack_block_panels(raw, BLOCK_FORMATS[kind], k), fused.kernels.pack_panels(w)
+    b = torch.randn(n)
+    for rows in (1, 2, 3, 4, 5, 9):  # 5, 9: passes of four rows and a remainder
+        x = torch.randn(rows, k) * torch.rand(rows, 1) * 10
+        x[0, 32:64] = 0  # a block of zeros: its scale is 0
+        y = fused.kernels.panel_linear(x, blocks, b, n, BLOCK_FORMATS[kind], None, 9)
+        assert torch.allclose(y, _int8_reference(x, w, b), rtol=1e-5, atol=1e-4 * float(y.abs().max()))
+        exact = x @ w.T + b
+        assert float((y - exact).norm() / exact.norm()) < 0.01
+        above = fused.kernels.panel_linear(x, blocks, b, n, BLOCK_FORMATS[kind], None, rows - 1)
+        assert torch.equal(above, fused.kernels.panel_linear(x, panels, b, n))
+
+
 def test_panel_linear_writes_into_a_column_range_and_checks_it(fused):
     """ConcatLinear's parts write their columns of one output through `out`."""
     panels, x = fused.kernels.pack_panels(torch.randn(37, 64)), torch.randn(5, 64)

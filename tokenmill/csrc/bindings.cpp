@@ -1,6 +1,7 @@
 // Python bindings of the CPU kernels: one extension module, built on first use.
 #include <torch/extension.h>
 
+#include "decoder_layer_cpu.h"
 #include "simd.h"
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -18,7 +19,7 @@ torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out);
 torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
-                           int64_t format, c10::optional<torch::Tensor> out);
+                           int64_t format, c10::optional<torch::Tensor> out, int64_t int8_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)");
@@ -35,7 +36,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("recut_k_quant", &recut_k_quant, "Q4_K/Q5_K/Q6_K rows -> rows of 32-weight blocks in format Q4F/Q5F/Q6F");
   m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-6: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0,
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::arg("int8_rows") = 0);
+  py::class_<CpuDecoderLayer>(m, "DecoderLayer", "A Llama decoder layer whose attention runs in the kernel, in one call")
+      .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<Projection>, int64_t, int64_t, int64_t, double>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("projections"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"))
+      .def("forward", &CpuDecoderLayer::forward)
+      .def_readwrite("int8_rows", &CpuDecoderLayer::int8_rows);
 #ifdef TOKENMILL_AVX2
   m.attr("block_formats") = true;
 #else

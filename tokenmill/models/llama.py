@@ -25,7 +25,7 @@ from torch import nn
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.models.ops import TorchOps
-from tokenmill.models.packed_linear import GGUFMatrix, ToPack, pack_all
+from tokenmill.models.packed_linear import GGUFMatrix, PackedLinear, ToPack, pack_all
 
 
 class RMSNorm(nn.Module):
@@ -118,6 +118,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.fused = None  # the same layer in one C++ call (LlamaForCausalLM.fuse_layers)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend, ops):
         """Pre-norm block. The residual stream is carried separately so that each add fuses
@@ -188,8 +189,14 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,). Returns the final hidden states (T, hidden)."""
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions, x.dtype)
+        in_kernel = backend.name == "cpu" and meta.num_short == meta.num_seqs  # what a fused layer can run
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, cos, sin, k_cache, v_cache, meta, backend, self.ops)
+            if in_kernel and layer.fused is not None:
+                x, residual = layer.fused.forward(x, residual, cos, sin, k_cache, v_cache, meta.slot_block,
+                                                  meta.slot_offset, meta.block_tables, meta.query_start_loc,
+                                                  meta.seq_lens)
+            else:
+                x, residual = layer.forward(x, residual, cos, sin, k_cache, v_cache, meta, backend, self.ops)
         return self.ops.add_rms_norm(x, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -218,6 +225,34 @@ class LlamaForCausalLM(nn.Module):
                   for parent, _, attr in [name.rpartition(".")]]
         self.lm_head, head = None, None  # pack_all frees each float32 weight once packed: no other holder
         pack_all(items, kernels)
+
+    def fuse_layers(self, kernels) -> None:
+        """Give every layer whose projections are all single panel products (no ConcatLinear, no
+        oneDNN) and that has no q/k norms a one-call C++ version (csrc/decoder_layer_cpu.cpp), which
+        forward() runs when the step's attention is all in the CPU kernel: the same kernels in the
+        same order, without the Python between them (about a fifth of a batch-1 decode step)."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            if attn.q_norm is not None or not all(isinstance(p, PackedLinear) and p.panels is not None
+                                                  for p in projections):
+                continue
+            layer.fused = kernels.DecoderLayer(
+                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                layer.input_layernorm.eps, [(p.panels, p.bias, p.out_features, p.format) for p in projections],
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+
+    def set_int8_rows(self, rows: int) -> None:
+        """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit
+        blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to float32 panels'.
+        The output head keeps float32 x: its Q8_0 blocks stream at memory speed either way, and its
+        logits pick the token (the rounding flipped a near-tie in the default model's first answer)."""
+        for layer in self.layers:
+            for m in layer.modules():
+                if isinstance(m, PackedLinear):
+                    m.int8_rows = rows
+            if layer.fused is not None:
+                layer.fused.int8_rows = rows
 
     def drop_block_weights(self, weight_blocks: dict[str, GGUFMatrix]) -> set[str]:
         """Before loading: drop the float32 weight of every projection that pack_for_cpu will pack

@@ -292,7 +292,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,
-               kernels: str = "torch", gguf_blocks: bool = True) -> LlamaForCausalLM:
+               kernels: str = "torch", gguf_blocks: bool = True, int8_rows: int = 0) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
     on a CPU in float32, pack its projections (for the C++ panel kernel, in their GGUF blocks
     where the file has them and `gguf_blocks` is set, quantized token embeddings then looked up
@@ -318,6 +318,8 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
             model.pack_for_cpu(cpu_kernels, blocks)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
+            model.fuse_layers(cpu_kernels)
+            model.set_int8_rows(int8_rows)
     elif kernels == "auto" and device.type == "cuda":
         try:
             from tokenmill.models.triton_ops import TritonFusedOps

@@ -16,7 +16,9 @@ Weights that came from a GGUF file in Q4_0, Q4_1, Q8_0 or a K-quant (Q4_K, Q5_K,
 in their blocks instead (a fifth of the float32 bytes for Q4_1), re-laid as panels the same
 kernel reads and decodes with gguf's own arithmetic, so results are bit-identical to the float32
 panels': 2.5x faster at batch-1 decode, which streams every weight once, and even with them on
-the default workload (BENCHMARKS.md).
+the default workload (BENCHMARKS.md). Small steps (up to `int8_rows` rows, EngineConfig.gguf_int8_rows)
+can instead take x in 8-bit blocks and multiply the codes as integers, as llama.cpp does: faster,
+and within about half a percent of the float32 product.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
         self.format, self.panels, self.packed = 0, None, None  # format: 0 float32, else BLOCK_FORMATS
+        self.int8_rows = 0  # blocks: steps of up to this many rows take x in 8-bit blocks (gemm_cpu.cpp)
         if use_blocks:
             self.format = BLOCK_FORMATS[blocks[0]]
             self.panels = kernels.pack_block_panels(blocks[1], self.format, self.in_features, panels_out)
@@ -76,7 +79,8 @@ class PackedLinear(nn.Module):
         if out is not None and self.panels is None:
             raise ValueError("PackedLinear: `out` needs the panel kernel")
         if self.panels is not None:
-            return self.kernels.panel_linear(x, self.panels, self.bias, self.out_features, self.format, out)
+            return self.kernels.panel_linear(x, self.panels, self.bias, self.out_features, self.format, out,
+                                             self.int8_rows)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

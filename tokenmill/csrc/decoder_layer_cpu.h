@@ -1,0 +1,31 @@
+// See decoder_layer_cpu.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+// A projection as panel_linear takes it: panels, bias, output features, format.
+using Projection = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>;
+
+struct CpuDecoderLayer {
+  CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<Projection> projections,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale);
+
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                   torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                                   torch::Tensor v_cache, torch::Tensor slot_block,
+                                                   torch::Tensor slot_offset, torch::Tensor block_tables,
+                                                   torch::Tensor query_start, torch::Tensor seq_lens) const;
+
+  torch::Tensor input_norm, post_norm;
+  double eps;
+  Projection qkv, o, gate_up, down;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double scale;
+  int64_t int8_rows = 0;  // see panel_linear
+
+ private:
+  torch::Tensor project(const Projection& p, const torch::Tensor& x) const;
+};

@@ -102,11 +102,12 @@ class EngineConfig:
     gguf_blocks: bool = True                 # CPU: GGUF Q4_0/Q4_1/Q8_0/Q4-6_K projections stay in blocks,
                                              # decoded in the kernel (bit-identical results, a fifth of
                                              # the memory); False: dequantized to float32 panels
-    gguf_int8_rows: int = 8                  # CPU, GGUF blocks: the layers' products in steps of up to
+    gguf_int8_rows: int = 0                  # CPU, GGUF blocks: the layers' products in steps of up to
                                              # this many rows take x in 8 bits per 32 values, multiplied
-                                             # with the codes as integers, as llama.cpp does (0.75-0.9x
-                                             # the time, products within ~0.5%); 0: never (bit-identical
-                                             # to float32 panels)
+                                             # with the codes as integers, as llama.cpp does (0.73-0.87x
+                                             # their time at 1-8 rows; perplexity +0.75%); a request's
+                                             # tokens then depend on its step's size. 0: never, results
+                                             # bit-identical to float32 panels and the same in any batch
     enforce_eager: bool = False              # CUDA: no decode graphs, every step launched from Python
     async_output: bool | None = None         # build a step's outputs during the next step's device work
                                              # (one step later); default: on CUDA, off on CPU

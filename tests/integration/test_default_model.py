@@ -25,9 +25,9 @@ def default_llm():
 
 
 @contextlib.contextmanager
-def exact_products(engine):
-    """x in float32 for every product (gguf_int8_rows=0) for the duration."""
-    engine.runner.model.set_int8_rows(0)
+def int8_rows(engine, rows: int):
+    """Products with x in 8-bit blocks for steps of up to `rows` rows, for the duration."""
+    engine.runner.model.set_int8_rows(rows)
     try:
         yield
     finally:
@@ -54,8 +54,7 @@ def test_gguf_loader_matches_transformers_gguf_loading(default_llm):
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     ids = default_llm.engine.tokenizer.encode("The capital of France is")
-    with exact_products(default_llm.engine):  # five rows: x would be in 8-bit blocks
-        logits = _logits(default_llm.engine, ids)
+    logits = _logits(default_llm.engine, ids)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
     assert float((logits - ref).norm() / ref.norm()) <= 1e-4
@@ -74,8 +73,8 @@ def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm):
     """The projections read the file's Q4_1/Q8_0 blocks; dequantized to float32 panels instead
     (gguf_blocks=False) they are the same weights, decoded and summed in the same order, so the
     logits must be identical: one row (registers), twelve (two passes) and more (a buffer). With
-    x in 8-bit blocks (steps of up to 8 rows, by default), close: the same top token, KL at most
-    0.003 (bounded here at 0.01)."""
+    x in 8-bit blocks (gguf_int8_rows=8), close: the same top tokens, KL at most 0.003 (bounded
+    here at 0.01)."""
     from tokenmill import LLM
     from tokenmill.models.packed_linear import PackedLinear
     engine = default_llm.engine
@@ -84,10 +83,18 @@ def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm):
     floats = LLM(gguf_blocks=False).engine
     assert not any(m.format for m in floats.runner.model.modules() if isinstance(m, PackedLinear))
     ids = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)
-    few_rows = _logits(engine, ids[:8])  # the layers take x in 8-bit blocks up to 8 rows (the default)
-    with exact_products(engine):
-        for n in (1, 12, len(ids)):
-            assert torch.equal(_logits(engine, ids[:n]), _logits(floats, ids[:n]))
+    for n in (1, 12, len(ids)):
+        assert torch.equal(_logits(engine, ids[:n]), _logits(floats, ids[:n]))
+    with int8_rows(engine, 8):
+        few_rows = _logits(engine, ids[:8])
+        fused = [layer.fused for layer in engine.runner.model.layers]
+        try:  # the one-call layers take x in 8-bit blocks as the Python layers do
+            for layer in engine.runner.model.layers:
+                layer.fused = None
+            assert torch.equal(_logits(engine, ids[:8]), few_rows)
+        finally:
+            for layer, f in zip(engine.runner.model.layers, fused):
+                layer.fused = f
     exact = _logits(floats, ids[:8]).log_softmax(dim=1)
     kl = (exact.exp() * (exact - few_rows.log_softmax(dim=1))).sum(dim=1)  # KL(exact || 8-bit x), per row
     assert float(kl.max()) < 0.01 and torch.equal(few_rows.argmax(dim=1), exact.argmax(dim=1))

@@ -127,7 +127,7 @@ def test_int8_rows_compute_the_product_with_x_in_8_bit_blocks(fused, kind):
     raw, w = _gguf_rows(kind, n, k)
     blocks, panels = fused.kernels.pack_block_panels(raw, BLOCK_FORMATS[kind], k), fused.kernels.pack_panels(w)
     b = torch.randn(n)
-    for rows in (1, 2, 3, 4, 5, 9):  # 5, 9: passes of four rows and a remainder
+    for rows in (1, 2, 3, 4, 5, 8, 9):  # 5, 8, 9: passes of four rows (and a remainder)
         x = torch.randn(rows, k) * torch.rand(rows, 1) * 10
         x[0, 32:64] = 0  # a block of zeros: its scale is 0
         y = fused.kernels.panel_linear(x, blocks, b, n, BLOCK_FORMATS[kind], None, 9)
@@ -136,6 +136,10 @@ def test_int8_rows_compute_the_product_with_x_in_8_bit_blocks(fused, kind):
         assert float((y - exact).norm() / exact.norm()) < 0.01
         above = fused.kernels.panel_linear(x, blocks, b, n, BLOCK_FORMATS[kind], None, rows - 1)
         assert torch.equal(above, fused.kernels.panel_linear(x, panels, b, n))
+    x = torch.randn(2, k)
+    x[1, 40] = float("nan")  # as in float32: NaN in, NaN out (every output of that row)
+    y = fused.kernels.panel_linear(x, blocks, b, n, BLOCK_FORMATS[kind], None, 2)
+    assert y[1].isnan().all() and not y[0].isnan().any()
 
 
 def test_panel_linear_writes_into_a_column_range_and_checks_it(fused):

@@ -1,6 +1,6 @@
 // A whole Llama decoder layer in one call, for CPU steps whose attention runs entirely in the
-// paged-attention kernel (every decode step, and prompt chunks when the head size is a multiple
-// of 32). It calls the same kernels in the same order as the Python layer (models/llama.py), so
+// paged-attention kernel (decodes, and prompt chunks of up to 32 tokens, or of any length when the
+// head size is a multiple of 32: see attention/cpu.py). It calls the same kernels in the same order as the Python layer (models/llama.py), so
 // the results are the same bit for bit (tested): what it saves is the Python between them. A
 // batch-1 decode step of the default model spent about 3 ms of its 13 in that glue (30 layers,
 // ten kernel calls each, with their views, attribute lookups and argument parsing).

@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstring>
 #include <vector>
 
@@ -288,8 +289,9 @@ void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_
 // codes as they are, with the block's scales applied once: y += d * dx * sum(q * xq) (+ m * dx *
 // sum(xq) for formats with an offset). The codes' own rounding (4 to 8 bits) is far coarser than x's;
 // on the default model, decoding 300 tokens this way raised perplexity by 0.75% (mean KL 0.004).
-// Used for steps of up to `int8_rows` rows (panel_linear), up to four rows per pass: the layers
-// of the default model took 0.73-0.87x the time of decoding the blocks to float32 at 1 to 8 rows.
+// Used for steps of up to `int8_rows` rows (panel_linear; 0 by default), up to four rows per pass:
+// the layers of the default model took 0.73-0.87x the time of decoding the blocks to float32 at 1
+// to 8 rows, but 1.09x at 64 and 1.35x at 512, so not for big steps.
 
 // One row of x in 8-bit blocks, laid out for the two inner loops below.
 struct Int8Row {
@@ -318,15 +320,18 @@ void quantize_row(const float* x, int64_t K, Int8Row& r) {
                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
   for (int64_t b = 0; b < B; ++b) {
     __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
+    __m256 amax = _mm256_setzero_ps(), nan = amax;
     for (int i = 0; i < 4; ++i) {
       v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float d = _mm_cvtss_f32(m4) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    float d = _mm_cvtss_f32(m4) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    if (_mm256_movemask_ps(nan) != 0) d = std::numeric_limits<float>::quiet_NaN();  // NaN in, NaN out
     __m256i q[4];
     for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));  // rounds to even
     const int32_t qsum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
@@ -386,6 +391,9 @@ void int8_tile_nibbles(const Int8Row* x, const uint8_t* src, int64_t num_blocks,
     const uint8_t* codes = blk + code_start;
     __m256i lo[R], hi[R];  // per row: features 0-7 and 8-15, int16, both halves
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+    // not unrolled: unrolled, GCC computed every product first and summed them in a tree, spilling
+    // the products to the stack (at four rows, slower than the float32 tiles)
+#pragma GCC unroll 1
     for (int64_t j = 0; j < kBlock / 4; ++j) {
       const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 32));
       const __m256i l = _mm256_shuffle_epi8(_mm256_and_si256(c, mask), pair_up);
@@ -426,6 +434,7 @@ void int8_tile_bytes(const Int8Row* x, const uint8_t* src, int64_t num_blocks, f
       if (part == 1) next_half<F>(s);
       __m256i a[R], c[R];  // per row: features 0-3, 8-11 and 4-7, 12-15
       for (int r = 0; r < R; ++r) a[r] = c[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
       for (int64_t i = part * kBlock / kParts; i < (part + 1) * kBlock / kParts; i += 2) {
         const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel));
         const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (i + 1) * kPanel));

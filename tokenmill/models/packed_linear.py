@@ -16,9 +16,9 @@ Weights that came from a GGUF file in Q4_0, Q4_1, Q8_0 or a K-quant (Q4_K, Q5_K,
 in their blocks instead (a fifth of the float32 bytes for Q4_1), re-laid as panels the same
 kernel reads and decodes with gguf's own arithmetic, so results are bit-identical to the float32
 panels': 2.5x faster at batch-1 decode, which streams every weight once, and even with them on
-the default workload (BENCHMARKS.md). Small steps (up to `int8_rows` rows, EngineConfig.gguf_int8_rows)
-can instead take x in 8-bit blocks and multiply the codes as integers, as llama.cpp does: faster,
-and within about half a percent of the float32 product.
+the default workload (BENCHMARKS.md). As an option, small steps (up to `int8_rows` rows,
+EngineConfig.gguf_int8_rows) take x in 8-bit blocks and multiply the codes as integers instead,
+as llama.cpp does: faster, within about half a percent of the float32 product, not bit-identical.
 """
 
 from __future__ import annotations

@@ -144,13 +144,13 @@ def test_greedy_generation_equals_hf_under_chunking_and_preemption(tiny_models, 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_layers_give_the_python_layers_results_bit_for_bit(tiny_models, arch):
     """With the C++ kernels, a step whose attention is all in the kernel runs each layer in one C++
-    call (the same kernels in the same order): its hidden states equal the Python layers', bit for
-    bit; a step with a chunk the kernel does not take (over 32 tokens at head size 16) and Qwen3's
-    q/k norms go through the Python layers."""
+    call (the same kernels in the same order, Qwen3's q/k norms included): its hidden states equal
+    the Python layers', bit for bit; a step with a chunk the kernel does not take (over 32 tokens at
+    head size 16) goes through the Python layers."""
     checkpoint = open_checkpoint(tiny_models[arch])
     model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels="auto")
     fused = [layer.fused for layer in model.layers]
-    assert all(f is None for f in fused) if arch == "qwen3" else all(f is not None for f in fused)
+    assert all(f is not None for f in fused)
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
     runner = ModelRunner(model, checkpoint.config, CacheConfig(64, 16), make_backend("cpu", torch.device("cpu")),
                          torch.device("cpu"), torch.float32, seed=0)

@@ -242,6 +242,26 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
         x = torch.randn(5, ours.in_features)
         assert type(ours) is type(theirs) and torch.equal(ours(x), theirs(x))
 
+    # the one-call C++ layer takes the ConcatLinear too, with the same result as the Python layer
+    from tokenmill.attention import make_backend
+    from tokenmill.config import CacheConfig
+    from tokenmill.model_runner import ModelRunner
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import SamplingParams
+    model.ops = fused
+    model.fuse_layers(fused.kernels)
+    assert layer.fused is not None
+    runner = ModelRunner(model, cfg, CacheConfig(8, 16), make_backend("cpu", torch.device("cpu")), torch.device("cpu"),
+                         torch.float32, seed=0)
+    request = Request(request_id="r", prompt_token_ids=list(range(2, 9)), params=SamplingParams(), max_tokens=4)
+    request.block_ids = [3]
+    inputs = runner.prepare([request], [7])
+    with torch.inference_mode():
+        one_call = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+        layer.fused = None
+        python = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+    assert torch.equal(one_call, python)
+
 
 def test_packed_linear_with_panels_matches_for_every_row_count(fused):
     w = torch.randn(96, 48)

@@ -38,9 +38,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0,
         py::arg("out") = py::none(), py::arg("int8_rows") = 0);
   py::class_<CpuDecoderLayer>(m, "DecoderLayer", "A Llama decoder layer whose attention runs in the kernel, in one call")
-      .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<Projection>, int64_t, int64_t, int64_t, double>(),
+      .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<Projection>, int64_t, int64_t, int64_t, double,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("projections"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none())
       .def("forward", &CpuDecoderLayer::forward)
       .def_readwrite("int8_rows", &CpuDecoderLayer::int8_rows);
 #ifdef TOKENMILL_AVX2

@@ -19,15 +19,31 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 
 CpuDecoderLayer::CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps,
                                  std::vector<Projection> projections, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t head_dim, double scale)
-    : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), eps(eps),
-      num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), scale(scale) {
+                                 int64_t head_dim, double scale, c10::optional<torch::Tensor> q_norm,
+                                 c10::optional<torch::Tensor> k_norm)
+    : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), eps(eps), q_norm(std::move(q_norm)),
+      k_norm(std::move(k_norm)), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), scale(scale) {
   TORCH_CHECK(projections.size() == 4, "DecoderLayer: qkv, o, gate_up and down projections");
+  for (const auto& p : projections) TORCH_CHECK(!p.empty(), "DecoderLayer: a projection without parts");
+  TORCH_CHECK(this->q_norm.has_value() == this->k_norm.has_value(), "DecoderLayer: q and k norms go together");
   qkv = projections[0], o = projections[1], gate_up = projections[2], down = projections[3];
 }
 
+// As PackedLinear.forward, or ConcatLinear.forward for several parts.
 torch::Tensor CpuDecoderLayer::project(const Projection& p, const torch::Tensor& x) const {
-  return panel_linear(x, std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p), c10::nullopt, int8_rows);
+  const auto run = [&](const ProjectionPart& part, c10::optional<torch::Tensor> out) {
+    return panel_linear(x, std::get<0>(part), std::get<1>(part), std::get<2>(part), std::get<3>(part), out, int8_rows);
+  };
+  if (p.size() == 1) return run(p[0], c10::nullopt);
+  int64_t width = 0;
+  for (const auto& part : p) width += std::get<2>(part);
+  torch::Tensor y = torch::empty({x.size(0), width}, x.options());
+  int64_t start = 0;
+  for (const auto& part : p) {
+    run(part, y.narrow(1, start, std::get<2>(part)));
+    start += std::get<2>(part);
+  }
+  return y;
 }
 
 // x: the previous layer's output (T, hidden); residual: the residual stream, updated in place
@@ -40,9 +56,14 @@ std::tuple<torch::Tensor, torch::Tensor> CpuDecoderLayer::forward(
   torch::Tensor stream = residual.has_value() ? *residual : x;
   torch::Tensor h = add_rms_norm(x, residual, input_norm, eps);
   torch::Tensor qkv_rows = project(qkv, h);
-  rotary_qkv_(qkv_rows, cos, sin, num_heads, num_kv_heads, head_dim);
   torch::Tensor heads = qkv_rows.view({T, num_heads + 2 * num_kv_heads, head_dim});
   torch::Tensor q = heads.narrow(1, 0, num_heads);
+  if (q_norm.has_value()) {  // as CpuFusedOps.rotary_qkv: torch's rms_norm, copied in place
+    torch::Tensor k = heads.narrow(1, num_heads, num_kv_heads);
+    q.copy_(at::rms_norm(q, {head_dim}, *q_norm, eps));
+    k.copy_(at::rms_norm(k, {head_dim}, *k_norm, eps));
+  }
+  rotary_qkv_(qkv_rows, cos, sin, num_heads, num_kv_heads, head_dim);
   write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
            k_cache, v_cache, slot_block, slot_offset);
   torch::Tensor attn = paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale);

@@ -6,12 +6,15 @@
 #include <tuple>
 #include <vector>
 
-// A projection as panel_linear takes it: panels, bias, output features, format.
-using Projection = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>;
+// A projection as panel_linear takes it: panels, bias, output features, format; or several, each
+// writing its columns of one output (a ConcatLinear: parts that came in different GGUF types).
+using ProjectionPart = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>;
+using Projection = std::vector<ProjectionPart>;
 
 struct CpuDecoderLayer {
   CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<Projection> projections,
-                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale);
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm);
 
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
@@ -22,6 +25,7 @@ struct CpuDecoderLayer {
   torch::Tensor input_norm, post_norm;
   double eps;
   Projection qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3: an RMSNorm on every q and k head
   int64_t num_heads, num_kv_heads, head_dim;
   double scale;
   int64_t int8_rows = 0;  // see panel_linear

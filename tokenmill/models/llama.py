@@ -25,7 +25,7 @@ from torch import nn
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.models.ops import TorchOps
-from tokenmill.models.packed_linear import GGUFMatrix, PackedLinear, ToPack, pack_all
+from tokenmill.models.packed_linear import ConcatLinear, GGUFMatrix, PackedLinear, ToPack, pack_all
 
 
 class RMSNorm(nn.Module):
@@ -227,20 +227,26 @@ class LlamaForCausalLM(nn.Module):
         pack_all(items, kernels)
 
     def fuse_layers(self, kernels) -> None:
-        """Give every layer whose projections are all single panel products (no ConcatLinear, no
-        oneDNN) and that has no q/k norms a one-call C++ version (csrc/decoder_layer_cpu.cpp), which
+        """Give every layer whose projections are all panel products (PackedLinear or ConcatLinear
+        on the C++ kernel, not oneDNN) a one-call C++ version (csrc/decoder_layer_cpu.cpp), which
         forward() runs when the step's attention is all in the CPU kernel: the same kernels in the
-        same order, without the Python between them (about a fifth of a batch-1 decode step)."""
+        same order, without the Python between them (a fifth of a batch-1 decode step)."""
+        def parts(p: nn.Module) -> list[tuple] | None:
+            linears = list(p.parts) if isinstance(p, ConcatLinear) else [p]
+            if not all(isinstance(m, PackedLinear) and m.panels is not None for m in linears):
+                return None
+            return [(m.panels, m.bias, m.out_features, m.format) for m in linears]
+
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            if attn.q_norm is not None or not all(isinstance(p, PackedLinear) and p.panels is not None
-                                                  for p in projections):
+            projections = [parts(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(p is None for p in projections):
                 continue
+            norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
             layer.fused = kernels.DecoderLayer(
                 layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                layer.input_layernorm.eps, [(p.panels, p.bias, p.out_features, p.format) for p in projections],
-                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+                layer.input_layernorm.eps, projections, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                *norms)
 
     def set_int8_rows(self, rows: int) -> None:
         """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit

@@ -1,0 +1,107 @@
+"""Decode steps of the default model three ways, alternated in one engine: the Python layers,
+the one-call C++ layers (the default), and those with the layers' products taking x in 8-bit
+blocks (gguf_int8_rows); then what the 8-bit x costs in quality.
+
+    python benchmarks/cpu_step_paths.py [BATCH ...]    (default: 1 4 16 64)
+
+For each batch size, BATCH requests with 250-token prompts decode while the three paths
+alternate: twelve steps each, nine rounds; the table gives each path's median step. The quality
+check decodes 300 tokens of README.md one at a time, with and without 8-bit x, and compares the
+next-token distributions (perplexity, top-1 agreement, KL divergence).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cpu_gguf_blocks import median_step  # noqa: E402
+
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.engine import LLMEngine  # noqa: E402
+from tokenmill.request import Request  # noqa: E402
+from tokenmill.sampling_params import SamplingParams  # noqa: E402
+
+ROUNDS, STEPS = 9, 12
+PATHS = ("python layers", "one-call layers", "one-call, 8-bit x")
+
+
+def use_path(engine: LLMEngine, fused: list, path: str, rows: int) -> None:
+    model = engine.runner.model
+    for layer, f in zip(model.layers, fused):
+        layer.fused = None if path == "python layers" else f
+    model.set_int8_rows(rows if path == "one-call, 8-bit x" else 0)
+
+
+def steps(engine: LLMEngine, fused: list, batches: list[int]) -> None:
+    print(f"{'batch':>5} " + " ".join(f"{p + ' ms':>20}" for p in PATHS))
+    for batch in batches:
+        ids = [f"b{batch}-{i}" for i in range(batch)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, list(range(100 + i, 350 + i)),
+                               SamplingParams(max_tokens=ROUNDS * STEPS * len(PATHS) + 40, ignore_eos=True,
+                                              temperature=0.0))
+        while engine.scheduler.waiting or any(r.num_remaining_prefill > 1 for r in engine.scheduler.running):
+            engine.step()  # the prompts, in chunks
+        results: dict[str, list[float]] = {p: [] for p in PATHS}
+        for _ in range(ROUNDS):
+            for path in PATHS:
+                use_path(engine, fused, path, batch)
+                results[path].append(median_step(engine, STEPS))
+        for rid in ids:
+            engine.abort(rid)
+        base = statistics.median(results[PATHS[0]])
+        print(f"{batch:>5} " + " ".join(f"{statistics.median(v) * 1e3:>11.1f} ({statistics.median(v) / base:.2f}x)"
+                                          for v in results.values()))
+    use_path(engine, fused, "one-call layers", 0)
+
+
+def decode_log_probs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Next-token log-probabilities after each token of `ids`, fed one decode step at a time."""
+    model, runner = engine.runner.model, engine.runner
+    r = Request(request_id="quality", prompt_token_ids=ids, params=SamplingParams(), max_tokens=1)
+    assert engine.kv.allocate(r, len(ids))
+    out = []
+    for t in range(len(ids)):
+        r.num_computed_tokens = t
+        inputs = runner.prepare([r], [1])
+        with torch.inference_mode():
+            hidden = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+            out.append(model.compute_logits(hidden)[0].log_softmax(-1))
+    engine.kv.free(r)
+    return torch.stack(out)
+
+
+def quality(engine: LLMEngine) -> None:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    ids = engine.tokenizer.encode(text)[:300]
+    model = engine.runner.model
+    model.set_int8_rows(0)
+    exact = decode_log_probs(engine, ids)
+    model.set_int8_rows(1)
+    int8 = decode_log_probs(engine, ids)
+    model.set_int8_rows(0)
+    target = torch.tensor(ids[1:])[:, None]
+    ppl = [math.exp(-float(lp[:-1].gather(1, target).mean())) for lp in (exact, int8)]
+    kl = (exact.exp() * (exact - int8)).sum(-1)
+    agree = float((exact.argmax(-1) == int8.argmax(-1)).float().mean())
+    print(f"quality over {len(ids)} tokens of README.md decoded one by one: perplexity {ppl[0]:.3f} exact, "
+          f"{ppl[1]:.3f} with 8-bit x ({ppl[1] / ppl[0] - 1:+.2%}); top-1 agreement {agree:.1%}; "
+          f"KL(exact || 8-bit x) mean {float(kl.mean()):.4f}, max {float(kl.max()):.4f}")
+
+
+def main(batches: list[int]) -> None:
+    engine = LLMEngine(EngineConfig())
+    fused = [layer.fused for layer in engine.runner.model.layers]
+    steps(engine, fused, batches)
+    if "--no-quality" not in sys.argv:
+        quality(engine)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:] if a.isdigit()] or [1, 4, 16, 64])

@@ -5,7 +5,8 @@ blocks (gguf_int8_rows); then what the 8-bit x costs in quality.
     python benchmarks/cpu_step_paths.py [BATCH ...]    (default: 1 4 16 64)
 
 For each batch size, BATCH requests with 250-token prompts decode while the three paths
-alternate: twelve steps each, nine rounds; the table gives each path's median step. The quality
+alternate: twelve steps each, nine rounds; the table gives each path's median step. The third
+path takes 8-bit x at every batch size shown (gguf_int8_rows = BATCH), big ones included. The quality
 check decodes 300 tokens of README.md one at a time, with and without 8-bit x, and compares the
 next-token distributions (perplexity, top-1 agreement, KL divergence).
 """

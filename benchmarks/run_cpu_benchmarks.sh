@@ -21,3 +21,5 @@ for b in true false; do
   tokenmill bench serve --max-concurrency 1 --num-prompts 8 --output-len 64 64 --gguf-blocks "$b" 2>/dev/null
 done | tee "$OUT/serve_concurrency1_gguf_blocks.txt"
 python benchmarks/cpu_block_formats.py 2>/dev/null | tee "$OUT/block_formats.txt"
+# decode steps through the Python layers, the one-call C++ layers, and with 8-bit x; its quality
+python benchmarks/cpu_step_paths.py 2>/dev/null | tee "$OUT/step_paths.txt"

@@ -8,7 +8,10 @@ into one matrix each at load time, so a layer runs four matrix products.
 
 Inside a step the layers call their submodules' `.forward` directly: nn.Module.__call__'s hook
 handling cost 0.56 ms a step over 30 layers (measured on a 30-layer model with tiny matrices),
-2% of a batch-1 decode step of the default model. No hooks are used on these modules.
+2% of a batch-1 decode step of the default model. No hooks are used on these modules. With the
+C++ CPU kernels, a step whose attention is all in the kernel goes further and runs each layer in
+one C++ call (`fuse_layers`): DecoderLayer.forward below stays the readable version of it, and
+the reference it is tested against bit for bit.
 """
 
 from __future__ import annotations

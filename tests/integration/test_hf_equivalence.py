@@ -149,10 +149,15 @@ def test_fused_layers_give_the_python_layers_results_bit_for_bit(tiny_models, ar
     head size 16) goes through the Python layers."""
     checkpoint = open_checkpoint(tiny_models[arch])
     model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels="auto")
-    fused = [layer.fused for layer in model.layers]
+    with torch.no_grad():  # norms of ones would hide a swapped or ignored norm weight
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    fused = [layer.fused for layer in model.layers]  # they hold the same weight tensors
     assert all(f is not None for f in fused)
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
-    runner = ModelRunner(model, checkpoint.config, CacheConfig(64, 16), make_backend("cpu", torch.device("cpu")),
+    backend = make_backend("cpu", torch.device("cpu"), 16, checkpoint.config.head_dim)  # 16: chunks over 32 tokens
+    runner = ModelRunner(model, checkpoint.config, CacheConfig(64, 16), backend,         # go through SDPA
                          torch.device("cpu"), torch.float32, seed=0)
     rng = random.Random(0)
     reqs = [Request(request_id=str(i), prompt_token_ids=[rng.randrange(2, 384) for _ in range(n)],
@@ -162,6 +167,7 @@ def test_fused_layers_give_the_python_layers_results_bit_for_bit(tiny_models, ar
         for layer, f in zip(model.layers, fused):
             layer.fused = f if use_fused else None
         inputs = runner.prepare(requests, counts)
+        assert (inputs.meta.num_short == inputs.meta.num_seqs) == all(n <= 32 for n in counts)  # fused or not
         with torch.inference_mode():
             return model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
 

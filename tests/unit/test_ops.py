@@ -209,7 +209,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
         if kind:
             blocks[name] = GGUFMatrix(kind, raw.shape[0], lambda raw=raw: raw)
     for norm in ("layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"):
-        weights.append((f"model.{norm}.weight", torch.ones(64)))
+        weights.append((f"model.{norm}.weight", torch.rand(64) + 0.5))
     model.load_weights(weights)
     model.pack_for_cpu(fused.kernels, blocks)
     layer = model.layers[0]

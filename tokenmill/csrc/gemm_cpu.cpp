@@ -94,12 +94,11 @@ int64_t panel_block_bytes(int64_t format) { return codes_at(format) + code_bytes
 // v = d * q (+ m), as gguf's numpy dequantization computes it: the product rounded, then the
 // offset added. The product is exact in float32 (d has at most 17 significant bits: an fp16, or
 // the fp16 d of a K-quant times its 6-bit scale; q at most 5), so that rounding changes nothing
-// and one FMA gives the same value (tested bit for bit) for an instruction less. Q6F, whose
-// product could take 25 bits, has no offset: a plain multiply, rounded once as in gguf.
+// and one FMA gives the same value (tested bit for bit) for an instruction less. Q4_0, Q8_0 and
+// Q6F have no offset: a plain multiply, as in gguf.
 template <int64_t F>
 inline __m256 decode8(__m256i q, __m256 d, __m256 m) {
   if constexpr (has_offset(F)) {
-    static_assert(F != kQ6F, "Q6F's d * q may not be exact in float32");
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
   }
   return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));

@@ -233,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
         """Give every layer whose projections are all panel products (PackedLinear or ConcatLinear
         on the C++ kernel, not oneDNN) a one-call C++ version (csrc/decoder_layer_cpu.cpp), which
         forward() runs when the step's attention is all in the CPU kernel: the same kernels in the
-        same order, without the Python between them (a fifth of a batch-1 decode step)."""
+        same order as the layer with CpuFusedOps (model.ops, set with it by the loader), without
+        the Python between them (a fifth of a batch-1 decode step). The C++ layer takes one eps for
+        all its norms: a layer whose norms differ in eps keeps the Python path."""
         def parts(p: nn.Module) -> list[tuple] | None:
             linears = list(p.parts) if isinstance(p, ConcatLinear) else [p]
             if not all(isinstance(m, PackedLinear) and m.panels is not None for m in linears):
@@ -243,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = [parts(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if any(p is None for p in projections):
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+            if any(p is None for p in projections) or len({n.eps for n in norms if n is not None}) > 1:
                 continue
             norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
             layer.fused = kernels.DecoderLayer(

@@ -19,6 +19,9 @@ _ENGINE_HELP = {
     "max_model_len": "context length (prompt + output)",
     "kv_cache_memory": "KV pool size, bytes or a string like 2GiB",
     "num_kv_blocks": "exact KV pool size in blocks",
+    "gguf_blocks": "CPU: keep GGUF projections in their blocks (bit-identical to float32)",
+    "gguf_int8_rows": "CPU, GGUF blocks: steps of up to N rows take x in 8-bit blocks, as llama.cpp "
+                      "(faster at batch 1-8, perplexity +0.75%%, results then depend on the step's size; 0: off)",
     "enforce_eager": "CUDA: launch every step from Python, no decode graphs",
     "async_output": "build a step's outputs while the next step runs (default: on for CUDA)",
     "async_scheduling": "schedule and launch the next step before this one's tokens reach the host "

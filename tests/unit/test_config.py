@@ -30,7 +30,7 @@ def test_sampling_params_normalise():
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 0), ("max_model_len", 1),
     ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu"), ("scheduling_policy", "random"),
     ("kv_watermark", 1.0), ("kv_cache_memory", "lots"), ("attention_backend", "magic"),
-    ("kv_cache_dtype", "int8"),
+    ("kv_cache_dtype", "int8"), ("gguf_int8_rows", -1), ("gguf_int8_rows", True),
 ])
 def test_invalid_engine_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -53,7 +53,7 @@ def test_parse_size():
 
 
 @pytest.mark.parametrize("flags", [["--block-size", "0"], ["--kv-cache-dtype", "int8"],
-                                   ["--long-prefill-token-threshold", "-1"]])
+                                   ["--long-prefill-token-threshold", "-1"], ["--gguf-int8-rows", "-1"]])
 def test_cli_reports_bad_engine_options_as_usage_errors(flags, capsys):
     from tokenmill.cli import main
     with pytest.raises(SystemExit) as exit_info:

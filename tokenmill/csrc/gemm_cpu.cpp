@@ -283,7 +283,7 @@ void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_
 
 // ---- Small steps with x in 8-bit blocks ------------------------------------------------------
 //
-// Decoding every weight to float32 costs about twelve instructions per 16 weights, which made
+// Decoding every weight to float32 costs ten to twelve instructions per 16 weights, which made
 // the batch-1 step bound by that work, not by memory (2.4x the time its blocks take to stream).
 // As llama.cpp does, rows of x can instead be quantized to 8 bits per block of 32 k (a float32
 // scale per block: max |x| / 127) so that the sums over a block are integer multiply-adds of the

@@ -21,11 +21,17 @@ class CpuPagedAttention:
         # length measured (BENCHMARKS.md); otherwise SDPA's blocked kernel wins above 32 tokens.
         self.short_query_max = 1 << 30 if head_dim % 32 == 0 else 32
 
+    @staticmethod
+    def all_in_kernel(meta: AttentionMetadata) -> bool:
+        """Whether the kernel takes every sequence of the step (then a model can run its layers
+        in one C++ call each, LlamaForCausalLM.fuse_layers)."""
+        return meta.num_short == meta.num_seqs
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.kernel.write_kv(k, v, k_cache, v_cache, meta.slot_block, meta.slot_offset)
         b, t = meta.num_short, meta.num_short_tokens
-        if b == meta.num_seqs:
+        if self.all_in_kernel(meta):
             return self.kernel.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                                meta.seq_lens, scale)
         out = torch.empty_like(q)

@@ -1,25 +1,9 @@
 // Python bindings of the CPU kernels: one extension module, built on first use.
 #include <torch/extension.h>
 
+#include "cpu_ops.h"
 #include "decoder_layer_cpu.h"
 #include "simd.h"
-
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor query_start,
-                              torch::Tensor seq_lens, double scale);
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_block, torch::Tensor slot_offset);
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
-                           double eps);
-void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
-                 int64_t num_kv_heads, int64_t head_dim);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
-torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
-torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out);
-torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format);
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
-                           int64_t format, c10::optional<torch::Tensor> out, int64_t int8_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)");

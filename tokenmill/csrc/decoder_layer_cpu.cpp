@@ -1,21 +1,13 @@
 // A whole Llama decoder layer in one call, for CPU steps whose attention runs entirely in the
 // paged-attention kernel (decodes, and prompt chunks of up to 32 tokens, or of any length when the
-// head size is a multiple of 32: see attention/cpu.py). It calls the same kernels in the same order as the Python layer (models/llama.py), so
-// the results are the same bit for bit (tested): what it saves is the Python between them. A
-// batch-1 decode step of the default model spent about 3 ms of its 13 in that glue (30 layers,
-// ten kernel calls each, with their views, attribute lookups and argument parsing).
+// head size is a multiple of 32: see attention/cpu.py). It calls the same kernels in the same
+// order as the Python layer (models/llama.py), so the results are the same bit for bit (tested):
+// what it saves is the Python between them. A batch-1 decode step of the default model spent
+// about 3 ms of its 13 in that glue (30 layers, ten kernel calls each, with their views,
+// attribute lookups and argument parsing).
 #include "decoder_layer_cpu.h"
 
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
-void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads, int64_t num_kv_heads,
-                 int64_t head_dim);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
-                           int64_t format, c10::optional<torch::Tensor> out, int64_t int8_rows);
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                              torch::Tensor query_start, torch::Tensor seq_lens, double scale);
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_block,
-              torch::Tensor slot_offset);
+#include "cpu_ops.h"
 
 CpuDecoderLayer::CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps,
                                  std::vector<Projection> projections, int64_t num_heads, int64_t num_kv_heads,

@@ -9,6 +9,7 @@
 
 #include <cmath>
 
+#include "cpu_ops.h"
 #include "simd.h"
 
 namespace {

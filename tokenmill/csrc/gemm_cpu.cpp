@@ -33,10 +33,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "tile_gemm.h"
 
 namespace {
@@ -462,17 +463,23 @@ void int8_tile_bytes(const Int8Row* x, const uint8_t* src, int64_t num_blocks, f
   }
 }
 
+template <int64_t F, int R>
+void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
+  if constexpr (byte_codes(F)) {
+    int8_tile_bytes<F, R>(x, src, num_blocks, out, pf);
+  } else {
+    int8_tile_nibbles<F, R>(x, src, num_blocks, out, pf);
+  }
+}
+
 constexpr int64_t kInt8Rows = 4;  // rows of x per pass over a panel
 using Int8TileFn = void (*)(const Int8Row*, const uint8_t*, int64_t, float*, const uint8_t*);
 template <int64_t F>
-constexpr Int8TileFn kInt8TilesOf[kInt8Rows + 1] = {
-    nullptr, int8_tile_nibbles<F, 1>, int8_tile_nibbles<F, 2>, int8_tile_nibbles<F, 3>, int8_tile_nibbles<F, 4>};
-template <int64_t F>
-constexpr Int8TileFn kInt8ByteTilesOf[kInt8Rows + 1] = {
-    nullptr, int8_tile_bytes<F, 1>, int8_tile_bytes<F, 2>, int8_tile_bytes<F, 3>, int8_tile_bytes<F, 4>};
+constexpr Int8TileFn kInt8TilesOf[kInt8Rows + 1] = {nullptr, int8_tile<F, 1>, int8_tile<F, 2>, int8_tile<F, 3>,
+                                                    int8_tile<F, 4>};
 constexpr const Int8TileFn* kInt8Tiles[kLastFormat + 1] = {
-    nullptr, kInt8TilesOf<kQ4_0>, kInt8TilesOf<kQ4_1>, kInt8ByteTilesOf<kQ8_0>, kInt8TilesOf<kQ4F>,
-    kInt8ByteTilesOf<kQ5F>, kInt8ByteTilesOf<kQ6F>};
+    nullptr, kInt8TilesOf<kQ4_0>, kInt8TilesOf<kQ4_1>, kInt8TilesOf<kQ8_0>, kInt8TilesOf<kQ4F>,
+    kInt8TilesOf<kQ5F>, kInt8TilesOf<kQ6F>};
 
 // x (M, K) times block panels with x in 8-bit blocks, up to four rows per pass over a panel. The
 // first pass over a panel prefetches the next one: unlike the float32 decoding, these passes

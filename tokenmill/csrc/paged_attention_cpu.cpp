@@ -47,6 +47,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "simd.h"
 #include "tile_gemm.h"
 

@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,). Returns the final hidden states (T, hidden)."""
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions, x.dtype)
-        in_kernel = backend.name == "cpu" and meta.num_short == meta.num_seqs  # what a fused layer can run
+        in_kernel = backend.name == "cpu" and backend.all_in_kernel(meta)  # what a fused layer can run
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if in_kernel and layer.fused is not None:
                 x, residual = layer.fused.forward(x, residual, cos, sin, k_cache, v_cache, meta.slot_block,

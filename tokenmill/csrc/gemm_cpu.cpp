@@ -7,7 +7,7 @@
 // loop (tile_gemm.h) holds a 6 x 16 tile of y in twelve registers, loading two vectors of W and
 // broadcasting six scalars of x per k. Measured against oneDNN on the default model's matrices
 // (2 threads): 1.5x at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512. Panels are split
-// across threads; rows go in blocks of 512 so that a block of x stays in cache while the panels
+// across threads (with stealing, parallel.h); rows go in blocks of 512 so that a block of x stays in cache while the panels
 // stream past.
 //
 // From 4 rows up, the passes over one panel also prefetch the next panel (one 64-byte line, a k
@@ -38,12 +38,16 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "parallel.h"
 #include "tile_gemm.h"
 
 namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kRows = 6;    // rows of x per tile
+// Panels go to the threads with stealing (parallel.h), in chunks of at least one panel, or two
+// where a panel is little work: one pass of a few rows decoding it in registers.
+constexpr int64_t kSmallPassChunk = 2;
 constexpr int64_t kRowBlock = 512;  // rows of x per pass over the panels (a default prefill chunk)
 constexpr int64_t kPrefetchRows = 4;  // prefetch the next panel from this many rows of x up
 #ifdef TOKENMILL_AVX2
@@ -251,14 +255,16 @@ constexpr int64_t kDecodeRows = 12;
 template <class Store>
 void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t* wp, int64_t format, Store store) {
   const int64_t panel_bytes = K / kBlock * panel_block_bytes(format);
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_chunks(P, M > kDecodeRows ? 1 : kSmallPassChunk, [&](tokenmill::ThreadChunks& chunks) {
     float tile[kRows * kPanel];
     // 64-byte aligned, as the float32 panels are: a panel row is one cache line, not two
     std::vector<float> buffer(M > kDecodeRows ? K * kPanel + kPanel : 0);
     float* decoded = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+    for (int64_t begin, end; chunks.next(begin, end);)
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* src = wp + p * panel_bytes;
-      const uint8_t* next = p + 1 < end ? src + panel_bytes : nullptr;  // fetched by the first pass
+      // fetched by the first pass, if this thread is likely to take it next
+      const uint8_t* next = p + 1 < P && chunks.comes_next(p + 1, end) ? src + panel_bytes : nullptr;
       bool buffered = false;  // the panel decoded into the buffer (once, for every block of rows)
       // tiles restart at every kRowBlock rows, as in the float32 path: a one-row tile sums in
       // another order than a row of a bigger tile, so both paths must cut the rows alike
@@ -490,13 +496,15 @@ void int8_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t
   const int64_t panel_bytes = K / kBlock * panel_block_bytes(format);
   std::vector<Int8Row> rows(M);
   for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, rows[m]);
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  tokenmill::parallel_chunks(P, kSmallPassChunk, [&](tokenmill::ThreadChunks& chunks) {
     float tile[kInt8Rows * kPanel];
+    for (int64_t begin, end; chunks.next(begin, end);)
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t m0 = 0; m0 < M; m0 += kInt8Rows) {
         const int64_t n = std::min(kInt8Rows, M - m0);
         const uint8_t* src = wp + p * panel_bytes;
-        kInt8Tiles[format][n](rows.data() + m0, src, K / kBlock, tile, m0 == 0 && p + 1 < end ? src + panel_bytes : nullptr);
+        const bool prefetch = m0 == 0 && p + 1 < P && chunks.comes_next(p + 1, end);
+        kInt8Tiles[format][n](rows.data() + m0, src, K / kBlock, tile, prefetch ? src + panel_bytes : nullptr);
         store(tile, p, m0, n);
       }
     }
@@ -720,12 +728,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   const float* wp = panels.data_ptr<float>();
   for (int64_t block = 0; block < M; block += kRowBlock) {
     const int64_t block_end = std::min(M, block + kRowBlock);
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    tokenmill::parallel_chunks(P, 1, [&](tokenmill::ThreadChunks& chunks) {
       float tile[kRows * kPanel];
+      for (int64_t begin, end; chunks.next(begin, end);)
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = wp + p * K * kPanel;
         const int64_t block_rows = block_end - block;
-        const bool prefetch = p + 1 < end && block_rows >= kPrefetchRows;
+        const bool prefetch = p + 1 < P && chunks.comes_next(p + 1, end) && block_rows >= kPrefetchRows;
         for (int64_t m0 = block; m0 < block_end; m0 += kRows) {
           const int64_t rows = std::min(kRows, block_end - m0);
 #ifdef TOKENMILL_AVX2

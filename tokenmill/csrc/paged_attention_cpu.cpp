@@ -21,8 +21,9 @@
 // parts of at least 8 blocks instead (flash-decoding), an item per part with all kv heads, and
 // merges the parts' softmax sums at the end: against one kv head per item, the attention of a
 // batch-1 decode took 0.67x the time at 4,000 keys and 0.76x at 1,000 (30 layers, paired). Other
-// steps with few tiles give an item one kv head, for parallelism. Items are spread over threads
-// in contiguous ranges of equal total context length.
+// steps with few tiles give an item one kv head, for parallelism. Items are cut into pieces of
+// equal total context length, 16 per thread; a thread done with its own share of the pieces
+// takes some from the back of the other's (parallel.h).
 // (A single pass with an online softmax per block was a third slower again: its per-block max,
 // exp and rescaling were scalar work on every 16 keys.)
 //
@@ -48,6 +49,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "parallel.h"
 #include "simd.h"
 #include "tile_gemm.h"
 
@@ -290,6 +292,7 @@ constexpr int64_t kQueryTile = 8;  // query tokens of one sequence that share ea
 constexpr int64_t kLongQuery = 64;  // from this many query tokens a sequence takes tiles of 2 * kQueryTile
 constexpr int64_t kPromptRowsMin = 8;  // query rows per kv head from which a tile runs prompt_tile_gemm
 constexpr int64_t kMinPartBlocks = 8;  // a decode's context splits into parts of at least this many blocks
+constexpr int64_t kPiecesPerThread = 16;  // work shared out in pieces of equal cost (parallel.h)
 
 // Ask for `bytes` from p (one kv head of one block) into cache ahead of use: a block sits at a
 // random place in the pool, where the hardware prefetcher starts late on every run (12% faster
@@ -389,7 +392,8 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   // a split item's unnormalised output, its scores' max and its softmax sum, per query head
   std::vector<float> part_acc(split ? num_items * Hq * D : 0), part_max(split ? num_items * Hq : 0),
       part_sum(split ? num_items * Hq : 0);
-  const int64_t num_chunks = std::min(threads, num_items);
+  // cut into pieces of about equal cost, shared out with stealing (parallel.h)
+  const int64_t num_pieces = std::min(threads * kPiecesPerThread, num_items);
   const int64_t total_cost = cost_before[num_items];
   const float fscale = static_cast<float>(scale);
   const Primitives<KV> prim = pick_primitives<KV>(D);
@@ -397,20 +401,21 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   const int64_t HG = H * G;                   // query heads of an item, per token
   const int64_t run_bytes = block_size * D * static_cast<int64_t>(sizeof(KV));  // one head of one block
 
-  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    // items whose cost prefix falls in [chunk_begin, chunk_end) / num_chunks of the total
-    const auto item_at = [&](int64_t chunk) {
-      return std::lower_bound(cost_before.begin(), cost_before.end() - 1, total_cost * chunk / num_chunks) -
-             cost_before.begin();
-    };
-    const int64_t begin = item_at(chunk_begin), end = chunk_end == num_chunks ? num_items : item_at(chunk_end);
+  // the first item whose cost prefix reaches piece/num_pieces of the total
+  const auto item_at = [&](int64_t piece) -> int64_t {
+    if (piece == num_pieces) return num_items;
+    return std::lower_bound(cost_before.begin(), cost_before.end() - 1, total_cost * piece / num_pieces) -
+           cost_before.begin();
+  };
+  tokenmill::parallel_chunks(num_pieces, 1, [&](tokenmill::ThreadChunks& pieces) {
     // every score an item reads is written first by its pass 1, so no zero fill
     std::unique_ptr<float[]> scores(new float[max_tile * HG * row]);
     std::vector<float> acc(max_tile * HG * D), sums(max_tile * HG), maxes(max_tile * HG);
 #ifdef TOKENMILL_AVX2
     PromptScratch prompt_scratch;
 #endif
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t first, last; pieces.next(first, last);)
+    for (int64_t item = item_at(first), end = item_at(last); item < end; ++item) {
       const int64_t tile = item_tile[item], h0 = split ? 0 : item_part[item] * H;
       const int64_t b = tile_seq[tile], t0 = tile_start[tile], nt = tile_end(tile) - t0;
       const int64_t last_len = kv_len_of(t0 + nt - 1, b);  // the tile's longest context

@@ -1,0 +1,106 @@
+// Work shared between threads with stealing instead of one fixed share each.
+//
+// at::parallel_for hands each thread one equal range up front. On this shared machine the two
+// cores rarely run at the same speed: one is often 10-40% slower than the other for a while (its
+// sibling on the host is busy), and then the fast one finishes its share and waits. A profile of
+// the default workload put the second thread in that wait for 18% of the run, most of it while the
+// first still ran its share of a matrix product. Here a thread that is done takes work from the
+// back of the others' shares, so a slow core simply ends up doing less. Which thread computes a
+// chunk never changes what it computes.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+namespace tokenmill {
+
+// [0, n) cut into one contiguous range per thread, as at::parallel_for would. A thread takes
+// chunks from the front of its own range, three quarters of what is left each time (so that it
+// reads on in order, with few takes); when its range is done, it takes chunks from the back of
+// the others', a 2 * threads-th of what is left there, until nothing is left anywhere.
+class StealingRanges {
+ public:
+  StealingRanges(int64_t n, int64_t threads, int64_t min_chunk)
+      : threads_(std::max<int64_t>(1, threads)), min_chunk_(std::max<int64_t>(1, min_chunk)),
+        ranges_(new Range[threads_]) {
+    for (int64_t t = 0; t < threads_; ++t) ranges_[t].bounds.store(pack(n * t / threads_, n * (t + 1) / threads_));
+  }
+
+  // whether item i is still left in thread t's own range (it may yet be taken by another):
+  // whether prefetching it is likely to serve thread t
+  bool still_own(int64_t t, int64_t i) const {
+    const uint64_t bounds = ranges_[t].bounds.load(std::memory_order_relaxed);
+    return i >= static_cast<int64_t>(bounds >> 32) && i < static_cast<int64_t>(bounds & 0xFFFFFFFFu);
+  }
+
+  // the next chunk [begin, end) for thread t, or false when all are taken
+  bool next(int64_t t, int64_t& begin, int64_t& end) {
+    if (take(ranges_[t], true, begin, end)) return true;
+    for (int64_t other = 1; other < threads_; ++other)
+      if (take(ranges_[(t + other) % threads_], false, begin, end)) return true;
+    return false;
+  }
+
+ private:
+  struct alignas(64) Range {  // front and back of what is left, in one word
+    std::atomic<uint64_t> bounds;
+  };
+  static uint64_t pack(int64_t front, int64_t back) { return static_cast<uint64_t>(front) << 32 | static_cast<uint64_t>(back); }
+
+  bool take(Range& r, bool from_front, int64_t& begin, int64_t& end) {
+    uint64_t bounds = r.bounds.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(bounds >> 32), back = static_cast<int64_t>(bounds & 0xFFFFFFFFu);
+      if (front >= back) return false;
+      const int64_t share = from_front ? (back - front) * 3 / 4 : (back - front) / (2 * threads_);
+      const int64_t size = std::min(back - front, std::max(min_chunk_, share));
+      begin = from_front ? front : back - size;
+      end = begin + size;
+      if (r.bounds.compare_exchange_weak(bounds, from_front ? pack(end, back) : pack(front, begin),
+                                         std::memory_order_relaxed))
+        return true;
+    }
+  }
+
+  const int64_t threads_, min_chunk_;
+  std::unique_ptr<Range[]> ranges_;
+};
+
+// One thread's view of the ranges: what a body takes its chunks from.
+class ThreadChunks {
+ public:
+  ThreadChunks(StealingRanges& ranges, int64_t thread) : ranges_(ranges), thread_(thread) {}
+  bool next(int64_t& begin, int64_t& end) { return ranges_.next(thread_, begin, end); }
+  // whether item i comes next to this thread: in the chunk it works on (before `end`) or at the
+  // front of what is left of its own range
+  bool comes_next(int64_t i, int64_t end) const { return i < end || ranges_.still_own(thread_, i); }
+
+ private:
+  StealingRanges& ranges_;
+  const int64_t thread_;
+};
+
+// Runs body(chunks) once on each thread (once in all when called from inside a parallel
+// region): the body sets up what a thread needs, then takes chunks of [0, n), at least
+// min_chunk long, until none is left.
+template <class Body>
+void parallel_chunks(int64_t n, int64_t min_chunk, const Body& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, n));
+  if (threads == 1 || at::in_parallel_region()) {
+    StealingRanges ranges(n, 1, n);
+    ThreadChunks chunks(ranges, 0);
+    body(chunks);
+    return;
+  }
+  StealingRanges ranges(n, threads, min_chunk);
+  at::parallel_for(0, threads, 1, [&](int64_t t, int64_t) {
+    ThreadChunks chunks(ranges, t);
+    body(chunks);
+  });
+}
+
+}  // namespace tokenmill

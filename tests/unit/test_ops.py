@@ -148,8 +148,8 @@ def test_int8_rows_compute_the_product_with_x_in_8_bit_blocks(fused, kind):
 @pytest.mark.parametrize("threads", [2, 3, 8])
 def test_panel_products_are_the_same_with_any_thread_count(fused, threads):
     """Threads share panels out with stealing (csrc/parallel.h): which thread computes a panel
-    must not change it, and every panel must be computed once, with 8 threads on 2 cores too
-    (little work each, much stealing)."""
+    must not change it, and every panel must be computed, with 8 threads on 2 cores too (little
+    work each, much stealing). Outputs start as NaN, so that a panel left out shows."""
     if not fused.kernels.block_formats:
         pytest.skip("block formats need AVX2")
     from tokenmill.models.packed_linear import BLOCK_FORMATS
@@ -160,17 +160,20 @@ def test_panel_products_are_the_same_with_any_thread_count(fused, threads):
     before = torch.get_num_threads()
     for rows in (1, 7, 13, 64):  # registers, two passes, a decoded panel, many tiles
         x = torch.randn(rows, k, generator=gen)
+        def products() -> list[torch.Tensor]:  # blocks, float32 panels, blocks with 8-bit x
+            outs = [torch.full((rows, n), float("nan")) for _ in range(3)]
+            fused.kernels.panel_linear(x, blocks, None, n, BLOCK_FORMATS["Q4_1"], outs[0])
+            fused.kernels.panel_linear(x, panels, None, n, 0, outs[1])
+            fused.kernels.panel_linear(x, blocks, None, n, BLOCK_FORMATS["Q4_1"], outs[2], rows)
+            return outs
+
         torch.set_num_threads(1)
         try:
-            alone = [fused.kernels.panel_linear(x, blocks, None, n, BLOCK_FORMATS["Q4_1"]),
-                     fused.kernels.panel_linear(x, panels, None, n),
-                     fused.kernels.panel_linear(x, blocks, None, n, BLOCK_FORMATS["Q4_1"], None, rows)]
+            alone = products()
+            assert not any(out.isnan().any() for out in alone)
             torch.set_num_threads(threads)
             for _ in range(20):  # which thread takes what changes from run to run
-                assert torch.equal(fused.kernels.panel_linear(x, blocks, None, n, BLOCK_FORMATS["Q4_1"]), alone[0])
-                assert torch.equal(fused.kernels.panel_linear(x, panels, None, n), alone[1])
-                assert torch.equal(fused.kernels.panel_linear(x, blocks, None, n, BLOCK_FORMATS["Q4_1"], None, rows),
-                                   alone[2])
+                assert all(torch.equal(out, ref) for out, ref in zip(products(), alone))
         finally:
             torch.set_num_threads(before)
 

@@ -7,8 +7,8 @@
 // loop (tile_gemm.h) holds a 6 x 16 tile of y in twelve registers, loading two vectors of W and
 // broadcasting six scalars of x per k. Measured against oneDNN on the default model's matrices
 // (2 threads): 1.5x at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512. Panels are split
-// across threads (with stealing, parallel.h); rows go in blocks of 512 so that a block of x stays in cache while the panels
-// stream past.
+// across threads (with stealing, parallel.h); rows go in blocks of 512 so that a block of x
+// stays in cache while the panels stream past.
 //
 // From 4 rows up, the passes over one panel also prefetch the next panel (one 64-byte line, a k
 // row of it, per k, shared between the passes in proportion to their rows): the first pass would

@@ -22,8 +22,8 @@
 // merges the parts' softmax sums at the end: against one kv head per item, the attention of a
 // batch-1 decode took 0.67x the time at 4,000 keys and 0.76x at 1,000 (30 layers, paired). Other
 // steps with few tiles give an item one kv head, for parallelism. Items are cut into pieces of
-// equal total context length, 16 per thread; a thread done with its own share of the pieces
-// takes some from the back of the other's (parallel.h).
+// equal total context length, up to 16 per thread; a thread done with its own share of the
+// pieces takes some from the back of the others' (parallel.h).
 // (A single pass with an online softmax per block was a third slower again: its per-block max,
 // exp and rescaling were scalar work on every 16 keys.)
 //
@@ -544,6 +544,7 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
       return x;
     }
   };
+  TORCH_CHECK(!k_cache.is_same(v_cache), "write_kv: the K and V pools must be two tensors");
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks && offsets[t] >= 0 && offsets[t] < bs,
                 "write_kv: slot out of range");

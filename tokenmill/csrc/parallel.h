@@ -10,6 +10,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
@@ -18,7 +19,7 @@
 
 namespace tokenmill {
 
-// [0, n) cut into one contiguous range per thread, as at::parallel_for would. A thread takes
+// [0, n) cut into one contiguous range of equal length per thread. A thread takes
 // chunks from the front of its own range, three quarters of what is left each time (so that it
 // reads on in order, with few takes); when its range is done, it takes chunks from the back of
 // the others', a 2 * threads-th of what is left there, until nothing is left anywhere.
@@ -84,11 +85,13 @@ class ThreadChunks {
   const int64_t thread_;
 };
 
-// Runs body(chunks) once on each thread (once in all when called from inside a parallel
-// region): the body sets up what a thread needs, then takes chunks of [0, n), at least
-// min_chunk long, until none is left.
+// Runs body(chunks) on each thread of the team (once in all when called from inside a parallel
+// region): the body sets up what a thread needs, then takes chunks of [0, n) (min_chunk long
+// but for a range's last) until none is left. Ranges that no thread starts on (a team smaller
+// than asked for) are simply all stolen.
 template <class Body>
 void parallel_chunks(int64_t n, int64_t min_chunk, const Body& body) {
+  TORCH_CHECK(n >= 0 && n <= 0xFFFFFFFFll, "parallel_chunks: n must fit in 32 bits");
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, n));
   if (threads == 1 || at::in_parallel_region()) {
     StealingRanges ranges(n, 1, n);
@@ -97,9 +100,11 @@ void parallel_chunks(int64_t n, int64_t min_chunk, const Body& body) {
     return;
   }
   StealingRanges ranges(n, threads, min_chunk);
-  at::parallel_for(0, threads, 1, [&](int64_t t, int64_t) {
-    ThreadChunks chunks(ranges, t);
-    body(chunks);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {  // one t per thread, unless the team is smaller
+      ThreadChunks chunks(ranges, t);
+      body(chunks);
+    }
   });
 }
 

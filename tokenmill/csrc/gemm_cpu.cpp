@@ -45,11 +45,12 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kRows = 6;    // rows of x per tile
-// Panels go to the threads with stealing (parallel.h), in chunks of at least one panel, or two
-// where a panel is little work: one pass of a few rows decoding it in registers.
-constexpr int64_t kSmallPassChunk = 2;
 constexpr int64_t kRowBlock = 512;  // rows of x per pass over the panels (a default prefill chunk)
 constexpr int64_t kPrefetchRows = 4;  // prefetch the next panel from this many rows of x up
+constexpr int64_t kDecodeRows = 12;  // block panels: up to this many rows decode in registers (block_panels)
+// Panels go to the threads with stealing (parallel.h): one at a time where a panel is much work
+// (more rows than kDecodeRows), else in chunks of a size the stealing picks (0).
+constexpr int64_t panel_chunk(int64_t rows) { return rows > kDecodeRows ? 1 : 0; }
 #ifdef TOKENMILL_AVX2
 static_assert(kPanel == tokenmill::kTileWidth && kRows == tokenmill::kTileRows, "panels are the tile's shape");
 #endif
@@ -250,12 +251,11 @@ constexpr const BlockTileFn* kBlockTiles[kLastFormat + 1] = {
 // it; until then (small decode steps: one or two passes) each tile of up to 6 rows decodes the
 // panel anew into registers. Either way each row's sum
 // is the float32 panels' own. store(tile, p, m0, rows) writes a finished tile.
-constexpr int64_t kDecodeRows = 12;
 
 template <class Store>
 void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t* wp, int64_t format, Store store) {
   const int64_t panel_bytes = K / kBlock * panel_block_bytes(format);
-  tokenmill::parallel_chunks(P, M > kDecodeRows ? 1 : kSmallPassChunk, [&](tokenmill::ThreadChunks& chunks) {
+  tokenmill::parallel_chunks(P, panel_chunk(M), [&](tokenmill::ThreadChunks& chunks) {
     float tile[kRows * kPanel];
     // 64-byte aligned, as the float32 panels are: a panel row is one cache line, not two
     std::vector<float> buffer(M > kDecodeRows ? K * kPanel + kPanel : 0);
@@ -496,7 +496,7 @@ void int8_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t
   const int64_t panel_bytes = K / kBlock * panel_block_bytes(format);
   std::vector<Int8Row> rows(M);
   for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, rows[m]);
-  tokenmill::parallel_chunks(P, kSmallPassChunk, [&](tokenmill::ThreadChunks& chunks) {
+  tokenmill::parallel_chunks(P, 0, [&](tokenmill::ThreadChunks& chunks) {
     float tile[kInt8Rows * kPanel];
     for (int64_t begin, end; chunks.next(begin, end);)
     for (int64_t p = begin; p < end; ++p) {
@@ -728,7 +728,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   const float* wp = panels.data_ptr<float>();
   for (int64_t block = 0; block < M; block += kRowBlock) {
     const int64_t block_end = std::min(M, block + kRowBlock);
-    tokenmill::parallel_chunks(P, 1, [&](tokenmill::ThreadChunks& chunks) {
+    tokenmill::parallel_chunks(P, panel_chunk(block_end - block), [&](tokenmill::ThreadChunks& chunks) {
       float tile[kRows * kPanel];
       for (int64_t begin, end; chunks.next(begin, end);)
       for (int64_t p = begin; p < end; ++p) {

@@ -19,15 +19,17 @@
 
 namespace tokenmill {
 
-// [0, n) cut into one contiguous range of equal length per thread. A thread takes
-// chunks from the front of its own range, three quarters of what is left each time (so that it
-// reads on in order, with few takes); when its range is done, it takes chunks from the back of
-// the others', a 2 * threads-th of what is left there, until nothing is left anywhere.
+// [0, n) cut into one contiguous range of equal length per thread. A thread takes chunks from
+// the front of its own range; when its range is done, it takes chunks from the back of the
+// others', until nothing is left anywhere. Chunks are `chunk` items long, or for items too
+// small to take one by one (chunk 0), three quarters of what is left of one's own range (so
+// that it reads on in order, with few takes) and a 2 * threads-th of another's, at least two.
+// Small chunks matter where they are cheap: a thread that stalls (its core taken away for a
+// while) holds back only the chunk it has taken.
 class StealingRanges {
  public:
-  StealingRanges(int64_t n, int64_t threads, int64_t min_chunk)
-      : threads_(std::max<int64_t>(1, threads)), min_chunk_(std::max<int64_t>(1, min_chunk)),
-        ranges_(new Range[threads_]) {
+  StealingRanges(int64_t n, int64_t threads, int64_t chunk)
+      : threads_(std::max<int64_t>(1, threads)), chunk_(std::max<int64_t>(0, chunk)), ranges_(new Range[threads_]) {
     for (int64_t t = 0; t < threads_; ++t) ranges_[t].bounds.store(pack(n * t / threads_, n * (t + 1) / threads_));
   }
 
@@ -58,7 +60,7 @@ class StealingRanges {
       const int64_t front = static_cast<int64_t>(bounds >> 32), back = static_cast<int64_t>(bounds & 0xFFFFFFFFu);
       if (front >= back) return false;
       const int64_t share = from_front ? (back - front) * 3 / 4 : (back - front) / (2 * threads_);
-      const int64_t size = std::min(back - front, std::max(min_chunk_, share));
+      const int64_t size = std::min(back - front, chunk_ > 0 ? chunk_ : std::max<int64_t>(2, share));
       begin = from_front ? front : back - size;
       end = begin + size;
       if (r.bounds.compare_exchange_weak(bounds, from_front ? pack(end, back) : pack(front, begin),
@@ -67,7 +69,7 @@ class StealingRanges {
     }
   }
 
-  const int64_t threads_, min_chunk_;
+  const int64_t threads_, chunk_;
   std::unique_ptr<Range[]> ranges_;
 };
 
@@ -86,20 +88,20 @@ class ThreadChunks {
 };
 
 // Runs body(chunks) on each thread of the team (once in all when called from inside a parallel
-// region): the body sets up what a thread needs, then takes chunks of [0, n) (min_chunk long
-// but for a range's last) until none is left. Ranges that no thread starts on (a team smaller
+// region): the body sets up what a thread needs, then takes chunks of [0, n) (`chunk` items, or
+// 0 as in StealingRanges) until none is left. Ranges that no thread starts on (a team smaller
 // than asked for) are simply all stolen.
 template <class Body>
-void parallel_chunks(int64_t n, int64_t min_chunk, const Body& body) {
+void parallel_chunks(int64_t n, int64_t chunk, const Body& body) {
   TORCH_CHECK(n >= 0 && n <= 0xFFFFFFFFll, "parallel_chunks: n must fit in 32 bits");
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, n));
   if (threads == 1 || at::in_parallel_region()) {
-    StealingRanges ranges(n, 1, n);
+    StealingRanges ranges(n, 1, std::max<int64_t>(1, n));
     ThreadChunks chunks(ranges, 0);
     body(chunks);
     return;
   }
-  StealingRanges ranges(n, threads, min_chunk);
+  StealingRanges ranges(n, threads, chunk);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {  // one t per thread, unless the team is smaller
       ThreadChunks chunks(ranges, t);

@@ -47,7 +47,7 @@ constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kRows = 6;    // rows of x per tile
 constexpr int64_t kRowBlock = 512;  // rows of x per pass over the panels (a default prefill chunk)
 constexpr int64_t kPrefetchRows = 4;  // prefetch the next panel from this many rows of x up
-constexpr int64_t kDecodeRows = 12;  // block panels: up to this many rows decode in registers (block_panels)
+constexpr int64_t kDecodeRows = 12;  // block panels: steps of up to this many rows decode in registers
 // Panels go to the threads with stealing (parallel.h): one at a time where a panel is much work
 // (more rows than kDecodeRows), else in chunks of a size the stealing picks (0).
 constexpr int64_t panel_chunk(int64_t rows) { return rows > kDecodeRows ? 1 : 0; }
@@ -251,7 +251,6 @@ constexpr const BlockTileFn* kBlockTiles[kLastFormat + 1] = {
 // it; until then (small decode steps: one or two passes) each tile of up to 6 rows decodes the
 // panel anew into registers. Either way each row's sum
 // is the float32 panels' own. store(tile, p, m0, rows) writes a finished tile.
-
 template <class Store>
 void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t* wp, int64_t format, Store store) {
   const int64_t panel_bytes = K / kBlock * panel_block_bytes(format);

@@ -52,7 +52,9 @@ class StealingRanges {
   struct alignas(64) Range {  // front and back of what is left, in one word
     std::atomic<uint64_t> bounds;
   };
-  static uint64_t pack(int64_t front, int64_t back) { return static_cast<uint64_t>(front) << 32 | static_cast<uint64_t>(back); }
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) << 32 | static_cast<uint64_t>(back);
+  }
 
   bool take(Range& r, bool from_front, int64_t& begin, int64_t& end) {
     uint64_t bounds = r.bounds.load(std::memory_order_relaxed);

@@ -263,7 +263,7 @@ void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_
     for (int64_t p = begin; p < end; ++p) {
       const uint8_t* src = wp + p * panel_bytes;
       // fetched by the first pass, if this thread is likely to take it next
-      const uint8_t* next = p + 1 < P && chunks.comes_next(p + 1, end) ? src + panel_bytes : nullptr;
+      const uint8_t* next = chunks.comes_next(p + 1, end) ? src + panel_bytes : nullptr;
       bool buffered = false;  // the panel decoded into the buffer (once, for every block of rows)
       // tiles restart at every kRowBlock rows, as in the float32 path: a one-row tile sums in
       // another order than a row of a bigger tile, so both paths must cut the rows alike
@@ -502,7 +502,7 @@ void int8_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t
       for (int64_t m0 = 0; m0 < M; m0 += kInt8Rows) {
         const int64_t n = std::min(kInt8Rows, M - m0);
         const uint8_t* src = wp + p * panel_bytes;
-        const bool prefetch = m0 == 0 && p + 1 < P && chunks.comes_next(p + 1, end);
+        const bool prefetch = m0 == 0 && chunks.comes_next(p + 1, end);
         kInt8Tiles[format][n](rows.data() + m0, src, K / kBlock, tile, prefetch ? src + panel_bytes : nullptr);
         store(tile, p, m0, n);
       }
@@ -733,7 +733,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = wp + p * K * kPanel;
         const int64_t block_rows = block_end - block;
-        const bool prefetch = p + 1 < P && chunks.comes_next(p + 1, end) && block_rows >= kPrefetchRows;
+        const bool prefetch = chunks.comes_next(p + 1, end) && block_rows >= kPrefetchRows;
         for (int64_t m0 = block; m0 < block_end; m0 += kRows) {
           const int64_t rows = std::min(kRows, block_end - m0);
 #ifdef TOKENMILL_AVX2

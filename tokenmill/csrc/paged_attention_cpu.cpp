@@ -559,15 +559,15 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
   // about 1.5 GB/s, and the K and V pools fault at the same blocks: with keys and values on two
   // threads the two faults are taken at once, rather than one after the other while the other
   // thread waits (1.4 s of a default-workload run). A few tokens are not worth the fork.
-  if (T < kParallelWriteTokens) {
-    write(kp, k.stride(0), kc);
-    write(vp, v.stride(0), vc);
-    return;
-  }
-  at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
+  const auto write_parts = [&](int64_t begin, int64_t end) {  // 0: the keys, 1: the values
     for (int64_t which = begin; which < end; ++which)
       which == 0 ? write(kp, k.stride(0), kc) : write(vp, v.stride(0), vc);
-  });
+  };
+  if (T < kParallelWriteTokens) {
+    write_parts(0, 2);
+  } else {
+    at::parallel_for(0, 2, 1, write_parts);
+  }
 }
 
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,

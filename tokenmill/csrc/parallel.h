@@ -81,7 +81,7 @@ class ThreadChunks {
   ThreadChunks(StealingRanges& ranges, int64_t thread) : ranges_(ranges), thread_(thread) {}
   bool next(int64_t& begin, int64_t& end) { return ranges_.next(thread_, begin, end); }
   // whether item i comes next to this thread: in the chunk it works on (before `end`) or at the
-  // front of what is left of its own range
+  // front of what is left of its own range (never an i past the last item)
   bool comes_next(int64_t i, int64_t end) const { return i < end || ranges_.still_own(thread_, i); }
 
  private:

@@ -1,0 +1,96 @@
+"""Two (or more) builds of the CPU kernels, an engine on each, in one process: decode steps, or the
+default workload's shape, alternated between them, so the machine's drift falls on both alike.
+
+    python benchmarks/cpu_engine_ab.py old=/tmp/old/tokenmill/csrc new=tokenmill/csrc \
+        [--batch 64 --prompt 250 --rounds 12 --steps 6] [--workloads 4]
+
+Only the kernels differ between the engines: the Python is this checkout's. Decode steps: each
+engine takes `batch` requests of `prompt` tokens, then the engines run `steps` decode steps in turn,
+`rounds` times. Workloads: each engine runs one warm-up workload (its pool's pages faulted in), then
+the default workload's shape with seed 100, 101, ... (a new one each round, so no prefix-cache
+hits; the same for every engine), the order of the engines reversed every other round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path.cwd()))  # the checkout this runs in
+from kernel_builds import build_kernels  # noqa: E402 (beside this script)
+
+import tokenmill.cpu_kernels as cpu_kernels  # noqa: E402
+from tokenmill.bench.throughput import run_engine  # noqa: E402
+from tokenmill.bench.workloads import random_workload  # noqa: E402
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.engine import LLMEngine  # noqa: E402
+from tokenmill.models.loader import default_model_path  # noqa: E402
+from tokenmill.sampling_params import SamplingParams  # noqa: E402
+
+
+def engine_on(module) -> LLMEngine:
+    """An engine of the default model whose kernels come from `module` (the engine takes them from
+    load_cpu_kernels while it is built)."""
+    original = cpu_kernels._build
+    cpu_kernels._build = lambda: module
+    try:
+        return LLMEngine(EngineConfig(model=str(default_model_path())))
+    finally:
+        cpu_kernels._build = original
+
+
+def decode_steps(engines: dict[str, LLMEngine], args: argparse.Namespace) -> None:
+    params = SamplingParams(max_tokens=args.rounds * args.steps + 8, ignore_eos=True, temperature=0.0)
+    for engine in engines.values():
+        for i in range(args.batch):
+            engine.add_request(f"r{i}", [100 + (7 * i + j) % 5000 for j in range(args.prompt)], params)
+        while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
+            engine.step()  # the prompts
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - start)
+    for name, ts in times.items():
+        print(f"{name}: median decode step {statistics.median(ts) * 1e3:.2f} ms "
+              f"(batch {args.batch}, contexts {args.prompt}-{args.prompt + args.rounds * args.steps})")
+
+
+def workloads(engines: dict[str, LLMEngine], rounds: int) -> None:
+    for engine in engines.values():
+        run_engine(engine, random_workload(seed=99), "warm-up", progress=False)
+    walls: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(rounds):
+        order = list(engines.items())
+        for name, engine in order if r % 2 == 0 else reversed(order):
+            walls[name].append(run_engine(engine, random_workload(seed=100 + r), name, progress=False).wall)
+            print(f"round {r}: {name} {walls[name][-1]:.1f} s", flush=True)
+    first = next(iter(walls))
+    for name, ws in walls.items():
+        ratios = " ".join(f"{w / f:.2f}" for w, f in zip(ws, walls[first]))
+        print(f"{name}: median {statistics.median(ws):.2f} s, per round against {first}: {ratios}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("builds", nargs="+", help="name=path/to/csrc")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=250)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workloads", type=int, default=0, help="alternate this many workloads instead")
+    args = parser.parse_args()
+    engines = {name: engine_on(build_kernels(path, name)) for name, path in (b.split("=", 1) for b in args.builds)}
+    if args.workloads:
+        workloads(engines, args.workloads)
+    else:
+        decode_steps(engines, args)
+
+
+if __name__ == "__main__":
+    main()

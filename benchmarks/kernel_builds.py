@@ -1,0 +1,31 @@
+"""Builds of the CPU kernels from other checkouts, loadable side by side in one process: the way to
+compare two versions of a kernel on this machine, whose speed drifts by tens of percent between
+fresh processes a minute apart (alternate the two in one process instead)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from torch.utils.cpp_extension import load
+
+
+def build_kernels(csrc: str, name: str):
+    """A checkout's kernels as module tokenmill_ab_<name>, its DecoderLayer class made module-local
+    so that two builds load side by side. The sources are copied to a fixed place and rewritten only
+    when they change, so an unchanged build is not compiled again."""
+    src = Path(tempfile.gettempdir()) / "tokenmill_ab_src" / name
+    src.mkdir(parents=True, exist_ok=True)
+    for path in Path(csrc).iterdir():
+        if path.suffix not in (".cpp", ".h"):
+            continue
+        text = path.read_text()
+        if path.name == "bindings.cpp":
+            text = text.replace('(m, "DecoderLayer", ', '(m, "DecoderLayer", py::module_local(), ')
+        if not (src / path.name).exists() or (src / path.name).read_text() != text:
+            (src / path.name).write_text(text)
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    return load(name=f"tokenmill_ab_{name}", sources=[str(s) for s in sorted(src.glob("*.cpp"))],
+                extra_include_paths=[str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"])

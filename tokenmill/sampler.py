@@ -143,9 +143,16 @@ class HostTokens:
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, argmax_rows=None) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # the CPU kernels' argmax (the same answers as torch's, a tenth of the time at 64 rows)
+        self.argmax_rows = argmax_rows
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        if self.argmax_rows is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+            return self.argmax_rows(x)
+        return x.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: (S, V) float32, one row per sequence that samples this step."""
@@ -166,13 +173,13 @@ class Sampler:
             cols = torch.tensor([t for _, ids in meta.banned for t in ids])
             logits[to_device(rows, logits.device), to_device(cols, logits.device)] = float("-inf")
 
-        tokens = logits.argmax(dim=-1)
+        tokens = self.argmax(logits)
         if not meta.all_greedy:
             probs = filter_logits(logits, meta).softmax(dim=-1)
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             for row, gen in meta.generators.items():
                 noise[row].exponential_(generator=gen)
-            sampled = (probs / noise).argmax(dim=-1)
+            sampled = self.argmax(probs / noise)
             tokens = torch.where(meta.greedy, tokens, sampled)
         return tokens, raw_logprobs
 

@@ -48,6 +48,24 @@ def test_silu_mul(fused):
     assert torch.allclose(fused.silu_mul(gate_up), TorchOps().silu_mul(gate_up), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 8, 49152, 1003])
+def test_argmax_rows_answers_as_torch_argmax(fused, vocab):
+    """Ties go to the first maximum, a row with NaN to its first NaN, an all -inf row to 0; rows
+    may sit further apart than their length."""
+    torch.manual_seed(0)
+    x = torch.randn(12, vocab + 5)[:, :vocab]  # a strided view
+    x[1] = float("-inf")
+    x[2, vocab // 2:] = float("nan")
+    x[3] = 0.5  # all tied
+    x[4, -1] = x[4].max() + 1  # in the scalar tail
+    x[5, vocab // 3] = x[6, vocab // 3] = float("inf")
+    x[6, -1] = float("inf")
+    x[7] = x[7].round()  # many ties below the max
+    x[8, 0] = float("nan")
+    assert torch.equal(fused.kernels.argmax_rows(x), x.argmax(dim=-1))
+    assert fused.kernels.argmax_rows(torch.randn(0, vocab)).shape == (0,)
+
+
 @pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_packed_linear_matches_f_linear(rows):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.request import Request
 from tokenmill.sampler import Sampler, SamplingMetadata, filter_logits
 from tokenmill.sampling_params import SamplingParams
@@ -35,6 +36,23 @@ def test_greedy_is_argmax():
     logits = torch.randn(5, V)
     out = Sampler(0, CPU)(logits, meta_for([req(str(i), temperature=0.0) for i in range(5)]))
     assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_the_cpu_kernels_argmax_draws_the_same_tokens():
+    """The sampler's argmax from the CPU kernels (the engine's on CPU) against torch's, for greedy
+    rows and for the exponential race of sampled ones."""
+    kernels = load_cpu_kernels(required=False)
+    if kernels is None:
+        pytest.skip("no C++ compiler")
+    torch.manual_seed(0)
+    logits = torch.randn(40, V)
+    requests = [req(str(i), temperature=0.0 if i % 3 == 0 else 0.8, seed=i) for i in range(40)]
+
+    def tokens(argmax_rows):
+        gens = {str(i): torch.Generator().manual_seed(i) for i in range(40)}
+        return Sampler(5, CPU, argmax_rows=argmax_rows)(logits, meta_for(requests, gens)).token_ids
+
+    assert tokens(kernels.argmax_rows) == tokens(None)
 
 
 def test_seeded_request_draws_the_same_tokens_alone_or_in_any_batch():

@@ -17,6 +17,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
 void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
                  int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor x);
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out);

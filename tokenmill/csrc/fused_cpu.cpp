@@ -3,6 +3,7 @@
 //   add_rms_norm   residual += x (in place), out = rms_norm(residual) * weight
 //   rotary_qkv_    rotates the q and k heads of the fused qkv projection in place
 //   silu_mul       out = silu(gate) * up, from the fused gate_up projection
+//   argmax_rows    each row's argmax (greedy sampling)
 // The torch reference for each lives in tokenmill/models/ops.py; tests compare the two.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -131,6 +132,51 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       }
 #endif
       for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+// (T, V) rows -> (T,) int64: the index of each row's largest value, the first one on ties, and
+// the first NaN where a row holds one (torch.argmax's answers). torch's own CPU argmax is a scalar
+// loop: 4.7 ms for the 64 rows of a batch-64 decode step (3.1 M logits), 2-3% of the step.
+// Here a row is read twice, once for its max, then up to it for the index.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_rows(x, "argmax_rows(x)");
+  const int64_t T = x.size(0), V = x.size(1), stride = x.stride(0);
+  TORCH_CHECK(V > 0, "argmax_rows: empty rows");
+  auto out = torch::empty({T}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * stride;
+      float mx = row[0];
+      bool nan = false;
+      int64_t i = 0;
+#ifdef TOKENMILL_AVX2
+      __m256 vmax = _mm256_set1_ps(row[0]), vnan = _mm256_setzero_ps();
+      for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(row + i);
+        vmax = _mm256_max_ps(vmax, v);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, vmax);
+      for (float lane : lanes) mx = std::max(mx, lane);
+      nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+      for (; i < V; ++i) {
+        nan = nan || std::isnan(row[i]);
+        mx = std::max(mx, row[i]);
+      }
+      int64_t found = 0;
+      if (nan) {
+        while (!std::isnan(row[found])) ++found;
+      } else {
+        while (row[found] != mx) ++found;
+      }
+      op[t] = found;
     }
   });
   return out;

@@ -26,7 +26,7 @@ from kernel_builds import build_kernels  # noqa: E402 (beside this script)
 
 from tokenmill.host_memory import huge_page_zeros  # noqa: E402
 
-LAYERS, HQ, HKV, D, BLOCK = 30, 9, 3, 64, 16  # SmolLM2-135M
+LAYERS, D, BLOCK = 30, 64, 16  # SmolLM2-135M
 
 
 def main() -> None:
@@ -35,17 +35,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--contiguous", action="store_true")
+    parser.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("HQ", "HKV"),
+                        help="query and kv heads (the default model's: 9 and 3)")
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
     builds = {name: build_kernels(path, name) for name, path in (b.split("=", 1) for b in args.builds)}
     torch.manual_seed(0)
+    hq, hkv = args.heads
     blocks_per_seq = -(-args.context // BLOCK)
     num_blocks = args.batch * blocks_per_seq + 200
-    pool = huge_page_zeros((LAYERS, 2, num_blocks, HKV, BLOCK, D), torch.float32)
+    pool = huge_page_zeros((LAYERS, 2, num_blocks, hkv, BLOCK, D), torch.float32)
     pool.normal_()
     order = torch.arange(num_blocks) if args.contiguous else torch.randperm(num_blocks)
     tables = order[: args.batch * blocks_per_seq].view(args.batch, blocks_per_seq).to(torch.int32).contiguous()
-    q = torch.randn(args.batch, HQ, D)
+    q = torch.randn(args.batch, hq, D)
     query_start = torch.arange(args.batch + 1, dtype=torch.int32)
     seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32)
 
@@ -65,7 +68,7 @@ def main() -> None:
                 run(mod)
                 best = min(best, time.perf_counter() - start)
             times[name].append(best)
-    gigabytes = LAYERS * 2 * args.batch * args.context * HKV * D * 4 / 1e9
+    gigabytes = LAYERS * 2 * args.batch * args.context * hkv * D * 4 / 1e9
     layout = "contiguous" if args.contiguous else "scattered"
     print(f"batch {args.batch}, context {args.context}, {layout} blocks, {torch.get_num_threads()} threads")
     for name, ts in times.items():

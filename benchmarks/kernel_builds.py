@@ -17,11 +17,14 @@ def build_kernels(csrc: str, name: str):
     when they change, so an unchanged build is not compiled again."""
     src = Path(tempfile.gettempdir()) / "tokenmill_ab_src" / name
     src.mkdir(parents=True, exist_ok=True)
-    for path in Path(csrc).iterdir():
-        if path.suffix not in (".cpp", ".h"):
-            continue
+    wanted = {path.name: path for path in Path(csrc).iterdir() if path.suffix in (".cpp", ".h")}
+    for stale in src.iterdir():
+        if stale.name not in wanted:
+            stale.unlink()
+    for path in wanted.values():
         text = path.read_text()
         if path.name == "bindings.cpp":
+            assert '(m, "DecoderLayer", ' in text, "bindings.cpp: the DecoderLayer class is declared otherwise"
             text = text.replace('(m, "DecoderLayer", ', '(m, "DecoderLayer", py::module_local(), ')
         if not (src / path.name).exists() or (src / path.name).read_text() != text:
             (src / path.name).write_text(text)

@@ -13,6 +13,7 @@ Order of operations on the (S, V) logits of the rows that sample this step:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -143,10 +144,11 @@ class HostTokens:
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device, argmax_rows=None) -> None:
+    def __init__(self, seed: int, device: torch.device,
+                 argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # the CPU kernels' argmax (the same answers as torch's, a tenth of the time at 64 rows)
+        # the CPU kernels' argmax: torch's answers in a fifth of the time at 64 rows of logits
         self.argmax_rows = argmax_rows
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -57,13 +57,18 @@ def test_argmax_rows_answers_as_torch_argmax(fused, vocab):
     x[1] = float("-inf")
     x[2, vocab // 2:] = float("nan")
     x[3] = 0.5  # all tied
-    x[4, -1] = x[4].max() + 1  # in the scalar tail
+    x[4, -1] = x[4].max() + 1  # the last element (in the scalar tail when vocab % 8)
     x[5, vocab // 3] = x[6, vocab // 3] = float("inf")
     x[6, -1] = float("inf")
     x[7] = x[7].round()  # many ties below the max
     x[8, 0] = float("nan")
-    assert torch.equal(fused.kernels.argmax_rows(x), x.argmax(dim=-1))
-    assert fused.kernels.argmax_rows(torch.randn(0, vocab)).shape == (0,)
+    x[9] = -1.0
+    x[9, vocab // 2], x[9, -1] = -0.0, 0.0  # equal: the first wins
+    x[10, -1] = float("nan")  # the only NaN, last
+    out = fused.kernels.argmax_rows(x)
+    assert out.dtype == torch.int64 and torch.equal(out, x.argmax(dim=-1))
+    empty = fused.kernels.argmax_rows(torch.randn(0, vocab))
+    assert empty.shape == (0,) and empty.dtype == torch.int64
 
 
 @pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32), reason="torch without oneDNN")

@@ -45,14 +45,22 @@ def test_the_cpu_kernels_argmax_draws_the_same_tokens():
     if kernels is None:
         pytest.skip("no C++ compiler")
     torch.manual_seed(0)
-    logits = torch.randn(40, V)
+    vocab = 1003
+    logits = torch.randn(40, vocab)
     requests = [req(str(i), temperature=0.0 if i % 3 == 0 else 0.8, seed=i) for i in range(40)]
+    calls = []
+
+    def counted(x):
+        calls.append(x.shape)
+        return kernels.argmax_rows(x)
 
     def tokens(argmax_rows):
         gens = {str(i): torch.Generator().manual_seed(i) for i in range(40)}
-        return Sampler(5, CPU, argmax_rows=argmax_rows)(logits, meta_for(requests, gens)).token_ids
+        meta = SamplingMetadata.build(requests, gens, vocab, CPU)
+        return Sampler(5, CPU, argmax_rows=argmax_rows)(logits, meta).token_ids
 
-    assert tokens(kernels.argmax_rows) == tokens(None)
+    assert tokens(counted) == tokens(None)
+    assert calls == [(40, vocab), (40, vocab)]  # the greedy rows' argmax and the race's
 
 
 def test_seeded_request_draws_the_same_tokens_alone_or_in_any_batch():

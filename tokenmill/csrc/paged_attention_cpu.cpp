@@ -56,25 +56,24 @@
 namespace {
 
 // The run of the pool to read next (one kv head of one block, a few KB at a random place, where
-// the hardware prefetcher starts late), asked for one cache line at a time from inside the
-// primitives' loops, two lines an iteration. Asked for in one burst of 64 prefetches instead, the
-// lines fill the core's miss buffers and load queue, and the arithmetic on the current run waits
-// behind them: 30 layers of batch-64 decodes at 300 keys took 0.72-0.80x the time spread out
-// (scattered blocks; 0.82x contiguous, 0.88x with the pool in cache), and the burst itself was worth
-// only a few percent over no prefetching at all.
+// the hardware prefetcher starts late), asked for two cache lines at a time from inside the
+// primitives' loops. Asked for in one burst of 64 prefetches instead, the lines fill the core's
+// miss buffers and load queue, and the arithmetic on the current run waits behind them: 30 layers
+// of batch-64 decodes at 300 keys took 0.71x the time spread out (scattered blocks; 0.80x
+// contiguous), and the burst itself was worth only a few percent over no prefetching at all. Two
+// lines an iteration covers a whole run when a kv head serves two query heads or more (G >= 2);
+// stepping as fast as the loops read (four lines an iteration of the dot products) was 3-7% slower
+// at G = 3. What the loops leave of a run (G = 1) is left to the hardware prefetcher, not asked
+// for in a burst.
 struct PrefetchCursor {
   const char* p = nullptr;
   const char* end = nullptr;
   void set(const void* begin, int64_t bytes) {
-    while (p < end) step();  // what the loops left of the last run (few iterations: small D or G)
     p = static_cast<const char*>(begin);
     end = p + bytes;
   }
-  void step() {
-    if (p < end) {
-      __builtin_prefetch(p, 0, 3);
-      p += 64;
-    }
+  void step2() {
+    for (int i = 0; i < 2 && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 3);
   }
 };
 
@@ -83,8 +82,9 @@ struct PrefetchCursor {
 // scores[j] = scale * <q, k_j> for j < n, k: (n, D)
 template <typename KV>
 void block_scores_scalar(const float* q, const KV* k, int64_t n, int64_t D, float scale, float* scores,
-                         PrefetchCursor&) {
+                         PrefetchCursor& pf) {
   for (int64_t j = 0; j < n; ++j) {
+    pf.step2();
     float s = 0.0f;
     for (int64_t d = 0; d < D; ++d) s += q[d] * static_cast<float>(k[j * D + d]);
     scores[j] = s * scale;
@@ -94,9 +94,10 @@ void block_scores_scalar(const float* q, const KV* k, int64_t n, int64_t D, floa
 // acc[g] += sum_j w[g * w_stride + j] * v_j for g < G, v: (n, D), acc: (G, D)
 template <typename KV>
 void block_accumulate_scalar(float* acc, int64_t G, const float* w, int64_t w_stride, const KV* v, int64_t n,
-                             int64_t D, PrefetchCursor&) {
+                             int64_t D, PrefetchCursor& pf) {
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t j = 0; j < n; ++j) {
+      pf.step2();
       for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w[g * w_stride + j] * static_cast<float>(v[j * D + d]);
     }
   }
@@ -137,7 +138,7 @@ void block_scores_avx2(const float* q, const KV* k, int64_t n, int64_t D, float 
     for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 qv = _mm256_loadu_ps(q + d);
-      pf.step(), pf.step();
+      pf.step2();
       for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, load8(k + (j + r) * D + d), a[r]);
     }
     _mm256_storeu_ps(scores + j, _mm256_mul_ps(reduce8(a), vscale));
@@ -155,7 +156,7 @@ void accumulate_tile(float* acc, const float* w, int64_t w_stride, const KV* v, 
     for (int i = 0; i < VC; ++i) r[g][i] = _mm256_loadu_ps(acc + g * D + 8 * i);
   for (int64_t j = 0; j < n; ++j) {
     __m256 vj[VC];
-    if (pf) pf->step(), pf->step();
+    if (pf) pf->step2();
     for (int i = 0; i < VC; ++i) vj[i] = load8(v + j * D + 8 * i);
     for (int g = 0; g < GC; ++g) {
       const __m256 wg = _mm256_set1_ps(w[g * w_stride + j * key_stride]);

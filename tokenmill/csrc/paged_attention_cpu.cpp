@@ -62,7 +62,7 @@ namespace {
 // of batch-64 decodes at 300 keys took 0.71x the time spread out (scattered blocks; 0.80x
 // contiguous), and the burst itself was worth only a few percent over no prefetching at all. Two
 // lines an iteration covers a whole run when a kv head serves two query heads or more (G >= 2);
-// stepping as fast as the loops read (four lines an iteration of the dot products) was 3-7% slower
+// stepping as fast as the loops read (four lines an iteration of the dot products) was 3-8% slower
 // at G = 3. What the loops leave of a run (G = 1) is left to the hardware prefetcher, not asked
 // for in a burst.
 struct PrefetchCursor {

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path.cwd()))  # the checkout this runs in
-from kernel_builds import build_kernels  # noqa: E402 (beside this script)
+from kernel_builds import build_named  # noqa: E402 (beside this script)
 
 from tokenmill.host_memory import huge_page_zeros  # noqa: E402
 
@@ -39,7 +39,7 @@ def main() -> None:
                         help="query and kv heads (the default model's: 9 and 3)")
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
-    builds = {name: build_kernels(path, name) for name, path in (b.split("=", 1) for b in args.builds)}
+    builds = build_named(args.builds)
     torch.manual_seed(0)
     hq, hkv = args.heads
     blocks_per_seq = -(-args.context // BLOCK)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))  # the checkout this runs in
-from kernel_builds import build_kernels  # noqa: E402 (beside this script)
+from kernel_builds import build_named  # noqa: E402 (beside this script)
 
 import tokenmill.cpu_kernels as cpu_kernels  # noqa: E402
 from tokenmill.bench.throughput import run_engine  # noqa: E402
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workloads", type=int, default=0, help="alternate this many workloads instead")
     args = parser.parse_args()
-    engines = {name: engine_on(build_kernels(path, name)) for name, path in (b.split("=", 1) for b in args.builds)}
+    engines = {name: engine_on(module) for name, module in build_named(args.builds).items()}
     if args.workloads:
         workloads(engines, args.workloads)
     else:

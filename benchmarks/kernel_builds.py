@@ -32,3 +32,8 @@ def build_kernels(csrc: str, name: str):
     return load(name=f"tokenmill_ab_{name}", sources=[str(s) for s in sorted(src.glob("*.cpp"))],
                 extra_include_paths=[str(src)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"])
+
+
+def build_named(specs: list[str]) -> dict:
+    """`name=path/to/csrc` arguments -> {name: that checkout's kernels}, in the order given."""
+    return {name: build_kernels(path, name) for name, path in (spec.split("=", 1) for spec in specs)}

@@ -59,7 +59,10 @@ class AsyncLLMEngine:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine thread. Call it on the thread that built the engine (its OpenMP
+        workers are let go here: see LLMEngine.release_threads)."""
         self._loop = asyncio.get_running_loop()
+        self.engine.release_threads()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 

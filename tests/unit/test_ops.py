@@ -213,6 +213,30 @@ def test_panel_linear_writes_into_a_column_range_and_checks_it(fused):
             fused.kernels.panel_linear(x, panels, None, 37, 0, bad)
 
 
+def test_release_threads_lets_this_threads_openmp_workers_exit(fused):
+    """The workers a thread's parallel kernels started stay for its next kernels until
+    release_threads; the next kernel starts them again, with the same result."""
+    import os
+    if not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2:
+        pytest.skip("needs Linux's /proc and two threads")
+    import time
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+    workers = torch.get_num_threads() - 1
+    panels, x = fused.kernels.pack_panels(torch.randn(256, 64)), torch.randn(8, 64)
+    y = fused.kernels.panel_linear(x, panels, None, 256)  # a parallel kernel: this thread's team exists
+    with_team = threads()
+    fused.kernels.release_threads()
+    deadline = time.monotonic() + 5
+    while threads() > with_team - workers and time.monotonic() < deadline:  # a worker may take a moment to go
+        time.sleep(0.01)
+    without = threads()
+    assert without <= with_team - workers
+    assert torch.equal(fused.kernels.panel_linear(x, panels, None, 256), y)
+    assert threads() >= without + workers
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_recut_in_cpp_gives_numpys_bytes(fused, kind):
     """The loader re-cuts K-quant super-blocks in C++; numpy's version is the readable reference."""

@@ -5,6 +5,10 @@
 #include "decoder_layer_cpu.h"
 #include "simd.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)");
   m.def("write_kv", &write_kv, "Store a step's K/V into the block pool");
@@ -22,6 +26,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-6: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0,
         py::arg("out") = py::none(), py::arg("int8_rows") = 0);
+  // libgomp gives each thread that starts a parallel region a team of workers of its own, kept
+  // for its next regions; this lets the calling thread's workers exit (they start again with its
+  // next parallel kernel). See LLMEngine.release_threads.
+  m.def("release_threads", [] {
+#ifdef _OPENMP
+    omp_pause_resource_all(omp_pause_soft);
+#endif
+  }, "Let the OpenMP worker threads started by the calling thread exit");
   py::class_<CpuDecoderLayer>(m, "DecoderLayer", "A Llama decoder layer whose attention runs in the kernel, in one call")
       .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<Projection>, int64_t, int64_t, int64_t, double,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),

@@ -42,3 +42,17 @@ def test_text_prompt_without_ignore_eos_for_strict_servers():
     body, result = _send("hello there", ignore_eos=False)
     assert body["prompt"] == "hello there" and "ignore_eos" not in body
     assert result.ok and result.output_tokens == 3
+
+
+def test_each_request_rate_gets_prompts_of_its_own():
+    """A prefix-caching server would serve a rate's prompts from its cache if an earlier rate had
+    sent them: each rate draws its own, the same ones from run to run."""
+    from argparse import Namespace
+
+    from tokenmill.bench.serve import rate_prompts
+    args = Namespace(num_prompts=8, prompt_len=(32, 64), output_len=(4, 8), dataset_seed=3)
+    first, second = rate_prompts(args, 0), rate_prompts(args, 1)
+    assert rate_prompts(args, 1) == second and len(first) == len(second) == 8
+    assert all(len(p.prompt) >= 32 and 4 <= p.max_tokens <= 8 for p in first + second)
+    # not even one block of 16 tokens in common between the two rates' prompts
+    assert not {tuple(p.prompt[:16]) for p in first} & {tuple(p.prompt[:16]) for p in second}

@@ -39,7 +39,8 @@ def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
-    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--dataset-seed", type=int, default=0,
+                   help="seed of the first rate's prompts; each further rate draws new ones (seed + 1, ...)")
     p.add_argument("--max-seconds", type=float, default=600, help="stop sending new requests after this")
     p.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=2000,tpot=200 (milliseconds)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",

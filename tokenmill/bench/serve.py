@@ -197,6 +197,19 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 300) 
     raise RuntimeError(f"no healthy server at {url} after {timeout:.0f} s")
 
 
+def rate_prompts(args, index: int, tokenizer=None) -> list[Prompt]:
+    """The prompts of the index-th request rate, drawn with seed dataset_seed + index: the same
+    prompts again would come from a prefix-caching server's cache, and every rate after the first
+    would show first-token times without the prefills. With a tokenizer, as text (special ids
+    would come back as control tokens, so the server's token count may differ a little)."""
+    prompts = [Prompt(r.prompt_token_ids, r.max_tokens) for r in
+               random_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
+                               args.dataset_seed + index)]
+    if tokenizer is not None:
+        prompts = [Prompt(tokenizer.decode(p.prompt, skip_special_tokens=True), p.max_tokens) for p in prompts]
+    return prompts
+
+
 def bench_serve(args) -> dict:
     import socket
 
@@ -214,18 +227,14 @@ def bench_serve(args) -> dict:
     try:
         wait_healthy(url, proc)
         model = args.served_model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        workload = [Prompt(r.prompt_token_ids, r.max_tokens) for r in
-                    random_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
-                                    args.dataset_seed)]
+        tokenizer = None
         if args.text_prompts:
             from tokenmill.models.loader import load_tokenizer, resolve_model_path
             tokenizer = load_tokenizer(resolve_model_path(args.model), args.tokenizer)
-            # special ids would come back as control tokens; the server's count may differ a little
-            workload = [Prompt(tokenizer.decode(p.prompt, skip_special_tokens=True), p.max_tokens)
-                        for p in workload]
         slo = parse_slo(args.slo)
         rows = []
-        for rate in args.request_rate:
+        for i, rate in enumerate(args.request_rate):
+            workload = rate_prompts(args, i, tokenizer)
             results, wall = asyncio.run(run_rate(url, model, workload, rate, args.burstiness, args.max_concurrency,
                                                  args.max_seconds, args.dataset_seed, progress=True,
                                                  ignore_eos=args.ignore_eos))
@@ -235,7 +244,7 @@ def bench_serve(args) -> dict:
             proc.terminate()
             proc.wait(30)
     print()
-    print(f"server {url}, model {model!r}, {len(workload)} requests per rate, "
+    print(f"server {url}, model {model!r}, {args.num_prompts} requests per rate (new prompts for each), "
           f"max concurrency {args.max_concurrency or 'unbounded'}, SLO {slo or 'none'}")
     print(format_rows(rows))
     if args.plot is not None:

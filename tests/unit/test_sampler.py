@@ -39,8 +39,8 @@ def test_greedy_is_argmax():
 
 
 def test_the_cpu_kernels_argmax_draws_the_same_tokens():
-    """The sampler's argmax from the CPU kernels (the engine's on CPU) against torch's, for greedy
-    rows and for the exponential race of sampled ones."""
+    """The sampler's argmax from the CPU kernels (the engine's on CPU) against torch's, for the
+    greedy rows (on the CPU the sampled ones draw from their cumulative probabilities)."""
     kernels = load_cpu_kernels(required=False)
     if kernels is None:
         pytest.skip("no C++ compiler")
@@ -60,7 +60,7 @@ def test_the_cpu_kernels_argmax_draws_the_same_tokens():
         return Sampler(5, CPU, argmax_rows=argmax_rows)(logits, meta).token_ids
 
     assert tokens(counted) == tokens(None)
-    assert calls == [(40, vocab), (40, vocab)]  # the greedy rows' argmax and the race's
+    assert calls == [(40, vocab)]
 
 
 def test_seeded_request_draws_the_same_tokens_alone_or_in_any_batch():
@@ -111,6 +111,32 @@ def test_sampling_matches_the_softmax_distribution():
     tokens = Sampler(0, CPU)(logits, SamplingMetadata.build([req(str(i)) for i in range(n)], {}, 4, CPU)).token_ids
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
     chi2 = float(sum((f - p) ** 2 / p for f, p in zip(freq.tolist(), probs)) * n)
+    assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+def test_cpu_draw_never_picks_a_token_of_zero_probability(monkeypatch):
+    """The CPU draw (draw_by_sums) takes the first token whose running sum exceeds u times the
+    row's sum, through blocks of 1,024 tokens: u = 0 skips leading zeros, and a u so close to 1
+    that u times the sum rounds to the sum still lands on the last token of nonzero probability,
+    not on the zeros after it, in its block or in later ones (2,100 tokens: a partial third block)."""
+    probs = torch.zeros(3, 2100)
+    probs[:, 1], probs[:, 1030] = 0.25, 0.75
+    u = torch.tensor([[0.0], [0.5], [1.0 - 2.0 ** -53]], dtype=torch.float64)
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: u.clone())
+    meta = SamplingMetadata.build([req(str(i)) for i in range(3)], {}, 2100, CPU)
+    assert Sampler(0, CPU).draw(probs, meta).tolist() == [1, 1030, 1030]
+
+
+def test_cpu_draw_matches_the_distribution_across_blocks():
+    from tokenmill.sampler import draw_by_sums
+    n, vocab = 20000, 2500  # blocks of 1,024, 1,024 and 452 tokens
+    tokens, probs = [5, 1500, 2400, 2499], [0.2, 0.3, 0.4, 0.1]
+    rows = torch.zeros(n, vocab)
+    rows[:, tokens] = torch.tensor(probs) * 3  # any scale: drawn against the row's sum
+    drawn = draw_by_sums(rows, torch.rand(n, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    counts = torch.bincount(drawn, minlength=vocab)
+    assert int(counts.sum()) == n and int(counts[tokens].sum()) == n
+    chi2 = sum((int(counts[t]) - p * n) ** 2 / (p * n) for t, p in zip(tokens, probs))
     assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
 
 

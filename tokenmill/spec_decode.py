@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from tokenmill.request import Request
-from tokenmill.sampler import Sampler, SamplingMetadata, filter_logits
+from tokenmill.sampler import Sampler, SamplingMetadata, draw_by_sums, filter_logits
 
 # ---- verification -----------------------------------------------------------------------------
 
@@ -78,8 +78,17 @@ def _rejection_sample(probs: torch.Tensor, drafts: list[int], draft_probs: torch
             residual = (p - q).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:  # p == q: any draw from p is exact
             residual = p
-        return drafts[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
-    return drafts + [int(torch.multinomial(probs[len(drafts)], 1, generator=generator))]
+        return drafts[:i] + [_draw(residual, generator)]
+    return drafts + [_draw(probs[len(drafts)], generator)]
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """An index drawn with probability weights[i] / sum(weights). On the CPU torch.multinomial
+    took 1.1 ms over the default model's 49,152 tokens; draw_by_sums (the sampler's) 0.16."""
+    if weights.is_cuda:
+        return int(torch.multinomial(weights, 1, generator=generator))
+    u = torch.rand(1, 1, dtype=torch.float64, generator=generator)
+    return int(draw_by_sums(weights.contiguous().unsqueeze(0), u))
 
 
 # ---- when it pays -----------------------------------------------------------------------------

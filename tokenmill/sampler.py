@@ -105,20 +105,50 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     logits[rows] = sub
 
 
+def keep_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+              first: int = 64) -> torch.Tensor:
+    """In place: each row's logits with -inf outside its top_k best tokens and outside the smallest set of
+    best tokens whose probability (after top-k) reaches top_p; the best token always stays.
+
+    Only each row's best n tokens are sorted (torch.topk): n from `first` (or the largest top_k),
+    four times as many for the rows whose top_p set runs past them. A full sort of the default
+    model's 49,152 logits took 2 ms a row on the CPU, 127 ms for a batch of 64, most of a decode
+    step; the model's own top-p sets (0.9-0.95) held a median of 6 to 400 tokens."""
+    S, V = logits.shape
+    k = top_k.clamp(max=V) if top_k is not None else torch.full((S,), V, device=logits.device)
+    p = top_p if top_p is not None else torch.ones(S, device=logits.device)
+    limited, uses_p = k < V, p < 1  # top_p 1 keeps every token (no rounding drops the tail)
+    todo = torch.nonzero(limited | uses_p).flatten()  # rows with neither stay as they are
+    n = first
+    while todo.numel():
+        rows = logits if todo.numel() == S else logits[todo]  # (S, V) copies cost page faults
+        k_rows, p_rows, by_p, by_k = k[todo], p[todo], uses_p[todo], limited[todo]
+        # all of a row's top k at once: top-p's probabilities are over them
+        n = min(V, max([n] + ([int(k_rows[by_k].max())] if bool(by_k.any()) else [])))
+        vals, idx = rows.topk(n, dim=1)                             # best first
+        keep = torch.arange(n, device=logits.device).unsqueeze(0) < k_rows.unsqueeze(1)
+        settled = ~by_p | (k_rows <= n)
+        if bool(by_p.any()):
+            # probabilities as softmax computes them: exp(x - max) over the sum of those of the
+            # row's candidates, its top k or (without top-k) the whole row
+            e = (vals - vals[:, :1]).exp().masked_fill(~keep, 0.0)
+            whole = (rows - vals[:, :1]).exp().sum(dim=1, keepdim=True)
+            probs = e / torch.where(by_k.unsqueeze(1), e.sum(dim=1, keepdim=True), whole)
+            mass_before = probs.cumsum(dim=1) - probs               # mass of strictly better tokens
+            keep &= (mass_before < p_rows.unsqueeze(1)) | ~by_p.unsqueeze(1)
+            settled |= (~keep).any(dim=1) | (n == V)                # its set ended inside the n
+        done = todo[settled]
+        logits.index_fill_(0, done, float("-inf"))
+        logits[done.unsqueeze(1), idx[settled]] = vals[settled].masked_fill(~keep[settled], float("-inf"))
+        todo, n = todo[~settled], 4 * n
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature-scaled logits with top-k, top-p and min-p applied (-inf outside the kept set)."""
     logits = logits / meta.temperature.unsqueeze(1)
     if meta.top_k is not None or meta.top_p is not None:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if meta.top_k is not None:
-            ranks = torch.arange(logits.shape[1], device=logits.device)
-            remove |= ranks.unsqueeze(0) >= meta.top_k.unsqueeze(1)
-        if meta.top_p is not None:
-            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs    # mass of strictly better tokens
-            remove |= mass_before >= meta.top_p.unsqueeze(1)  # the top token always stays
-        logits = logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+        logits = keep_best(logits, meta.top_k, meta.top_p)
     if meta.min_p is not None:
         probs = logits.softmax(dim=-1)
         threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values

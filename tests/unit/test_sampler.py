@@ -98,6 +98,36 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p, expected):
     assert kept[0].nonzero().flatten().tolist() == expected
 
 
+def _keep_best_by_full_sort(logits, top_k, top_p):
+    """The reference for keep_best: sort every whole row."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    remove = ranks >= top_k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    remove |= (probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+
+
+def test_keep_best_sorts_only_the_best_and_keeps_the_same_tokens():
+    """keep_best sorts each row's best tokens only, more of them while some row's top-p set runs
+    past them: the kept sets are those of a sort of the whole rows, with top-k and top-p mixed
+    per row, and nucleus sets from a few tokens to most of the vocabulary."""
+    from tokenmill.sampler import keep_best
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3000
+    scales = torch.tensor([4.0, 4.0, 1.0, 0.1, 0.1, 2.0, 0.05, 3.0]).unsqueeze(1)  # 0.1, 0.05: flat rows
+    logits = torch.randn(8, vocab, generator=gen) * scales
+    top_k = torch.tensor([vocab, 40, vocab, vocab, 500, 5, vocab, 1])
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.95, 1.0, 0.99, 0.999, 0.3])  # 1.0: off in that row
+    ours = keep_best(logits.clone(), top_k, top_p, first=16)  # in place
+    assert torch.equal(ours.isfinite(), _keep_best_by_full_sort(logits, top_k, top_p).isfinite())
+    kept = ours.isfinite().sum(dim=1)
+    assert int(kept[6]) > 2500 and int(kept[1]) <= 40 and int(kept[7]) == 1  # a set past 16 * 4 * 4
+    assert torch.equal(ours[ours.isfinite()], logits[ours.isfinite()])       # kept logits unchanged
+    only_k = keep_best(logits.clone(), top_k, None)
+    assert torch.equal(only_k.isfinite(), _keep_best_by_full_sort(logits, top_k, torch.ones(8)).isfinite())
+
+
 def test_min_p_drops_tokens_below_a_share_of_the_top_probability():
     logits = probs_logits([0.5, 0.3, 0.15, 0.05])
     kept = filter_logits(logits, SamplingMetadata.build([req("a", min_p=0.2)], {}, 4, CPU)).isfinite()

@@ -20,6 +20,7 @@ def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: nucleus sampling")
     p.add_argument("--compare", action="store_true",
                    help="also run static batching and Hugging Face generate on the same requests")
     p.add_argument("--pressure", action="store_true",

@@ -56,7 +56,7 @@ class RunResult:
                 "itl_p99_s": float(np.percentile(self.itl, 99)) if self.itl else None}
 
 
-def run_engine(engine, workload: list[BenchRequest], name: str, temperature: float = 0.0,
+def run_engine(engine, workload: list[BenchRequest], name: str, temperature: float = 0.0, top_p: float = 1.0,
                useful: list[BenchRequest] | None = None, inject: tuple[int, list[BenchRequest]] | None = None,
                progress: bool = True) -> RunResult:
     """Run `workload` to completion through `engine.step()`.
@@ -78,7 +78,8 @@ def run_engine(engine, workload: list[BenchRequest], name: str, temperature: flo
         rid = f"{name}-{index}"
         arrival[rid] = time.monotonic()
         engine.add_request(rid, {"prompt_token_ids": r.prompt_token_ids},
-                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature))
+                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature,
+                                          top_p=top_p))
 
     useful_seqs = []
     mark_time = None

@@ -105,50 +105,88 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     logits[rows] = sub
 
 
+def sort_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Each row's logits with -inf outside its top_k best tokens and outside the smallest set of
+    best tokens whose probability (after top-k) reaches top_p (top_p 1: every token); the best
+    token always stays. By sorting every whole row: on a GPU, where that is fast and keep_best's
+    per-row sizes would make the host wait for the device."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        remove |= torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) >= top_k.unsqueeze(1)
+    if top_p is not None:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs    # mass of strictly better tokens
+        remove |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+
+
 def keep_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
               first: int = 64) -> torch.Tensor:
-    """In place: each row's logits with -inf outside its top_k best tokens and outside the smallest set of
-    best tokens whose probability (after top-k) reaches top_p; the best token always stays.
+    """sort_best's sets, in place, sorting only each row's best n tokens (torch.topk): n from
+    `first` (or all of the row's top k, over which top-p's probabilities are), then while the
+    row's top-p set runs past them eight times as many, or more where the mass still missing
+    needs more at the n-th token's probability (up to a power of two), and the whole row past an
+    eighth of it. A sort
+    of the default model's 49,152 logits took 2 ms a row on the CPU, 127 ms for a batch of 64,
+    most of a decode step; its own top-p sets (0.9-0.95) held a median of 6 to 400 tokens.
 
-    Only each row's best n tokens are sorted (torch.topk): n from `first` (or the largest top_k),
-    four times as many for the rows whose top_p set runs past them. A full sort of the default
-    model's 49,152 logits took 2 ms a row on the CPU, 127 ms for a batch of 64, most of a decode
-    step; the model's own top-p sets (0.9-0.95) held a median of 6 to 400 tokens."""
+    What a row keeps depends on that row alone, never on the batch, so a seeded request draws
+    the same tokens in any batch: its n, its candidates (topk works row by row) and its
+    probabilities (its softmax, or over its top k a running sum of their first k terms) are its
+    own. They may differ from sort_best's by rounding: a token at the edge of a top-p set."""
     S, V = logits.shape
-    k = top_k.clamp(max=V) if top_k is not None else torch.full((S,), V, device=logits.device)
-    p = top_p if top_p is not None else torch.ones(S, device=logits.device)
-    limited, uses_p = k < V, p < 1  # top_p 1 keeps every token (no rounding drops the tail)
-    todo = torch.nonzero(limited | uses_p).flatten()  # rows with neither stay as they are
-    n = first
-    while todo.numel():
-        rows = logits if todo.numel() == S else logits[todo]  # (S, V) copies cost page faults
-        k_rows, p_rows, by_p, by_k = k[todo], p[todo], uses_p[todo], limited[todo]
-        # all of a row's top k at once: top-p's probabilities are over them
-        n = min(V, max([n] + ([int(k_rows[by_k].max())] if bool(by_k.any()) else [])))
-        vals, idx = rows.topk(n, dim=1)                             # best first
-        keep = torch.arange(n, device=logits.device).unsqueeze(0) < k_rows.unsqueeze(1)
-        settled = ~by_p | (k_rows <= n)
-        if bool(by_p.any()):
-            # probabilities as softmax computes them: exp(x - max) over the sum of those of the
-            # row's candidates, its top k or (without top-k) the whole row
-            e = (vals - vals[:, :1]).exp().masked_fill(~keep, 0.0)
-            whole = (rows - vals[:, :1]).exp().sum(dim=1, keepdim=True)
-            probs = e / torch.where(by_k.unsqueeze(1), e.sum(dim=1, keepdim=True), whole)
-            mass_before = probs.cumsum(dim=1) - probs               # mass of strictly better tokens
-            keep &= (mass_before < p_rows.unsqueeze(1)) | ~by_p.unsqueeze(1)
-            settled |= (~keep).any(dim=1) | (n == V)                # its set ended inside the n
-        done = todo[settled]
-        logits.index_fill_(0, done, float("-inf"))
-        logits[done.unsqueeze(1), idx[settled]] = vals[settled].masked_fill(~keep[settled], float("-inf"))
-        todo, n = todo[~settled], 4 * n
+    ks = top_k.clamp(max=V).tolist() if top_k is not None else [V] * S
+    ps = top_p.tolist() if top_p is not None else [1.0] * S
+    # rows with neither limit stay as they are; the others start with n = their k, or `first`
+    todo = {r: min(V, k if k < V else first) for r, (k, p) in enumerate(zip(ks, ps)) if k < V or p < 1}
+    # the softmax of every row that needs its whole row's (top-p without top-k), once
+    whole = [r for r, (k, p) in enumerate(zip(ks, ps)) if k == V and p < 1]
+    softmax = torch.zeros(S, 0, device=logits.device) if not whole else (
+        logits.softmax(dim=1) if len(whole) == S else torch.zeros_like(logits).index_copy_(
+            0, torch.tensor(whole), logits[whole].softmax(dim=1)))
+    while todo:
+        groups: dict[int, list[int]] = {}
+        for r, n in todo.items():
+            groups.setdefault(n, []).append(r)
+        todo = {}
+        for n, rows in groups.items():
+            index = torch.tensor(rows, device=logits.device)
+            sub = logits if len(rows) == S else logits[index]  # (S, V) copies cost page faults
+            # best first; per row, the same alone or in a batch (a sort beats topk of many)
+            vals, idx = sub.sort(dim=1, descending=True) if n == V else sub.topk(n, dim=1)
+            k = torch.tensor([ks[r] for r in rows], device=logits.device)
+            p = torch.tensor([ps[r] for r in rows], device=logits.device, dtype=logits.dtype)
+            keep = torch.arange(n, device=logits.device).unsqueeze(0) < k.unsqueeze(1)
+            uses_p = p < 1
+            settled = ~uses_p | (k <= n) | (n == V)
+            grow = [V] * len(rows)
+            if bool(uses_p.any()):
+                e = (vals - vals[:, :1]).exp().masked_fill(~keep, 0.0)
+                over_k = e / e.cumsum(dim=1).gather(1, (k.clamp(max=n) - 1).unsqueeze(1))
+                probs = over_k if bool((k < V).all()) else torch.where(
+                    (k < V).unsqueeze(1), over_k, softmax[index.unsqueeze(1), idx])
+                mass_before = probs.cumsum(dim=1) - probs        # mass of strictly better tokens
+                keep &= (mass_before < p.unsqueeze(1)) | ~uses_p.unsqueeze(1)
+                settled |= (~keep).any(dim=1)                    # its set ended inside the n
+                # the mass still missing takes at least missing / (the n-th probability) more tokens
+                missing = (p - mass_before[:, -1] - probs[:, -1]).clamp(min=0) / probs[:, -1]
+                grow = [1 << (max(8 * n, n + int(2 * m)) - 1).bit_length() if m < V else V
+                        for m in missing.tolist()]  # powers of two: rows share their topk calls
+                grow = [g if g <= V // 8 else V for g in grow]  # past an eighth of the row: sort it all
+            kept = vals[settled].masked_fill(~keep[settled], float("-inf"))
+            logits.index_copy_(0, index[settled], torch.full((len(kept), V), float("-inf"), device=logits.device,
+                                                            dtype=logits.dtype).scatter_(1, idx[settled], kept))
+            todo.update({r: g for r, g, s_ in zip(rows, grow, settled.tolist()) if not s_})
     return logits
 
 
 def filter_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature-scaled logits with top-k, top-p and min-p applied (-inf outside the kept set)."""
-    logits = logits / meta.temperature.unsqueeze(1)
+    logits = logits / meta.temperature.unsqueeze(1)  # a new tensor, which keep_best may write into
     if meta.top_k is not None or meta.top_p is not None:
-        logits = keep_best(logits, meta.top_k, meta.top_p)
+        best = sort_best if logits.is_cuda else keep_best
+        logits = best(logits, meta.top_k, meta.top_p)
     if meta.min_p is not None:
         probs = logits.softmax(dim=-1)
         threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
@@ -168,9 +206,10 @@ def draw_by_sums(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     absorb every probability below its rounding step (the default model has 49,152 tokens, most
     of them far below 1e-7), and a float64 one over the whole row was slower (64 rows: 20 ms,
     against 0.6 here; the fresh pages of its 25 MB alone took 5). A block's own sum is float32's
-    pairwise sum, off by well under 1e-6 of the block's mass: all the error the draw adds.
-    A u so close to 1 that u times the sum rounds up to it lands on the last token of nonzero
-    probability (of the last block of nonzero mass), never on zeros after it."""
+    pairwise sum, off by well under 1e-6 of the block's mass: all the error the draw adds. Where
+    it is larger than the block's float64 running sum, u times the row's sum can run past the
+    block's last token; the caps put the draw on the last token of nonzero probability (of the
+    last block of nonzero mass) then, never on zeros after it."""
     S, V = probs.shape
     full = V // _DRAW_BLOCK * _DRAW_BLOCK
     sums = [probs[:, :full].view(S, -1, _DRAW_BLOCK).sum(-1).double()] if full else []
@@ -243,9 +282,10 @@ class Sampler:
         return tokens, raw_logprobs
 
     def draw(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """One token per row of probs (S, V), each with its probability. Every row draws from the
-        sampler's generator first (so what an unseeded row draws does not depend on which rows have
-        seeds), then a row with a seed draws again from its own.
+        """One token per row of probs (S, V), each with its probability (on the CPU to within
+        about 1e-7: draw_by_sums). Every row draws from the sampler's generator first (so what an
+        unseeded row draws does not depend on which rows have seeds), then a row with a seed draws
+        again from its own.
 
         On a GPU: the exponential race, argmax(probs / Exp(1) noise), V random numbers a row,
         generated in parallel there. On the CPU torch makes Exp(1) numbers one at a time: 1.1 ms a

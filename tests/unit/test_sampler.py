@@ -98,21 +98,11 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p, expected):
     assert kept[0].nonzero().flatten().tolist() == expected
 
 
-def _keep_best_by_full_sort(logits, top_k, top_p):
-    """The reference for keep_best: sort every whole row."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
-    remove = ranks >= top_k.unsqueeze(1)
-    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    remove |= (probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-    return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
-
-
 def test_keep_best_sorts_only_the_best_and_keeps_the_same_tokens():
-    """keep_best sorts each row's best tokens only, more of them while some row's top-p set runs
-    past them: the kept sets are those of a sort of the whole rows, with top-k and top-p mixed
-    per row, and nucleus sets from a few tokens to most of the vocabulary."""
-    from tokenmill.sampler import keep_best
+    """keep_best (the CPU's) sorts each row's best tokens only, more of them while the row's
+    top-p set runs past them: the kept sets are sort_best's (whole rows sorted, the GPU's), with
+    top-k and top-p mixed per row and top-p sets from one token to most of the vocabulary."""
+    from tokenmill.sampler import keep_best, sort_best
     gen = torch.Generator().manual_seed(0)
     vocab = 3000
     scales = torch.tensor([4.0, 4.0, 1.0, 0.1, 0.1, 2.0, 0.05, 3.0]).unsqueeze(1)  # 0.1, 0.05: flat rows
@@ -120,12 +110,34 @@ def test_keep_best_sorts_only_the_best_and_keeps_the_same_tokens():
     top_k = torch.tensor([vocab, 40, vocab, vocab, 500, 5, vocab, 1])
     top_p = torch.tensor([0.9, 0.95, 0.5, 0.95, 1.0, 0.99, 0.999, 0.3])  # 1.0: off in that row
     ours = keep_best(logits.clone(), top_k, top_p, first=16)  # in place
-    assert torch.equal(ours.isfinite(), _keep_best_by_full_sort(logits, top_k, top_p).isfinite())
+    assert torch.equal(ours.isfinite(), sort_best(logits, top_k, top_p).isfinite())
     kept = ours.isfinite().sum(dim=1)
-    assert int(kept[6]) > 2500 and int(kept[1]) <= 40 and int(kept[7]) == 1  # a set past 16 * 4 * 4
+    assert int(kept[6]) > 2500 and int(kept[1]) <= 40 and int(kept[7]) == 1  # row 6: n 16 -> 3000
     assert torch.equal(ours[ours.isfinite()], logits[ours.isfinite()])       # kept logits unchanged
     only_k = keep_best(logits.clone(), top_k, None)
-    assert torch.equal(only_k.isfinite(), _keep_best_by_full_sort(logits, top_k, torch.ones(8)).isfinite())
+    assert torch.equal(only_k.isfinite(), sort_best(logits, top_k, None).isfinite())
+
+
+def test_keep_best_keeps_the_same_tokens_alone_or_in_any_batch():
+    """What a row keeps depends on it alone: its own n (not the batch's largest top_k), its
+    candidates, its softmax; tied best logits too. A seeded request draws from it, so this is
+    what makes it draw the same tokens in any batch."""
+    from tokenmill.sampler import keep_best
+    gen = torch.Generator().manual_seed(1)
+    vocab = 5000
+    tied = torch.randn(vocab, generator=gen)
+    tied[[7, 300, 2000, 4000, 4999]] = 9.0  # five best tokens tied: top_k 3 keeps three of them
+    rows = [(torch.randn(vocab, generator=gen) * 3, vocab, 0.9), (tied, 3, 1.0), (tied, 3, 0.8),
+            (torch.randn(vocab, generator=gen) * 0.2, vocab, 0.95)]
+    others = torch.randn(5, vocab, generator=gen)
+    for row, k, p in rows:
+        alone = keep_best(row.unsqueeze(0).clone(), torch.tensor([k]), torch.tensor([p]))
+        batch = torch.cat([others[:2], row.unsqueeze(0), others[2:]])
+        in_batch = keep_best(batch, torch.tensor([1000, vocab, k, 2, vocab, vocab]),
+                             torch.tensor([1.0, 0.5, p, 1.0, 0.99, 0.7]))[2]
+        assert torch.equal(alone[0], in_batch)
+    kept = keep_best(tied.unsqueeze(0).clone(), torch.tensor([3]), None)[0].isfinite().nonzero().flatten().tolist()
+    assert len(kept) == 3 and set(kept) <= {7, 300, 2000, 4000, 4999}
 
 
 def test_min_p_drops_tokens_below_a_share_of_the_top_probability():
@@ -146,15 +158,18 @@ def test_sampling_matches_the_softmax_distribution():
 
 def test_cpu_draw_never_picks_a_token_of_zero_probability(monkeypatch):
     """The CPU draw (draw_by_sums) takes the first token whose running sum exceeds u times the
-    row's sum, through blocks of 1,024 tokens: u = 0 skips leading zeros, and a u so close to 1
-    that u times the sum rounds to the sum still lands on the last token of nonzero probability,
-    not on the zeros after it, in its block or in later ones (2,100 tokens: a partial third block)."""
-    probs = torch.zeros(3, 2100)
-    probs[:, 1], probs[:, 1030] = 0.25, 0.75
-    u = torch.tensor([[0.0], [0.5], [1.0 - 2.0 ** -53]], dtype=torch.float64)
+    row's sum, through blocks of 1,024 tokens: u = 0 skips leading zeros, and the largest u
+    lands on the last token of nonzero probability, in its block or in a later one (2,100
+    tokens: a partial third block), never on the zeros after it. In the last row the block's
+    float32 sum (1 + 7e-8 rounds up to 1 + 2^-23) exceeds its float64 running sum, so u times it
+    runs past the block's end without the cap."""
+    probs = torch.zeros(4, 2100)
+    probs[:3, 1], probs[:3, 1030] = 0.25, 0.75
+    probs[3, 0], probs[3, 1] = 1.0, 7e-8
+    u = torch.tensor([[0.0], [0.5], [1.0 - 2.0 ** -53], [1.0 - 2.0 ** -53]], dtype=torch.float64)
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: u.clone())
-    meta = SamplingMetadata.build([req(str(i)) for i in range(3)], {}, 2100, CPU)
-    assert Sampler(0, CPU).draw(probs, meta).tolist() == [1, 1030, 1030]
+    meta = SamplingMetadata.build([req(str(i)) for i in range(4)], {}, 2100, CPU)
+    assert Sampler(0, CPU).draw(probs, meta).tolist() == [1, 1030, 1030, 1]
 
 
 def test_cpu_draw_matches_the_distribution_across_blocks():

@@ -5,7 +5,10 @@
 #include "decoder_layer_cpu.h"
 #include "simd.h"
 
-#ifdef _OPENMP
+// omp_pause_resource_all is OpenMP 5.0: GCC has it from version 9 (while still reporting an
+// older _OPENMP); elsewhere release_threads does nothing.
+#if defined(_OPENMP) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 9
+#define TOKENMILL_OMP_PAUSE 1
 #include <omp.h>
 #endif
 
@@ -30,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // for its next regions; this lets the calling thread's workers exit (they start again with its
   // next parallel kernel). See LLMEngine.release_threads.
   m.def("release_threads", [] {
-#ifdef _OPENMP
+#ifdef TOKENMILL_OMP_PAUSE
     omp_pause_resource_all(omp_pause_soft);
 #endif
   }, "Let the OpenMP worker threads started by the calling thread exit");

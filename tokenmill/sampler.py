@@ -126,10 +126,10 @@ def keep_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Ten
     """sort_best's sets, in place, sorting only each row's best n tokens (torch.topk): n from
     `first` (or all of the row's top k, over which top-p's probabilities are), then while the
     row's top-p set runs past them eight times as many, or more where the mass still missing
-    needs more at the n-th token's probability (up to a power of two), and the whole row past an
-    eighth of it. A sort
-    of the default model's 49,152 logits took 2 ms a row on the CPU, 127 ms for a batch of 64,
-    most of a decode step; its own top-p sets (0.9-0.95) held a median of 6 to 400 tokens.
+    needs more at the n-th token's probability (up to a power of two); a row that needs more than
+    an eighth of its tokens goes to sort_best. A sort of the default model's 49,152 logits took
+    2 ms a row on the CPU, 127 ms for a batch of 64, most of a decode step; its own top-p sets
+    (0.9-0.95) held a median of 6 to 400 tokens.
 
     What a row keeps depends on that row alone, never on the batch, so a seeded request draws
     the same tokens in any batch: its n, its candidates (topk works row by row) and its
@@ -153,19 +153,25 @@ def keep_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Ten
         for n, rows in groups.items():
             index = torch.tensor(rows, device=logits.device)
             sub = logits if len(rows) == S else logits[index]  # (S, V) copies cost page faults
-            # best first; per row, the same alone or in a batch (a sort beats topk of many)
-            vals, idx = sub.sort(dim=1, descending=True) if n == V else sub.topk(n, dim=1)
             k = torch.tensor([ks[r] for r in rows], device=logits.device)
             p = torch.tensor([ps[r] for r in rows], device=logits.device, dtype=logits.dtype)
+            if n == V:  # rows that need most of their tokens: sorted whole (fewer passes than below)
+                if len(rows) == S:
+                    logits.copy_(sort_best(sub, k, p))
+                else:
+                    logits.index_copy_(0, index, sort_best(sub, k, p))
+                continue
+            vals, idx = sub.topk(n, dim=1)  # best first; per row, the same alone or in a batch
             keep = torch.arange(n, device=logits.device).unsqueeze(0) < k.unsqueeze(1)
             uses_p = p < 1
-            settled = ~uses_p | (k <= n) | (n == V)
+            settled = ~uses_p | (k <= n)
             grow = [V] * len(rows)
             if bool(uses_p.any()):
                 e = (vals - vals[:, :1]).exp().masked_fill(~keep, 0.0)
                 over_k = e / e.cumsum(dim=1).gather(1, (k.clamp(max=n) - 1).unsqueeze(1))
+                rows_softmax = softmax if len(rows) == S else softmax.index_select(0, index)
                 probs = over_k if bool((k < V).all()) else torch.where(
-                    (k < V).unsqueeze(1), over_k, softmax[index.unsqueeze(1), idx])
+                    (k < V).unsqueeze(1), over_k, rows_softmax.gather(1, idx))
                 mass_before = probs.cumsum(dim=1) - probs        # mass of strictly better tokens
                 keep &= (mass_before < p.unsqueeze(1)) | ~uses_p.unsqueeze(1)
                 settled |= (~keep).any(dim=1)                    # its set ended inside the n
@@ -173,10 +179,17 @@ def keep_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Ten
                 missing = (p - mass_before[:, -1] - probs[:, -1]).clamp(min=0) / probs[:, -1]
                 grow = [1 << (max(8 * n, n + int(2 * m)) - 1).bit_length() if m < V else V
                         for m in missing.tolist()]  # powers of two: rows share their topk calls
-                grow = [g if g <= V // 8 else V for g in grow]  # past an eighth of the row: sort it all
-            kept = vals[settled].masked_fill(~keep[settled], float("-inf"))
-            logits.index_copy_(0, index[settled], torch.full((len(kept), V), float("-inf"), device=logits.device,
-                                                            dtype=logits.dtype).scatter_(1, idx[settled], kept))
+                grow = [g if g <= V // 8 else V for g in grow]  # past an eighth of the row: sort_best
+            if bool(settled.all()):  # no (rows, n) copies by a mask
+                kept = vals.masked_fill_(~keep, float("-inf"))
+                if len(rows) == S:
+                    logits.fill_(float("-inf")).scatter_(1, idx, kept)
+                else:
+                    logits.index_copy_(0, index, torch.full_like(sub, float("-inf")).scatter_(1, idx, kept))
+            else:
+                kept = vals[settled].masked_fill(~keep[settled], float("-inf"))
+                logits.index_copy_(0, index[settled], torch.full((len(kept), V), float("-inf"), device=logits.device,
+                                                                dtype=logits.dtype).scatter_(1, idx[settled], kept))
             todo.update({r: g for r, g, s_ in zip(rows, grow, settled.tolist()) if not s_})
     return logits
 

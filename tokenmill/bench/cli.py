@@ -25,6 +25,11 @@ def _workload(args):
     return long_workload(seed=args.dataset_seed)
 
 
+def _sampling(args) -> dict:
+    """run_engine's sampling settings from the command line (greedy unless --temperature)."""
+    return {"temperature": args.temperature, "top_p": args.top_p}
+
+
 def bench_throughput(args) -> dict:
     workload = _workload(args)
     engine = _engine(args)
@@ -36,7 +41,7 @@ def bench_throughput(args) -> dict:
     if args.workload == "prefix":
         return _bench_prefix(args, engine, workload)
 
-    results = [run_engine(engine, workload, "tokenmill", temperature=args.temperature, top_p=args.top_p)]
+    results = [run_engine(engine, workload, "tokenmill", **_sampling(args))]
     summary = {}
     if args.pressure:
         summary["pressure"] = _bench_pressure(args, results[0], workload, engine.kv.block_size)
@@ -73,7 +78,7 @@ def _bench_pressure(args, roomy: RunResult, workload, block_size: int) -> dict:
     """The same requests with the pool cut to a quarter of the peak the roomy run used."""
     peak = max(s.kv_blocks_used for s in roomy.steps)
     engine = _engine(args, num_kv_blocks=max(peak // 4, 1), kv_cache_memory=None)
-    tight = run_engine(engine, workload, "pressure-1/4-pool", temperature=args.temperature, top_p=args.top_p)
+    tight = run_engine(engine, workload, "pressure-1/4-pool", **_sampling(args))
     preemptions = sum(s.num_preemptions for s in tight.steps)
     same = tight.outputs == roomy.outputs
     differing = sum(a != b for a, b in zip(tight.outputs, roomy.outputs))
@@ -89,9 +94,9 @@ def _bench_pressure(args, roomy: RunResult, workload, block_size: int) -> dict:
 
 def _bench_prefix(args, engine, workload) -> dict:
     """Prefix caching on vs off on the shared-system-prompt workload."""
-    on = run_engine(engine, workload, "prefix-cache-on", temperature=args.temperature, top_p=args.top_p)
+    on = run_engine(engine, workload, "prefix-cache-on", **_sampling(args))
     off_engine = _engine(args, enable_prefix_caching=False)
-    off = run_engine(off_engine, workload, "prefix-cache-off", temperature=args.temperature, top_p=args.top_p)
+    off = run_engine(off_engine, workload, "prefix-cache-off", **_sampling(args))
     hit = engine.kv.prompt_tokens_hit / max(engine.kv.prompt_tokens_queried, 1)
     print()
     print(format_table([on, off], reference="prefix-cache-on"))
@@ -105,9 +110,8 @@ def _bench_long(args, engine, workload) -> dict:
     """p99 inter-token latency of 32 decoding sequences from the moment a 4,000-token prompt
     arrives (after step 20, when all 32 are decoding), against the same moment without it."""
     short, long = workload[:-1], workload[-1:]
-    sampling = {"temperature": args.temperature, "top_p": args.top_p}
-    alone = run_engine(engine, short, "decodes-alone", inject=(20, []), **sampling)
-    mixed = run_engine(engine, short, "with-long-prompt", inject=(20, long), **sampling)
+    alone = run_engine(engine, short, "decodes-alone", inject=(20, []), **_sampling(args))
+    mixed = run_engine(engine, short, "with-long-prompt", inject=(20, long), **_sampling(args))
     gaps_alone, gaps_mixed = _gaps_after_mark(alone, len(short)), _gaps_after_mark(mixed, len(short))
     p99_alone, p99_mixed = np.percentile(gaps_alone, 99), np.percentile(gaps_mixed, 99)
     threshold = engine.scheduler.config.long_prefill_token_threshold

@@ -4,8 +4,8 @@
 //   rotary_qkv_    rotates the q and k heads of the fused qkv projection in place
 //   silu_mul       out = silu(gate) * up, from the fused gate_up projection
 // The torch reference for each lives in tokenmill/models/ops.py; tests compare the two. Beside
-// them, for the sampler: argmax_rows, each row's argmax (greedy rows and the exponential race),
-// tested against torch.argmax.
+// them, for the sampler: argmax_rows, each greedy row's argmax (sampled rows draw in Python:
+// sampler.draw_by_sums), tested against torch.argmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -16,7 +16,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "gemm_cpu.cpp", "decoder_layer_cpu.cpp"]
+_SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "gemm_cpu.cpp", "decoder_layer_cpu.cpp",
+            "sampler_cpu.cpp"]
 
 
 @functools.lru_cache(maxsize=1)

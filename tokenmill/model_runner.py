@@ -87,7 +87,7 @@ class ModelRunner:
             (*self.kv_cache.shape[:2], num_host_blocks, *self.kv_cache.shape[3:]), dtype=kv_dtype,
             pin_memory=device.type == "cuda")
         kernels = getattr(backend, "kernel", None) if device.type == "cpu" else None
-        self.sampler = Sampler(seed, device, argmax_rows=getattr(kernels, "argmax_rows", None))
+        self.sampler = Sampler(seed, device, kernels=kernels)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
         self.graphs: DecodeGraphs | None = None
         # The last step's sampled tokens, still on the device, and each sampling request's row in them:

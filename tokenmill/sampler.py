@@ -6,13 +6,13 @@ Order of operations on the (S, V) logits of the rows that sample this step:
   3. EOS and stop tokens masked for rows still under min_tokens
   4. greedy rows: argmax
   5. other rows: temperature, top-k, top-p, min-p, then one draw from the probabilities
-     (Sampler.draw). A row with a seed draws its randomness from its own generator, so a
-     seeded request produces the same tokens alone or in any batch.
+     (Sampler.draw; on the CPU, with the kernels loaded, all of it in csrc/sampler_cpu.cpp).
+     A row with a seed draws its randomness from its own generator, so a seeded request
+     produces the same tokens alone or in any batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -257,17 +257,19 @@ class HostTokens:
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device,
-                 argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(self, seed: int, device: torch.device, kernels=None) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # the CPU kernels' argmax: torch's answers in a fifth of the time at 64 rows of logits
-        self.argmax_rows = argmax_rows
+        # the CPU kernels (cpu_kernels.py), for their argmax_rows (torch's answers in a fifth of
+        # the time at 64 rows of logits) and sample_rows (sampled rows in one pass each)
+        self.kernels = kernels
+
+    def _in_kernels(self, x: torch.Tensor) -> bool:
+        return (self.kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+                and x.stride(1) == 1)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        if self.argmax_rows is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
-            return self.argmax_rows(x)
-        return x.argmax(dim=-1)
+        return self.kernels.argmax_rows(x) if self._in_kernels(x) else x.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: (S, V) float32, one row per sequence that samples this step."""
@@ -288,31 +290,39 @@ class Sampler:
             cols = torch.tensor([t for _, ids in meta.banned for t in ids])
             logits[to_device(rows, logits.device), to_device(cols, logits.device)] = float("-inf")
 
-        tokens = self.argmax(logits)
-        if not meta.all_greedy:
-            sampled = self.draw(filter_logits(logits, meta).softmax(dim=-1), meta)
-            tokens = torch.where(meta.greedy, tokens, sampled)
-        return tokens, raw_logprobs
+        if meta.all_greedy:
+            return self.argmax(logits), raw_logprobs
+        if self._in_kernels(logits):  # temperature 0 there: the greedy rows' argmax
+            return self.kernels.sample_rows(logits, meta.temperature.masked_fill(meta.greedy, 0.0), meta.top_k,
+                                            meta.top_p, meta.min_p, self.uniforms(logits.shape[0], meta)), raw_logprobs
+        sampled = self.draw(filter_logits(logits, meta).softmax(dim=-1), meta)
+        return torch.where(meta.greedy, self.argmax(logits), sampled), raw_logprobs
+
+    def uniforms(self, n: int, meta: SamplingMetadata) -> torch.Tensor:
+        """One uniform number in [0, 1) per row (float64, CPU): every row draws from the sampler's
+        generator first (so what an unseeded row draws does not depend on which rows have seeds),
+        then a row with a seed draws again from its own."""
+        u = torch.rand(n, dtype=torch.float64, generator=self.generator)
+        for row, gen in meta.generators.items():
+            u[row] = torch.rand(1, dtype=torch.float64, generator=gen)
+        return u
 
     def draw(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """One token per row of probs (S, V), each with its probability (on the CPU to within
-        about 1e-7: draw_by_sums). Every row draws from the sampler's generator first (so what an
-        unseeded row draws does not depend on which rows have seeds), then a row with a seed draws
-        again from its own.
+        about 1e-7: draw_by_sums), by the same rule for every row: the sampler's generator first,
+        then a seeded row's own (as in uniforms).
 
         On a GPU: the exponential race, argmax(probs / Exp(1) noise), V random numbers a row,
         generated in parallel there. On the CPU torch makes Exp(1) numbers one at a time: 1.1 ms a
         row of the default model's 49,152 tokens, 82 ms for a batch of 64 (whose decode step takes
-        about 150). There a row takes one uniform number instead (draw_by_sums)."""
+        about 150). There a row takes one uniform number instead (draw_by_sums; the CPU kernels'
+        sample_rows, when loaded, do all of a row's sampling in one call)."""
         if probs.is_cuda:
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             for row, gen in meta.generators.items():
                 noise[row].exponential_(generator=gen)
             return self.argmax(probs / noise)
-        u = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=self.generator)
-        for row, gen in meta.generators.items():
-            u[row] = torch.rand(1, dtype=torch.float64, generator=gen)
-        return draw_by_sums(probs, u)
+        return draw_by_sums(probs, self.uniforms(probs.shape[0], meta).unsqueeze(1))
 
     @staticmethod
     def to_host(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, meta: SamplingMetadata) -> HostTokens:

@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.request import Request
-from tokenmill.sampler import Sampler, SamplingMetadata, filter_logits
+from tokenmill.sampler import Sampler, SamplingMetadata, filter_logits, sort_best
 from tokenmill.sampling_params import SamplingParams
 
 V = 8
@@ -32,43 +32,57 @@ def probs_logits(probs):
     return torch.tensor([math.log(p) for p in probs]).unsqueeze(0)
 
 
-def test_greedy_is_argmax():
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = load_cpu_kernels(required=False)
+    if loaded is None:
+        pytest.skip("no C++ compiler")
+    return loaded
+
+
+@pytest.fixture(params=["torch", "kernels"])
+def sampler(request):
+    """Sampler(seed) on the CPU in plain torch, and with the CPU kernels (the engine's on CPU)."""
+    kernels = request.getfixturevalue("kernels") if request.param == "kernels" else None
+    return lambda seed: Sampler(seed, CPU, kernels=kernels)
+
+
+def test_greedy_is_argmax(sampler):
     logits = torch.randn(5, V)
-    out = Sampler(0, CPU)(logits, meta_for([req(str(i), temperature=0.0) for i in range(5)]))
+    out = sampler(0)(logits, meta_for([req(str(i), temperature=0.0) for i in range(5)]))
     assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
-def test_the_cpu_kernels_argmax_draws_the_same_tokens():
-    """The sampler's argmax from the CPU kernels (the engine's on CPU) against torch's, for the
-    greedy rows (on the CPU the sampled ones draw from their cumulative probabilities)."""
-    kernels = load_cpu_kernels(required=False)
-    if kernels is None:
-        pytest.skip("no C++ compiler")
+def test_the_cpu_kernels_draw_the_same_tokens_as_torch(kernels):
+    """The sampler with the CPU kernels (argmax_rows for all-greedy steps, sample_rows for the
+    others) against plain torch (filter_logits, softmax, draw_by_sums) on the same uniform numbers:
+    the same tokens, row by row, with greedy rows, temperatures, top-k, top-p, min-p and seeds mixed."""
     torch.manual_seed(0)
     vocab = 1003
-    logits = torch.randn(40, vocab)
-    requests = [req(str(i), temperature=0.0 if i % 3 == 0 else 0.8, seed=i) for i in range(40)]
-    calls = []
+    logits = torch.randn(40, vocab) * 2
+    params = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1.0, top_k=20),
+              dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=300, top_p=0.95),
+              dict(temperature=1.0, min_p=0.1), dict(temperature=0.5, top_p=0.5, min_p=0.2)]
+    requests = [req(str(i), seed=i if i % 2 else None, **params[i % len(params)]) for i in range(40)]
 
-    def counted(x):
-        calls.append(x.shape)
-        return kernels.argmax_rows(x)
+    def tokens(with_kernels, rows):
+        gens = {str(i): torch.Generator().manual_seed(i) for i in range(40) if i % 2}
+        meta = SamplingMetadata.build([requests[i] for i in rows], gens, vocab, CPU)
+        return Sampler(5, CPU, kernels=with_kernels)(logits[rows], meta).token_ids
 
-    def tokens(argmax_rows):
-        gens = {str(i): torch.Generator().manual_seed(i) for i in range(40)}
-        meta = SamplingMetadata.build(requests, gens, vocab, CPU)
-        return Sampler(5, CPU, argmax_rows=argmax_rows)(logits, meta).token_ids
-
-    assert tokens(counted) == tokens(None)
-    assert calls == [(40, vocab)]
+    everyone = list(range(40))
+    assert tokens(kernels, everyone) == tokens(None, everyone)
+    greedy = list(range(0, 40, len(params)))
+    assert tokens(kernels, greedy) == tokens(None, greedy) == logits[greedy].argmax(dim=-1).tolist()
 
 
-def test_seeded_request_draws_the_same_tokens_alone_or_in_any_batch():
+def test_seeded_request_draws_the_same_tokens_alone_or_in_any_batch(sampler):
     torch.manual_seed(0)
     row = torch.randn(V)
+    make_sampler = sampler
 
     def draws(batch_size: int, position: int, engine_seed: int) -> list[int]:
-        sampler = Sampler(engine_seed, CPU)
+        sampler = make_sampler(engine_seed)
         gens = {"me": torch.Generator().manual_seed(1234)}
         tokens = []
         for _ in range(30):
@@ -102,7 +116,7 @@ def test_keep_best_sorts_only_the_best_and_keeps_the_same_tokens():
     """keep_best (the CPU's) sorts each row's best tokens only, more of them while the row's
     top-p set runs past them: the kept sets are sort_best's (whole rows sorted, the GPU's), with
     top-k and top-p mixed per row and top-p sets from one token to most of the vocabulary."""
-    from tokenmill.sampler import keep_best, sort_best
+    from tokenmill.sampler import keep_best
     gen = torch.Generator().manual_seed(0)
     vocab = 3000
     scales = torch.tensor([4.0, 4.0, 1.0, 0.1, 0.1, 2.0, 0.05, 3.0]).unsqueeze(1)  # 0.1, 0.05: flat rows
@@ -140,17 +154,82 @@ def test_keep_best_keeps_the_same_tokens_alone_or_in_any_batch():
     assert len(kept) == 3 and set(kept) <= {7, 300, 2000, 4000, 4999}
 
 
+def test_sample_rows_keeps_sort_best_sets(kernels):
+    """The kernel's kept sets (every token at or above the floor it reports) are sort_best's, with
+    top-k and top-p mixed per row, from one token to most of the vocabulary and past the sizes it
+    sorts outright (cut by histograms), and its draws stay inside them."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 3000
+    scales = torch.tensor([4.0, 4.0, 1.0, 0.1, 0.1, 2.0, 0.05, 3.0, 1.0]).unsqueeze(1)  # 0.1, 0.05: flat
+    logits = torch.randn(9, vocab, generator=gen) * scales
+    top_k = torch.tensor([vocab, 40, vocab, vocab, 500, 5, vocab, 1, 2000])
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.95, 1.0, 0.99, 0.999, 0.3, 1.0])
+    temperature = torch.tensor([1.0, 0.7, 1.0, 1.0, 1.5, 1.0, 1.0, 1.0, 0.9])
+    floors = torch.empty(9)
+    scaled = logits / temperature.unsqueeze(1)
+    for u in torch.rand(5, 9, dtype=torch.float64, generator=gen):
+        tokens = kernels.sample_rows(logits, temperature, top_k, top_p, None, u, floors)
+        kept = scaled >= floors.unsqueeze(1)
+        assert torch.equal(kept, sort_best(scaled, top_k, top_p).isfinite())
+        assert bool(kept[torch.arange(9), tokens].all())
+    sizes = kept.sum(dim=1).tolist()
+    assert sizes[6] > 2500 and sizes[1] <= 40 and sizes[7] == 1 and sizes[8] == 2000
+
+
+def test_sample_rows_keeps_ties_and_never_draws_masked_or_dropped_tokens(kernels):
+    """Sets are defined by values: tokens tied with the k-th best (or with the last token top-p
+    needs) are all kept, so a row keeps the same set in any order. -inf tokens are never drawn,
+    u near 1 lands on the last kept token, and a row with a NaN gives torch.argmax's answer."""
+    row = torch.full((1, 2000), -10.0)
+    row[0, [3, 700, 1999]] = 2.0  # three tied best
+    row[0, 1000] = 3.0
+    floors = torch.empty(1)
+    one, half = torch.ones(1), torch.full((1,), 0.5, dtype=torch.float64)
+    kernels.sample_rows(row, one, torch.tensor([2]), None, None, half, floors)
+    assert (row[0] >= floors).nonzero().flatten().tolist() == [3, 700, 1000, 1999]
+    mass = row.softmax(-1)[0]  # top-p: 1000 alone holds less than 0.5 here, so the tie joins
+    assert float(mass[1000]) < 0.5 < float(mass[1000] + mass[3])
+    kernels.sample_rows(row, one, None, torch.tensor([0.5]), None, half, floors)
+    assert (row[0] >= floors).nonzero().flatten().tolist() == [3, 700, 1000, 1999]
+    masked = torch.full((3, 2100), float("-inf"))
+    masked[:, 5], masked[:, 1030], masked[:, 2050] = 0.0, 1.0, -30.0
+    u = torch.tensor([0.0, 0.5, 1.0 - 2.0 ** -53], dtype=torch.float64)
+    assert kernels.sample_rows(masked, torch.ones(3), None, None, None, u).tolist() == [5, 1030, 2050]
+    assert kernels.sample_rows(masked, torch.ones(3), None, None, torch.full((3,), 1e-3), u).tolist() == [5, 1030, 1030]
+    nan = torch.randn(2, 50)
+    nan[1, 7] = float("nan")
+    assert kernels.sample_rows(nan, torch.ones(2), None, None, None, torch.zeros(2, dtype=torch.float64))[1] == 7
+
+
+def test_sample_rows_draws_from_the_kept_distribution(kernels):
+    """Many rows with one row's logits: the draws follow its top-k / top-p set's renormalized
+    probabilities (chi-square), across the blocks of 256 tokens the draw walks."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.full((1, 1000), -20.0)
+    best = [10, 300, 301, 600, 999]
+    logits[0, best] = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0])
+    n = 20000
+    rows = logits.repeat(n, 1)
+    u = torch.rand(n, dtype=torch.float64, generator=gen)
+    tokens = kernels.sample_rows(rows, torch.ones(n), torch.full((n,), 4), torch.full((n,), 0.99), None, u)
+    probs = logits[0, best[:4]].softmax(-1).tolist()  # top-k 4 drops 999; top-p 0.99 keeps the four
+    counts = torch.bincount(tokens, minlength=1000)
+    assert int(counts[best[:4]].sum()) == n
+    chi2 = sum((int(counts[t]) - p * n) ** 2 / (p * n) for t, p in zip(best, probs))
+    assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+
+
 def test_min_p_drops_tokens_below_a_share_of_the_top_probability():
     logits = probs_logits([0.5, 0.3, 0.15, 0.05])
     kept = filter_logits(logits, SamplingMetadata.build([req("a", min_p=0.2)], {}, 4, CPU)).isfinite()
     assert kept[0].nonzero().flatten().tolist() == [0, 1, 2]   # threshold 0.1
 
 
-def test_sampling_matches_the_softmax_distribution():
+def test_sampling_matches_the_softmax_distribution(sampler):
     probs = [0.4, 0.3, 0.2, 0.1]
     n = 20000
     logits = probs_logits(probs).repeat(n, 1)
-    tokens = Sampler(0, CPU)(logits, SamplingMetadata.build([req(str(i)) for i in range(n)], {}, 4, CPU)).token_ids
+    tokens = sampler(0)(logits, SamplingMetadata.build([req(str(i)) for i in range(n)], {}, 4, CPU)).token_ids
     freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
     chi2 = float(sum((f - p) ** 2 / p for f, p in zip(freq.tolist(), probs)) * n)
     assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
@@ -166,7 +245,7 @@ def test_cpu_draw_never_picks_a_token_of_zero_probability(monkeypatch):
     probs = torch.zeros(4, 2100)
     probs[:3, 1], probs[:3, 1030] = 0.25, 0.75
     probs[3, 0], probs[3, 1] = 1.0, 7e-8
-    u = torch.tensor([[0.0], [0.5], [1.0 - 2.0 ** -53], [1.0 - 2.0 ** -53]], dtype=torch.float64)
+    u = torch.tensor([0.0, 0.5, 1.0 - 2.0 ** -53, 1.0 - 2.0 ** -53], dtype=torch.float64)
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: u.clone())
     meta = SamplingMetadata.build([req(str(i)) for i in range(4)], {}, 2100, CPU)
     assert Sampler(0, CPU).draw(probs, meta).tolist() == [1, 1030, 1030, 1]
@@ -185,10 +264,10 @@ def test_cpu_draw_matches_the_distribution_across_blocks():
     assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
 
 
-def test_top_k_sampling_never_leaves_the_top_k():
+def test_top_k_sampling_never_leaves_the_top_k(sampler):
     logits = torch.randn(1, V).repeat(500, 1)
     top3 = set(logits[0].topk(3).indices.tolist())
-    tokens = Sampler(0, CPU)(logits, meta_for([req(str(i), top_k=3) for i in range(500)])).token_ids
+    tokens = sampler(0)(logits, meta_for([req(str(i), top_k=3) for i in range(500)])).token_ids
     assert set(tokens) <= top3 and len(set(tokens)) > 1
 
 
@@ -205,14 +284,17 @@ def test_penalties_change_only_the_right_logits():
     assert out[0].tolist() == pytest.approx(expected)
 
 
-def test_min_tokens_masks_eos_and_stop_tokens():
+def test_min_tokens_masks_eos_and_stop_tokens(sampler):
     logits = torch.zeros(2, V)
     logits[:, 1] = 10.0   # EOS would win
     logits[:, 6] = 9.0    # a stop token, next best
     logits[:, 2] = 8.0
     requests = [req("a", temperature=0.0, min_tokens=3, stop_token_ids=[6], output=(5,)),
                 req("b", temperature=0.0, min_tokens=1, stop_token_ids=[6], output=(5,))]
-    assert Sampler(0, CPU)(logits, meta_for(requests)).token_ids == [2, 1]
+    assert sampler(0)(logits, meta_for(requests)).token_ids == [2, 1]
+    sampled = [req(str(i), temperature=1.0, min_tokens=3, stop_token_ids=[6], output=(5,)) for i in range(300)]
+    drawn = set(sampler(0)(torch.zeros(300, V).index_fill_(1, torch.tensor([1, 6]), 9.0), meta_for(sampled)).token_ids)
+    assert not drawn & {1, 6} and len(drawn) > 1
 
 
 def test_logprobs_report_the_sampled_token_and_top_n():

@@ -19,6 +19,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row");
   m.def("argmax_rows", &argmax_rows, "Each row's argmax, as torch.argmax(x, dim=-1) gives it");
+  m.def("sample_rows", &sample_rows,
+        "One token per row: temperature (0: argmax), top-k, top-p, min-p, then a draw at u (see sampler_cpu.cpp)",
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
+        py::arg("floors") = py::none());
   m.def("panel_shape", &panel_shape, "The panels' shape for an (N, K) matrix in a format (0: float32)");
   m.def("pack_panels", &pack_panels, "W (N, K) -> panels (ceil(N/16), K, 16) for panel_linear",
         py::arg("weight"), py::arg("out") = py::none());

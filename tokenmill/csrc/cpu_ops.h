@@ -1,5 +1,5 @@
-// The CPU kernels' entry points, defined in paged_attention_cpu.cpp, fused_cpu.cpp and
-// gemm_cpu.cpp: bound to Python in bindings.cpp, and composed into a whole layer by
+// The CPU kernels' entry points, defined in paged_attention_cpu.cpp, fused_cpu.cpp, gemm_cpu.cpp
+// and sampler_cpu.cpp: bound to Python in bindings.cpp, and composed into a whole layer by
 // decoder_layer_cpu.cpp.
 #pragma once
 
@@ -18,6 +18,12 @@ void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_
                  int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::optional<torch::Tensor> top_k,
+                          c10::optional<torch::Tensor> top_p, c10::optional<torch::Tensor> min_p, torch::Tensor u,
+                          c10::optional<torch::Tensor> floors);
+// shared between the kernels' files
+void check_rows(const torch::Tensor& t, const char* name);  // float32, 2-d, contiguous rows
+int64_t row_argmax(const float* row, int64_t V);
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out);

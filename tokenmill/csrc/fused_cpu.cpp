@@ -4,8 +4,8 @@
 //   rotary_qkv_    rotates the q and k heads of the fused qkv projection in place
 //   silu_mul       out = silu(gate) * up, from the fused gate_up projection
 // The torch reference for each lives in tokenmill/models/ops.py; tests compare the two. Beside
-// them, for the sampler: argmax_rows, each greedy row's argmax (sampled rows draw in Python:
-// sampler.draw_by_sums), tested against torch.argmax.
+// them, for the sampler: argmax_rows, each greedy row's argmax, tested against torch.argmax (the
+// sampled rows: sampler_cpu.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -38,12 +38,12 @@ float sum_squares(const float* x, int64_t n) {
 #endif
 }
 
+}  // namespace
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dtype() == torch::kFloat32, name, ": float32 only");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected a 2-d tensor with contiguous rows");
 }
-
-}  // namespace
 
 // Returns out; `residual`, when given, is updated in place to residual + x.
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
@@ -138,10 +138,39 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// (T, V) rows -> (T,) int64: the index of each row's largest value, the first one on ties, and
-// the first NaN where a row holds one (torch.argmax's answers). torch's own CPU argmax is a scalar
-// loop: 4.2 ms for the 64 rows of a batch-64 decode step (3.1 M logits), against 0.9 ms here.
-// A row is read twice, once for its max, then up to it for the index.
+// The index of a row's largest value, the first one on ties, or its first NaN (torch.argmax's
+// answers). The row is read twice, once for its max, then up to it for the index.
+int64_t row_argmax(const float* row, int64_t V) {
+  float mx = row[0];
+  bool has_nan = false;
+  int64_t i = 0;
+#ifdef TOKENMILL_AVX2
+  __m256 vmax = _mm256_set1_ps(row[0]), vnan = _mm256_setzero_ps();
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    vmax = _mm256_max_ps(vmax, v);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  for (float lane : lanes) mx = std::max(mx, lane);
+  has_nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; i < V; ++i) {
+    has_nan = has_nan || std::isnan(row[i]);
+    mx = std::max(mx, row[i]);
+  }
+  int64_t found = 0;
+  if (has_nan) {
+    while (!std::isnan(row[found])) ++found;
+  } else {
+    while (row[found] != mx) ++found;
+  }
+  return found;
+}
+
+// (T, V) rows -> (T,) int64: each row's row_argmax. torch's own CPU argmax is a scalar loop: 4.2
+// ms for the 64 rows of a batch-64 decode step (3.1 M logits), against 0.9 ms here.
 torch::Tensor argmax_rows(torch::Tensor x) {
   check_rows(x, "argmax_rows(x)");
   const int64_t T = x.size(0), V = x.size(1), stride = x.stride(0);
@@ -150,35 +179,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = xp + t * stride;
-      float mx = row[0];
-      bool has_nan = false;
-      int64_t i = 0;
-#ifdef TOKENMILL_AVX2
-      __m256 vmax = _mm256_set1_ps(row[0]), vnan = _mm256_setzero_ps();
-      for (; i + 8 <= V; i += 8) {
-        const __m256 v = _mm256_loadu_ps(row + i);
-        vmax = _mm256_max_ps(vmax, v);
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      }
-      float lanes[8];
-      _mm256_storeu_ps(lanes, vmax);
-      for (float lane : lanes) mx = std::max(mx, lane);
-      has_nan = _mm256_movemask_ps(vnan) != 0;
-#endif
-      for (; i < V; ++i) {
-        has_nan = has_nan || std::isnan(row[i]);
-        mx = std::max(mx, row[i]);
-      }
-      int64_t found = 0;
-      if (has_nan) {
-        while (!std::isnan(row[found])) ++found;
-      } else {
-        while (row[found] != mx) ++found;
-      }
-      op[t] = found;
-    }
+    for (int64_t t = begin; t < end; ++t) op[t] = row_argmax(xp + t * stride, V);
   });
   return out;
 }

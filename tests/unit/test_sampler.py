@@ -201,6 +201,27 @@ def test_sample_rows_keeps_ties_and_never_draws_masked_or_dropped_tokens(kernels
     assert kernels.sample_rows(nan, torch.ones(2), None, None, None, torch.zeros(2, dtype=torch.float64))[1] == 7
 
 
+def test_sample_rows_at_the_limits(kernels):
+    """+inf logits, and temperatures so small that logits / T overflow, give the argmax (the limit
+    of a vanishing temperature); tokens far below the best still rank by value in the rows' scalar
+    tails (V = 9: eight in vector lanes, one after them); out-of-range parameters raise."""
+    row = torch.randn(3, 1000)
+    row[0, 17] = float("inf")
+    u = torch.full((3,), 0.5, dtype=torch.float64)
+    tokens = kernels.sample_rows(row, torch.tensor([1.0, 1e-39, 1.0]), torch.tensor([1, 5, 1000]), None, None, u)
+    assert tokens.tolist()[:2] == [17, int(row[1].argmax())]
+    far = torch.tensor([[0.0, *[-300.0] * 7, -200.0]])
+    floors = torch.empty(1)
+    kernels.sample_rows(far, torch.ones(1), torch.tensor([2]), None, None, u[:1], floors)
+    assert (far[0] >= floors).nonzero().flatten().tolist() == [0, 8]
+    one = torch.ones(1)
+    for bad in [dict(top_k=torch.tensor([0])), dict(top_p=torch.tensor([0.0])), dict(min_p=torch.tensor([1.5])),
+                dict(u=torch.ones(1, dtype=torch.float64)), dict(temperature=-one)]:
+        args = dict(temperature=one, top_k=None, top_p=None, min_p=None, u=u[:1]) | bad
+        with pytest.raises(RuntimeError):
+            kernels.sample_rows(far, args["temperature"], args["top_k"], args["top_p"], args["min_p"], args["u"])
+
+
 def test_sample_rows_draws_from_the_kept_distribution(kernels):
     """Many rows with one row's logits: the draws follow its top-k / top-p set's renormalized
     probabilities (chi-square), across the blocks of 256 tokens the draw walks."""

@@ -119,7 +119,8 @@ float mass_threshold(Candidate* c, int64_t n, double mass) {
   return kept;
 }
 
-// The tokens with s >= floor and e > 0, as candidates into out (room for V); returns how many.
+// The tokens with s >= floor and e > 0 (s finite), as candidates into out (room for V); returns
+// how many.
 int64_t gather(const float* s, const float* e, int64_t V, float floor, Candidate* out) {
   int64_t n = 0, i = 0;
   const auto take = [&](int64_t j) {
@@ -136,7 +137,7 @@ int64_t gather(const float* s, const float* e, int64_t V, float floor, Candidate
   return n;
 }
 
-// The k-th largest s of a row (-inf when it has fewer than k tokens of e > 0), in one pass that
+// The k-th largest s of a row (-inf when it has fewer than k finite ones), in one pass that
 // keeps only the tokens at or above a floor, raised to the k-th largest of those kept whenever
 // they pile up.
 float top_k_floor(const float* s, const float* e, int64_t V, int64_t k, RowBuffers& buf) {
@@ -195,8 +196,9 @@ double kept_mass(const float* s, const float* e, int64_t V, float floor, float m
   return total;
 }
 
-// s = logits / temperature and e = exp(s - max s) (0 for -inf) into the row's buffers. Returns
-// max s, or NaN when the row holds a NaN.
+// s = logits / temperature and e = exp(s - max s) into the row's buffers: 0 for s = -inf, and
+// for finite s at least exp(-87) (exp256's clamp, here in both paths), so e > 0 exactly where s
+// is finite. Returns max s, or NaN when the row holds a NaN.
 float scale_and_exp(const float* logits, int64_t V, float temperature, float* s, float* e) {
   float mx = kNegInf;
   bool nan = false;
@@ -230,7 +232,7 @@ float scale_and_exp(const float* logits, int64_t V, float temperature, float* s,
     _mm256_storeu_ps(e + i, _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ), ev));
   }
 #endif
-  for (; i < V; ++i) e[i] = s[i] == kNegInf ? 0.0f : std::exp(s[i] - mx);
+  for (; i < V; ++i) e[i] = s[i] == kNegInf ? 0.0f : std::exp(std::max(s[i] - mx, -87.0f));
   return mx;
 }
 
@@ -248,7 +250,9 @@ int64_t sample_row(const float* logits, int64_t V, const RowParams& p, double u,
   const float* e = buf.e.get();
   const float mx = scale_and_exp(logits, V, p.temperature, buf.s.get(), buf.e.get());
   *floor_out = kNegInf;
-  if (std::isnan(mx) || mx == kNegInf) return row_argmax(logits, V);  // NaN, or nothing to draw from
+  // a NaN, nothing to draw from (all -inf), or +inf (a logit, or a temperature so small that s
+  // overflows; e would be NaN): torch.argmax's answer, the limit of a vanishing temperature
+  if (!std::isfinite(mx)) return row_argmax(logits, V);
   float floor = p.top_k < V ? top_k_floor(s, e, V, p.top_k, buf) : kNegInf;
   if (p.top_p < 1.0f) {
     const double mass = static_cast<double>(p.top_p) * kept_mass(s, e, V, floor, 0.0f, nullptr);
@@ -281,7 +285,7 @@ int64_t sample_row(const float* logits, int64_t V, const RowParams& p, double u,
     run += e[i];
     if (run > x) break;
   }
-  return last >= 0 ? last : row_argmax(logits, V);  // the block's last kept token where rounding left x past it
+  return last;  // the block's last kept token where rounding left x past its sum
 }
 
 }  // namespace
@@ -302,6 +306,17 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::
   const torch::Tensor ks = per_row(top_k, torch::kInt64, "top_k"), ps = per_row(top_p, torch::kFloat32, "top_p");
   const torch::Tensor mps = per_row(min_p, torch::kFloat32, "min_p"), fl = per_row(floors, torch::kFloat32, "floors");
   TORCH_CHECK(!floors.has_value() || floors->is_contiguous(), "sample_rows: floors must be contiguous");
+  for (int64_t r = 0; r < S; ++r) {  // what the selection and the draw rely on
+    const float t = temps.data_ptr<float>()[r];
+    const double x = us.data_ptr<double>()[r];
+    TORCH_CHECK(t >= 0.0f, "sample_rows: temperature must be >= 0");
+    TORCH_CHECK(x >= 0.0 && x < 1.0, "sample_rows: u must be in [0, 1)");
+    TORCH_CHECK(!ks.defined() || ks.data_ptr<int64_t>()[r] >= 1, "sample_rows: top_k must be >= 1");
+    TORCH_CHECK(!ps.defined() || (ps.data_ptr<float>()[r] > 0.0f && ps.data_ptr<float>()[r] <= 1.0f),
+                "sample_rows: top_p must be in (0, 1]");
+    TORCH_CHECK(!mps.defined() || (mps.data_ptr<float>()[r] >= 0.0f && mps.data_ptr<float>()[r] <= 1.0f),
+                "sample_rows: min_p must be in [0, 1]");
+  }
   auto out = torch::empty({S}, logits.options().dtype(torch::kInt64));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();

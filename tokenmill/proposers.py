@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tokenmill.request import Request
-from tokenmill.sampler import SamplingMetadata, filter_logits
+from tokenmill.sampler import SamplingMetadata
 
 
 class NgramProposer:
@@ -120,7 +120,7 @@ class DraftModelProposer:
         meta = SamplingMetadata.build(seqs, {}, logits.shape[1], logits.device)
         if meta.all_greedy:
             return logits.argmax(dim=-1).tolist(), [None] * len(seqs)
-        probs = filter_logits(logits, meta).softmax(dim=-1)
+        probs = runner.sampler.filter(logits, meta).softmax(dim=-1)
         tokens = torch.multinomial(probs, 1, generator=runner.sampler.generator).squeeze(1)
         greedy = logits.argmax(dim=-1)
         tokens = torch.where(meta.greedy, greedy, tokens)

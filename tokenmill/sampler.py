@@ -108,8 +108,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 def sort_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Each row's logits with -inf outside its top_k best tokens and outside the smallest set of
     best tokens whose probability (after top-k) reaches top_p (top_p 1: every token); the best
-    token always stays. By sorting every whole row: on a GPU, where that is fast and keep_best's
-    per-row sizes would make the host wait for the device."""
+    token always stays. By sorting every whole row: fast on a GPU; on the CPU 2 ms a row of the
+    default model's 49,152 logits (127 ms for a batch of 64), where the kernels' sample_rows cuts
+    by values instead."""
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
@@ -121,85 +122,20 @@ def sort_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Ten
     return logits.scatter(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
 
 
-def keep_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-              first: int = 64) -> torch.Tensor:
-    """sort_best's sets, in place, sorting only each row's best n tokens (torch.topk): n from
-    `first` (or all of the row's top k, over which top-p's probabilities are), then while the
-    row's top-p set runs past them eight times as many, or more where the mass still missing
-    needs more at the n-th token's probability (up to a power of two); a row that needs more than
-    an eighth of its tokens goes to sort_best. A sort of the default model's 49,152 logits took
-    2 ms a row on the CPU, 127 ms for a batch of 64, most of a decode step; its own top-p sets
-    (0.9-0.95) held a median of 6 to 400 tokens.
-
-    What a row keeps depends on that row alone, never on the batch, so a seeded request draws
-    the same tokens in any batch: its n, its candidates (topk works row by row) and its
-    probabilities (its softmax, or over its top k a running sum of their first k terms) are its
-    own. They may differ from sort_best's by rounding: a token at the edge of a top-p set."""
-    S, V = logits.shape
-    ks = top_k.clamp(max=V).tolist() if top_k is not None else [V] * S
-    ps = top_p.tolist() if top_p is not None else [1.0] * S
-    # rows with neither limit stay as they are; the others start with n = their k, or `first`
-    todo = {r: min(V, k if k < V else first) for r, (k, p) in enumerate(zip(ks, ps)) if k < V or p < 1}
-    # the softmax of every row that needs its whole row's (top-p without top-k), once
-    whole = [r for r, (k, p) in enumerate(zip(ks, ps)) if k == V and p < 1]
-    softmax = torch.zeros(S, 0, device=logits.device) if not whole else (
-        logits.softmax(dim=1) if len(whole) == S else torch.zeros_like(logits).index_copy_(
-            0, torch.tensor(whole), logits[whole].softmax(dim=1)))
-    while todo:
-        groups: dict[int, list[int]] = {}
-        for r, n in todo.items():
-            groups.setdefault(n, []).append(r)
-        todo = {}
-        for n, rows in groups.items():
-            index = torch.tensor(rows, device=logits.device)
-            sub = logits if len(rows) == S else logits[index]  # (S, V) copies cost page faults
-            k = torch.tensor([ks[r] for r in rows], device=logits.device)
-            p = torch.tensor([ps[r] for r in rows], device=logits.device, dtype=logits.dtype)
-            if n == V:  # rows that need most of their tokens: sorted whole (fewer passes than below)
-                if len(rows) == S:
-                    logits.copy_(sort_best(sub, k, p))
-                else:
-                    logits.index_copy_(0, index, sort_best(sub, k, p))
-                continue
-            vals, idx = sub.topk(n, dim=1)  # best first; per row, the same alone or in a batch
-            keep = torch.arange(n, device=logits.device).unsqueeze(0) < k.unsqueeze(1)
-            uses_p = p < 1
-            settled = ~uses_p | (k <= n)
-            grow = [V] * len(rows)
-            if bool(uses_p.any()):
-                e = (vals - vals[:, :1]).exp().masked_fill(~keep, 0.0)
-                over_k = e / e.cumsum(dim=1).gather(1, (k.clamp(max=n) - 1).unsqueeze(1))
-                rows_softmax = softmax if len(rows) == S else softmax.index_select(0, index)
-                probs = over_k if bool((k < V).all()) else torch.where(
-                    (k < V).unsqueeze(1), over_k, rows_softmax.gather(1, idx))
-                mass_before = probs.cumsum(dim=1) - probs        # mass of strictly better tokens
-                keep &= (mass_before < p.unsqueeze(1)) | ~uses_p.unsqueeze(1)
-                settled |= (~keep).any(dim=1)                    # its set ended inside the n
-                # the mass still missing takes at least missing / (the n-th probability) more tokens
-                missing = (p - mass_before[:, -1] - probs[:, -1]).clamp(min=0) / probs[:, -1]
-                grow = [1 << (max(8 * n, n + int(2 * m)) - 1).bit_length() if m < V else V
-                        for m in missing.tolist()]  # powers of two: rows share their topk calls
-                grow = [g if g <= V // 8 else V for g in grow]  # past an eighth of the row: sort_best
-            if bool(settled.all()):  # no (rows, n) copies by a mask
-                kept = vals.masked_fill_(~keep, float("-inf"))
-                if len(rows) == S:
-                    logits.fill_(float("-inf")).scatter_(1, idx, kept)
-                else:
-                    logits.index_copy_(0, index, torch.full_like(sub, float("-inf")).scatter_(1, idx, kept))
-            else:
-                kept = vals[settled].masked_fill(~keep[settled], float("-inf"))
-                logits.index_copy_(0, index[settled], torch.full((len(kept), V), float("-inf"), device=logits.device,
-                                                                dtype=logits.dtype).scatter_(1, idx[settled], kept))
-            todo.update({r: g for r, g, s_ in zip(rows, grow, settled.tolist()) if not s_})
-    return logits
-
-
-def filter_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Temperature-scaled logits with top-k, top-p and min-p applied (-inf outside the kept set)."""
-    logits = logits / meta.temperature.unsqueeze(1)  # a new tensor, which keep_best may write into
+def filter_logits(logits: torch.Tensor, meta: SamplingMetadata, kernels=None) -> torch.Tensor:
+    """Temperature-scaled logits with top-k, top-p and min-p applied (-inf outside the kept set).
+    With the CPU kernels, top-k and top-p keep what sample_rows keeps (every token at or above
+    each row's floor, ties included) without sorting; else every whole row is sorted (sort_best)."""
+    logits = logits / meta.temperature.unsqueeze(1)
     if meta.top_k is not None or meta.top_p is not None:
-        best = sort_best if logits.is_cuda else keep_best
-        logits = best(logits, meta.top_k, meta.top_p)
+        if kernels is not None and logits.device.type == "cpu":
+            S = logits.shape[0]
+            floors = torch.empty(S)
+            kernels.sample_rows(logits, torch.ones(S), meta.top_k, meta.top_p, None,
+                                torch.zeros(S, dtype=torch.float64), floors)  # the draw itself unused
+            logits.masked_fill_(logits < floors.unsqueeze(1), float("-inf"))
+        else:
+            logits = sort_best(logits, meta.top_k, meta.top_p)
     if meta.min_p is not None:
         probs = logits.softmax(dim=-1)
         threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
@@ -295,8 +231,13 @@ class Sampler:
         if self._in_kernels(logits):  # temperature 0 there: the greedy rows' argmax
             return self.kernels.sample_rows(logits, meta.temperature.masked_fill(meta.greedy, 0.0), meta.top_k,
                                             meta.top_p, meta.min_p, self.uniforms(logits.shape[0], meta)), raw_logprobs
-        sampled = self.draw(filter_logits(logits, meta).softmax(dim=-1), meta)
+        sampled = self.draw(self.filter(logits, meta).softmax(dim=-1), meta)
         return torch.where(meta.greedy, self.argmax(logits), sampled), raw_logprobs
+
+    def filter(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """filter_logits, with the CPU kernels when they are loaded (for the distributions that
+        speculative decoding compares)."""
+        return filter_logits(logits, meta, self.kernels if self._in_kernels(logits) else None)
 
     def uniforms(self, n: int, meta: SamplingMetadata) -> torch.Tensor:
         """One uniform number in [0, 1) per row (float64, CPU): every row draws from the sampler's

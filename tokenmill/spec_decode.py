@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from tokenmill.request import Request
-from tokenmill.sampler import Sampler, SamplingMetadata, draw_by_sums, filter_logits
+from tokenmill.sampler import Sampler, SamplingMetadata, draw_by_sums
 
 # ---- verification -----------------------------------------------------------------------------
 
@@ -50,7 +50,7 @@ def verify(logits: torch.Tensor, request: Request, sampler: Sampler,
             m += 1
         tokens = drafts[:m] + [target[m]]
     else:
-        tokens = _rejection_sample(filter_logits(logits, meta).softmax(dim=-1), drafts, request.draft_probs,
+        tokens = _rejection_sample(sampler.filter(logits, meta).softmax(dim=-1), drafts, request.draft_probs,
                                    generator)
     if request.params.logprobs is None:
         return tokens, None

@@ -47,6 +47,13 @@ def sampler(request):
     return lambda seed: Sampler(seed, CPU, kernels=kernels)
 
 
+@pytest.fixture(params=["torch", "kernels"])
+def filter_(request):
+    """filter_logits in plain torch (whole-row sorts), and with the CPU kernels' floors."""
+    kernels = request.getfixturevalue("kernels") if request.param == "kernels" else None
+    return lambda logits, meta: filter_logits(logits, meta, kernels)
+
+
 def test_greedy_is_argmax(sampler):
     logits = torch.randn(5, V)
     out = sampler(0)(logits, meta_for([req(str(i), temperature=0.0) for i in range(5)]))
@@ -99,59 +106,17 @@ def test_seeded_request_draws_the_same_tokens_alone_or_in_any_batch(sampler):
     assert len(set(alone)) > 1  # it really samples
 
 
-def test_top_k_keeps_exactly_k_tokens():
+def test_top_k_keeps_exactly_k_tokens(filter_):
     logits = torch.tensor([[5.0, 1.0, 4.0, 3.0, 0.0, 2.0, -1.0, -2.0]])
-    kept = filter_logits(logits, meta_for([req("a", top_k=3)])).isfinite()
+    kept = filter_(logits, meta_for([req("a", top_k=3)])).isfinite()
     assert kept[0].nonzero().flatten().tolist() == [0, 2, 3]
 
 
-@pytest.mark.parametrize("top_p, expected", [(0.5, [0]), (0.8, [0, 1]), (0.81, [0, 1, 2]), (1.0, [0, 1, 2, 3])])
-def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p, expected):
+@pytest.mark.parametrize("top_p, expected", [(0.49, [0]), (0.79, [0, 1]), (0.81, [0, 1, 2]), (1.0, [0, 1, 2, 3])])
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(top_p, expected, filter_):
     logits = probs_logits([0.5, 0.3, 0.15, 0.05])
-    kept = filter_logits(logits, SamplingMetadata.build([req("a", top_p=top_p)], {}, 4, CPU)).isfinite()
+    kept = filter_(logits, SamplingMetadata.build([req("a", top_p=top_p)], {}, 4, CPU)).isfinite()
     assert kept[0].nonzero().flatten().tolist() == expected
-
-
-def test_keep_best_sorts_only_the_best_and_keeps_the_same_tokens():
-    """keep_best (the CPU's) sorts each row's best tokens only, more of them while the row's
-    top-p set runs past them: the kept sets are sort_best's (whole rows sorted, the GPU's), with
-    top-k and top-p mixed per row and top-p sets from one token to most of the vocabulary."""
-    from tokenmill.sampler import keep_best
-    gen = torch.Generator().manual_seed(0)
-    vocab = 3000
-    scales = torch.tensor([4.0, 4.0, 1.0, 0.1, 0.1, 2.0, 0.05, 3.0]).unsqueeze(1)  # 0.1, 0.05: flat rows
-    logits = torch.randn(8, vocab, generator=gen) * scales
-    top_k = torch.tensor([vocab, 40, vocab, vocab, 500, 5, vocab, 1])
-    top_p = torch.tensor([0.9, 0.95, 0.5, 0.95, 1.0, 0.99, 0.999, 0.3])  # 1.0: off in that row
-    ours = keep_best(logits.clone(), top_k, top_p, first=16)  # in place
-    assert torch.equal(ours.isfinite(), sort_best(logits, top_k, top_p).isfinite())
-    kept = ours.isfinite().sum(dim=1)
-    assert int(kept[6]) > 2500 and int(kept[1]) <= 40 and int(kept[7]) == 1  # row 6: n 16 -> 3000
-    assert torch.equal(ours[ours.isfinite()], logits[ours.isfinite()])       # kept logits unchanged
-    only_k = keep_best(logits.clone(), top_k, None)
-    assert torch.equal(only_k.isfinite(), sort_best(logits, top_k, None).isfinite())
-
-
-def test_keep_best_keeps_the_same_tokens_alone_or_in_any_batch():
-    """What a row keeps depends on it alone: its own n (not the batch's largest top_k), its
-    candidates, its softmax; tied best logits too. A seeded request draws from it, so this is
-    what makes it draw the same tokens in any batch."""
-    from tokenmill.sampler import keep_best
-    gen = torch.Generator().manual_seed(1)
-    vocab = 5000
-    tied = torch.randn(vocab, generator=gen)
-    tied[[7, 300, 2000, 4000, 4999]] = 9.0  # five best tokens tied: top_k 3 keeps three of them
-    rows = [(torch.randn(vocab, generator=gen) * 3, vocab, 0.9), (tied, 3, 1.0), (tied, 3, 0.8),
-            (torch.randn(vocab, generator=gen) * 0.2, vocab, 0.95)]
-    others = torch.randn(5, vocab, generator=gen)
-    for row, k, p in rows:
-        alone = keep_best(row.unsqueeze(0).clone(), torch.tensor([k]), torch.tensor([p]))
-        batch = torch.cat([others[:2], row.unsqueeze(0), others[2:]])
-        in_batch = keep_best(batch, torch.tensor([1000, vocab, k, 2, vocab, vocab]),
-                             torch.tensor([1.0, 0.5, p, 1.0, 0.99, 0.7]))[2]
-        assert torch.equal(alone[0], in_batch)
-    kept = keep_best(tied.unsqueeze(0).clone(), torch.tensor([3]), None)[0].isfinite().nonzero().flatten().tolist()
-    assert len(kept) == 3 and set(kept) <= {7, 300, 2000, 4000, 4999}
 
 
 def test_sample_rows_keeps_sort_best_sets(kernels):
@@ -240,10 +205,12 @@ def test_sample_rows_draws_from_the_kept_distribution(kernels):
     assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
 
 
-def test_min_p_drops_tokens_below_a_share_of_the_top_probability():
-    logits = probs_logits([0.5, 0.3, 0.15, 0.05])
-    kept = filter_logits(logits, SamplingMetadata.build([req("a", min_p=0.2)], {}, 4, CPU)).isfinite()
+def test_min_p_drops_tokens_below_a_share_of_the_top_probability(filter_):
+    logits = probs_logits([0.5, 0.3, 0.15, 0.05]).repeat(2, 1)
+    kept = filter_(logits, SamplingMetadata.build([req("a", min_p=0.2), req("b", min_p=0.2, top_k=3)], {}, 4,
+                                                  CPU)).isfinite()
     assert kept[0].nonzero().flatten().tolist() == [0, 1, 2]   # threshold 0.1
+    assert kept[1].nonzero().flatten().tolist() == [0, 1, 2]   # top-k 3 first: 0.15 of 0.95 stays
 
 
 def test_sampling_matches_the_softmax_distribution(sampler):

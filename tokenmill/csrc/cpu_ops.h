@@ -28,5 +28,6 @@ std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out);
 torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format);
+torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
                            int64_t format, c10::optional<torch::Tensor> out, int64_t int8_rows);

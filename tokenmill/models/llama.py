@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -28,7 +29,7 @@ from torch import nn
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
 from tokenmill.models.ops import TorchOps
-from tokenmill.models.packed_linear import ConcatLinear, GGUFMatrix, PackedLinear, ToPack, pack_all
+from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, GGUFMatrix, PackedLinear, ToPack, pack_all
 
 
 class RMSNorm(nn.Module):
@@ -79,7 +80,7 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at each position, (T, D/2), cast once per step to the model's dtype."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return self.cos.index_select(0, positions).to(dtype), self.sin.index_select(0, positions).to(dtype)
 
 
 class Attention(nn.Module):
@@ -158,16 +159,25 @@ def projection_blocks(name: str, blocks: dict[str, GGUFMatrix]
 
 class GGUFEmbedding(nn.Module):
     """Token embeddings looked up in a GGUF file's own quantized rows (the file's mapping), each
-    row dequantized by gguf when a token needs it: the float32 values dequantizing the whole table
-    at load gives, bit for bit, without holding that table (113 MB for the default model, 2.1 GB
-    for Llama 3's vocabulary). A step pays for it in microseconds (50 at batch 1, 170 at 64)."""
+    row dequantized when a token needs it: the float32 values dequantizing the whole table at
+    load gives, bit for bit, without holding that table (113 MB for the default model, 2.1 GB
+    for Llama 3's vocabulary). Q4_0, Q4_1 and Q8_0 rows by the CPU kernels' embed_rows when
+    given (a few microseconds a step), other types by gguf's numpy (150 at batch 1)."""
 
-    def __init__(self, rows, qtype, dim: int) -> None:
+    def __init__(self, rows, qtype, dim: int, kernels=None) -> None:
         super().__init__()
         self.rows, self.qtype = rows, qtype   # rows: (vocab, bytes) uint8, numpy
         self.num_embeddings, self.embedding_dim = rows.shape[0], dim
+        self.format = BLOCK_FORMATS.get(qtype.name) if kernels is not None else None
+        self.kernels = kernels if self.format in (1, 2, 3) else None  # Q4_0, Q4_1, Q8_0
+        if self.kernels is not None:
+            with warnings.catch_warnings():  # read-only (the file's mapping): the kernel only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                self.table = torch.from_numpy(rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.embed_rows(self.table, ids, self.format)
         from gguf.quants import dequantize
         if ids.numel() == 0:
             return torch.empty(0, self.embedding_dim)
@@ -281,17 +291,17 @@ class LlamaForCausalLM(nn.Module):
                 skip.update(names)
         return skip
 
-    def use_gguf_embedding(self, rows, qtype) -> str:
-        """Before loading: look tokens up in a GGUF file's quantized rows (GGUFEmbedding) instead
-        of a float32 table; returns the checkpoint name not to load. A tied head needs its own
-        blocks then (pack_for_cpu), as the table is gone. The file is read while serving: replace
-        it by renaming, never in place."""
+    def use_gguf_embedding(self, rows, qtype, kernels=None) -> str:
+        """Before loading: look tokens up in a GGUF file's quantized rows (GGUFEmbedding, with the
+        CPU `kernels` where they read the type) instead of a float32 table; returns the checkpoint
+        name not to load. A tied head needs its own blocks then (pack_for_cpu), as the table is
+        gone. The file is read while serving: replace it by renaming, never in place."""
         from gguf.quants import dequantize
         width = dequantize(rows[:1], qtype).size  # here rather than at the first step: a type gguf cannot read
         if rows.shape[0] != self.config.vocab_size or width != self.config.hidden_size:
             raise ValueError(f"token embeddings of {rows.shape[0]} x {width}, the model expects "
                              f"{self.config.vocab_size} x {self.config.hidden_size}")
-        self.embed_tokens = GGUFEmbedding(rows, qtype, self.config.hidden_size)
+        self.embed_tokens = GGUFEmbedding(rows, qtype, self.config.hidden_size, kernels)
         return "model.embed_tokens.weight"
 
     @torch.no_grad()

@@ -307,7 +307,7 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     skip = model.drop_block_weights(blocks)  # never allocated in float32: packed from the blocks
     embedding = ckpt.quantized_embedding() if use_blocks else None
     if embedding is not None and (not ckpt.config.tie_word_embeddings or "model.embed_tokens.weight" in blocks):
-        skip.add(model.use_gguf_embedding(*embedding))  # looked up in the file's rows
+        skip.add(model.use_gguf_embedding(*embedding, kernels=cpu_kernels))  # looked up in the file's rows
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)  # cos/sin tables in float32, cast per use
     weights = tqdm(ckpt.weights(frozenset(skip)), desc="loading weights", unit="tensor", delay=2, leave=False,

@@ -42,7 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     omp_pause_resource_all(omp_pause_soft);
 #endif
   }, "Let the OpenMP worker threads started by the calling thread exit");
-  py::class_<CpuDecoderLayer>(m, "DecoderLayer", "A Llama decoder layer whose attention runs in the kernel, in one call")
+  py::class_<CpuDecoderLayer, std::shared_ptr<CpuDecoderLayer>>(m, "DecoderLayer",
+                                                                 "A Llama decoder layer whose attention runs in the kernel, in one call")
       .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<Projection>, int64_t, int64_t, int64_t, double,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("projections"), py::arg("num_heads"),
@@ -50,6 +51,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_norm") = py::none())
       .def("forward", &CpuDecoderLayer::forward)
       .def_readwrite("int8_rows", &CpuDecoderLayer::int8_rows);
+  py::class_<CpuDecoderStack>(m, "DecoderStack", "A model's DecoderLayers and final norm, in one call")
+      .def(py::init<std::vector<std::shared_ptr<CpuDecoderLayer>>, torch::Tensor, double>(), py::arg("layers"),
+           py::arg("final_norm"), py::arg("eps"))
+      .def("set_caches", &CpuDecoderStack::set_caches)
+      .def("forward", &CpuDecoderStack::forward);
 #ifdef TOKENMILL_AVX2
   m.attr("block_formats") = true;
 #else

@@ -62,3 +62,25 @@ std::tuple<torch::Tensor, torch::Tensor> CpuDecoderLayer::forward(
   h = add_rms_norm(project(o, attn.view({T, num_heads * head_dim})), stream, post_norm, eps);
   return {project(down, silu_mul(project(gate_up, h))), stream};
 }
+
+CpuDecoderStack::CpuDecoderStack(std::vector<std::shared_ptr<CpuDecoderLayer>> layers, torch::Tensor final_norm,
+                                 double eps)
+    : layers(std::move(layers)), final_norm(std::move(final_norm)), eps(eps) {}
+
+void CpuDecoderStack::set_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
+  TORCH_CHECK(k.size() == layers.size() && v.size() == layers.size(), "DecoderStack: one K and one V pool per layer");
+  k_caches = std::move(k), v_caches = std::move(v);
+}
+
+torch::Tensor CpuDecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
+                                       torch::Tensor slot_offset, torch::Tensor block_tables,
+                                       torch::Tensor query_start, torch::Tensor seq_lens) const {
+  TORCH_CHECK(k_caches.size() == layers.size(), "DecoderStack: set_caches first");
+  c10::optional<torch::Tensor> residual;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto [out, stream] = layers[i]->forward(x, residual, cos, sin, k_caches[i], v_caches[i], slot_block, slot_offset,
+                                            block_tables, query_start, seq_lens);
+    x = std::move(out), residual = std::move(stream);
+  }
+  return add_rms_norm(x, residual, final_norm, eps);
+}

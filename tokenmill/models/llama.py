@@ -196,6 +196,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
         self.packed_lm_head: nn.Module | None = None  # set by pack_for_cpu()
         self.ops = TorchOps()                         # element-wise steps; fused ones set by the loader
+        self.fused_stack = None                       # every layer's one-call version in one call (fuse_layers)
+        self._stack_caches: list | None = None        # the KV pools fused_stack was given
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
@@ -203,6 +205,12 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions, x.dtype)
         in_kernel = backend.name == "cpu" and backend.all_in_kernel(meta)  # what a fused layer can run
+        if in_kernel and self.fused_stack is not None:
+            if self._stack_caches is not kv_caches:  # a runner's pools: given once
+                self.fused_stack.set_caches([k for k, _ in kv_caches], [v for _, v in kv_caches])
+                self._stack_caches = kv_caches
+            return self.fused_stack.forward(x, cos, sin, meta.slot_block, meta.slot_offset, meta.block_tables,
+                                            meta.query_start_loc, meta.seq_lens)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if in_kernel and layer.fused is not None:
                 x, residual = layer.fused.forward(x, residual, cos, sin, k_cache, v_cache, meta.slot_block,
@@ -245,7 +253,8 @@ class LlamaForCausalLM(nn.Module):
         forward() runs when the step's attention is all in the CPU kernel: the same kernels in the
         same order as the layer with CpuFusedOps (model.ops, set with it by the loader), without
         the Python between them (a fifth of a batch-1 decode step). The C++ layer takes one eps for
-        all its norms: a layer whose norms differ in eps keeps the Python path."""
+        all its norms: a layer whose norms differ in eps keeps the Python path. When every layer
+        has one, `fused_stack` runs them all and the final norm in one call."""
         def parts(p: nn.Module) -> list[tuple] | None:
             linears = list(p.parts) if isinstance(p, ConcatLinear) else [p]
             if not all(isinstance(m, PackedLinear) and m.panels is not None for m in linears):
@@ -263,6 +272,9 @@ class LlamaForCausalLM(nn.Module):
                 layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                 layer.input_layernorm.eps, projections, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
                 *norms)
+        if all(layer.fused is not None for layer in self.layers):  # and the 30 calls in one (0.1 ms at batch 1)
+            self.fused_stack = kernels.DecoderStack([layer.fused for layer in self.layers], self.norm.weight.detach(),
+                                                    self.norm.eps)
 
     def set_int8_rows(self, rows: int) -> None:
         """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit

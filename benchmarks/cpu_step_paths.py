@@ -1,5 +1,5 @@
 """Decode steps of the default model three ways, alternated in one engine: the Python layers,
-the one-call C++ layers (the default), and those with the layers' products taking x in 8-bit
+the C++ layers in one call (the default), and those with the layers' products taking x in 8-bit
 blocks (gguf_int8_rows); then what the 8-bit x costs in quality.
 
     python benchmarks/cpu_step_paths.py [BATCH ...]    (default: 1 4 16 64)
@@ -32,14 +32,13 @@ ROUNDS, STEPS = 9, 12
 PATHS = ("python layers", "one-call layers", "one-call, 8-bit x")
 
 
-def use_path(engine: LLMEngine, fused: list, path: str, rows: int) -> None:
+def use_path(engine: LLMEngine, stack, path: str, rows: int) -> None:
     model = engine.runner.model
-    for layer, f in zip(model.layers, fused):
-        layer.fused = None if path == "python layers" else f
+    model.fused_stack = None if path == "python layers" else stack
     model.set_int8_rows(rows if path == "one-call, 8-bit x" else 0)
 
 
-def steps(engine: LLMEngine, fused: list, batches: list[int]) -> None:
+def steps(engine: LLMEngine, stack, batches: list[int]) -> None:
     print(f"{'batch':>5} " + " ".join(f"{p + ' ms':>20}" for p in PATHS))
     for batch in batches:
         ids = [f"b{batch}-{i}" for i in range(batch)]
@@ -52,14 +51,14 @@ def steps(engine: LLMEngine, fused: list, batches: list[int]) -> None:
         results: dict[str, list[float]] = {p: [] for p in PATHS}
         for _ in range(ROUNDS):
             for path in PATHS:
-                use_path(engine, fused, path, batch)
+                use_path(engine, stack, path, batch)
                 results[path].append(median_step(engine, STEPS))
         for rid in ids:
             engine.abort(rid)
         base = statistics.median(results[PATHS[0]])
         print(f"{batch:>5} " + " ".join(f"{statistics.median(v) * 1e3:>11.1f} ({statistics.median(v) / base:.2f}x)"
                                           for v in results.values()))
-    use_path(engine, fused, "one-call layers", 0)
+    use_path(engine, stack, "one-call layers", 0)
 
 
 def decode_log_probs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
@@ -98,8 +97,7 @@ def quality(engine: LLMEngine) -> None:
 
 def main(batches: list[int]) -> None:
     engine = LLMEngine(EngineConfig())
-    fused = [layer.fused for layer in engine.runner.model.layers]
-    steps(engine, fused, batches)
+    steps(engine, engine.runner.model.fused_stack, batches)
     if "--no-quality" not in sys.argv:
         quality(engine)
 

@@ -333,7 +333,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
     from tokenmill.sampling_params import SamplingParams
     model.ops = fused
     model.fuse_layers(fused.kernels)
-    assert layer.fused is not None
+    assert model.fused_stack is not None
     runner = ModelRunner(model, cfg, CacheConfig(8, 16), make_backend("cpu", torch.device("cpu")), torch.device("cpu"),
                          torch.float32, seed=0)
     request = Request(request_id="r", prompt_token_ids=list(range(2, 9)), params=SamplingParams(), max_tokens=4)
@@ -341,7 +341,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
     inputs = runner.prepare([request], [7])
     with torch.inference_mode():
         one_call = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
-        layer.fused = None
+        model.fused_stack = None
         python = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
     assert torch.equal(one_call, python)
 

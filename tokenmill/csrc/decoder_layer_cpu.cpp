@@ -67,15 +67,12 @@ CpuDecoderStack::CpuDecoderStack(std::vector<std::shared_ptr<CpuDecoderLayer>> l
                                  double eps)
     : layers(std::move(layers)), final_norm(std::move(final_norm)), eps(eps) {}
 
-void CpuDecoderStack::set_caches(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
-  TORCH_CHECK(k.size() == layers.size() && v.size() == layers.size(), "DecoderStack: one K and one V pool per layer");
-  k_caches = std::move(k), v_caches = std::move(v);
-}
-
-torch::Tensor CpuDecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
-                                       torch::Tensor slot_offset, torch::Tensor block_tables,
+torch::Tensor CpuDecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                       std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                                       torch::Tensor slot_block, torch::Tensor slot_offset, torch::Tensor block_tables,
                                        torch::Tensor query_start, torch::Tensor seq_lens) const {
-  TORCH_CHECK(k_caches.size() == layers.size(), "DecoderStack: set_caches first");
+  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+              "DecoderStack: one K and one V pool per layer");
   c10::optional<torch::Tensor> residual;
   for (size_t i = 0; i < layers.size(); ++i) {
     auto [out, stream] = layers[i]->forward(x, residual, cos, sin, k_caches[i], v_caches[i], slot_block, slot_offset,

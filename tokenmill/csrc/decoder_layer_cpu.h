@@ -35,21 +35,18 @@ struct CpuDecoderLayer {
   torch::Tensor project(const Projection& p, const torch::Tensor& x) const;
 };
 
-// A model's decoder layers with their KV pools, run in one call and followed by the final norm:
-// LlamaForCausalLM.forward's loop over CpuDecoderLayer, without a call from Python per layer.
+// A model's decoder layers run in one call and followed by the final norm: the loop of
+// LlamaForCausalLM.forward over them, without a call from Python per layer.
 struct CpuDecoderStack {
   CpuDecoderStack(std::vector<std::shared_ptr<CpuDecoderLayer>> layers, torch::Tensor final_norm, double eps);
 
-  // the pools the layers read and write, one (K, V) pair per layer: set once per runner
-  void set_caches(std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches);
-
-  // x: the token embeddings (T, hidden) -> the final norm's output (T, hidden)
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_block,
-                        torch::Tensor slot_offset, torch::Tensor block_tables, torch::Tensor query_start,
-                        torch::Tensor seq_lens) const;
+  // x: the token embeddings (T, hidden); one K and one V pool per layer -> the final norm's
+  // output (T, hidden)
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+                        std::vector<torch::Tensor> v_caches, torch::Tensor slot_block, torch::Tensor slot_offset,
+                        torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor seq_lens) const;
 
   std::vector<std::shared_ptr<CpuDecoderLayer>> layers;
   torch::Tensor final_norm;
   double eps;
-  std::vector<torch::Tensor> k_caches, v_caches;
 };

@@ -9,8 +9,8 @@ into one matrix each at load time, so a layer runs four matrix products.
 Inside a step the layers call their submodules' `.forward` directly: nn.Module.__call__'s hook
 handling cost 0.56 ms a step over 30 layers (measured on a 30-layer model with tiny matrices),
 2% of a batch-1 decode step of the default model. No hooks are used on these modules. With the
-C++ CPU kernels, a step whose attention is all in the kernel goes further and runs each layer in
-one C++ call (`fuse_layers`): DecoderLayer.forward below stays the readable version of it, and
+C++ CPU kernels, a step whose attention is all in the kernel goes further and runs all the layers
+in one C++ call (`fuse_layers`): DecoderLayer.forward below stays the readable version of it, and
 the reference it is tested against bit for bit.
 """
 
@@ -122,7 +122,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.fused = None  # the same layer in one C++ call (LlamaForCausalLM.fuse_layers)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend, ops):
         """Pre-norm block. The residual stream is carried separately so that each add fuses
@@ -196,8 +195,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
         self.packed_lm_head: nn.Module | None = None  # set by pack_for_cpu()
         self.ops = TorchOps()                         # element-wise steps; fused ones set by the loader
-        self.fused_stack = None                       # every layer's one-call version in one call (fuse_layers)
-        self._stack_caches: list | None = None        # the KV pools fused_stack was given
+        self.fused_layers: list | None = None         # each layer as one C++ object (fuse_layers)
+        self.fused_stack = None                       # and all of them, run in one call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:
@@ -206,18 +205,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         in_kernel = backend.name == "cpu" and backend.all_in_kernel(meta)  # what a fused layer can run
         if in_kernel and self.fused_stack is not None:
-            if self._stack_caches is not kv_caches:  # a runner's pools: given once
-                self.fused_stack.set_caches([k for k, _ in kv_caches], [v for _, v in kv_caches])
-                self._stack_caches = kv_caches
-            return self.fused_stack.forward(x, cos, sin, meta.slot_block, meta.slot_offset, meta.block_tables,
+            return self.fused_stack.forward(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                                            meta.slot_block, meta.slot_offset, meta.block_tables,
                                             meta.query_start_loc, meta.seq_lens)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            if in_kernel and layer.fused is not None:
-                x, residual = layer.fused.forward(x, residual, cos, sin, k_cache, v_cache, meta.slot_block,
-                                                  meta.slot_offset, meta.block_tables, meta.query_start_loc,
-                                                  meta.seq_lens)
-            else:
-                x, residual = layer.forward(x, residual, cos, sin, k_cache, v_cache, meta, backend, self.ops)
+            x, residual = layer.forward(x, residual, cos, sin, k_cache, v_cache, meta, backend, self.ops)
         return self.ops.add_rms_norm(x, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -248,33 +240,34 @@ class LlamaForCausalLM(nn.Module):
         pack_all(items, kernels)
 
     def fuse_layers(self, kernels) -> None:
-        """Give every layer whose projections are all panel products (PackedLinear or ConcatLinear
-        on the C++ kernel, not oneDNN) a one-call C++ version (csrc/decoder_layer_cpu.cpp), which
-        forward() runs when the step's attention is all in the CPU kernel: the same kernels in the
-        same order as the layer with CpuFusedOps (model.ops, set with it by the loader), without
-        the Python between them (a fifth of a batch-1 decode step). The C++ layer takes one eps for
-        all its norms: a layer whose norms differ in eps keeps the Python path. When every layer
-        has one, `fused_stack` runs them all and the final norm in one call."""
+        """When every layer's projections are panel products (PackedLinear or ConcatLinear on the
+        C++ kernel, not oneDNN) and its norms share one eps, build each layer as one C++ object
+        (csrc/decoder_layer_cpu.cpp: the same kernels in the same order as the layer with
+        CpuFusedOps, set with it by the loader) and `fused_stack`, which runs them all and the
+        final norm in one call. forward() takes it when the step's attention is all in the CPU
+        kernel, without the Python between the kernels (a fifth of a batch-1 decode step with a
+        call per layer, 2% more with one call for all). Setting fused_stack to None goes back to
+        the Python layers (tests and benchmarks compare the two)."""
         def parts(p: nn.Module) -> list[tuple] | None:
             linears = list(p.parts) if isinstance(p, ConcatLinear) else [p]
             if not all(isinstance(m, PackedLinear) and m.panels is not None for m in linears):
                 return None
             return [(m.panels, m.bias, m.out_features, m.format) for m in linears]
 
+        fused = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = [parts(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
             if any(p is None for p in projections) or len({n.eps for n in norms if n is not None}) > 1:
-                continue
+                return  # the C++ layer takes one eps for all its norms
             norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
-            layer.fused = kernels.DecoderLayer(
+            fused.append(kernels.DecoderLayer(
                 layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                 layer.input_layernorm.eps, projections, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                *norms)
-        if all(layer.fused is not None for layer in self.layers):  # and the 30 calls in one (0.1 ms at batch 1)
-            self.fused_stack = kernels.DecoderStack([layer.fused for layer in self.layers], self.norm.weight.detach(),
-                                                    self.norm.eps)
+                *norms))
+        self.fused_layers = fused
+        self.fused_stack = kernels.DecoderStack(fused, self.norm.weight.detach(), self.norm.eps)
 
     def set_int8_rows(self, rows: int) -> None:
         """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit
@@ -285,8 +278,8 @@ class LlamaForCausalLM(nn.Module):
             for m in layer.modules():
                 if isinstance(m, PackedLinear):
                     m.int8_rows = rows
-            if layer.fused is not None:
-                layer.fused.int8_rows = rows
+        for fused in self.fused_layers or []:
+            fused.int8_rows = rows
 
     def drop_block_weights(self, weight_blocks: dict[str, GGUFMatrix]) -> set[str]:
         """Before loading: drop the float32 weight of every projection that pack_for_cpu will pack

@@ -50,12 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none())
       .def_readwrite("int8_rows", &CpuDecoderLayer::int8_rows);
-  // The GIL is released for the whole forward pass (it touches no Python object): the server's
-  // event loop stays responsive meanwhile, where it used to get the GIL between layer calls.
   py::class_<CpuDecoderStack>(m, "DecoderStack", "A model's DecoderLayers and final norm, in one call")
       .def(py::init<std::vector<std::shared_ptr<CpuDecoderLayer>>, torch::Tensor, double>(), py::arg("layers"),
            py::arg("final_norm"), py::arg("eps"))
-      .def("forward", &CpuDecoderStack::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &CpuDecoderStack::forward);
 #ifdef TOKENMILL_AVX2
   m.attr("block_formats") = true;
 #else

@@ -23,6 +23,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::
                           c10::optional<torch::Tensor> floors);
 // shared between the kernels' files
 void check_rows(const torch::Tensor& t, const char* name);  // float32, 2-d, contiguous rows
+float row_max(const float* row, int64_t V, bool* has_nan);
 int64_t row_argmax(const float* row, int64_t V);
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);

@@ -138,11 +138,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// The index of a row's largest value, the first one on ties, or its first NaN (torch.argmax's
-// answers). The row is read twice, once for its max, then up to it for the index.
-int64_t row_argmax(const float* row, int64_t V) {
+// A row's largest value, and in *has_nan whether it holds a NaN (which max would skip).
+float row_max(const float* row, int64_t V, bool* has_nan) {
   float mx = row[0];
-  bool has_nan = false;
+  bool nan = false;
   int64_t i = 0;
 #ifdef TOKENMILL_AVX2
   __m256 vmax = _mm256_set1_ps(row[0]), vnan = _mm256_setzero_ps();
@@ -154,12 +153,21 @@ int64_t row_argmax(const float* row, int64_t V) {
   float lanes[8];
   _mm256_storeu_ps(lanes, vmax);
   for (float lane : lanes) mx = std::max(mx, lane);
-  has_nan = _mm256_movemask_ps(vnan) != 0;
+  nan = _mm256_movemask_ps(vnan) != 0;
 #endif
   for (; i < V; ++i) {
-    has_nan = has_nan || std::isnan(row[i]);
+    nan = nan || std::isnan(row[i]);
     mx = std::max(mx, row[i]);
   }
+  *has_nan = nan;
+  return mx;
+}
+
+// The index of a row's largest value, the first one on ties, or its first NaN (torch.argmax's
+// answers). The row is read twice, once for its max, then up to it for the index.
+int64_t row_argmax(const float* row, int64_t V) {
+  bool has_nan;
+  const float mx = row_max(row, V, &has_nan);
   int64_t found = 0;
   if (has_nan) {
     while (!std::isnan(row[found])) ++found;

@@ -200,28 +200,14 @@ double kept_mass(const float* s, const float* e, int64_t V, float floor, float m
 // for finite s at least exp(-87) (exp256's clamp, here in both paths), so e > 0 exactly where s
 // is finite. Returns max s, or NaN when the row holds a NaN.
 float scale_and_exp(const float* logits, int64_t V, float temperature, float* s, float* e) {
-  float mx = kNegInf;
-  bool nan = false;
   int64_t i = 0;
 #ifdef TOKENMILL_AVX2
-  const __m256 tv = _mm256_set1_ps(temperature);
-  __m256 vmax = _mm256_set1_ps(kNegInf), vnan = _mm256_setzero_ps();
-  for (; i + 8 <= V; i += 8) {
-    const __m256 sv = _mm256_div_ps(_mm256_loadu_ps(logits + i), tv);
-    _mm256_storeu_ps(s + i, sv);
-    vmax = _mm256_max_ps(vmax, sv);
-    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(sv, sv, _CMP_UNORD_Q));
-  }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, vmax);
-  for (float lane : lanes) mx = std::max(mx, lane);
-  nan = _mm256_movemask_ps(vnan) != 0;
+  for (const __m256 tv = _mm256_set1_ps(temperature); i + 8 <= V; i += 8)
+    _mm256_storeu_ps(s + i, _mm256_div_ps(_mm256_loadu_ps(logits + i), tv));
 #endif
-  for (int64_t j = i; j < V; ++j) {
-    s[j] = logits[j] / temperature;
-    nan = nan || std::isnan(s[j]);
-    mx = std::max(mx, s[j]);
-  }
+  for (; i < V; ++i) s[i] = logits[i] / temperature;
+  bool nan;
+  const float mx = row_max(s, V, &nan);
   if (nan) return std::numeric_limits<float>::quiet_NaN();
   i = 0;
 #ifdef TOKENMILL_AVX2

@@ -197,7 +197,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # the CPU kernels (cpu_kernels.py), for their argmax_rows (torch's answers in a fifth of
-        # the time at 64 rows of logits) and sample_rows (sampled rows in one pass each)
+        # the time at 64 rows of logits) and sample_rows (each sampled row in a few passes)
         self.kernels = kernels
 
     def _in_kernels(self, x: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ struct Candidate {
 };
 
 // A row's scratch, one per thread: its s and e, and room for all of its tokens as candidates (not
-// zeroed: 1.2 MB for the default model's rows, a third of a row's time to clear).
+// zeroed: 1.2 MB for the default model's rows, which took half of a row's time at temperature 1 to clear).
 struct RowBuffers {
   std::unique_ptr<float[]> s, e;
   std::unique_ptr<Candidate[]> candidates, copy;

@@ -167,8 +167,8 @@ class GGUFEmbedding(nn.Module):
         super().__init__()
         self.rows, self.qtype = rows, qtype   # rows: (vocab, bytes) uint8, numpy
         self.num_embeddings, self.embedding_dim = rows.shape[0], dim
-        self.format = BLOCK_FORMATS.get(qtype.name) if kernels is not None else None
-        self.kernels = kernels if self.format in (1, 2, 3) else None  # Q4_0, Q4_1, Q8_0
+        self.kernels = kernels if qtype.name in ("Q4_0", "Q4_1", "Q8_0") else None  # what embed_rows reads
+        self.format = BLOCK_FORMATS.get(qtype.name)
         if self.kernels is not None:
             with warnings.catch_warnings():  # read-only (the file's mapping): the kernel only reads it
                 warnings.simplefilter("ignore", UserWarning)

@@ -18,7 +18,8 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 2, 64, 512, 80  # K-quan
 
 
 def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool) -> None:
-    """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, Q4_0, Q4_1, Q8_0 or a K-quant."""
+    """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, a type gguf quantizes to
+    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ2_0) or a K-quant."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     rng = np.random.default_rng(0)
@@ -79,9 +80,14 @@ CASES = {
                                        "ffn_down": "Q6_K"}, False, True,
                              {"qkv_proj": ("Q4_K", "Q6_K"), "o_proj": "Q5_K", "gate_up_proj": "Q5_K",
                               "down_proj": "Q6_K", "head": "Q6_K"}),
-    # Q5_0 has no blocks in the kernel: float32 panels, and the tied head needs the float32 table
-    "llama_tied_q5_0": ("llama", dict.fromkeys(KINDS, "Q5_0"), True, False,
-                        {**dict.fromkeys(ALL_BLOCKS), "float32_embeddings": True}),
+    # Q5_0 and Q5_1 re-cut into the kernel's Q5F blocks; the tied head from the embeddings' own
+    "llama_tied_q5_0": ("llama", dict.fromkeys(KINDS, "Q5_0"), True, False, dict.fromkeys(ALL_BLOCKS, "Q5_0")),
+    "llama_q5_mixed": ("llama", {**dict.fromkeys(KINDS, "Q5_1"), "attn_k": "Q5_0", "ffn_down": "Q5_0"}, False, False,
+                       {**dict.fromkeys(ALL_BLOCKS, "Q5_1"), "qkv_proj": ("Q5_1", "Q5_0", "Q5_1"),
+                        "down_proj": "Q5_0"}),
+    # TQ2_0 has no blocks in the kernel: float32 panels, and the tied head needs the float32 table
+    "llama_tied_tq2_0": ("llama", dict.fromkeys(KINDS, "TQ2_0"), True, False,
+                         {**dict.fromkeys(ALL_BLOCKS), "float32_embeddings": True}),
 }
 
 

@@ -1,7 +1,7 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer)
 and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
-dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and
-Q6_K projections stay as blocks, for the panel kernel to decode).
+dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K and Q6_K projections stay as blocks, for the panel kernel to decode).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
 model has one loading routine. The tokenizer and chat template come through
@@ -222,10 +222,26 @@ def k_quant_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
     return out.reshape(rows.shape[0], -1)
 
 
+def q5_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
+    """Q5_0 or Q5_1 rows (N, K / 32 * 22 or 24 bytes) -> the kernel's Q5F rows: float32 scale d and
+    offset, then a byte per 5-bit code (the low nibble, and bit i of qh as the fifth bit of weight
+    i). Q5_1's offset is its m; Q5_0's is -16 d, so that the kernel's d * q + offset is gguf's
+    (q - 16) * d exactly (d * q and 16 d are exact in float32, and so is their difference)."""
+    size = 22 if kind == "Q5_0" else 24
+    blocks = rows.reshape(-1, size)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    offset = -16 * d if kind == "Q5_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    qh = blocks[:, size - 20:size - 16].copy().view(np.uint32)                 # (n, 1)
+    qs = blocks[:, size - 16:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)                       # weights 0-15, 16-31
+    codes |= (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+    return np.concatenate([d.view(np.uint8), offset.view(np.uint8), codes], axis=1).reshape(rows.shape[0], -1)
+
+
 def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
     """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut by the
-    kernels' recut_k_quant (the same bytes as k_quant_as_blocks_of_32), q/k rows un-permuted,
-    copied out of the file's read-only mapping."""
+    kernels' recut_k_quant (the same bytes as k_quant_as_blocks_of_32), Q5_0 and Q5_1 by
+    q5_as_blocks_of_32, q/k rows un-permuted, copied out of the file's read-only mapping."""
     kind = tensor.tensor_type.name
     rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
     if kind.endswith("_K"):
@@ -233,6 +249,8 @@ def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(rows)
         rows = kernels.recut_k_quant(raw, BLOCK_FORMATS[kind]).numpy()
+    elif kind in ("Q5_0", "Q5_1"):
+        rows = q5_as_blocks_of_32(rows, kind)
     if heads:
         rows = _unpermute(rows, heads)
     return torch.from_numpy(np.require(rows, requirements=["C", "W"]))

@@ -44,7 +44,8 @@ struct RowBuffers {
   std::unique_ptr<float[]> s, e;
   std::unique_ptr<Candidate[]> candidates, copy;
   std::vector<double> blocks;
-  explicit RowBuffers(int64_t V) : s(new float[V]), e(new float[V]), candidates(new Candidate[V]), copy(new Candidate[V]) {}
+  explicit RowBuffers(int64_t V)
+      : s(new float[V]), e(new float[V]), candidates(new Candidate[V]), copy(new Candidate[V]) {}
 };
 
 // Bins by value, largest first: floor((hi - s) * scale), monotone in s, so every value of a bin is
@@ -288,7 +289,8 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::
                 " must be one ", dtype, " per row");
     return t->contiguous();
   };
-  const torch::Tensor temps = per_row(temperature, torch::kFloat32, "temperature"), us = per_row(u, torch::kFloat64, "u");
+  const torch::Tensor temps = per_row(temperature, torch::kFloat32, "temperature");
+  const torch::Tensor us = per_row(u, torch::kFloat64, "u");
   const torch::Tensor ks = per_row(top_k, torch::kInt64, "top_k"), ps = per_row(top_p, torch::kFloat32, "top_p");
   const torch::Tensor mps = per_row(min_p, torch::kFloat32, "min_p"), fl = per_row(floors, torch::kFloat32, "floors");
   TORCH_CHECK(!floors.has_value() || floors->is_contiguous(), "sample_rows: floors must be contiguous");
@@ -316,7 +318,8 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::
           op[r] = row_argmax(lp + r * stride, V);
         } else {
           const RowParams p{t, ks.defined() ? ks.data_ptr<int64_t>()[r] : V,
-                            ps.defined() ? ps.data_ptr<float>()[r] : 1.0f, mps.defined() ? mps.data_ptr<float>()[r] : 0.0f};
+                            ps.defined() ? ps.data_ptr<float>()[r] : 1.0f,
+                            mps.defined() ? mps.data_ptr<float>()[r] : 0.0f};
           op[r] = sample_row(lp + r * stride, V, p, us.data_ptr<double>()[r], buf, &floor);
         }
         if (fl.defined()) fl.data_ptr<float>()[r] = floor;

@@ -36,14 +36,14 @@ needs_triton = pytest.mark.skipif(not triton_usable(), reason="needs triton (CUD
 
 
 def random_k_quant_rows(rng, kind: str, n: int, k: int):
-    """(n, k / 256 * super-block bytes) uint8 rows of random Q4_K, Q5_K or Q6_K super-blocks with
-    small scales (gguf cannot quantize to the K-quants)."""
+    """(n, k / 256 * super-block bytes) uint8 rows of random Q3_K, Q4_K, Q5_K or Q6_K super-blocks
+    with small scales (gguf cannot quantize to the K-quants)."""
     import numpy as np
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     raw = rng.integers(0, 256, (n, k // 256, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]), dtype=np.uint8)
     scales = (rng.random((n, k // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
-    if kind == "Q6_K":
-        raw[..., 208:210] = scales[..., :2]  # d, at the end
+    if kind in ("Q3_K", "Q6_K"):
+        raw[..., -2:] = scales[..., :2]      # d, at the end
     else:
         raw[..., 0:4] = scales               # d and dmin, at the start
     return raw.reshape(n, -1)

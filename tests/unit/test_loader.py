@@ -80,6 +80,11 @@ CASES = {
                                        "ffn_down": "Q6_K"}, False, True,
                              {"qkv_proj": ("Q4_K", "Q6_K"), "o_proj": "Q5_K", "gate_up_proj": "Q5_K",
                               "down_proj": "Q6_K", "head": "Q6_K"}),
+    # Q3_K_M-like: Q3_K re-cut into Q6F blocks (a scale per 16 weights), beside Q4_K, Q5_K and Q6_K
+    "llama_q3_k_mixed": ("llama", {**dict.fromkeys(KINDS, "Q3_K"), "attn_v": "Q5_K", "attn_output": "Q4_K",
+                                   "ffn_down": "Q4_K", "output": "Q6_K"}, False, False,
+                         {**dict.fromkeys(ALL_BLOCKS, "Q3_K"), "qkv_proj": ("Q3_K", "Q5_K"), "o_proj": "Q4_K",
+                          "down_proj": "Q4_K", "head": "Q6_K"}),
     # Q5_0 and Q5_1 re-cut into the kernel's Q5F blocks; the tied head from the embeddings' own
     "llama_tied_q5_0": ("llama", dict.fromkeys(KINDS, "Q5_0"), True, False, dict.fromkeys(ALL_BLOCKS, "Q5_0")),
     "llama_q5_mixed": ("llama", {**dict.fromkeys(KINDS, "Q5_1"), "attn_k": "Q5_0", "ffn_down": "Q5_0"}, False, False,

@@ -18,7 +18,7 @@
 // those do without.
 //
 // Batch-1 decode streams every weight once and is bound by memory. For GGUF weights in Q4_0,
-// Q4_1 or Q8_0 (and Q5_0, Q5_1 and the K-quants Q4_K, Q5_K and Q6_K, see Format below) the
+// Q4_1 or Q8_0 (and Q5_0, Q5_1 and the K-quants Q3_K to Q6_K, see Format below) the
 // kernel can also read them in their blocks of 32 (a scale, and for some an offset, per 32
 // weights of a row), re-laid as panels: per block of 32 k, the 16 features' scales, then each
 // k's 16 codes side by side. A tile decodes each k's 16 weights into two registers with exactly the arithmetic of
@@ -72,7 +72,7 @@ void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, flo
 // gguf's own float32 arithmetic: Q4F is Q4_1 with float32 scales and offsets, what a Q4_K
 // super-block becomes (scale d * sc, offset -dmin * m); Q5F the same with one byte per 5-bit
 // code (Q5_K; Q5_0 and Q5_1 too, re-cut in loader.py); Q6F one int8 code per weight (q - 32) and
-// a float32 scale d * sc per 16 k (Q6_K),
+// a float32 scale d * sc per 16 k (Q6_K; Q3_K too, its codes q - 4, re-cut in loader.py),
 // the second 16 k's scales in the slot where the other formats keep offsets.
 enum Format : int64_t { kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6 };
 constexpr int64_t kLastFormat = kQ6F;

@@ -1,7 +1,7 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer)
 and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
-dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K and Q6_K projections stay as blocks, for the panel kernel to decode).
+dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K,
+Q4_K, Q5_K and Q6_K projections stay as blocks, for the panel kernel to decode).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
 model has one loading routine. The tokenizer and chat template come through
@@ -238,19 +238,42 @@ def q5_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), offset.view(np.uint8), codes], axis=1).reshape(rows.shape[0], -1)
 
 
+def q3_k_as_blocks_of_32(rows: np.ndarray) -> np.ndarray:
+    """Q3_K rows (N, K / 256 * 110 bytes) -> the kernel's Q6F rows: per 32 weights the float32
+    scales d * sc of both halves of 16, then a signed byte per code (q - 4, from -4 to 3), decoded
+    as gguf does it, so that the kernel's scale * code is gguf's dl * q bit for bit."""
+    blocks = rows.reshape(-1, 110)
+    n = blocks.shape[0]
+    hmask, qs, packed = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
+    d = blocks[:, 108:110].copy().view(np.float16).astype(np.float32)
+    low = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    high = (packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    sc = (((low & 0x0F) | ((high & 0x03) << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+    scales = (d * sc).reshape(-1, 8, 2)                                           # per 16 weights
+    ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    qh = ((hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) ^ 1  # set bit: no -4
+    codes = (ql.reshape(n, 256).astype(np.int8) - (qh.reshape(n, 256) << 2).astype(np.int8)).reshape(-1, 8, 32)
+    out = np.concatenate([scales[..., :1].view(np.uint8), scales[..., 1:].view(np.uint8), codes.view(np.uint8)],
+                         axis=-1)
+    return out.reshape(rows.shape[0], -1)
+
+
 def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
     """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut by the
     kernels' recut_k_quant (the same bytes as k_quant_as_blocks_of_32), Q5_0 and Q5_1 by
-    q5_as_blocks_of_32, q/k rows un-permuted, copied out of the file's read-only mapping."""
+    q5_as_blocks_of_32, Q3_K by q3_k_as_blocks_of_32, q/k rows un-permuted, copied out of the
+    file's read-only mapping."""
     kind = tensor.tensor_type.name
     rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
-    if kind.endswith("_K"):
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
         with warnings.catch_warnings():  # read-only (the file's mapping): the kernel only reads it
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(rows)
         rows = kernels.recut_k_quant(raw, BLOCK_FORMATS[kind]).numpy()
     elif kind in ("Q5_0", "Q5_1"):
         rows = q5_as_blocks_of_32(rows, kind)
+    elif kind == "Q3_K":
+        rows = q3_k_as_blocks_of_32(rows)
     if heads:
         rows = _unpermute(rows, heads)
     return torch.from_numpy(np.require(rows, requirements=["C", "W"]))

@@ -12,7 +12,7 @@ model's 121 matrices (2 threads, see BENCHMARKS.md):
 
 `F.linear` stays the reference (kernels="torch"), and tests compare all three.
 
-Weights that came from a GGUF file in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a K-quant (Q4_K, Q5_K, Q6_K) stay
+Weights that came from a GGUF file in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a K-quant (Q3_K to Q6_K) stay
 in their blocks instead (a fifth of the float32 bytes for Q4_1), re-laid as panels the same
 kernel reads and decodes with gguf's own arithmetic, so results are bit-identical to the float32
 panels': 2.5x faster at batch-1 decode, which streams every weight once, and even with them on
@@ -35,8 +35,10 @@ from tokenmill.host_memory import huge_page_slots
 
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
 # GGUF types the panel kernel reads as blocks; the K-quants, Q5_0 and Q5_1 re-cut into 32-weight
-# blocks with float32 scales (loader.py), as the kernel's formats Q4F, Q5F and Q6F
-BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5}
+# blocks with float32 scales (loader.py), as the kernel's formats Q4F, Q5F and Q6F (Q3_K too: a
+# scale per 16 weights and no offset, as Q6_K)
+BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
+                 "Q3_K": 6}
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

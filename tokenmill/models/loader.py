@@ -226,7 +226,8 @@ def q5_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
     """Q5_0 or Q5_1 rows (N, K / 32 * 22 or 24 bytes) -> the kernel's Q5F rows: float32 scale d and
     offset, then a byte per 5-bit code (the low nibble, and bit i of qh as the fifth bit of weight
     i). Q5_1's offset is its m; Q5_0's is -16 d, so that the kernel's d * q + offset is gguf's
-    (q - 16) * d exactly (d * q and 16 d are exact in float32, and so is their difference)."""
+    (q - 16) * d exactly (d * q and 16 d are exact in float32, and so is their difference), but
+    for the sign of a zero weight (gguf's -0 where d < 0), which no sum starting from +0 shows."""
     size = 22 if kind == "Q5_0" else 24
     blocks = rows.reshape(-1, size)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)

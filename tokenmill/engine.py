@@ -185,8 +185,8 @@ class LLMEngine:
         workers than cores libgomp makes idle ones sleep at once instead of spinning, so that every
         kernel call has to wake them (a batch-1 decode step of the default model took 6.95 ms on
         the new thread against 6.4 on the one that built the engine, 6.4 again after this)."""
-        kernels = getattr(self.runner.backend, "kernel", None)
-        if kernels is not None and hasattr(kernels, "release_threads"):
+        kernels = getattr(self.runner.backend, "kernel", None)  # the CPU backend's C++ module
+        if kernels is not None:
             kernels.release_threads()
 
     def unfinished_request_ids(self) -> list[str]:

@@ -21,10 +21,10 @@
 // Q4_1 or Q8_0 (and Q5_0, Q5_1 and the K-quants Q3_K to Q6_K, see Format below) the
 // kernel can also read them in their blocks of 32 (a scale, and for some an offset, per 32
 // weights of a row), re-laid as panels: per block of 32 k, the 16 features' scales, then each
-// k's 16 codes side by side. A tile decodes each k's 16 weights into two registers with exactly the arithmetic of
-// gguf's own dequantization (d * q, + m for Q4_1, rounded the same way) and runs the same FMAs
-// in the same order as over float32 panels, so the product is bit for bit the same while a fifth
-// of the bytes (Q4_1) stream from memory. Each pass of up to six rows decodes everything again,
+// k's 16 codes side by side. A tile decodes each k's 16 weights into two registers with exactly
+// the arithmetic of gguf's own dequantization (d * q, + m for Q4_1, rounded the same way) and
+// runs the same FMAs in the same order as over float32 panels, so the product is bit for bit the
+// same while a fifth of the bytes (Q4_1) stream from memory. Each pass of up to six rows decodes everything again,
 // so from 13 rows a panel is decoded once into a 64-byte aligned buffer that the float32 tiles
 // then run over. Measured over the default model's matrices against float32 panels (paired):
 // 0.31x the time at 1 row, 0.43x at 4, 0.70x at 8, 0.83-0.89x at 12, 0.85x at 16, 0.90x at 32,
@@ -622,11 +622,7 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
   auto out = torch::empty({T, B * kBlock}, rows.options().dtype(torch::kFloat32));
   const uint8_t* rp = rows.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const auto half = [](const uint8_t* p) {
-    uint16_t bits;
-    std::memcpy(&bits, p, 2);
-    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-  };
+  const auto half = [](const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(p[0] | p[1] << 8); };
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t b = 0; b < B; ++b) {
       const uint8_t* blk = rp + ip[t] * bytes + b * block;

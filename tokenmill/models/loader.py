@@ -232,10 +232,8 @@ def q5_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
     blocks = rows.reshape(-1, size)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     offset = -16 * d if kind == "Q5_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    qh = blocks[:, size - 20:size - 16].copy().view(np.uint32)                 # (n, 1)
-    qs = blocks[:, size - 16:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)                       # weights 0-15, 16-31
-    codes |= (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+    codes = _bit_fields(blocks[:, size - 16:], 1, [0, 4], 0x0F)              # weights 0-15, 16-31
+    codes |= _bit_fields(blocks[:, size - 20:size - 16], 4, list(range(8)), 0x01) << 4  # qh: bit i, weight i
     return np.concatenate([d.view(np.uint8), offset.view(np.uint8), codes], axis=1).reshape(rows.shape[0], -1)
 
 
@@ -244,16 +242,13 @@ def q3_k_as_blocks_of_32(rows: np.ndarray) -> np.ndarray:
     scales d * sc of both halves of 16, then a signed byte per code (q - 4, from -4 to 3), decoded
     as gguf does it, so that the kernel's scale * code is gguf's dl * q bit for bit."""
     blocks = rows.reshape(-1, 110)
-    n = blocks.shape[0]
     hmask, qs, packed = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
     d = blocks[:, 108:110].copy().view(np.float16).astype(np.float32)
-    low = (packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
-    high = (packed[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
-    sc = (((low & 0x0F) | ((high & 0x03) << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
-    scales = (d * sc).reshape(-1, 8, 2)                                           # per 16 weights
-    ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-    qh = ((hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) ^ 1  # set bit: no -4
-    codes = (ql.reshape(n, 256).astype(np.int8) - (qh.reshape(n, 256) << 2).astype(np.int8)).reshape(-1, 8, 32)
+    sc = _bit_fields(packed[:, :8], 1, [0, 4], 0x0F) | (_bit_fields(packed[:, 8:], 1, [0, 2, 4, 6], 0x03) << 4)
+    scales = (d * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)).reshape(-1, 8, 2)  # per 16 weights
+    ql = _bit_fields(qs, 2, [0, 2, 4, 6], 0x03)
+    qh = _bit_fields(hmask, 1, list(range(8)), 0x01) ^ 1                         # a set bit: no -4
+    codes = (ql.astype(np.int8) - (qh << 2).astype(np.int8)).reshape(-1, 8, 32)
     out = np.concatenate([scales[..., :1].view(np.uint8), scales[..., 1:].view(np.uint8), codes.view(np.uint8)],
                          axis=-1)
     return out.reshape(rows.shape[0], -1)

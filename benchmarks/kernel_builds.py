@@ -5,6 +5,7 @@ fresh processes a minute apart (alternate the two in one process instead)."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -12,8 +13,8 @@ from torch.utils.cpp_extension import load
 
 
 def build_kernels(csrc: str, name: str):
-    """A checkout's kernels as module tokenmill_ab_<name>, its DecoderLayer class made module-local
-    so that two builds load side by side. The sources are copied to a fixed place and rewritten only
+    """A checkout's kernels as module tokenmill_ab_<name>, its classes (DecoderLayer, DecoderStack)
+    made module-local so that two builds load side by side. The sources are copied to a fixed place and rewritten only
     when they change, so an unchanged build is not compiled again."""
     src = Path(tempfile.gettempdir()) / "tokenmill_ab_src" / name
     src.mkdir(parents=True, exist_ok=True)
@@ -24,8 +25,8 @@ def build_kernels(csrc: str, name: str):
     for path in wanted.values():
         text = path.read_text()
         if path.name == "bindings.cpp":
-            assert '(m, "DecoderLayer", ' in text, "bindings.cpp: the DecoderLayer class is declared otherwise"
-            text = text.replace('(m, "DecoderLayer", ', '(m, "DecoderLayer", py::module_local(), ')
+            text, classes = re.subn(r'(py::class_<[^;]*?>\(m, "\w+",)', r"\1 py::module_local(),", text)
+            assert classes, "bindings.cpp: no py::class_ found to make module-local"
         if not (src / path.name).exists() or (src / path.name).read_text() != text:
             (src / path.name).write_text(text)
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))

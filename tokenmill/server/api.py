@@ -36,7 +36,7 @@ from tokenmill.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from tokenmill.server.streaming import BodyLimitMiddleware, merge_streams
+from tokenmill.server.streaming import AccessLogMiddleware, BodyLimitMiddleware, merge_streams
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -65,14 +65,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
-
-    @app.middleware("http")
-    async def log_requests(request: Request, call_next):
-        start = time.monotonic()
-        response = await call_next(request)
-        logger.info("%s %s %d %.0f ms", request.method, request.url.path, response.status_code,
-                    (time.monotonic() - start) * 1e3)
-        return response
+    app.add_middleware(AccessLogMiddleware, logger=logger)
 
     # ---- errors ----------------------------------------------------------------------------
 

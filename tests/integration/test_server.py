@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -150,6 +151,18 @@ def test_models_tokenize_detokenize_version(server, client):
     assert chat["tokens"] == [2, 7, 3, 4]
     assert "version" in httpx.get(server.url + "/version").json()
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
+    caplog.set_level(logging.INFO, logger="tokenmill.server")
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+        assert [line for line in response.iter_lines() if line.startswith("data:")][-1] == "data: [DONE]"
+    httpx.post(server.url + "/v1/completions", json={"model": "gpt-9", "prompt": "w5"})
+    httpx.post(server.url + "/v1/completions", content=b"x" * (65 * 1024), headers={"content-type": "application/json"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "tokenmill.server"]
+    for expected in ("POST /v1/completions 200 ", "POST /v1/completions 404 ", "POST /v1/completions 413 "):
+        assert any(line.startswith(expected) and line.endswith(" ms") for line in lines), (expected, lines)
 
 
 # ---- cancellation ----------------------------------------------------------------------------

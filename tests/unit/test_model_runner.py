@@ -1,0 +1,43 @@
+"""The runner's step tensors: the decode-only shortcut against the general path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
+
+
+def same(a, b) -> bool:
+    return a.dtype == b.dtype and torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_decode_steps_get_the_same_tensors_from_either_path(tiny_llama):
+    """Every step of a run whose requests all decode takes the shortcut, and its tensors are the
+    ones the general path builds for it (last blocks full, partly filled and just begun)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64))
+    runner, short_max = engine.runner, engine.runner.backend.short_query_max
+    prepare, compared = runner.prepare, []
+
+    def checked_prepare(requests, num_tokens, num_drafts=None):
+        inputs = prepare(requests, num_tokens, num_drafts)
+        if all(n == 1 for n in num_tokens):
+            general = runner._prepare_chunks(requests, num_tokens, num_drafts, short_max)
+            assert inputs.sampling_requests == general.sampling_requests == requests
+            assert inputs.num_rows == general.num_rows
+            for field in ("input_ids", "positions", "logits_indices"):
+                assert same(getattr(inputs, field), getattr(general, field)), field
+            for field in dataclasses.fields(inputs.meta):
+                assert same(getattr(inputs.meta, field.name), getattr(general.meta, field.name)), field.name
+            compared.append(len(requests))
+        return inputs
+
+    runner.prepare = checked_prepare
+    for i, prompt_len in enumerate((3, 9, 4, 17)):
+        engine.add_request(f"r{i}", list(range(5, 5 + prompt_len)), SamplingParams(max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(compared) >= 5 and max(compared) == 4

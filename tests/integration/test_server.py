@@ -155,14 +155,27 @@ def test_models_tokenize_detokenize_version(server, client):
 
 def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.server")
-    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 4, "stream": True}
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "tokenmill.server"]
+
+    def wait_for(prefix: str) -> None:  # the server thread logs after its last send
+        deadline = time.monotonic() + 5
+        while not any(line.startswith(prefix) and line.endswith(" ms") for line in lines()):
+            assert time.monotonic() < deadline, (prefix, lines())
+            time.sleep(0.01)
+
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 100, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
-        assert [line for line in response.iter_lines() if line.startswith("data:")][-1] == "data: [DONE]"
+        events = response.iter_lines()
+        assert next(line for line in events if line.startswith("data:")) != "data: [DONE]"
+        assert not any(line.startswith("POST /v1/completions") for line in lines())  # still streaming
+        assert [line for line in events if line.startswith("data:")][-1] == "data: [DONE]"
+    wait_for("POST /v1/completions 200 ")
     httpx.post(server.url + "/v1/completions", json={"model": "gpt-9", "prompt": "w5"})
+    wait_for("POST /v1/completions 404 ")
     httpx.post(server.url + "/v1/completions", content=b"x" * (65 * 1024), headers={"content-type": "application/json"})
-    lines = [r.getMessage() for r in caplog.records if r.name == "tokenmill.server"]
-    for expected in ("POST /v1/completions 200 ", "POST /v1/completions 404 ", "POST /v1/completions 413 "):
-        assert any(line.startswith(expected) and line.endswith(" ms") for line in lines), (expected, lines)
+    wait_for("POST /v1/completions 413 ")
 
 
 # ---- cancellation ----------------------------------------------------------------------------

@@ -197,8 +197,9 @@ def test_cpu_kernel_head_shapes(hkv, hq, d, many_tokens):
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hkv,hq", [(3, 9), (2, 4), (2, 14), (1, 5)])  # groups of 3, 2, 3 + 3 + 1 and 3 + 2
-def test_cpu_kernel_query_heads_together_or_alone(hkv, hq):
+def test_cpu_kernel_query_heads_together_or_alone(hkv, hq, dtype):
     """The query heads of a kv head are scored together (each key loaded once for two or three of
     them); every head's output must be the same, bit for bit, as with that head alone against its
     kv head, for decodes (and a two-token chunk where that makes fewer than 8 query rows per kv
@@ -209,6 +210,7 @@ def test_cpu_kernel_query_heads_together_or_alone(hkv, hq):
     query_lens, seq_lens = [1, 1, 2 if 2 * group < 8 else 1, 1], [45, 100, 19, 3]
     q, k, v, k_cache, v_cache, meta, _ = build_case(query_lens, seq_lens, seed=17, hkv=hkv, hq=hq, d=64)
     meta.num_short, meta.num_short_tokens = len(query_lens), sum(query_lens)  # all through the kernel
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     together = backend.forward(q, k, v, k_cache, v_cache, meta, 0.1)
     for head in range(hq):
         kv = head // group

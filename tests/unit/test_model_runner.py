@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from tokenmill.config import EngineConfig
@@ -15,12 +16,19 @@ def same(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
-def test_decode_steps_get_the_same_tensors_from_either_path(tiny_llama):
+@pytest.mark.parametrize("backend", ["cpu", "torch", "reference"])  # short queries: any, one token, none
+def test_decode_steps_get_the_same_tensors_from_either_path(tiny_llama, backend):
     """Every step of a run whose requests all decode takes the shortcut, and its tensors are the
     ones the general path builds for it (last blocks full, partly filled and just begun)."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64))
-    runner, short_max = engine.runner, engine.runner.backend.short_query_max
-    prepare, compared = runner.prepare, []
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64,
+                                    attention_backend=backend))
+    runner = engine.runner
+    short_max = getattr(runner.backend, "short_query_max", 0)
+    prepare, prepare_decodes, compared, shortcuts = runner.prepare, runner._prepare_decodes, [], []
+
+    def counted_prepare_decodes(requests, short):
+        shortcuts.append(len(requests))
+        return prepare_decodes(requests, short)
 
     def checked_prepare(requests, num_tokens, num_drafts=None):
         inputs = prepare(requests, num_tokens, num_drafts)
@@ -35,9 +43,9 @@ def test_decode_steps_get_the_same_tensors_from_either_path(tiny_llama):
             compared.append(len(requests))
         return inputs
 
-    runner.prepare = checked_prepare
+    runner.prepare, runner._prepare_decodes = checked_prepare, counted_prepare_decodes
     for i, prompt_len in enumerate((3, 9, 4, 17)):
         engine.add_request(f"r{i}", list(range(5, 5 + prompt_len)), SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert len(compared) >= 5 and max(compared) == 4
+    assert len(compared) >= 5 and max(compared) == 4 and shortcuts == compared

@@ -58,9 +58,10 @@ struct Bins {
 };
 
 // c[0, n) cut, in place, to the candidates of the bin `pick` chooses from the bins' counts or
-// masses (pick(counts, masses) -> bin), while there are more than kSortMax; returns the new n, or
-// 0 when all values are equal (nothing left to cut: c[0].s is the answer).
-template <class Pick>
+// masses (pick(counts, masses) -> bin; the masses are summed only when kMasses), while there are
+// more than kSortMax; returns the new n, or 0 when all values are equal (nothing left to cut:
+// c[0].s is the answer).
+template <bool kMasses, class Pick>
 int64_t cut_to_bin(Candidate* c, int64_t n, Pick pick) {
   std::vector<int64_t> counts(kBins);
   std::vector<double> masses(kBins);
@@ -74,7 +75,7 @@ int64_t cut_to_bin(Candidate* c, int64_t n, Pick pick) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t b = bin(c[i].s);
       ++counts[b];
-      masses[b] += c[i].e;
+      if constexpr (kMasses) masses[b] += c[i].e;
     }
     const int64_t b = pick(counts, masses);
     int64_t m = 0;
@@ -89,7 +90,7 @@ int64_t cut_to_bin(Candidate* c, int64_t n, Pick pick) {
 
 // The k-th largest value among c[0, n) (1 <= k <= n), which it reorders and overwrites.
 float kth_value(Candidate* c, int64_t n, int64_t k) {
-  n = cut_to_bin(c, n, [&k](const std::vector<int64_t>& counts, const std::vector<double>&) {
+  n = cut_to_bin<false>(c, n, [&k](const std::vector<int64_t>& counts, const std::vector<double>&) {
     int64_t b = 0;
     for (; k > counts[b]; ++b) k -= counts[b];
     return b;
@@ -103,7 +104,7 @@ float kth_value(Candidate* c, int64_t n, int64_t k) {
 // value (largest first, equal values as one) whose strictly larger candidates hold less than
 // `mass` of e.
 float mass_threshold(Candidate* c, int64_t n, double mass) {
-  n = cut_to_bin(c, n, [&mass](const std::vector<int64_t>&, const std::vector<double>& masses) {
+  n = cut_to_bin<true>(c, n, [&mass](const std::vector<int64_t>&, const std::vector<double>& masses) {
     // the last bin whose larger bins hold less than the mass: all before it kept, all after dropped
     int64_t b = 0;
     while (b + 1 < kBins && masses[b] < mass) mass -= masses[b++];
@@ -120,21 +121,29 @@ float mass_threshold(Candidate* c, int64_t n, double mass) {
   return kept;
 }
 
-// The tokens with s >= floor and e > 0 (s finite), as candidates into out (room for V); returns
-// how many.
-int64_t gather(const float* s, const float* e, int64_t V, float floor, Candidate* out) {
-  int64_t n = 0, i = 0;
-  const auto take = [&](int64_t j) {
-    out[n] = {s[j], e[j]};
-    n += s[j] >= floor && e[j] > 0.0f;
-  };
+// take(j) for the tokens j of a row in order: every one with s[j] >= floor, and maybe others
+// (take checks). Few pass: with AVX2 most groups of eight are skipped whole. `floor` is read
+// anew for each group, so a take that raises it skips more.
+template <class Take>
+void scan_at_or_above(const float* s, int64_t V, const float& floor, Take take) {
+  int64_t i = 0;
 #ifdef TOKENMILL_AVX2
-  for (; i + 8 <= V; i += 8) {  // few candidates: most groups of eight are skipped whole
+  for (; i + 8 <= V; i += 8) {
     int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(floor), _CMP_GE_OQ));
     for (; mask != 0; mask &= mask - 1) take(i + __builtin_ctz(mask));
   }
 #endif
   for (; i < V; ++i) take(i);
+}
+
+// The tokens with s >= floor and e > 0 (s finite), as candidates into out (room for V); returns
+// how many.
+int64_t gather(const float* s, const float* e, int64_t V, float floor, Candidate* out) {
+  int64_t n = 0;
+  scan_at_or_above(s, V, floor, [&](int64_t j) {
+    out[n] = {s[j], e[j]};
+    n += s[j] >= floor && e[j] > 0.0f;
+  });
   return n;
 }
 
@@ -145,7 +154,7 @@ float top_k_floor(const float* s, const float* e, int64_t V, int64_t k, RowBuffe
   Candidate* kept = buf.candidates.get();
   int64_t n = 0, limit = std::max<int64_t>(2 * k, 1024);
   float floor = kNegInf;
-  const auto take = [&](int64_t j) {
+  scan_at_or_above(s, V, floor, [&](int64_t j) {
     if (!(s[j] >= floor && e[j] > 0.0f)) return;
     kept[n++] = {s[j], e[j]};
     if (n < limit) return;
@@ -153,15 +162,7 @@ float top_k_floor(const float* s, const float* e, int64_t V, int64_t k, RowBuffe
     floor = kth_value(buf.copy.get(), n, k);
     n = std::remove_if(kept, kept + n, [floor](const Candidate& c) { return c.s < floor; }) - kept;
     limit = std::max(limit, 2 * n);  // many ties at the floor: not a compaction at every token
-  };
-  int64_t i = 0;
-#ifdef TOKENMILL_AVX2
-  for (; i + 8 <= V; i += 8) {
-    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(floor), _CMP_GE_OQ));
-    for (; mask != 0; mask &= mask - 1) take(i + __builtin_ctz(mask));
-  }
-#endif
-  for (; i < V; ++i) take(i);
+  });
   return n >= k ? kth_value(kept, n, k) : kNegInf;
 }
 

@@ -85,6 +85,8 @@ class DraftModelProposer:
             if seq is None:
                 seq = self.seqs[r.request_id] = Request(request_id=r.request_id, prompt_token_ids=[],
                                                         params=r.params.clone(n=1), max_tokens=1 << 30)
+            else:  # drafts of a step that did not verify them (dropped, or the request preempted)
+                self.sync(r)
             seq.token_ids = list(r.token_ids)
             catch_up = seq.num_tokens - seq.num_computed_tokens
             if k == 0 or not self.kv.allocate(seq, catch_up + k):
@@ -127,12 +129,13 @@ class DraftModelProposer:
         return tokens.tolist(), list(probs)
 
     def sync(self, request: Request) -> None:
-        """Trim the draft cache to the tokens the target kept."""
+        """Trim the draft cache to the tokens the target kept, short of its last one: the next
+        proposal feeds at least that token, whose logits give the first draft."""
         seq = self.seqs.get(request.request_id)
         if seq is None:
             return
         common = 0
-        limit = min(seq.num_computed_tokens, request.num_tokens)
+        limit = min(seq.num_computed_tokens, request.num_tokens - 1)
         while common < limit and seq.token_ids[common] == request.token_ids[common]:
             common += 1
         seq.num_computed_tokens = common

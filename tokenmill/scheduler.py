@@ -131,6 +131,10 @@ class Scheduler:
                 request.draft_token_ids = request.draft_token_ids[:budget - 1]
                 num_new = 1 + len(request.draft_token_ids)
             while not self.kv.allocate(request, num_new):
+                if request.draft_token_ids:  # drafts are a bet: dropped before anyone is preempted for them
+                    request.draft_token_ids, request.draft_probs = [], None
+                    num_new = 1
+                    continue
                 if any(self._ends_in_flight(r) for r in self.running):
                     break  # async scheduling: blocks come back at the in-flight step's update; wait a step
                 victim = self._pick_victim(exclude=scheduled) or request

@@ -169,8 +169,11 @@ class Speculator:
              else self.policy.k_max)
         if k == 0:
             return
+        # Every decode first gets its own token within the budget: drafts share what is left, so none
+        # of them crowds a decode out of the step (it would wait behind the others' drafts).
+        share = max(0, budget - len(decoding)) // len(candidates)
         ks = [max(0, min(k if r.params.num_speculative_tokens is None else r.params.num_speculative_tokens,
-                         r.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens - 1))
+                         share, r.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens - 1))
               for r in candidates]
         self.proposer.propose(candidates, ks)
         self.num_steps_speculated += 1

@@ -131,3 +131,32 @@ def test_a_failed_step_leaves_no_draft_state_behind(tiny_llama, draft_model):
     while engine.has_unfinished_requests():
         engine.step()
     assert proposer.seqs == {} and proposer.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_drafts_never_crowd_decodes_out_of_the_token_budget(tiny_llama, draft_model, proposer):
+    """Eight decodes with four drafts each would need 40 tokens of a 16-token budget: the drafts
+    are cut so that every decode still gets its token each step (none waits behind the others'
+    drafts), and the draft model's view of a request stays right (its outputs are plain greedy's)."""
+    kind = "ngram" if proposer == "ngram" else f"draft:{draft_model}"
+    prompts = [[5 + i, 6] for i in range(8)]  # all eight prefilled in the first step
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=128, block_size=16)
+    plain = LLM(str(tiny_llama), **options).generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                     use_tqdm=False)
+    options["max_num_batched_tokens"] = 16
+    llm = LLM(str(tiny_llama), speculative=kind, speculative_adaptive=False, num_speculative_tokens=4, **options)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        decoding = [r for r in engine.scheduler.running if r.num_remaining_prefill == 1]
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        stats = engine.last_stats
+        if len(decoding) == 8:  # every decode ran, drafts or not
+            assert stats.num_seqs == 8 and stats.num_tokens <= 16
+    assert [outputs[str(i)] for i in range(8)] == [o.outputs[0].token_ids for o in plain]
+    assert engine.speculator.num_proposed > 0

@@ -92,3 +92,20 @@ def test_policy_speculates_only_when_the_step_cost_is_flat():
     for tokens in (1, 5, 10, 20, 40):
         low_acceptance.observe_step(tokens, 0.030 + 0.002 * tokens, 0, 0)
     assert low_acceptance.choose_k(num_decodes=8, num_candidates=8, other_tokens=0) == 0
+
+
+def test_drafts_that_do_not_fit_are_dropped_before_anyone_is_preempted():
+    """A full pool: a decode whose drafts would need a new block gets its own token without
+    them, rather than preempting another request (or itself) for tokens that may all be
+    rejected."""
+    s = make_scheduler(num_blocks=2, block_size=4, budget=32)
+    a, b = make_request("a", prompt_len=3, max_tokens=8), make_request("b", prompt_len=3, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    sched = s.schedule()
+    s.update(sched, RunnerOutput(sampled_token_ids={"a": [20], "b": [21]}))
+    assert s.kv.pool.num_free_blocks == 0
+    a.draft_token_ids = [22, 23, 24]  # positions 4-6: a second block, and none is free
+    sched = s.schedule()
+    assert sched.requests == [a, b] and sched.num_scheduled_tokens == [1, 1] and sched.num_draft_tokens == [0, 0]
+    assert s.num_preemptions == 0 and not a.draft_token_ids

@@ -3,7 +3,8 @@
 UTF-8 safety comes from tokenizers' DecodeStream, which holds back bytes until they
 form whole characters. Stop strings are handled here: text that could still turn into
 a stop string (the last `max(len(stop)) - 1` characters) is held back until the next
-token settles it or the request finishes.
+token settles it or the request finishes. As with EOS and stop token ids, a stop string ends a
+request only from its `min_tokens`-th output token on: it must end in that token's text or later.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class IncrementalDetokenizer:
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.min_tokens = params.min_tokens
         self.text = ""        # decoded so far (cut at a stop string once one matched)
         self.emitted = 0      # characters of `text` already handed out
         self.num_tokens = 0   # output tokens fed so far
@@ -32,12 +34,14 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int]) -> tuple[str, str | None]:
         """Feed new tokens; returns (text safe to emit now, the stop string that matched or None)."""
         searched_from = len(self.text)
-        self.num_tokens += len(new_token_ids)
         for token in new_token_ids:
+            self.num_tokens += 1
+            if self.num_tokens == self.min_tokens:  # stops may end in this token's text, not before
+                searched_from = len(self.text)
             piece = self.stream.step(self.backend, token)
             if piece:
                 self.text += piece
-        matched = self._find_stop(searched_from)
+        matched = self._find_stop(searched_from) if self.num_tokens >= self.min_tokens else None
         end = len(self.text) if matched else max(self.emitted, len(self.text) - self.hold)
         return self._emit(end), matched
 

@@ -53,7 +53,7 @@ class SamplingMetadata:
             all_greedy=all(greedy),
             greedy=tensor(greedy, torch.bool),
             temperature=tensor([p.temperature or 1.0 for p in params], torch.float32),
-            top_k=(tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64)
+            top_k=(tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.int64)
                    if any(p.top_k > 0 for p in params) else None),
             top_p=tensor([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None,
             min_p=tensor([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,

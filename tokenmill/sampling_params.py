@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+MAX_N = 128            # completions per prompt: each is a request of its own
+_GREEDY_BELOW = 1e-5   # temperatures below this sample greedily
+
 
 @dataclass
 class SamplingParams:
     n: int = 1                          # completions per prompt (fanned out as separate requests)
     max_tokens: int | None = 16         # None: up to the model's context length
     min_tokens: int = 0                 # EOS and stop tokens are masked until this many are out
-    temperature: float = 1.0            # 0 means greedy
+    temperature: float = 1.0            # 0 (or below 1e-5, as in vLLM) means greedy
     top_p: float = 1.0
     top_k: int = 0                      # 0 or -1: off
     min_p: float = 0.0
@@ -44,6 +47,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         self._check_float("temperature", 0.0, None)
+        if self.temperature < _GREEDY_BELOW:  # logits / T would overflow float32 to inf, and NaN
+            self.temperature = 0.0
         self._check_float("top_p", 0.0, 1.0, low_open=True)
         self._check_int("top_k", minimum=0)
         self._check_float("min_p", 0.0, 1.0)
@@ -52,6 +57,10 @@ class SamplingParams:
         self._check_float("frequency_penalty", -2.0, 2.0)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 63):  # a torch.Generator's seed
+            raise ValueError(f"seed must fit in 64 bits, in [-2^63, 2^63), got {self.seed}")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

@@ -178,6 +178,27 @@ def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
     wait_for("POST /v1/completions 413 ")
 
 
+def test_huge_top_k_and_tiny_temperature_are_served(server, client):
+    """A top_k past int64 means "all tokens"; a temperature below 1e-5 samples greedily (logits
+    divided by it would overflow float32)."""
+    greedy = client.completions.create(model="tiny", prompt="w5 w9", max_tokens=6, temperature=0)
+    for extra in ({"top_k": 2 ** 63}, {"temperature": 1e-50}):
+        body = {"model": "tiny", "prompt": "w5 w9", "max_tokens": 6, **extra}
+        if "temperature" not in extra:
+            body["temperature"] = 0
+        r = httpx.post(server.url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == greedy.choices[0].text
+
+
+def test_chat_without_a_generation_prompt_continues_the_last_message(server):
+    messages = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}]
+    with_prompt = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 1, "add_generation_prompt": False}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] < len(with_prompt)
+
+
 # ---- cancellation ----------------------------------------------------------------------------
 
 def test_dropped_streams_are_aborted_and_free_their_blocks(server):
@@ -216,6 +237,16 @@ BAD_REQUESTS = [
     ("bad token id", "/v1/completions", {"prompt": [99999]}, 400, None),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "w5"}, 404, "model"),
     ("too large", "/v1/completions", {"prompt": "w5 " * 40000}, 413, None),
+    ("seed past 64 bits", "/v1/completions", {"prompt": "w5", "seed": 2 ** 64}, 400, "seed"),
+    ("n too large", "/v1/completions", {"prompt": "w5", "n": 100_000_000}, 400, "n"),
+    ("too many completions", "/v1/completions", {"prompt": [[5]] * 600, "n": 2}, 400, "prompt"),
+    ("best_of", "/v1/completions", {"prompt": "w5", "best_of": 3}, 400, "best_of"),
+    ("logit_bias", "/v1/completions", {"prompt": "w5", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("json response_format", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}],
+                                       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
 ]
 
 

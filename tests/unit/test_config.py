@@ -12,7 +12,8 @@ from tokenmill.sampling_params import SamplingParams
     ("n", 0), ("max_tokens", 0), ("max_tokens", 1.5), ("min_tokens", -1), ("temperature", -0.1),
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("repetition_penalty", 0.0),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("seed", "x"), ("logprobs", 21),
-    ("stop", [""]), ("stop_token_ids", [-1]), ("temperature", float("nan")),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("temperature", float("nan")), ("seed", 2 ** 63),
+    ("seed", -(2 ** 63) - 1), ("n", 129),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -22,6 +23,7 @@ def test_invalid_sampling_params_name_the_field(field, value):
 def test_sampling_params_normalise():
     p = SamplingParams(stop="###", top_k=-1)
     assert p.stop == ["###"] and p.top_k == 0
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-5).greedy
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)
 

@@ -68,3 +68,29 @@ def test_earliest_of_several_stop_strings_wins(tokenizer):
 def test_held_back_text_is_flushed_when_no_stop_matches(tokenizer):
     deltas, stop = stream(tokenizer, "The lazy dog.", SamplingParams(stop=["dog!"]))
     assert stop is None and "".join(deltas) == "The lazy dog."
+
+
+def test_stop_strings_count_only_from_min_tokens_on(tokenizer):
+    """As EOS and stop ids: a stop string ending before the min_tokens-th output token does not
+    stop the request; one ending in that token's text or later does (whether the tokens come one
+    at a time or all in one update, as with speculation)."""
+    text = "the end. the end. the end."
+    ids = tokenizer.encode(text)
+    ends = [len(tokenizer.decode(ids[:i + 1])) for i in range(len(ids))]  # text length after each token
+
+    def expected_cut(min_tokens: int) -> int | None:
+        boundary = ends[min_tokens - 2] if min_tokens >= 2 else 0  # text before the min_tokens-th token
+        starts = [i for i in range(len(text)) if text.startswith("the end", i) and i + 7 > boundary]
+        return starts[0] if starts else None
+
+    past_first = next(i for i, e in enumerate(ends) if e > 7) + 2  # a min_tokens past the first stop's end
+    assert expected_cut(0) == 0 and expected_cut(past_first) == 9
+    for min_tokens in (0, past_first, len(ids)):
+        params = SamplingParams(stop=["the end"], min_tokens=min_tokens, max_tokens=None)
+        deltas, stop = stream(tokenizer, text, params)
+        cut = expected_cut(min_tokens)
+        assert stop == (None if cut is None else "the end")
+        assert "".join(deltas) == (text if cut is None else text[:cut])
+        detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt: "), params)
+        delta, stop_all = detok.update(ids)  # every token in one update
+        assert stop_all == stop and delta + (detok.flush() if stop is None else "") == "".join(deltas)

@@ -40,6 +40,8 @@ from tokenmill.server.streaming import AccessLogMiddleware, BodyLimitMiddleware,
 
 logger = logging.getLogger("tokenmill.server")
 
+MAX_COMPLETIONS = 1024  # engine requests one HTTP request may make
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
@@ -108,13 +110,20 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                            "not_found_error", param="model", code="model_not_found")
 
     def build_requests(prompts: list, params, priority: int, prefix: str):
-        """One engine request per (prompt, sample); raises APIError(400) for any invalid one."""
+        """One engine request per (prompt, sample); raises APIError(400) for any invalid one. Built
+        on the event loop, so their number is capped: a body of a few MB could ask for millions."""
+        if len(prompts) * params.n > MAX_COMPLETIONS:
+            raise APIError(400, f"at most {MAX_COMPLETIONS} completions per request (prompts x n), "
+                                f"got {len(prompts)} x {params.n}", param="prompt")
         requests = []
         try:
             for i, prompt in enumerate(prompts):
+                text, ids = engine.tokenize_prompt(prompt)  # once for its n samples
                 for j in range(params.n):
                     sub = params.clone(n=1, seed=None if params.seed is None else params.seed + j)
-                    requests.append(async_engine.make_request(f"{prefix}-{i}-{j}", prompt, sub, priority=priority))
+                    requests.append(async_engine.make_request(f"{prefix}-{i}-{j}",
+                                                              {"prompt": text, "prompt_token_ids": ids}, sub,
+                                                              priority=priority))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         return requests
@@ -251,10 +260,11 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                     "finish_reason": c.finish_reason}
         return await respond(req, requests, params.n, raw, base, base, chunks, choice)
 
-    def render_chat(messages) -> dict:
+    def render_chat(messages, add_generation_prompt: bool = True) -> dict:
         try:
             conversation = [{"role": m.role, "content": m.text()} for m in messages]
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False)
         except Exception as exc:  # jinja raises for conversations the template rejects
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
@@ -266,7 +276,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         params = sampling(req, req.max_completion_tokens or req.max_tokens, top_n if req.logprobs else None)
-        requests = build_requests([render_chat(req.messages)], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")
+        requests = build_requests([render_chat(req.messages, req.add_generation_prompt)], params, req.priority,
+                                  f"chatcmpl-{uuid.uuid4().hex}")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
                 "created": int(time.time()), "model": served_model_name}
         chunk_base = {**base, "object": "chat.completion.chunk"}

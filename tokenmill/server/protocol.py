@@ -1,7 +1,9 @@
 """OpenAI-compatible request bodies (pydantic) and their translation to SamplingParams.
 
 Pydantic checks types; SamplingParams checks ranges (and names the field); both end up as
-HTTP 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's API does.
+HTTP 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's API does;
+known ones that tokenmill does not implement (best_of, logit_bias, a response_format other than
+text, tools, suffix) get a 400 rather than an answer that silently ignores them.
 """
 
 from __future__ import annotations
@@ -43,9 +45,26 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     priority: int = 0
     user: str | None = None
+    # known but not implemented: a request that sets them gets a 400 (see unsupported)
+    best_of: int | None = None
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something tokenmill does not implement, or None."""
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return next((name for name in ("logit_bias", "tools", "suffix") if getattr(self, name)), None)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None):
         """SamplingParams from the request; ValueError (naming the field) for out-of-range values."""
+        field = self.unsupported()
+        if field is not None:
+            raise ValueError(f"{field} is not supported by this server")
         values = {
             "n": self.n, "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
             "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop or [],

@@ -117,6 +117,13 @@ def test_n_echo_and_logprobs(client):
     assert out.choices[2].text.startswith("w6 w7")
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == 4 and all(len(top) >= 1 for top in lp.top_logprobs)
+    # offsets count from the start of the text returned: the echoed prompt comes first
+    assert lp.text_offset[0] == len("w5")
+    stream = client.completions.create(model="tiny", prompt="w5", max_tokens=4, temperature=1.0, seed=3,
+                                       logprobs=2, echo=True, stream=True)
+    offsets = [o for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+               for o in chunk.choices[0].logprobs.text_offset]
+    assert offsets[0] == len("w5") and offsets == sorted(offsets)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w9"}], max_tokens=3,
                                           logprobs=True, top_logprobs=2, temperature=0)
     content = chat.choices[0].logprobs.content

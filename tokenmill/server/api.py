@@ -240,13 +240,14 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         echoed = [not req.echo] * len(requests)
 
         def chunks(i: int, out: RequestOutput):
-            text = out.new_text
+            echo = ""
             if not echoed[i]:
-                text, echoed[i] = prompt_text(i) + text, True
+                echo, echoed[i] = prompt_text(i), True
             lp = None
-            if req.logprobs is not None and out.new_token_ids:
+            if req.logprobs is not None and out.new_token_ids:  # offsets into the text as sent, echo first
                 entries = out.outputs[0].logprobs[-len(out.new_token_ids):]
-                lp = completion_logprobs(entries, out.new_token_ids, sent[i])
+                lp = completion_logprobs(entries, out.new_token_ids, sent[i] + len(echo))
+            text = echo + out.new_text
             sent[i] += len(text)
             if not text and not out.finished and lp is None:
                 return []
@@ -255,7 +256,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
 
         def choice(i: int, out: RequestOutput) -> dict:
             c = out.outputs[0]
-            lp = completion_logprobs(c.logprobs, c.token_ids, 0) if req.logprobs is not None else None
+            lp = (completion_logprobs(c.logprobs, c.token_ids, len(prompt_text(i)) if req.echo else 0)
+                  if req.logprobs is not None else None)
             return {"index": i, "text": (prompt_text(i) if req.echo else "") + c.text, "logprobs": lp,
                     "finish_reason": c.finish_reason}
         return await respond(req, requests, params.n, raw, base, base, chunks, choice)

@@ -17,9 +17,10 @@ from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, PackedLi
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 2, 64, 512, 80  # K-quant rows need 256s
 
 
-def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool) -> None:
+def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool,
+               extra: dict[str, np.ndarray] | None = None) -> None:
     """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, a type gguf quantizes to
-    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ2_0) or a K-quant."""
+    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ2_0) or a K-quant; extra: more tensors, as they are."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     rng = np.random.default_rng(0)
@@ -55,6 +56,8 @@ def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool) -
     if bias:
         for name in ("attn_q", "attn_k", "attn_v"):
             w.add_tensor(f"blk.0.{name}.bias", rng.standard_normal(shapes[name][0]).astype(np.float32))
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -169,3 +172,23 @@ def test_kernel_embedding_lookup_is_ggufs_dequantization(kind):
     assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, 96)
     with pytest.raises(RuntimeError, match="out of range"):
         embedding(torch.tensor([50]))
+
+
+def test_gguf_rope_freqs_give_llama3_scaling(tmp_path):
+    """Llama 3.1+ GGUF files carry their rope scaling as rope_freqs.weight, one divisor per
+    frequency (as llama.cpp's converter computes them); the model's frequencies must be the ones
+    the Hugging Face config's llama3 scaling gives."""
+    from tokenmill.models.llama import rope_inv_freq
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    plain = rope_inv_freq(HEAD_DIM, 10000.0, None)
+    factors = (plain / rope_inv_freq(HEAD_DIM, 10000.0, llama3)).numpy().astype(np.float32)
+    assert factors.min() == 1.0 and factors.max() == 8.0  # some frequencies scaled, some not, some between
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, "llama", dict.fromkeys(KINDS, "F32"), False, False, extra={"rope_freqs.weight": factors})
+    model = load_model(open_checkpoint(path), 64, torch.float32, torch.device("cpu"), kernels="torch")
+    assert model.config.rope_scaling["rope_type"] == "freq_factors"
+    got = rope_inv_freq(HEAD_DIM, model.config.rope_theta, model.config.rope_scaling)
+    assert torch.allclose(got, rope_inv_freq(HEAD_DIM, 10000.0, llama3), rtol=1e-6)
+    cos, _ = model.rotary(torch.tensor([40]), torch.float32)
+    assert torch.allclose(cos.double().flatten()[:HEAD_DIM // 2], torch.cos(40 * got), atol=1e-6)

@@ -43,13 +43,19 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Rotary inverse frequencies (head_dim / 2,), with Llama-3 or linear scaling when configured."""
+    """Rotary inverse frequencies (head_dim / 2,), with Llama-3 or linear scaling when configured,
+    or divided by a factor each (a GGUF file's rope_freqs, which is how llama.cpp stores Llama 3's)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors, the heads {inv_freq.numel()} frequencies")
+        return inv_freq / factors
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -60,7 +66,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, freq_factors)")
 
 
 class Rotary(nn.Module):

@@ -135,6 +135,10 @@ def gguf_model_config(reader) -> ModelConfig:
     if meta("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
     tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp keeps its rope scaling as a divisor per frequency
+        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = {"rope_type": "freq_factors",
+                   "factors": np.asarray(factors.data, dtype=np.float64).reshape(-1).tolist()}
     vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -159,7 +163,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
     """(Hugging Face name or None to skip, heads to un-permute the rows by or 0)."""
     parts = gguf_name.split(".")
-    if parts[0] != "blk":  # None for e.g. rope_freqs: derived from the config instead
+    if parts[0] != "blk":  # None for e.g. rope_freqs: read into the config's rope scaling instead
         return {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}.get(gguf_name), 0
     layer, kind, suffix = parts[1], parts[2], parts[3]

@@ -73,11 +73,16 @@ def cmd_generate(args) -> int:
     from tokenmill.llm import LLM
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     prompts = args.prompts or [sys.stdin.read()]
+    failed = 0
     for out in llm.generate(prompts, _sampling_params(args)):
+        if out.error is not None:
+            print(f"tokenmill: generation failed: {out.error}", file=sys.stderr)
+            failed += 1
+            continue
         print(out.prompt + out.outputs[0].text if out.prompt else out.outputs[0].text)
         if len(prompts) > 1:
             print("-" * 40)
-    return 0
+    return 1 if failed else 0
 
 
 def cmd_chat(args) -> int:
@@ -96,7 +101,13 @@ def cmd_chat(args) -> int:
         if not line:
             break
         history.append({"role": "user", "content": line})
-        engine.add_request(f"chat-{turn}", llm.render_chat(history), _sampling_params(args))
+        try:
+            engine.add_request(f"chat-{turn}", llm.render_chat(history), _sampling_params(args))
+        except ValueError as exc:  # e.g. the conversation no longer fits the context: say so, keep going
+            print(f"tokenmill: {exc}; the conversation starts over", file=sys.stderr)
+            history = [{"role": "system", "content": args.system}] if args.system else []
+            turn += 1
+            continue
         answer = []
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -160,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:  # a model that cannot be found or loaded: a message, not a traceback
+        logging.getLogger("tokenmill").debug("the error in full", exc_info=True)
+        print(f"tokenmill: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

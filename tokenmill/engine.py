@@ -68,7 +68,8 @@ class LLMEngine:
         num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.kv)
-        backend = make_backend(config.attention_backend, self.device, config.block_size, self.model_config.head_dim)
+        backend = make_backend(config.attention_backend, self.device, config.block_size, self.model_config.head_dim,
+                               self.dtype)
         self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
                                   self.kv_dtype, config.seed, num_host_blocks)
         if self.device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False):

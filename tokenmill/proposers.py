@@ -73,7 +73,7 @@ class DraftModelProposer:
         model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels,
                            engine_config.gguf_blocks, engine_config.gguf_int8_rows)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        backend = make_backend(engine_config.attention_backend, device, block_size, checkpoint.config.head_dim)
+        backend = make_backend(engine_config.attention_backend, device, block_size, checkpoint.config.head_dim, dtype)
         self.runner = ModelRunner(model, checkpoint.config, CacheConfig(num_blocks, block_size), backend, device,
                                   getattr(torch, engine_config.kv_dtype_name), engine_config.seed)
         self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence

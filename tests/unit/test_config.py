@@ -63,3 +63,21 @@ def test_cli_reports_bad_engine_options_as_usage_errors(flags, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and flags[0][2:].replace("-", "_") in err and "Traceback" not in err
+
+
+def test_cli_reports_a_model_it_cannot_load_without_a_traceback(tmp_path, capsys):
+    from tokenmill.cli import main
+    assert main(["generate", "hello", "--model", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tokenmill: ") and "missing" in err and "Traceback" not in err
+
+
+def test_cpu_models_in_other_dtypes_take_the_torch_attention(tiny_llama):
+    """The C++ attention kernel takes float32 only: a bfloat16 model on the CPU runs (torch's
+    attention), and asking for the kernel with it is an error at construction, not at the first step."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(str(tiny_llama), dtype="bfloat16")
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        LLM(str(tiny_llama), dtype="bfloat16", attention_backend="cpu")

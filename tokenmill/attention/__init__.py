@@ -62,15 +62,20 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache[meta.slot_block, :, meta.slot_offset] = v.to(v_cache.dtype)
 
 
-def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim: int = 64):
-    """Pick an attention backend. "auto": the C++ kernel on a CPU, Triton on CUDA, and batched
-    torch where those cannot be had (no compiler, no triton, tile shapes Triton cannot take)."""
+def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim: int = 64,
+                 dtype: torch.dtype = torch.float32):
+    """Pick an attention backend. "auto": the C++ kernel on a CPU (for float32 models, the only
+    ones it takes), Triton on CUDA, and batched torch where those cannot be had (no compiler, no
+    triton, tile shapes Triton cannot take, another dtype on a CPU)."""
     from tokenmill.attention.reference import ReferenceAttention
     from tokenmill.attention.torch_batched import TorchBatchedAttention
 
     if name == "reference":
         return ReferenceAttention()
-    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+    if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"attention_backend='cpu' runs float32 models on a CPU, not {dtype} on {device.type} "
+                         "(use 'auto' or 'torch')")
+    if name == "cpu" or (name == "auto" and device.type == "cpu" and dtype == torch.float32):
         from tokenmill.attention.cpu import CpuPagedAttention
         from tokenmill.cpu_kernels import load_cpu_kernels
         kernels = load_cpu_kernels(required=name == "cpu")

@@ -192,3 +192,23 @@ def test_gguf_rope_freqs_give_llama3_scaling(tmp_path):
     assert torch.allclose(got, rope_inv_freq(HEAD_DIM, 10000.0, llama3), rtol=1e-6)
     cos, _ = model.rotary(torch.tensor([40]), torch.float32)
     assert torch.allclose(cos.double().flatten()[:HEAD_DIM // 2], torch.cos(40 * got), atol=1e-6)
+
+
+def test_hf_weights_read_the_models_shards_not_mistrals_consolidated_file(tiny_llama, tmp_path):
+    """Mistral snapshots ship consolidated.safetensors (the same weights under Mistral's names)
+    beside the HF shards; the loader reads the shards the index names, or model*.safetensors."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tokenmill.models.loader import hf_weights
+    expected = {name for name, _ in hf_weights(tiny_llama)}
+    for sharded in (False, True):
+        model_dir = tmp_path / f"sharded_{sharded}"
+        shutil.copytree(tiny_llama, model_dir)
+        save_file({"layers.0.attention.wk.weight": torch.zeros(2, 2)}, str(model_dir / "consolidated.safetensors"))
+        if sharded:  # an index naming the one shard
+            (model_dir / "model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": dict.fromkeys(expected, "model.safetensors")}))
+        assert {name for name, _ in hf_weights(model_dir)} == expected

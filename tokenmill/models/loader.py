@@ -99,7 +99,13 @@ def hf_model_config(path: Path) -> ModelConfig:
 def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    files = sorted(path.glob("*.safetensors"))
+    # The index names the shards; without one, model*.safetensors first: Mistral's snapshots also
+    # ship consolidated.safetensors, the same weights under Mistral's own names.
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
     for file in files:

@@ -52,8 +52,8 @@ class DraftModelProposer:
     Per step: catch up on the tokens the target accepted since last time (the whole prompt
     the first time), then k single-token steps, all sequences batched as a ragged batch.
     Its cache then holds the sequence plus k - 1 drafts; after verification `sync` trims it
-    back to the tokens the target kept. A sequence whose draft cache does not fit simply
-    gets no drafts this step.
+    back to the tokens the target kept. A sequence whose draft cache does not fit, or that
+    would run past the draft model's context length, simply gets no drafts this step.
     """
 
     def __init__(self, engine_config, model_path: str, target_vocab: int, num_blocks: int, block_size: int) -> None:
@@ -69,7 +69,7 @@ class DraftModelProposer:
         if checkpoint.config.vocab_size != target_vocab:
             raise ValueError(f"draft model vocab ({checkpoint.config.vocab_size}) differs from the target's "
                              f"({target_vocab}): it must share the tokenizer")
-        max_len = checkpoint.config.max_position_embeddings
+        self.max_len = max_len = checkpoint.config.max_position_embeddings
         model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels,
                            engine_config.gguf_blocks, engine_config.gguf_int8_rows)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -89,7 +89,8 @@ class DraftModelProposer:
                 self.sync(r)
             seq.token_ids = list(r.token_ids)
             catch_up = seq.num_tokens - seq.num_computed_tokens
-            if k == 0 or not self.kv.allocate(seq, catch_up + k):
+            # no drafts past the draft model's own context (its rotary tables end there)
+            if k == 0 or r.num_tokens + k > self.max_len or not self.kv.allocate(seq, catch_up + k):
                 self.release(r.request_id)
                 continue
             active.append((r, seq, k))

@@ -81,3 +81,12 @@ def test_cpu_models_in_other_dtypes_take_the_torch_attention(tiny_llama):
     assert out.error is None and len(out.outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="attention_backend='cpu'"):
         LLM(str(tiny_llama), dtype="bfloat16", attention_backend="cpu")
+
+
+@pytest.mark.parametrize("flags", [["--workload", "prefix", "--compare"], ["--workload", "long", "--plot", "x"],
+                                   ["--compare", "--temperature", "1.0"]])
+def test_bench_throughput_refuses_options_it_would_ignore(flags, capsys):
+    from tokenmill.cli import main
+    assert main(["bench", "throughput", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tokenmill: ") and "Traceback" not in err

@@ -31,6 +31,11 @@ def _sampling(args) -> dict:
 
 
 def bench_throughput(args) -> dict:
+    if args.workload != "random" and (args.compare or args.pressure or args.plot is not None):
+        raise ValueError("--compare, --pressure and --plot run with --workload random")
+    if args.compare and (args.temperature != 0.0 or args.top_p != 1.0):
+        raise ValueError("--compare runs greedy (static batching and transformers' generate are greedy here): "
+                         "leave --temperature and --top-p at their defaults")
     workload = _workload(args)
     engine = _engine(args)
     print(f"workload {args.workload}: {len(workload)} requests, "
@@ -77,17 +82,19 @@ def _waste_line(result: RunResult, block_size: int) -> str:
 def _bench_pressure(args, roomy: RunResult, workload, block_size: int) -> dict:
     """The same requests with the pool cut to a quarter of the peak the roomy run used."""
     peak = max(s.kv_blocks_used for s in roomy.steps)
-    engine = _engine(args, num_kv_blocks=max(peak // 4, 1), kv_cache_memory=None)
+    largest = max(-(-(len(r.prompt_token_ids) + r.max_tokens) // block_size) for r in workload)
+    pool = max(peak // 4, largest)  # a quarter of the peak, but room for the longest request alone
+    engine = _engine(args, num_kv_blocks=pool, kv_cache_memory=None)
     tight = run_engine(engine, workload, "pressure-1/4-pool", **_sampling(args))
     preemptions = sum(s.num_preemptions for s in tight.steps)
     same = tight.outputs == roomy.outputs
     differing = sum(a != b for a, b in zip(tight.outputs, roomy.outputs))
     print()
     print(format_table([roomy, tight]))
-    print(f"pressure run: pool {peak // 4} of the {peak} blocks the roomy run peaked at; "
+    print(f"pressure run: pool {pool} of the {peak} blocks the roomy run peaked at; "
           f"{len(tight.outputs)}/{len(workload)} requests completed; {preemptions} preemptions; "
           f"outputs equal to the roomy run: {same} ({differing} requests differ)")
-    return {"peak_blocks": peak, "pool_blocks": peak // 4, "preemptions": preemptions,
+    return {"peak_blocks": peak, "pool_blocks": pool, "preemptions": preemptions,
             "completed": len(tight.outputs), "outputs_equal": same, "requests_differing": differing,
             "result": tight.summary()}
 

@@ -127,7 +127,10 @@ def bench_roofline(args) -> dict:
     from tokenmill.cli import engine_config_from_args
     from tokenmill.engine import LLMEngine
 
-    engine = LLMEngine(dataclasses.replace(engine_config_from_args(args), model=args.model))
+    config = dataclasses.replace(engine_config_from_args(args), model=args.model)
+    if config.device.split(":")[0] != "cpu" or config.torch_dtype_name != "float32":
+        raise ValueError("bench roofline measures the CPU's float32 peak: run it with --device cpu and float32")
+    engine = LLMEngine(config)
     model, cfg = engine.runner.model, engine.model_config
     threads = torch.get_num_threads()
     large = gemm_peak()

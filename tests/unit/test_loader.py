@@ -212,3 +212,20 @@ def test_hf_weights_read_the_models_shards_not_mistrals_consolidated_file(tiny_l
             (model_dir / "model.safetensors.index.json").write_text(
                 json.dumps({"weight_map": dict.fromkeys(expected, "model.safetensors")}))
         assert {name for name, _ in hf_weights(model_dir)} == expected
+
+
+def test_a_sliding_window_caps_the_context(tiny_llama, tmp_path):
+    """Sliding-window attention (Mistral 7B v0.1) is not implemented: the context stops at the
+    window, where the model's attention and ours still agree; Qwen2's unused window changes nothing."""
+    import json
+    import shutil
+
+    from tokenmill.models.loader import hf_model_config
+    for extra, expected in (({"sliding_window": 32}, 32), ({"sliding_window": 32, "use_sliding_window": False}, None),
+                            ({"sliding_window": None}, None)):
+        model_dir = tmp_path / f"window_{len(extra)}_{extra['sliding_window']}"
+        shutil.copytree(tiny_llama, model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, **extra}))
+        got = hf_model_config(model_dir).max_position_embeddings
+        assert got == (expected or config["max_position_embeddings"])

@@ -84,13 +84,19 @@ def hf_model_config(path: Path) -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     theta, scaling = _hf_rope(cfg)
     heads = cfg["num_attention_heads"]
+    max_len = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window and window < max_len:  # e.g. Mistral 7B v0.1: past the window its attention differs from ours
+        logger.warning("%s: sliding-window attention (%d tokens) is not implemented; context capped at %d",
+                       path, window, window)
+        max_len = window
     return ModelConfig(
         architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_len,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)

@@ -154,10 +154,13 @@ class Speculator:
 
     @staticmethod
     def eligible(r: Request) -> bool:
-        """Decoding, no penalties (they would depend on the drafts), past min_tokens."""
+        """Decoding, no penalties (they would depend on the drafts), past min_tokens, and not a
+        seeded sampled request: verifying drafts takes other numbers from its generator than a
+        plain step does, and whether it speculates depends on the batch, so its text would too."""
         p = r.params
         return (r.num_remaining_prefill == 1 and r.num_output_tokens > 0 and not p.has_penalties
-                and r.num_output_tokens >= p.min_tokens and p.num_speculative_tokens != 0)
+                and r.num_output_tokens >= p.min_tokens and p.num_speculative_tokens != 0
+                and (p.seed is None or p.greedy))
 
     def propose(self, running: list[Request], waiting_tokens: int, budget: int, max_model_len: int) -> None:
         decoding = [r for r in running if r.num_remaining_prefill == 1]

@@ -109,3 +109,20 @@ def test_drafts_that_do_not_fit_are_dropped_before_anyone_is_preempted():
     sched = s.schedule()
     assert sched.requests == [a, b] and sched.num_scheduled_tokens == [1, 1] and sched.num_draft_tokens == [0, 0]
     assert s.num_preemptions == 0 and not a.draft_token_ids
+
+
+def test_seeded_sampled_requests_do_not_speculate():
+    """Same seed, same text in any batch: drafts would draw other numbers from the request's
+    generator, and whether a request speculates depends on its batch."""
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.spec_decode import Speculator
+
+    def decoding(params: SamplingParams):
+        r = make_request("r", prompt_len=4, max_tokens=8)
+        r.params = params
+        r.num_computed_tokens = 4
+        r.append_token(20, 0.0)
+        return r
+    assert Speculator.eligible(decoding(SamplingParams(temperature=0.8)))
+    assert Speculator.eligible(decoding(SamplingParams(temperature=0.0, seed=1)))
+    assert not Speculator.eligible(decoding(SamplingParams(temperature=0.8, seed=1)))

@@ -66,9 +66,12 @@ class DraftModelProposer:
         device = torch.device(engine_config.device)
         dtype = getattr(torch, engine_config.torch_dtype_name)
         checkpoint = open_checkpoint(resolve_model_path(model_path))
-        if checkpoint.config.vocab_size != target_vocab:
-            raise ValueError(f"draft model vocab ({checkpoint.config.vocab_size}) differs from the target's "
+        # The same tokenizer, its embedding table padded to the same or a smaller size (Qwen2.5-0.5B
+        # pads to 151,936 rows, the 7B to 152,064): the draft's distributions get zeros past its rows.
+        if checkpoint.config.vocab_size > target_vocab:
+            raise ValueError(f"draft model vocab ({checkpoint.config.vocab_size}) is larger than the target's "
                              f"({target_vocab}): it must share the tokenizer")
+        self.target_vocab, self.vocab = target_vocab, checkpoint.config.vocab_size
         self.max_len = max_len = checkpoint.config.max_position_embeddings
         model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels,
                            engine_config.gguf_blocks, engine_config.gguf_int8_rows)
@@ -89,8 +92,11 @@ class DraftModelProposer:
                 self.sync(r)
             seq.token_ids = list(r.token_ids)
             catch_up = seq.num_tokens - seq.num_computed_tokens
-            # no drafts past the draft model's own context (its rotary tables end there)
-            if k == 0 or r.num_tokens + k > self.max_len or not self.kv.allocate(seq, catch_up + k):
+            # no drafts past the draft model's own context (its rotary tables end there), nor for a
+            # sequence with a token past its vocabulary (one of the target's padding rows)
+            if (k == 0 or r.num_tokens + k > self.max_len
+                    or max(seq.token_ids[seq.num_computed_tokens:], default=0) >= self.vocab
+                    or not self.kv.allocate(seq, catch_up + k)):
                 self.release(r.request_id)
                 continue
             active.append((r, seq, k))
@@ -108,7 +114,11 @@ class DraftModelProposer:
             counts = [1] * len(active)
         for r, seq, k in active:
             r.draft_token_ids = seq.token_ids[r.num_tokens:]
-            r.draft_probs = None if r.params.greedy else torch.stack(draft_probs[r.request_id])
+            if r.params.greedy:
+                r.draft_probs = None
+            else:
+                q = torch.stack(draft_probs[r.request_id])
+                r.draft_probs = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[-1]))
 
     @torch.inference_mode()
     def _step(self, seqs: list[Request], counts: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:

@@ -179,3 +179,22 @@ def test_a_draft_model_with_a_shorter_context_stops_drafting_at_its_end(tiny_lla
     out = llm.generate(prompt, greedy, use_tqdm=False)[0]
     assert out.error is None and out.outputs[0].token_ids == plain
     assert llm.engine.speculator.num_proposed > 0
+
+
+def test_a_draft_model_with_a_smaller_padded_vocabulary(tiny_llama, tmp_path):
+    """The same tokenizer with a smaller embedding table (as Qwen2.5-0.5B beside the 7B): greedy
+    outputs are still plain greedy's, sampled drafts are verified against the target's wider
+    distributions (the draft's padded with zeros), a sequence holding a token past the draft's
+    rows gets no drafts; a larger draft vocabulary is refused."""
+    small = build_tiny_model(tmp_path / "small_vocab", "llama", seed=0, noise=0.3, vocab_size=380)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11, 13] * 3} for i in range(4)] + [{"prompt_token_ids": [382, 5, 6]}]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(str(tiny_llama)).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), speculative=f"draft:{small}", speculative_adaptive=False, num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+    assert llm.engine.speculator.num_proposed > 0
+    sampled = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True), use_tqdm=False)
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 10 for o in sampled)
+    large = build_tiny_model(tmp_path / "large_vocab", "llama", seed=0, vocab_size=400)
+    with pytest.raises(ValueError, match="larger than the target"):
+        LLM(str(tiny_llama), speculative=f"draft:{large}")

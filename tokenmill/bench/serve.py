@@ -55,7 +55,7 @@ async def send(client, url: str, model: str, req: Prompt, ignore_eos: bool = Tru
     if ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
-    first, last, chunks, usage_tokens = None, None, 0, None
+    first, last, chunks, usage_tokens, finished = None, None, 0, None, False
     itl = []
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
@@ -66,13 +66,18 @@ async def send(client, url: str, model: str, req: Prompt, ignore_eos: bool = Tru
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    finished = True
                     break
                 payload = json.loads(data)
                 if "error" in payload:
                     return RequestResult(False, error=str(payload["error"]))
                 if payload.get("usage"):
                     usage_tokens = payload["usage"].get("completion_tokens")
-                if payload.get("choices") and payload["choices"][0].get("text"):
+                choice = payload["choices"][0] if payload.get("choices") else {}
+                finished = finished or choice.get("finish_reason") is not None
+                # a chunk with text is a token; a first chunk without (an EOS at once, which
+                # decodes to nothing) still ends the wait for the first token
+                if choice.get("text") or (first is None and choice.get("finish_reason") is not None):
                     now = time.perf_counter()
                     if first is None:
                         first = now
@@ -83,9 +88,19 @@ async def send(client, url: str, model: str, req: Prompt, ignore_eos: bool = Tru
     except Exception as exc:  # a dropped connection is a failed request, not a crashed benchmark
         return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
-    if first is None:
-        return RequestResult(False, error="no tokens received")
-    return RequestResult(True, usage_tokens or chunks, first - start, end - start, itl)
+    if first is None or not finished:
+        return RequestResult(False, error="no tokens received" if first is None else "stream ended unfinished")
+    return RequestResult(True, usage_tokens if usage_tokens is not None else chunks, first - start, end - start, itl)
+
+
+def arrival_times(count: int, rate: float, burstiness: float, rng: random.Random) -> np.ndarray:
+    """Seconds from the start at which each request goes out: gamma gaps of mean 1 / rate (Poisson
+    arrivals at burstiness 1), all at 0 for an infinite rate. Drawn up front and slept towards from
+    the start: sleeping each gap after the last wake-up added every late wake-up (the event loop
+    busy with open streams) to the schedule, and the rate sent sank below the one asked for."""
+    if rate == float("inf"):
+        return np.zeros(count)
+    return np.cumsum([0.0] + [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(count - 1)])
 
 
 async def run_rate(url: str, model: str, workload: list[Prompt], rate: float, burstiness: float,
@@ -109,15 +124,15 @@ async def run_rate(url: str, model: str, workload: list[Prompt], rate: float, bu
         results.append(result)
         bar.update(1)
 
+    arrivals = arrival_times(len(workload), rate, burstiness, rng)
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         tasks = []
-        for req in workload:
+        for req, at in zip(workload, arrivals):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             if time.perf_counter() - start > max_seconds:
                 break
             tasks.append(asyncio.create_task(one(client, req)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
         await asyncio.gather(*tasks)
     bar.close()
     return results, time.perf_counter() - start
@@ -135,7 +150,8 @@ def summarize(results: list[RequestResult], wall: float, rate: float, slo: dict[
     itl = [x for r in ok for x in r.itl]
     return {"request_rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "wall_s": wall,
             "request_throughput": len(ok) / wall, "output_tok_s": sum(r.output_tokens for r in ok) / wall,
-            "goodput_req_s": len(good) / wall, "ttft": pct([r.ttft for r in ok]), "tpot": pct([r.tpot for r in ok]),
+            "goodput_req_s": len(good) / wall, "ttft": pct([r.ttft for r in ok]),
+            "tpot": pct([r.tpot for r in ok if r.output_tokens > 1]),  # one token has no time per output token
             "itl": pct(itl), "e2e": pct([r.e2e for r in ok]),
             "errors": sorted({r.error for r in results if not r.ok})[:5],
             "ttft_samples": [r.ttft for r in ok], "itl_samples": itl}

@@ -318,3 +318,18 @@ def test_health_reports_a_dead_engine_loop(tiny_llama):
         assert httpx.get(s.url + "/health").status_code == 503
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 5}, timeout=10)
         assert r.status_code == 503
+
+
+def test_e2e_latency_metric_ends_at_the_engines_finish_time(server):
+    """As the TTFT takes the engine's first-token time, the end-to-end latency takes its finish
+    time, not the moment the output is reported (a step later under async output)."""
+    from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    metrics = server.app.state.metrics
+    before = metrics.e2e.collect()[0].samples
+    total = next(s.value for s in before if s.name.endswith("_sum"))
+    out = RequestOutput("x", None, [5], [CompletionOutput(0, "", [6], finish_reason="length")], finished=True,
+                        metrics=RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
+                                               finished_time=102.0))
+    metrics.on_finished(out, now=250.0)
+    after = next(s.value for s in metrics.e2e.collect()[0].samples if s.name.endswith("_sum"))
+    assert after - total == pytest.approx(2.0)

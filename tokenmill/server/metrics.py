@@ -82,8 +82,9 @@ class ServerMetrics:
     def on_finished(self, out: RequestOutput, now: float) -> None:
         self._last_token.pop(out.request_id, None)
         self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
-        if out.metrics is not None:
-            self.e2e.observe(now - out.metrics.arrival_time)
+        if out.metrics is not None:  # the engine's own finish time, as the TTFT uses its first-token time
+            end = out.metrics.finished_time if out.metrics.finished_time is not None else now
+            self.e2e.observe(end - out.metrics.arrival_time)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -88,6 +88,16 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
     return path
 
 
+def copy_model(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of the model directory `src` at `dst`, with config.json's keys changed as given."""
+    import json
+    import shutil
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return dst
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

@@ -90,7 +90,8 @@ def cmd_chat(args) -> int:
     from tokenmill.llm import LLM
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     engine = llm.engine
-    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = list(start)
     turn = 0
     print("tokenmill chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -105,7 +106,7 @@ def cmd_chat(args) -> int:
             engine.add_request(f"chat-{turn}", llm.render_chat(history), _sampling_params(args))
         except ValueError as exc:  # e.g. the conversation no longer fits the context: say so, keep going
             print(f"tokenmill: {exc}; the conversation starts over", file=sys.stderr)
-            history = [{"role": "system", "content": args.system}] if args.system else []
+            history = list(start)
             turn += 1
             continue
         answer = []

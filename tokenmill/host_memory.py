@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import math
 import mmap
+import warnings
 
 import torch
 
 _HUGE_PAGE = 2 << 20
+
+
+def read_only_tensor(array) -> torch.Tensor:
+    """A tensor over a read-only numpy array (a GGUF file's mapping) without a copy, for kernels
+    that only read it: torch.from_numpy warns that writing to it would be undefined."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

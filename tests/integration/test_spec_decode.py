@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, copy_model
 
 from tokenmill import LLM, SamplingParams
 
@@ -165,13 +165,7 @@ def test_drafts_never_crowd_decodes_out_of_the_token_budget(tiny_llama, draft_mo
 def test_a_draft_model_with_a_shorter_context_stops_drafting_at_its_end(tiny_llama, draft_model, tmp_path):
     """Past the draft model's context length (its rotary tables end there) a sequence gets no
     drafts; it goes on decoding, to the same tokens as without speculation."""
-    import json
-    import shutil
-    short = tmp_path / "short_draft"
-    shutil.copytree(draft_model, short)
-    config = json.loads((short / "config.json").read_text())
-    config["max_position_embeddings"] = 24
-    (short / "config.json").write_text(json.dumps(config))
+    short = copy_model(draft_model, tmp_path / "short_draft", max_position_embeddings=24)
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}]
     plain = LLM(str(tiny_llama)).generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import random_k_quant_rows
+from conftest import copy_model, random_k_quant_rows
 
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.llama import GGUFEmbedding
@@ -198,15 +198,13 @@ def test_hf_weights_read_the_models_shards_not_mistrals_consolidated_file(tiny_l
     """Mistral snapshots ship consolidated.safetensors (the same weights under Mistral's names)
     beside the HF shards; the loader reads the shards the index names, or model*.safetensors."""
     import json
-    import shutil
 
     from safetensors.torch import save_file
 
     from tokenmill.models.loader import hf_weights
     expected = {name for name, _ in hf_weights(tiny_llama)}
     for sharded in (False, True):
-        model_dir = tmp_path / f"sharded_{sharded}"
-        shutil.copytree(tiny_llama, model_dir)
+        model_dir = copy_model(tiny_llama, tmp_path / f"sharded_{sharded}")
         save_file({"layers.0.attention.wk.weight": torch.zeros(2, 2)}, str(model_dir / "consolidated.safetensors"))
         if sharded:  # an index naming the one shard
             (model_dir / "model.safetensors.index.json").write_text(
@@ -217,15 +215,10 @@ def test_hf_weights_read_the_models_shards_not_mistrals_consolidated_file(tiny_l
 def test_a_sliding_window_caps_the_context(tiny_llama, tmp_path):
     """Sliding-window attention (Mistral 7B v0.1) is not implemented: the context stops at the
     window, where the model's attention and ours still agree; Qwen2's unused window changes nothing."""
-    import json
-    import shutil
-
     from tokenmill.models.loader import hf_model_config
+    default = hf_model_config(tiny_llama).max_position_embeddings
     for extra, expected in (({"sliding_window": 32}, 32), ({"sliding_window": 32, "use_sliding_window": False}, None),
                             ({"sliding_window": None}, None)):
-        model_dir = tmp_path / f"window_{len(extra)}_{extra['sliding_window']}"
-        shutil.copytree(tiny_llama, model_dir)
-        config = json.loads((model_dir / "config.json").read_text())
-        (model_dir / "config.json").write_text(json.dumps({**config, **extra}))
+        model_dir = copy_model(tiny_llama, tmp_path / f"window_{len(extra)}_{extra['sliding_window']}", **extra)
         got = hf_model_config(model_dir).max_position_embeddings
-        assert got == (expected or config["max_position_embeddings"])
+        assert got == (expected or default)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -28,6 +27,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
+from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.ops import TorchOps
 from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, GGUFMatrix, PackedLinear, ToPack, pack_all
 
@@ -176,9 +176,7 @@ class GGUFEmbedding(nn.Module):
         self.kernels = kernels if qtype.name in ("Q4_0", "Q4_1", "Q8_0") else None  # what embed_rows reads
         self.format = BLOCK_FORMATS.get(qtype.name)
         if self.kernels is not None:
-            with warnings.catch_warnings():  # read-only (the file's mapping): the kernel only reads it
-                warnings.simplefilter("ignore", UserWarning)
-                self.table = torch.from_numpy(rows)
+            self.table = read_only_tensor(rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

@@ -14,7 +14,6 @@ import functools
 import importlib.metadata
 import json
 import logging
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import ModelConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix, onednn_available
@@ -278,10 +278,7 @@ def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
     kind = tensor.tensor_type.name
     rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
-        with warnings.catch_warnings():  # read-only (the file's mapping): the kernel only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(rows)
-        rows = kernels.recut_k_quant(raw, BLOCK_FORMATS[kind]).numpy()
+        rows = kernels.recut_k_quant(read_only_tensor(rows), BLOCK_FORMATS[kind]).numpy()
     elif kind in ("Q5_0", "Q5_1"):
         rows = q5_as_blocks_of_32(rows, kind)
     elif kind == "Q3_K":

@@ -88,8 +88,8 @@ class DraftModelProposer:
             if seq is None:
                 seq = self.seqs[r.request_id] = Request(request_id=r.request_id, prompt_token_ids=[],
                                                         params=r.params.clone(n=1), max_tokens=1 << 30)
-            else:  # drafts of a step that did not verify them (dropped, or the request preempted)
-                self.sync(r)
+            elif seq.num_computed_tokens >= r.num_tokens:  # drafts no step verified (the request went
+                self.sync(r)                                # unscheduled or was preempted): observe never synced
             seq.token_ids = list(r.token_ids)
             catch_up = seq.num_tokens - seq.num_computed_tokens
             # no drafts past the draft model's own context (its rotary tables end there), nor for a

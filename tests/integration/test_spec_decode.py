@@ -192,3 +192,26 @@ def test_a_draft_model_with_a_smaller_padded_vocabulary(tiny_llama, tmp_path):
     large = build_tiny_model(tmp_path / "large_vocab", "llama", seed=0, vocab_size=400)
     with pytest.raises(ValueError, match="larger than the target"):
         LLM(str(tiny_llama), speculative=f"draft:{large}")
+
+
+def test_drafts_no_step_verified_are_dropped_at_the_next_proposal(tiny_llama, draft_model):
+    """A request proposed for but not verified (left out of its step, or preempted) keeps its
+    drafts in the draft model's cache; the next proposal first trims them away and drafts the
+    same tokens again from the request's own."""
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_llama)).generate([{"prompt_token_ids": [5, 6, 7, 8]}], greedy, use_tqdm=False)
+    llm = LLM(str(tiny_llama), speculative=f"draft:{draft_model}", speculative_adaptive=False,
+              num_speculative_tokens=3)
+    engine = llm.engine
+    engine.add_request("a", [5, 6, 7, 8], greedy)
+    for _ in range(3):
+        engine.step()
+    request, proposer = engine.scheduler.running[0], engine.speculator.proposer
+    proposer.propose([request], [3])
+    first = list(request.draft_token_ids)
+    proposer.propose([request], [3])  # the same request again, its drafts never verified
+    assert len(first) == 3 and request.draft_token_ids == first
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+    assert outputs == [plain[0].outputs[0].token_ids]

@@ -363,7 +363,9 @@ class LLMEngine:
         metrics = RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.finished,
                                  request.num_cached_tokens, request.num_preemptions)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             request.is_finished, new_text=delta, new_token_ids=new_ids, metrics=metrics)
+                             request.is_finished, new_text=delta, new_token_ids=new_ids, metrics=metrics,
+                             prompt_logprobs=request.prompt_logprobs if request.params.prompt_logprobs is not None
+                             else None)
 
     def _record_stats(self, sched, result: RunnerOutput, time_schedule: float, time_detokenize: float,
                       start: float, end: float) -> None:

@@ -188,9 +188,10 @@ class KVCacheManager:
         """Longest chain of cached full blocks matching the request's tokens.
 
         At most `num_tokens - 1` tokens are reused, so at least one token is computed and the
-        step that finishes the prompt has logits to sample from.
+        step that finishes the prompt has logits to sample from. A request that wants its prompt's
+        logprobs reuses nothing: it needs the logits at every prompt position.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return PrefixHit([], 0)
         self._extend_hashes(request, request.num_tokens - 1)
         blocks = []

@@ -25,7 +25,7 @@ input row (a placeholder on the host side).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +39,8 @@ from tokenmill.request import Request
 from tokenmill.sampler import HostTokens, Sampler, SamplingMetadata
 from tokenmill.spec_decode import verify
 
+PROMPT_LOGPROB_ROWS = 128  # prompt positions scored at once: 128 rows of logits (25 MB at vocab 49,152)
+
 
 @dataclass
 class StepInputs:
@@ -48,6 +50,8 @@ class StepInputs:
     logits_indices: torch.Tensor     # (R,) rows of the flat batch whose logits are needed
     sampling_requests: list[Request]  # requests that sample this step, in row order
     num_rows: list[int]              # logits rows of each: 1, or 1 + its drafts
+    prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)  # prompt logprobs:
+                                     # (request, first prompt token scored, its flat-batch row range)
 
 
 @dataclass
@@ -58,6 +62,8 @@ class PendingStep:
     plain_requests: list[Request]          # sampled in one batch, in row order
     meta: SamplingMetadata | None
     host: HostTokens | None = None         # their sampled tokens, being copied to the host
+    prompt_scores: list[tuple[str, int, list[HostTokens], int]] = field(default_factory=list)
+                                           # (request id, first prompt token, its tables, top-n)
 
 
 class ModelRunner:
@@ -135,12 +141,13 @@ class ModelRunner:
             else:
                 logits_plain = logits
             tokens, raw_logprobs = self.sampler.sample(logits_plain, meta)
-            pending.host = self.sampler.to_host(tokens, raw_logprobs, meta)
+            pending.host = self.sampler.to_host(tokens, raw_logprobs, meta.num_logprobs)
             self._last_tokens = tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(plain_requests)}
         for i, n in enumerate(num_rows):
             if n > 1:
                 self._verify(logits[ends[i] - n:ends[i]], requests[i], pending.result)
+        pending.prompt_scores = [self._score_prompt(hidden, *rows) for rows in inputs.prompt_rows]
         pending.result.time_sample = time.perf_counter() - t2
         return pending
 
@@ -148,13 +155,29 @@ class ModelRunner:
         """Wait for the step's tokens (the host sync) and key them by request."""
         start, result = time.perf_counter(), pending.result
         if pending.meta is not None:
-            out = self.sampler.collect(pending.host, pending.meta)
+            out = self.sampler.collect(pending.host, pending.meta.num_logprobs)
             for r, token, logprobs in zip(pending.plain_requests, out.token_ids, out.logprobs):
                 result.sampled_token_ids[r.request_id] = [token]
                 if logprobs is not None:
                     result.logprobs[r.request_id] = [logprobs]
+        for request_id, first, tables, n in pending.prompt_scores:
+            entries = [e for host in tables for e in self.sampler.collect(host, [n] * len(host.tokens)).logprobs]
+            result.prompt_logprobs[request_id] = (first, entries)
         result.time_sample += time.perf_counter() - start  # with the wait for the device
         return result
+
+    def _score_prompt(self, hidden: torch.Tensor, request: Request, first: int, row_start: int,
+                      row_end: int) -> tuple[str, int, list[HostTokens], int]:
+        """Logprob tables of prompt tokens first, first + 1, ... from the hidden states of the
+        rows before each, a slice of rows at a time (every row is a whole vocabulary of logits)."""
+        n = request.params.prompt_logprobs
+        targets = to_device(torch.tensor(request.prompt_token_ids[first:first + row_end - row_start]), self.device)
+        tables = []
+        for start in range(row_start, row_end, PROMPT_LOGPROB_ROWS):
+            end = min(start + PROMPT_LOGPROB_ROWS, row_end)
+            raw = self.model.compute_logits(hidden[start:end]).log_softmax(dim=-1)
+            tables.append(self.sampler.to_host(targets[start - row_start:end - row_start], raw, [n]))
+        return request.request_id, first, tables, n
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy preempted requests' blocks out to the host pool, then readmitted ones back in;
@@ -210,7 +233,12 @@ class ModelRunner:
         token_ids: list[int] = []
         pending_rows: list[int] = []  # async scheduling: rows whose token the last step sampled
         pending_src: list[int] = []   # and its row among that step's tokens
-        for r, start, n, d in zip(requests, starts.tolist(), counts.tolist(), drafts.tolist()):
+        prompt_rows = []
+        for r, start, n, d, row in zip(requests, starts.tolist(), counts.tolist(), drafts.tolist(), cu.tolist()):
+            if r.params.prompt_logprobs is not None:  # rows whose next token is a prompt token not yet scored
+                first, end = max(start, len(r.prompt_logprobs) - 1), min(start + n - d, r.num_prompt_tokens - 1)
+                if first < end:
+                    prompt_rows.append((r, first + 1, row + first - start, row + end - start))
             token_ids.extend(r.token_ids[start:start + n - d])
             if r.num_pending_tokens and start + n - d > r.num_tokens:
                 pending_rows.append(len(token_ids))
@@ -246,7 +274,8 @@ class ModelRunner:
             input_ids[to_dev(np.array(pending_rows))] = self._last_tokens[to_dev(np.array(pending_src))]
         return StepInputs(
             input_ids=input_ids, positions=to_dev(positions), meta=meta,
-            logits_indices=to_dev(logits_rows), sampling_requests=sampling_requests, num_rows=num_rows)
+            logits_indices=to_dev(logits_rows), sampling_requests=sampling_requests, num_rows=num_rows,
+            prompt_rows=prompt_rows)
 
     def _prepare_decodes(self, requests: list[Request], short_max: int) -> StepInputs:
         """prepare for a step of plain decodes (each request's last token, no drafts, none

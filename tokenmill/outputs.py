@@ -42,6 +42,9 @@ class RunnerOutput:
                                              # with speculation); absent for partial prompt chunks
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # per new token:
                                              # {token id: logprob} for the sampled one and the top-n
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+                                             # (index of the first prompt token, its entry and the next
+                                             # ones), for requests with prompt_logprobs and a prompt chunk
     time_prepare: float = 0.0                # seconds building step tensors
     time_forward: float = 0.0                # seconds in the model
     time_sample: float = 0.0                 # seconds in the sampler (incl. the host sync)
@@ -110,3 +113,4 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     error: str | None = None                    # set when finish_reason is "error"
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, if asked (first: None)

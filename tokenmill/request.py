@@ -82,10 +82,13 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(init=False)  # entry j: prompt token j given
+                                            # those before it (None for the first); filled chunk by chunk
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else []
         self.times = RequestTimes(arrival=self.arrival_time)
 
     @property

@@ -209,7 +209,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: (S, V) float32, one row per sequence that samples this step."""
-        return self.collect(self.to_host(*self.sample(logits, meta), meta), meta)
+        return self.collect(self.to_host(*self.sample(logits, meta), meta.num_logprobs), meta.num_logprobs)
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampled tokens (S,), and the raw logprobs where a row asked for them, left on the
@@ -266,12 +266,14 @@ class Sampler:
         return draw_by_sums(probs, self.uniforms(probs.shape[0], meta).unsqueeze(1))
 
     @staticmethod
-    def to_host(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, meta: SamplingMetadata) -> HostTokens:
+    def to_host(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                num_logprobs: list[int | None]) -> HostTokens:
         """Queue the copies of what collect() reads: the tokens, and the logprob tables (the
-        sampled token's and the top-n) computed on the device."""
+        given token's and the top-n of each row that asks, n from num_logprobs) computed on the
+        device. The tokens may be sampled ones, or the prompt's own (prompt logprobs)."""
         out = HostTokens(tokens)
         if raw_logprobs is not None:
-            top_n = max(n for n in meta.num_logprobs if n is not None)
+            top_n = max(n for n in num_logprobs if n is not None)
             out.chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
             out.top_vals, out.top_ids = raw_logprobs.topk(max(top_n, 1), dim=-1)
         if tokens.is_cuda:
@@ -282,7 +284,7 @@ class Sampler:
         return out
 
     @staticmethod
-    def collect(host: HostTokens, meta: SamplingMetadata) -> SamplerOutput:
+    def collect(host: HostTokens, num_logprobs: list[int | None]) -> SamplerOutput:
         """Wait for the copies (the step's one host sync) and list the tokens and logprobs."""
         if host.ready is not None:
             host.ready.synchronize()
@@ -290,14 +292,14 @@ class Sampler:
         if host.chosen is None:
             return SamplerOutput(token_list, [None] * len(token_list))
         return SamplerOutput(token_list, Sampler.logprobs(host.chosen.tolist(), host.top_vals.tolist(),
-                                                          host.top_ids.tolist(), token_list, meta))
+                                                          host.top_ids.tolist(), token_list, num_logprobs))
 
     @staticmethod
     def logprobs(chosen: list[float], top_vals: list[list[float]], top_ids: list[list[int]],
-                 token_list: list[int], meta: SamplingMetadata) -> list[dict[int, float] | None]:
-        """Per row: {sampled token: logprob} followed by the row's top-n alternatives."""
+                 token_list: list[int], num_logprobs: list[int | None]) -> list[dict[int, float] | None]:
+        """Per row: {its token: logprob} followed by the row's top-n alternatives."""
         out: list[dict[int, float] | None] = []
-        for row, n in enumerate(meta.num_logprobs):
+        for row, n in enumerate(num_logprobs):
             if n is None:
                 out.append(None)
                 continue

@@ -29,6 +29,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None         # top-n logprobs per generated token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (0: only the prompt's own);
+                                        # such a request computes its whole prompt (no prefix cache)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     num_speculative_tokens: int | None = None  # this request's cap on drafts per step (0: never)
@@ -67,10 +69,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.num_speculative_tokens is not None:
             self._check_int("num_speculative_tokens", minimum=0)
-        if self.logprobs is not None:
-            self._check_int("logprobs", minimum=0)
-            if self.logprobs > 20:
-                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                self._check_int(name, minimum=0)
+                if getattr(self, name) > 20:
+                    raise ValueError(f"{name} must be <= 20, got {getattr(self, name)}")
 
     def _check_int(self, name: str, minimum: int) -> None:
         value = getattr(self, name)

@@ -276,6 +276,10 @@ class Scheduler:
                 request.draft_token_ids, request.draft_probs = [], None
                 if rejected:
                     self.kv.trim(request)
+            if scores := result.prompt_logprobs.get(request.request_id):
+                first, entries = scores  # a recomputed prompt (after preemption) is scored once
+                if first <= len(request.prompt_logprobs):
+                    request.prompt_logprobs.extend(entries[len(request.prompt_logprobs) - first:])
             if not new_tokens:
                 continue  # a prompt chunk that did not reach the end
             # Sampled tokens are appended (each checked for a stop); the last one's K/V is computed next step.

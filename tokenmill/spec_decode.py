@@ -56,9 +56,9 @@ def verify(logits: torch.Tensor, request: Request, sampler: Sampler,
         return tokens, None
     rows = len(tokens)
     raw = logits[:rows].log_softmax(dim=-1)
-    meta.num_logprobs = meta.num_logprobs[:rows]
-    return tokens, sampler.collect(sampler.to_host(torch.tensor(tokens, device=logits.device), raw, meta),
-                                   meta).logprobs
+    num_logprobs = meta.num_logprobs[:rows]
+    return tokens, sampler.collect(sampler.to_host(torch.tensor(tokens, device=logits.device), raw, num_logprobs),
+                                   num_logprobs).logprobs
 
 
 def _rejection_sample(probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,

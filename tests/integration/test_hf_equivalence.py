@@ -177,3 +177,40 @@ def test_fused_layers_give_the_python_layers_results_bit_for_bit(tiny_models, ar
     reqs[0].num_computed_tokens = 19   # a decode beside a 6-token chunk
     reqs[2].num_computed_tokens = 1
     assert torch.equal(forward([reqs[0], reqs[2]], [1, 6], True), forward([reqs[0], reqs[2]], [1, 6], False))
+
+
+@pytest.mark.parametrize("backend, ahead", [("cpu", False), ("reference", False), ("cpu", True)])
+def test_prompt_logprobs_equal_hf_under_chunking_prefix_caching_and_preemption(tiny_llama, backend, ahead):
+    """prompt_logprobs: each prompt token's logprob given the tokens before it (None for the first),
+    with the top-n, equals transformers' log_softmax over the whole prompt, when the prompt is split
+    into chunks, when an earlier request left its prefix in the cache (a request that wants prompt
+    logprobs computes its whole prompt), and when requests are preempted and recomputed (scored
+    once, not twice), with async scheduling too (ahead)."""
+    from tokenmill import LLM
+
+    rng = random.Random(3)
+    shared = [rng.randrange(2, 384) for _ in range(48)]
+    prompts = [shared + [rng.randrange(2, 384) for _ in range(n)] for n in (1, 40, 90, 150)]
+    llm = LLM(str(tiny_llama), max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=30, block_size=16,
+              attention_backend=backend, long_prefill_token_threshold=0, async_scheduling=ahead)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2), use_tqdm=False)  # caches `shared`
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=3),
+                        use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0, "no request was preempted"
+    plain = llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.metrics.num_cached_tokens == 80  # others still hit the cache
+
+    hf = hf_model(tiny_llama)
+    for prompt, out in zip(prompts, outs):
+        assert out.metrics.num_cached_tokens == 0
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        got = out.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for j in range(1, len(prompt)):
+            entry, row = got[j], ref[j - 1]
+            top = row.topk(3)
+            assert set(entry) == {prompt[j]} | set(top.indices.tolist()), f"token {j} of {len(prompt)}"
+            for token, lp in entry.items():
+                assert lp == pytest.approx(row[token].item(), abs=1e-4)

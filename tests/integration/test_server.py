@@ -110,25 +110,55 @@ def test_chat_completion_stream_and_whole(client):
     assert stream[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
-def test_n_echo_and_logprobs(client):
+def test_n_echo_and_logprobs(client, server):
     out = client.completions.create(model="tiny", prompt=["w5", "w6 w7"], n=2, max_tokens=4, temperature=1.0,
                                     seed=3, logprobs=2, echo=True)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.choices[2].text.startswith("w6 w7")
     lp = out.choices[0].logprobs
-    assert len(lp.tokens) == 4 and all(len(top) >= 1 for top in lp.top_logprobs)
+    prompt_len = out.usage.prompt_tokens - len(server.engine.tokenizer.encode("w6 w7"))  # of "w5"
+    # with echo the prompt's tokens come first (the first without a logprob), then the 4 generated
+    assert len(lp.tokens) == prompt_len + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
     # offsets count from the start of the text returned: the echoed prompt comes first
-    assert lp.text_offset[0] == len("w5")
+    assert lp.text_offset[0] == 0 and lp.text_offset[prompt_len] == len("w5")
     stream = client.completions.create(model="tiny", prompt="w5", max_tokens=4, temperature=1.0, seed=3,
                                        logprobs=2, echo=True, stream=True)
     offsets = [o for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                for o in chunk.choices[0].logprobs.text_offset]
-    assert offsets[0] == len("w5") and offsets == sorted(offsets)
+    assert offsets[0] == 0 and offsets[prompt_len] == len("w5") and offsets == sorted(offsets)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w9"}], max_tokens=3,
                                           logprobs=True, top_logprobs=2, temperature=0)
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and len(content[0].top_logprobs) == 2
     assert content[0].logprob == max(t.logprob for t in content[0].top_logprobs)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client, server, tiny_llama):
+    """echo with max_tokens 0 (how clients such as lm-evaluation-harness score a text): the
+    prompt alone, every token's logprob given those before it (the first: none) as the offline
+    API's prompt_logprobs computes them, no completion tokens; streamed the same. max_tokens 0
+    without echo asks for nothing: a 400."""
+    from tokenmill import LLM, SamplingParams
+    prompt = "w5 w9 w13 w200 w7"
+    ids = server.engine.tokenizer.encode(prompt)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    lp = choice.logprobs
+    local = LLM(str(tiny_llama), **ENGINE_OPTIONS).generate(
+        prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0].prompt_logprobs
+    assert lp.tokens == [server.engine.tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([local[j][t] for j, t in enumerate(ids) if j], abs=1e-5)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    chunks = [c for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
+                                                   logprobs=1, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == prompt and chunks[-1].choices[0].finish_reason == "length"
+    assert [t for c in chunks for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
 
 
 def test_async_client_64_concurrent_streams(server):

@@ -299,3 +299,23 @@ def test_async_scheduling_preempts_requests_with_a_token_in_flight():
     assert s.num_preemptions > 0
     assert all(r.num_output_tokens == 8 and r.num_pending_tokens == 0 for r in reqs.values())
     assert s.kv.pool.num_used_blocks == 0
+
+
+def test_prompt_logprobs_are_merged_by_prompt_index_once_each():
+    """A chunk's prompt logprobs extend the request's list at their own index: entries a chunk
+    scores again (a recompute launched before the earlier chunk reached the host, under async
+    scheduling) are not appended twice."""
+    from tokenmill.outputs import RunnerOutput
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import SamplingParams
+
+    s = make_scheduler(budget=4)
+    r = Request(request_id="a", prompt_token_ids=list(range(2, 8)), params=SamplingParams(prompt_logprobs=0),
+                max_tokens=2)
+    s.add_request(r)
+    assert r.prompt_logprobs == [None]
+    s.update(s.schedule(), RunnerOutput({}, prompt_logprobs={"a": (1, [{t: -1.0} for t in (3, 4, 5, 6)])}))
+    last = s.schedule()  # positions 4 and 5: the rest of the prompt, scored from index 3 again
+    s.update(last, RunnerOutput({"a": [9]}, prompt_logprobs={"a": (3, [{5: -2.0}, {6: -2.0}, {7: -2.0}])}))
+    assert r.prompt_logprobs == [None, {3: -1.0}, {4: -1.0}, {5: -1.0}, {6: -1.0}, {7: -2.0}]
+    assert r.output_token_ids == [9]

@@ -128,9 +128,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             raise APIError(400, str(exc)) from None
         return requests
 
-    def sampling(req, max_tokens, logprobs):
+    def sampling(req, max_tokens, logprobs, prompt_logprobs=None):
         try:
-            return req.sampling_params(max_tokens, logprobs, default_max_tokens=None)
+            return req.sampling_params(max_tokens, logprobs, default_max_tokens=None, prompt_logprobs=prompt_logprobs)
         except ValueError as exc:  # SamplingParams names the field first in its message
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
 
@@ -158,21 +158,23 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         if failed is not None:
             raise APIError(500, f"the engine step that ran this request failed: {failed.error}", "server_error")
 
-    def usage(outputs: list[RequestOutput], n: int) -> dict:
+    def usage(outputs: list[RequestOutput], n: int, generated: bool = True) -> dict:
+        """Token counts; generated=False: the outputs' tokens are not returned (echo with max_tokens 0)."""
         prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
-        completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+        completion = sum(len(o.outputs[0].token_ids) for o in outputs) if generated else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id])
 
-    def completion_logprobs(entries: list[dict[int, float]], token_ids: list[int], offset: int) -> dict:
+    def completion_logprobs(entries: list[dict[int, float] | None], token_ids: list[int], offset: int) -> dict:
+        """OpenAI's legacy logprobs; an entry of None (a prompt's first token) gives nulls."""
         tokens, lps, tops, offsets = [], [], [], []
         for token, entry in zip(token_ids, entries):
             text = token_text(token)
             tokens.append(text)
-            lps.append(entry.get(token))
-            tops.append({token_text(t): lp for t, lp in entry.items()})
+            lps.append(entry.get(token) if entry is not None else None)
+            tops.append({token_text(t): lp for t, lp in entry.items()} if entry is not None else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -209,24 +211,31 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             yield sse(final_usage([outputs[i] for i in range(len(requests))]))
         yield sse("[DONE]")
 
-    async def respond(req, requests, n: int, raw: Request, base: dict, chunk_base: dict, make_chunks, make_choice):
+    async def respond(req, requests, n: int, raw: Request, base: dict, chunk_base: dict, make_chunks, make_choice,
+                      generated: bool = True):
         """SSE stream of `make_chunks(i, output)` (plus the usage chunk when asked), or the whole
         response with one `make_choice(i, final output)` per request once all are done. n: the
         completions per prompt (usage counts each prompt once)."""
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            final = (lambda outs: {**chunk_base, "choices": [], "usage": usage(outs, n)}) if include_usage else None
+            final = ((lambda outs: {**chunk_base, "choices": [], "usage": usage(outs, n, generated)})
+                     if include_usage else None)
             return StreamingResponse(event_stream(requests, make_chunks, final), media_type="text/event-stream")
         outputs = await collect(requests, raw)
         raise_if_failed(outputs)
-        return {**base, "choices": [make_choice(i, out) for i, out in enumerate(outputs)], "usage": usage(outputs, n)}
+        return {**base, "choices": [make_choice(i, out) for i, out in enumerate(outputs)],
+                "usage": usage(outputs, n, generated)}
 
     # ---- endpoints -------------------------------------------------------------------------
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
-        params = sampling(req, req.max_tokens, req.logprobs)
+        # echo with max_tokens 0 returns the prompt alone (with its logprobs: how clients score a text);
+        # the engine still samples one token, which is dropped
+        echo_only = req.echo and req.max_tokens == 0
+        params = sampling(req, 1 if echo_only else req.max_tokens, req.logprobs,
+                          prompt_logprobs=req.logprobs if req.echo else None)
         prompts = req.prompts()
         requests = build_requests(prompts, params, req.priority, f"cmpl-{uuid.uuid4().hex}")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "text_completion",
@@ -239,28 +248,45 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         sent = [0] * len(requests)           # characters already streamed per choice (for text_offset)
         echoed = [not req.echo] * len(requests)
 
+        def finish_reason(out: RequestOutput) -> str | None:
+            reason = out.outputs[0].finish_reason
+            return "length" if echo_only and reason == "stop" else reason  # the dropped token was EOS
+
+        def with_prompt(lp: dict | None, out: RequestOutput) -> dict | None:
+            """The echoed prompt's logprobs (offsets from 0) before those of `lp`, which follow it."""
+            if req.logprobs is None:
+                return None
+            head = completion_logprobs(out.prompt_logprobs, out.prompt_token_ids, 0)
+            return {key: head[key] + (lp[key] if lp else []) for key in head}
+
         def chunks(i: int, out: RequestOutput):
+            new_text, new_ids = ("", []) if echo_only else (out.new_text, out.new_token_ids)
             echo = ""
             if not echoed[i]:
                 echo, echoed[i] = prompt_text(i), True
             lp = None
-            if req.logprobs is not None and out.new_token_ids:  # offsets into the text as sent, echo first
-                entries = out.outputs[0].logprobs[-len(out.new_token_ids):]
-                lp = completion_logprobs(entries, out.new_token_ids, sent[i] + len(echo))
-            text = echo + out.new_text
+            if req.logprobs is not None and new_ids:  # offsets into the text as sent, echo first
+                entries = out.outputs[0].logprobs[-len(new_ids):]
+                lp = completion_logprobs(entries, new_ids, sent[i] + len(echo))
+            if echo:
+                lp = with_prompt(lp, out)
+            text = echo + new_text
             sent[i] += len(text)
             if not text and not out.finished and lp is None:
                 return []
             return [{**base, "choices": [{"index": i, "text": text, "logprobs": lp,
-                                          "finish_reason": out.outputs[0].finish_reason}]}]
+                                          "finish_reason": finish_reason(out)}]}]
 
         def choice(i: int, out: RequestOutput) -> dict:
             c = out.outputs[0]
-            lp = (completion_logprobs(c.logprobs, c.token_ids, len(prompt_text(i)) if req.echo else 0)
+            text, ids, entries = ("", [], []) if echo_only else (c.text, c.token_ids, c.logprobs)
+            lp = (completion_logprobs(entries, ids, len(prompt_text(i)) if req.echo else 0)
                   if req.logprobs is not None else None)
-            return {"index": i, "text": (prompt_text(i) if req.echo else "") + c.text, "logprobs": lp,
-                    "finish_reason": c.finish_reason}
-        return await respond(req, requests, params.n, raw, base, base, chunks, choice)
+            if req.echo:
+                lp = with_prompt(lp, out)
+            return {"index": i, "text": (prompt_text(i) if req.echo else "") + text, "logprobs": lp,
+                    "finish_reason": finish_reason(out)}
+        return await respond(req, requests, params.n, raw, base, base, chunks, choice, generated=not echo_only)
 
     def render_chat(messages, add_generation_prompt: bool = True) -> dict:
         try:

@@ -60,7 +60,8 @@ class SamplingFields(BaseModel):
             return "response_format"
         return next((name for name in ("logit_bias", "tools", "suffix") if getattr(self, name)), None)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None):
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
+                        prompt_logprobs: int | None = None):
         """SamplingParams from the request; ValueError (naming the field) for out-of-range values."""
         field = self.unsupported()
         if field is not None:
@@ -69,6 +70,7 @@ class SamplingFields(BaseModel):
             "n": self.n, "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
             "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop or [],
             "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos, "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

@@ -122,6 +122,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
+            engine.use_device()
             while not self._stopping:
                 self._drain_commands()
                 if not engine.has_unfinished_requests():

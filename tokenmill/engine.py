@@ -39,6 +39,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        self.use_device()
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.kv_dtype = getattr(torch, config.kv_dtype_name)
         if config.num_threads is not None:
@@ -57,6 +58,11 @@ class LLMEngine:
                       self.model_config.max_position_embeddings)
         model = load_model(checkpoint, max_len, self.dtype, self.device, config.kernels, config.gguf_blocks,
                            config.gguf_int8_rows)
+        # A draft model is loaded before the pool is sized (on a GPU, from the memory left), and its
+        # own pool gets as many blocks: each block then costs the two models' K/V.
+        proposer = (make_proposer(config.speculative, config, self.model_config.vocab_size)
+                    if config.speculative is not None else None)
+        self._draft_kv_per_token = proposer.kv_elements_per_token if proposer is not None else 0
         num_blocks = self._num_kv_blocks(max_len)
         if num_blocks * config.block_size < max_len:
             logger.warning("KV pool holds %d tokens: max_model_len lowered from %d",
@@ -75,9 +81,8 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False):
             self.runner.capture_graphs(config.max_num_seqs, max_len)
         self.speculator = None
-        if config.speculative is not None:
-            proposer = make_proposer(config.speculative, config, self.model_config.vocab_size, num_blocks,
-                                     config.block_size)
+        if proposer is not None:
+            proposer.allocate(num_blocks, config.block_size)
             self.speculator = Speculator(proposer, SpeculationPolicy(config.num_speculative_tokens),
                                          adaptive=config.speculative_adaptive)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -97,7 +102,8 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        bytes_per_block = cfg.block_size * self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
+        per_token = self.model_config.kv_bytes_per_token + self._draft_kv_per_token
+        bytes_per_block = cfg.block_size * per_token * self.kv_dtype.itemsize
         if cfg.kv_cache_memory is not None:
             budget = parse_size(cfg.kv_cache_memory)
         elif self.device.type == "cuda":
@@ -189,6 +195,13 @@ class LLMEngine:
         kernels = getattr(self.runner.backend, "kernel", None)  # the CPU backend's C++ module
         if kernels is not None:
             kernels.release_threads()
+
+    def use_device(self) -> None:
+        """Make the engine's GPU the calling thread's current device: Triton launches, CUDA events
+        and graph captures act on the current device, not on their tensors' (with "cuda:1", on
+        device 0 otherwise). AsyncLLMEngine calls it on its engine thread."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def unfinished_request_ids(self) -> list[str]:
         """Every request whose final output is still to come."""

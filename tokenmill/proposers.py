@@ -19,10 +19,15 @@ from tokenmill.sampler import SamplingMetadata
 class NgramProposer:
     """Prompt lookup: no second model, drafts copied from the sequence itself."""
 
+    kv_elements_per_token = 0  # no cache of its own
+
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max})")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        pass
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         for r, k in zip(requests, ks):
@@ -56,13 +61,10 @@ class DraftModelProposer:
     would run past the draft model's context length, simply gets no drafts this step.
     """
 
-    def __init__(self, engine_config, model_path: str, target_vocab: int, num_blocks: int, block_size: int) -> None:
-        from tokenmill.attention import make_backend
-        from tokenmill.config import CacheConfig
-        from tokenmill.kv_cache import KVCacheManager
-        from tokenmill.model_runner import ModelRunner
+    def __init__(self, engine_config, model_path: str, target_vocab: int) -> None:
         from tokenmill.models.loader import load_model, open_checkpoint, resolve_model_path
 
+        self.config = engine_config
         device = torch.device(engine_config.device)
         dtype = getattr(torch, engine_config.torch_dtype_name)
         checkpoint = open_checkpoint(resolve_model_path(model_path))
@@ -73,13 +75,26 @@ class DraftModelProposer:
                              f"({target_vocab}): it must share the tokenizer")
         self.target_vocab, self.vocab = target_vocab, checkpoint.config.vocab_size
         self.max_len = max_len = checkpoint.config.max_position_embeddings
-        model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels,
-                           engine_config.gguf_blocks, engine_config.gguf_int8_rows)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        backend = make_backend(engine_config.attention_backend, device, block_size, checkpoint.config.head_dim, dtype)
-        self.runner = ModelRunner(model, checkpoint.config, CacheConfig(num_blocks, block_size), backend, device,
-                                  getattr(torch, engine_config.kv_dtype_name), engine_config.seed)
+        self.model_config = checkpoint.config
+        self.kv_elements_per_token = checkpoint.config.kv_bytes_per_token
+        self.model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels,
+                                engine_config.gguf_blocks, engine_config.gguf_int8_rows)
         self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """The draft's KV pool and runner, once the engine has sized the target's pool (the draft's
+        weights are loaded before, so that a GPU's pool is sized from the memory they leave)."""
+        from tokenmill.attention import make_backend
+        from tokenmill.config import CacheConfig
+        from tokenmill.kv_cache import KVCacheManager
+        from tokenmill.model_runner import ModelRunner
+
+        cfg, device = self.config, torch.device(self.config.device)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        backend = make_backend(cfg.attention_backend, device, block_size, self.model_config.head_dim,
+                               getattr(torch, cfg.torch_dtype_name))
+        self.runner = ModelRunner(self.model, self.model_config, CacheConfig(num_blocks, block_size), backend, device,
+                                  getattr(torch, cfg.kv_dtype_name), cfg.seed)
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         active, counts, steps = [], [], max(ks, default=0)
@@ -158,9 +173,10 @@ class DraftModelProposer:
             self.kv.free(seq)
 
 
-def make_proposer(kind: str, engine_config, target_vocab: int, num_blocks: int, block_size: int):
+def make_proposer(kind: str, engine_config, target_vocab: int):
+    """The proposer, before its KV pool (`allocate`, once the engine has sized its own)."""
     if kind == "ngram":
         return NgramProposer(engine_config.ngram_min, engine_config.ngram_max)
     if kind.startswith("draft:"):
-        return DraftModelProposer(engine_config, kind[len("draft:"):], target_vocab, num_blocks, block_size)
+        return DraftModelProposer(engine_config, kind[len("draft:"):], target_vocab)
     raise ValueError(f"speculative must be 'ngram' or 'draft:PATH', got {kind!r}")

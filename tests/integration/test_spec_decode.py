@@ -215,3 +215,17 @@ def test_drafts_no_step_verified_are_dropped_at_the_next_proposal(tiny_llama, dr
     while engine.has_unfinished_requests():
         outputs += [o.outputs[0].token_ids for o in engine.step() if o.finished]
     assert outputs == [plain[0].outputs[0].token_ids]
+
+
+def test_the_kv_budget_holds_the_draft_models_pool_too(tiny_llama, draft_model):
+    """A draft model's pool gets as many blocks as the target's, so a KV budget (on a GPU: the
+    memory left after both models' weights) is shared: each block costs both models' K/V. The
+    draft's weights are loaded before the budget is measured."""
+    budget = 1 << 20
+    plain = LLM(str(tiny_llama), kv_cache_memory=budget).engine
+    spec = LLM(str(tiny_llama), kv_cache_memory=budget, speculative=f"draft:{draft_model}").engine
+    per_token = plain.model_config.kv_bytes_per_token * 4  # float32 K and V of every layer
+    assert plain.cache_config.num_blocks == budget // (16 * per_token)
+    draft_per_token = spec.speculator.proposer.model_config.kv_bytes_per_token * 4
+    assert spec.cache_config.num_blocks == budget // (16 * (per_token + draft_per_token))
+    assert spec.speculator.proposer.kv.pool.num_blocks == spec.cache_config.num_blocks

@@ -309,3 +309,29 @@ def test_cpu_write_kv_rejects_bad_slots_and_shapes():
         kernel.write_kv(torch.ones(1, 1, D), torch.ones(1, 1, D), k_cache, v_cache, torch.tensor([0]),
                         torch.tensor([0]))
     assert not k_cache.any()
+
+
+def test_the_triton_backend_is_refused_off_cuda_without_the_interpreter(monkeypatch):
+    """Off CUDA every Triton launch would fail ("0 active drivers"), each step failing its
+    requests: the engine is refused at construction instead."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        make_backend("triton", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("query_len", [1, 9])
+def test_non_finite_scores_give_nan_not_an_average(query_len):
+    """A non-finite query or key (a diverged model) gives NaN where SDPA does, on the decode path
+    and on the prompt tiles (9 query rows, head size 64), instead of equal weights over the values
+    or a key silently dropped (exp of NaN used to come out as exp(-87)); other rows are untouched."""
+    d = 64
+    backend = make_backend("cpu", torch.device("cpu"), block_size=BS, head_dim=d)
+    q, k, v, k_cache, v_cache, meta, contexts = build_case([query_len], [40], hkv=1, hq=1, d=d)
+    meta.num_short, meta.num_short_tokens = 1, query_len  # the kernel takes the chunk, as the runner has it
+    q[-1, 0, 3] = float("nan")
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)
+    assert torch.isnan(out[-1]).all() and torch.isfinite(out[:-1]).all()
+    q[-1, 0, 3] = 0.0
+    first = contexts[0][5]  # a NaN key at position 5, which every query row sees
+    k_cache[first // BS, 0, first % BS, 0] = float("nan")
+    assert torch.isnan(backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)).all()

@@ -28,6 +28,7 @@ Backends share that contract and differ in speed:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,9 @@ def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim
     if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"attention_backend='cpu' runs float32 models on a CPU, not {dtype} on {device.type} "
                          "(use 'auto' or 'torch')")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention_backend='triton' runs on CUDA (or under TRITON_INTERPRET=1), "
+                         f"not on {device.type} (use 'auto')")
     if name == "cpu" or (name == "auto" and device.type == "cpu" and dtype == torch.float32):
         from tokenmill.attention.cpu import CpuPagedAttention
         from tokenmill.cpu_kernels import load_cpu_kernels

@@ -8,9 +8,10 @@
 namespace tokenmill {
 
 // exp(x), 8 lanes: x = n ln2 + r, exp(r) by Cephes' degree-6 polynomial (relative error ~1e-7).
-// Inputs are clamped to [-87, 88], so the result is finite and underflows to ~1e-38, not 0.
+// Inputs are clamped to [-87, 88], so the result underflows to ~1e-38, not 0. NaN stays NaN: max and
+// min return their second operand when either is NaN, so x goes second (first, NaN became -87).
 inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

@@ -45,10 +45,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         annotation = str(f.type)  # e.g. "int | None", "int | str | None", "bool"
-        kind = (_parse_bool if annotation.startswith("bool") else str if "str" in annotation
-                else int if "int" in annotation else float if "float" in annotation else str)
-        group.add_argument(flag, type=kind, default=default, dest=f.name,
-                           help=f"{_ENGINE_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})")
+        help_text = f"{_ENGINE_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})"
+        if annotation.startswith("bool"):  # --flag, --flag true|false, or vLLM's --no-flag
+            group.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default, dest=f.name,
+                               help=help_text)
+            group.add_argument("--no-" + flag[2:], action="store_false", dest=f.name, help=argparse.SUPPRESS)
+            continue
+        kind = str if "str" in annotation else int if "int" in annotation else float if "float" in annotation else str
+        group.add_argument(flag, type=kind, default=default, dest=f.name, help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -57,10 +61,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128, help="most tokens per answer (default: 128)")
+    group.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default: 0.7)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k best tokens (default: 0, off)")
 
 
 def _sampling_params(args):
@@ -98,17 +103,23 @@ def cmd_chat(args) -> int:
         try:
             line = input("> ").strip()
         except EOFError:
+            print()  # end the prompt's line
             break
         if not line:
             break
         history.append({"role": "user", "content": line})
         try:
             engine.add_request(f"chat-{turn}", llm.render_chat(history), _sampling_params(args))
-        except ValueError as exc:  # e.g. the conversation no longer fits the context: say so, keep going
+        except ValueError as exc:  # the conversation no longer fits the context: start over with this message
             print(f"tokenmill: {exc}; the conversation starts over", file=sys.stderr)
-            history = list(start)
-            turn += 1
-            continue
+            history = [*start, history[-1]]
+            try:
+                engine.add_request(f"chat-{turn}", llm.render_chat(history), _sampling_params(args))
+            except ValueError as exc:  # the message alone does not fit either
+                print(f"tokenmill: {exc}", file=sys.stderr)
+                history = list(start)
+                turn += 1
+                continue
         answer = []
         while engine.has_unfinished_requests():
             for out in engine.step():

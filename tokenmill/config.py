@@ -18,6 +18,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, 
 SCHEDULING_POLICIES = ("fcfs", "priority", "srpf", "edf")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "fp32": "float32"}  # vLLM's names (auto: float32 on CPU, bfloat16 on CUDA)
 KV_CACHE_DTYPES = ("auto", "float16")
 
 
@@ -137,6 +139,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))  # (frozen)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):

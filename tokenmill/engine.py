@@ -39,6 +39,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():  # before loading anything
+            raise ValueError(f"device {config.device!r}: this torch build sees no CUDA GPU "
+                             f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
         self.use_device()
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.kv_dtype = getattr(torch, config.kv_dtype_name)

@@ -41,7 +41,7 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
                 for j in range(p.n):
-                    sub = p if p.n == 1 else p.clone(n=1, seed=None if p.seed is None else p.seed + j)
+                    sub = p if p.n == 1 else p.for_sample(j)
                     request_id = f"llm-{self._counter}"
                     self._counter += 1
                     self.engine.add_request(request_id, prompt, sub)

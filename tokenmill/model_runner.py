@@ -193,7 +193,7 @@ class ModelRunner:
         for r in requests:
             if r.params.seed is not None and r.request_id not in self.generators:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(r.params.seed)
+                gen.manual_seed(seed_bits(r.params.seed, self.device))
                 self.generators[r.request_id] = gen
         vocab = self.model.embed_tokens.num_embeddings  # the width of the logits
         return SamplingMetadata.build(requests, self.generators, vocab, self.device)
@@ -297,6 +297,19 @@ class ModelRunner:
         return StepInputs(input_ids=to_dev([r.token_ids[p] for r, p in zip(requests, positions)]),
                           positions=to_dev(positions), meta=meta, logits_indices=to_dev(cu[:-1]),
                           sampling_requests=list(requests), num_rows=[1] * n)
+
+
+def seed_bits(seed: int, device: torch.device) -> int:
+    """A request's seed for its generator. The CPU one (mt19937) keeps only the low 32 bits, so
+    seeds 1 and 2^32 + 1 drew the same numbers: there a seed outside [0, 2^32) is mixed down to
+    32 bits (splitmix64's finalizer) rather than cut."""
+    if device.type != "cpu" or 0 <= seed < 1 << 32:
+        return seed
+    mask = (1 << 64) - 1
+    z = seed & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
 def _block_tables(requests: list[Request]) -> np.ndarray:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 MAX_N = 128            # completions per prompt: each is a request of its own
 _GREEDY_BELOW = 1e-5   # temperatures below this sample greedily
+_FLOAT32_TINY, _FLOAT32_MAX = 1.1754944e-38, 3.4028235e38  # the sampler's float32 positive range
 
 
 @dataclass
@@ -55,6 +56,10 @@ class SamplingParams:
         self._check_int("top_k", minimum=0)
         self._check_float("min_p", 0.0, 1.0)
         self._check_float("repetition_penalty", 0.0, None, low_open=True)
+        # The sampler holds these in float32, where a top_p of 1e-300 is 0 (its kernel refused the
+        # whole step) and a penalty of 1e-46 divides by 0: the nearest float32 keeps the meaning.
+        self.top_p = max(self.top_p, _FLOAT32_TINY)
+        self.repetition_penalty = min(max(self.repetition_penalty, _FLOAT32_TINY), _FLOAT32_MAX)
         self._check_float("presence_penalty", -2.0, 2.0)
         self._check_float("frequency_penalty", -2.0, 2.0)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -102,3 +107,9 @@ class SamplingParams:
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+    def for_sample(self, j: int) -> "SamplingParams":
+        """The j-th of n samples as a request of its own: n = 1, and seed + j (wrapped within 64
+        bits: a seed of 2^63 - 1 with n = 2 is valid) when seeded."""
+        seed = None if self.seed is None else (self.seed + j + (1 << 63)) % (1 << 64) - (1 << 63)
+        return self.clone(n=1, seed=seed)

@@ -97,3 +97,14 @@ def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm):
     exact = _logits(floats, ids[:8]).log_softmax(dim=1)
     kl = (exact.exp() * (exact - few_rows.log_softmax(dim=1))).sum(dim=1)  # KL(exact || 8-bit x), per row
     assert float(kl.max()) < 0.01 and torch.equal(few_rows.argmax(dim=1), exact.argmax(dim=1))
+
+
+def test_token_bytes_rebuild_characters_split_across_tokens(default_llm):
+    """Chat logprobs' `bytes`: byte-level pieces of an emoji or a CJK character each decode to
+    "\\ufffd", whose bytes are not theirs; from the vocabulary entries they add up to the text."""
+    from tokenmill.server.api import token_bytes
+    tokenizer = default_llm.engine.tokenizer
+    text = "😀 日本 café"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some tokens are pieces of a character
+    assert bytes(b for i in ids for b in token_bytes(tokenizer, i)).decode() == text

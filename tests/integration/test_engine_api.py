@@ -222,3 +222,29 @@ def test_abort_text_holds_every_token_with_or_without_stop_strings(llm):
     streamed += out.new_text
     ids = out.outputs[0].token_ids
     assert streamed == out.outputs[0].text and len(out.outputs[0].text.split()) == len(ids) >= 6  # a word a token
+
+
+def test_chat_starts_over_with_the_message_that_no_longer_fit(tiny_llama, monkeypatch, capsys):
+    """`tokenmill chat`: when the conversation outgrows the context, the message that did not fit
+    opens a new conversation and is answered (it used to be dropped); a message too long alone is
+    reported and skipped."""
+    import io
+
+    from tokenmill.cli import main
+    from tokenmill.engine import LLMEngine
+    added = []
+    original = LLMEngine.add_request
+
+    def add_request(self, request_id, prompt, *args, **kwargs):
+        request = original(self, request_id, prompt, *args, **kwargs)
+        added.append(len(request.prompt_token_ids))
+        return request
+    monkeypatch.setattr(LLMEngine, "add_request", add_request)
+    words = " ".join(f"w{i}" for i in range(5, 11))  # 6 tokens, and the template's
+    lines = [words, words, " ".join(f"w{i}" for i in range(5, 40)), words]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", "--model", str(tiny_llama), "--max-model-len", "24", "--max-tokens", "4",
+                 "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("the conversation starts over") == 2
+    assert len(added) == 3 and added[0] == added[1] == added[2]  # turn 2 alone; turn 3 skipped; 4 alone

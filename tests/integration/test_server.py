@@ -284,6 +284,10 @@ BAD_REQUESTS = [
      "response_format"),
     ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}],
                                        "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("max_completion_tokens 0", "/v1/chat/completions",  # not "no limit"
+     {"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("empty stop string", "/v1/completions", {"prompt": "w5", "stop": ""}, 400, "stop"),
+    ("priority under fcfs", "/v1/completions", {"prompt": "w5", "priority": 5}, 400, "priority"),
 ]
 
 
@@ -297,6 +301,68 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, clien
     if param is not None:
         assert param in (error["param"] or "") or param in error["message"]
     assert_still_serving(client)
+
+
+def test_inputs_at_the_edges_of_their_ranges_are_served(server, client):
+    """A top_p just above 0 (0 in the sampler's float32: its kernel used to fail the whole step,
+    every request in it) samples the best token, beside a stream that is not disturbed; a seed of
+    2^63 - 1 with n = 2 (seeds seed + j wrap); a wrong type names the field, not the union member;
+    a model looked up by id."""
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 30, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as stream:
+        tiny = client.completions.create(model="tiny", prompt="w7 w8", max_tokens=6, top_p=1e-300,
+                                         extra_body={"ignore_eos": True})
+        lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    greedy = client.completions.create(model="tiny", prompt="w7 w8", max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert tiny.choices[0].text == greedy.choices[0].text
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+    out = client.completions.create(model="tiny", prompt="w5", n=2, max_tokens=2, seed=2 ** 63 - 1)
+    assert len(out.choices) == 2
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert httpx.get(server.url + "/v1/models/gpt-9").status_code == 404
+
+
+def test_a_chunked_body_over_the_limit_gets_413(server, client):
+    """A body without a length header (chunked) is counted as it arrives: 413, not the 400 that
+    FastAPI's body parsing made of the middleware's error."""
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"w5 " * 1000
+        yield b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert_still_serving(client)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(server, client, monkeypatch):
+    """Tokenizing a body of a few MB takes seconds: done on the event loop, it stalled every open
+    stream meanwhile. Completion and chat prompts are tokenized on worker threads."""
+    threads = []
+
+    def watched(fn):
+        def call(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                threads.append("event loop")
+            except RuntimeError:  # no loop runs on this thread
+                threads.append("worker")
+            return fn(*args, **kwargs)
+        return call
+    monkeypatch.setattr(server.engine, "tokenize_prompt", watched(server.engine.tokenize_prompt))
+    monkeypatch.setattr(server.engine.tokenizer, "encode", watched(server.engine.tokenizer.encode))
+    client.completions.create(model="tiny", prompt="w5 w6", max_tokens=2)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=2)
+    assert threads and set(threads) == {"worker"}
+
+
+def test_top_logprobs_of_tokens_with_the_same_text_keep_the_first():
+    from tokenmill.server.api import _by_text
+    text = {5: "a", 7: "\ufffd", 9: "\ufffd"}.get
+    assert _by_text({7: -1.5, 5: -0.5, 9: -3.0}, text) == {"\ufffd": -1.5, "a": -0.5}
 
 
 def test_api_key_is_enforced(tiny_llama):

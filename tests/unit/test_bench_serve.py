@@ -8,6 +8,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from tokenmill.bench.serve import Prompt, send
 
@@ -104,3 +105,17 @@ def test_arrivals_keep_their_schedule_while_the_loop_is_busy():
     assert len(sent) == 60 and abs(schedule[1:].mean() / np.arange(1, 60).mean() - 1 / 200) < 2e-3
     lateness = [t - sent[0] - at for t, at in zip(sent, schedule)]  # from the first, which goes at 0
     assert max(lateness) < 0.025, f"the last arrivals ran {max(lateness) * 1e3:.0f} ms late"
+
+
+def test_waiting_for_a_server_fails_fast_on_a_bad_url_and_ends():
+    """A --base-url that cannot be used fails at once, not after minutes of silence; a server that
+    never answers fails at the timeout, with an error the CLI prints as one line."""
+    import time
+
+    from tokenmill.bench.serve import wait_healthy
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="base-url"):
+        wait_healthy("not-a-url", None, timeout=30)
+    with pytest.raises(ConnectionError, match="no healthy server"):
+        wait_healthy("http://127.0.0.1:1", None, timeout=1)
+    assert time.monotonic() - start < 10

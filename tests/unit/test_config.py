@@ -90,3 +90,68 @@ def test_bench_throughput_refuses_options_it_would_ignore(flags, capsys):
     assert main(["bench", "throughput", *flags]) == 1
     err = capsys.readouterr().err
     assert err.startswith("tokenmill: ") and "Traceback" not in err
+
+
+def test_sampling_params_keep_float32_meanings_and_samples_wrap_their_seeds():
+    """The sampler holds top_p and the repetition penalty in float32: a top_p of 1e-300 stays above
+    0 there (the kernel refused 0 and failed the whole step), a penalty stays finite and nonzero.
+    The j-th of n samples gets seed + j, wrapped within 64 bits."""
+    import torch
+    assert torch.tensor(SamplingParams(top_p=1e-300).top_p, dtype=torch.float32) > 0
+    for penalty in (1e-46, 1e39):
+        value = torch.tensor(SamplingParams(repetition_penalty=penalty).repetition_penalty, dtype=torch.float32)
+        assert 0 < value < float("inf")
+    p = SamplingParams(n=3, seed=2 ** 63 - 1)
+    assert [p.for_sample(j).seed for j in range(3)] == [2 ** 63 - 1, -(2 ** 63), -(2 ** 63) + 1]
+    assert p.for_sample(1).n == 1 and SamplingParams(n=2).for_sample(1).seed is None
+
+
+def test_vllm_dtype_names_are_accepted():
+    assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(dtype="float").dtype == "float32"
+    assert EngineConfig(dtype="auto").torch_dtype_name == "float32"
+    assert EngineConfig(device="cuda", dtype="auto").torch_dtype_name == "bfloat16"
+
+
+def test_cli_boolean_options_take_a_bare_flag_a_value_or_no():
+    from tokenmill.cli import build_parser
+    parser = build_parser()
+    args = parser.parse_args(["generate", "hi", "--enforce-eager", "--no-enable-prefix-caching",
+                              "--gguf-blocks", "false", "--dtype", "half"])
+    assert args.enforce_eager is True and args.enable_prefix_caching is False and args.gguf_blocks is False
+    assert parser.parse_args(["generate", "hi"]).enable_prefix_caching is True
+
+
+def test_cli_refuses_a_bad_port_and_a_missing_gpu_before_loading(capsys):
+    """A port out of range is a usage error, not a traceback after the model loaded; so is a CUDA
+    device on a torch without one (the engine checks before loading anything)."""
+    import torch
+
+    from tokenmill.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--port", "99999"])
+    assert exit_info.value.code == 2 and "port" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["generate", "hi", "--device", "cuda", "--model", "/nonexistent"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("tokenmill: device 'cuda'") and "Traceback" not in err
+
+
+def test_a_kernel_build_is_announced(monkeypatch, tmp_path, caplog):
+    """Compiling the kernels takes minutes on a fresh install: say so, and only then."""
+    import torch.utils.cpp_extension as extension
+
+    import tokenmill.cpu_kernels as kernels
+    monkeypatch.setattr(extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(extension, "load", lambda **options: "module")
+    kernels._build.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="tokenmill.cpu_kernels"):
+            assert kernels._build() == "module"
+            assert "compiling tokenmill's CPU kernels" in caplog.text
+            caplog.clear()
+            (tmp_path / "tokenmill_cpu_ops.so").touch()  # built after the sources changed last
+            kernels._build.cache_clear()
+            kernels._build()
+            assert "compiling" not in caplog.text
+    finally:
+        kernels._build.cache_clear()

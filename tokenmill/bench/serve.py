@@ -198,19 +198,24 @@ def start_server(args, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 300) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float) -> None:
+    """Wait for /health to answer 200: for a server this command started (loading its model, maybe
+    compiling kernels), or a moment for one at --base-url. A URL that cannot be used fails at once."""
     import httpx
+    print(f"waiting for {url}/health (up to {timeout:.0f} s)", file=sys.stderr)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+            raise ChildProcessError(f"the server exited with {proc.returncode} before it was healthy")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
-        except httpx.TransportError:
-            pass
+        except (httpx.ConnectError, httpx.TimeoutException, httpx.RemoteProtocolError):
+            pass  # not up yet
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+            raise ValueError(f"--base-url {url!r}: {exc}") from None
         time.sleep(0.5)
-    raise RuntimeError(f"no healthy server at {url} after {timeout:.0f} s")
+    raise ConnectionError(f"no healthy server at {url} after {timeout:.0f} s")
 
 
 def rate_prompts(args, index: int, tokenizer=None) -> list[Prompt]:
@@ -241,7 +246,7 @@ def bench_serve(args) -> dict:
         url = f"http://127.0.0.1:{port}"
     url = url.rstrip("/").removesuffix("/v1")
     try:
-        wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout=300 if proc is not None else 30)
         model = args.served_model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         tokenizer = None
         if args.text_prompts:

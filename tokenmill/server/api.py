@@ -43,6 +43,48 @@ logger = logging.getLogger("tokenmill.server")
 MAX_COMPLETIONS = 1024  # engine requests one HTTP request may make
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character that stands for each byte in a
+    byte-level BPE vocabulary -> that byte. Printable Latin-1 bytes stand for themselves; the
+    others, in order, for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_ALPHABET = _byte_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int) -> list[int]:
+    """A token's own bytes, as OpenAI's `bytes` field gives them: a piece of a character (an
+    emoji's first bytes) decodes to "\ufffd", so its bytes come from its vocabulary entry, in
+    GPT-2's byte alphabet or as sentencepiece's <0xNN>."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return [int(piece[3:5], 16)]
+    if all(c in BYTE_ALPHABET for c in piece):
+        return [BYTE_ALPHABET[c] for c in piece]
+    return list(text.encode())
+
+
+def _is_type_name(part) -> bool:
+    return part in ("str", "int", "float", "bool") or "[" in str(part)
+
+
+def _by_text(entry: dict[int, float], token_text) -> dict[str, float]:
+    """{token text: logprob} of a logprobs entry. Of tokens that decode to the same text (byte
+    pieces of one character all read "\ufffd") the first stays: the entry lists the chosen token,
+    then the top ones best first. (Overwriting left the lowest of them.)"""
+    out: dict[str, float] = {}
+    for token, lp in entry.items():
+        out.setdefault(token_text(token), lp)
+    return out
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
@@ -82,7 +124,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # the location without "body" and the union members pydantic names ("prompt.str", "list[int]")
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_name(p)]
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message = "request body is not valid JSON"
@@ -109,18 +152,26 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             raise APIError(404, f"the model '{name}' does not exist (this server serves '{served_model_name}')",
                            "not_found_error", param="model", code="model_not_found")
 
-    def build_requests(prompts: list, params, priority: int, prefix: str):
-        """One engine request per (prompt, sample); raises APIError(400) for any invalid one. Built
-        on the event loop, so their number is capped: a body of a few MB could ask for millions."""
+    async def build_requests(prompts: list, params, priority: int, prefix: str):
+        """One engine request per (prompt, sample); raises APIError(400) for any invalid one.
+        Tokenizing runs on a worker thread, so that a body of a few MB does not stall every open
+        stream for seconds; the number of requests is capped, as a body of a few MB could ask for
+        millions."""
         if len(prompts) * params.n > MAX_COMPLETIONS:
             raise APIError(400, f"at most {MAX_COMPLETIONS} completions per request (prompts x n), "
                                 f"got {len(prompts)} x {params.n}", param="prompt")
+        if priority and engine.config.scheduling_policy != "priority":
+            raise APIError(400, f"priority {priority} needs the server's scheduling_policy 'priority' "
+                                f"(it runs '{engine.config.scheduling_policy}')", param="priority")
+        return await asyncio.to_thread(make_requests, prompts, params, priority, prefix)
+
+    def make_requests(prompts: list, params, priority: int, prefix: str):
         requests = []
         try:
             for i, prompt in enumerate(prompts):
                 text, ids = engine.tokenize_prompt(prompt)  # once for its n samples
                 for j in range(params.n):
-                    sub = params.clone(n=1, seed=None if params.seed is None else params.seed + j)
+                    sub = params.for_sample(j)
                     requests.append(async_engine.make_request(f"{prefix}-{i}-{j}",
                                                               {"prompt": text, "prompt_token_ids": ids}, sub,
                                                               priority=priority))
@@ -174,7 +225,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             text = token_text(token)
             tokens.append(text)
             lps.append(entry.get(token) if entry is not None else None)
-            tops.append({token_text(t): lp for t, lp in entry.items()} if entry is not None else None)
+            tops.append(_by_text(entry, token_text) if entry is not None else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -182,11 +233,11 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     def chat_logprobs(entries: list[dict[int, float]], token_ids: list[int], top_n: int) -> dict:
         content = []
         for token, entry in zip(token_ids, entries):
-            text = token_text(token)
             top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
-            content.append({"token": text, "logprob": entry.get(token), "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": token_text(t), "logprob": lp,
-                                              "bytes": list(token_text(t).encode())} for t, lp in top]})
+            content.append({"token": token_text(token), "logprob": entry.get(token),
+                            "bytes": token_bytes(tokenizer, token),
+                            "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": token_bytes(tokenizer, t)}
+                                             for t, lp in top]})
         return {"content": content}
 
     def sse(payload: dict | str) -> str:
@@ -237,7 +288,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         params = sampling(req, 1 if echo_only else req.max_tokens, req.logprobs,
                           prompt_logprobs=req.logprobs if req.echo else None)
         prompts = req.prompts()
-        requests = build_requests(prompts, params, req.priority, f"cmpl-{uuid.uuid4().hex}")
+        requests = await build_requests(prompts, params, req.priority, f"cmpl-{uuid.uuid4().hex}")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "text_completion",
                 "created": int(time.time()), "model": served_model_name}
 
@@ -303,9 +354,13 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         top_n = req.top_logprobs or 0
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        params = sampling(req, req.max_completion_tokens or req.max_tokens, top_n if req.logprobs else None)
-        requests = build_requests([render_chat(req.messages, req.add_generation_prompt)], params, req.priority,
-                                  f"chatcmpl-{uuid.uuid4().hex}")
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:  # 0 is not "no limit"
+            raise APIError(400, f"max_completion_tokens must be >= 1, got {req.max_completion_tokens}",
+                           param="max_completion_tokens")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling(req, max_tokens, top_n if req.logprobs else None)
+        prompt = await asyncio.to_thread(render_chat, req.messages, req.add_generation_prompt)  # tokenizes
+        requests = await build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
                 "created": int(time.time()), "model": served_model_name}
         chunk_base = {**base, "object": "chat.completion.chunk"}
@@ -340,6 +395,11 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "tokenmill", "max_model_len": engine.max_model_len}]}
 
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)])
+    async def model(model_id: str):
+        check_model(model_id)
+        return (await models())["data"][0]
+
     @app.get("/health")
     async def health():
         if not async_engine.is_alive:
@@ -361,9 +421,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
-            ids = render_chat(req.messages)["prompt_token_ids"]
+            ids = (await asyncio.to_thread(render_chat, req.messages))["prompt_token_ids"]
         else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize", dependencies=[Depends(check_api_key)])

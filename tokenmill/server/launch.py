@@ -16,10 +16,17 @@ from tokenmill.server.api import create_app
 logger = logging.getLogger("tokenmill.server")
 
 
+def port_number(text: str) -> int:
+    """A TCP port, checked before the model loads (not after, by bind)."""
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
+    return int(text)
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: SmolLM2)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get HTTP 413")

@@ -68,7 +68,7 @@ class SamplingFields(BaseModel):
             raise ValueError(f"{field} is not supported by this server")
         values = {
             "n": self.n, "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
-            "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop or [],
+            "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop if self.stop is not None else [],
             "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos, "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
         }

@@ -88,12 +88,9 @@ class AccessLogMiddleware:
                              (time.monotonic() - start) * 1e3)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
-    """Answer 413 for request bodies over `max_bytes`, by header or by counting the stream."""
+    """Answer 413 for request bodies over `max_bytes`, by header or by counting the stream (a
+    chunked upload has no length header)."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -105,27 +102,26 @@ class BodyLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._reject(send)
         received = 0
-        started = False
+        rejected = False
 
         async def counting_receive():
-            nonlocal received
+            # Past the limit: answer 413 here and tell the app the client left. An exception would
+            # reach FastAPI's body parsing, which turns any error into its own 400.
+            nonlocal received, rejected
             message = await receive()
-            if message["type"] == "http.request":
+            if message["type"] == "http.request" and not rejected:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge
+                    rejected = True
+                    await self._reject(send)
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def guarded_send(message):
+            if not rejected:  # after the 413, whatever the app answers is dropped
+                await send(message)
 
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._reject(send)
+        await self.app(scope, counting_receive, guarded_send)
 
     async def _reject(self, send) -> None:
         body = json.dumps(error_body(f"request body exceeds {self.max_bytes} bytes", param="body",

@@ -153,6 +153,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
+        if params.logit_bias is not None and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "

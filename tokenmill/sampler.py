@@ -2,7 +2,7 @@
 
 Order of operations on the (S, V) logits of the rows that sample this step:
   1. raw logprobs (log_softmax of the model's logits), when any row asked for logprobs
-  2. repetition / presence / frequency penalties, only for rows that set them
+  2. repetition / presence / frequency penalties, then logit_bias, only for rows that set them
   3. EOS and stop tokens masked for rows still under min_tokens
   4. greedy rows: argmax
   5. other rows: temperature, top-k, top-p, min-p, then one draw from the probabilities
@@ -39,6 +39,7 @@ class SamplingMetadata:
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids) under min_tokens
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # logit_bias: rows, token ids, values
     num_logprobs: list[int | None] = field(default_factory=list)       # per row, None: not asked
 
     @classmethod
@@ -69,6 +70,10 @@ class SamplingMetadata:
             meta.repetition = tensor([params[i].repetition_penalty for i in rows], torch.float32)
             meta.presence = tensor([params[i].presence_penalty for i in rows], torch.float32)
             meta.frequency = tensor([params[i].frequency_penalty for i in rows], torch.float32)
+        biased = [(i, t, v) for i, p in enumerate(params) if p.logit_bias for t, v in p.logit_bias.items()]
+        if biased:
+            rows, ids, values = zip(*biased)
+            meta.bias = (tensor(rows, torch.int64), tensor(ids, torch.int64), tensor(values, torch.float32))
         for i, r in enumerate(requests):
             if r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens:
                 meta.banned.append((i, sorted(set(r.params.stop_token_ids) | r.eos_token_ids)))
@@ -217,10 +222,13 @@ class Sampler:
         copy to it (async scheduling waits for the last step's tokens while such a request runs)."""
         want_logprobs = any(n is not None for n in meta.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        if meta.penalty_rows or meta.banned:
+        if meta.penalty_rows or meta.banned or meta.bias is not None:
             logits = logits.clone()
         if meta.penalty_rows:
             apply_penalties(logits, meta)
+        if meta.bias is not None:
+            rows, ids, values = meta.bias
+            logits.index_put_((rows, ids), values, accumulate=True)
         if meta.banned:
             rows = torch.tensor([row for row, ids in meta.banned for _ in ids])
             cols = torch.tensor([t for _, ids in meta.banned for t in ids])

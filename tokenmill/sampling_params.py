@@ -35,6 +35,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     num_speculative_tokens: int | None = None  # this request's cap on drafts per step (0: never)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+                                        # (OpenAI's range, -100..100: +-100 forces or bans a token)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +76,14 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.num_speculative_tokens is not None:
             self._check_int("num_speculative_tokens", minimum=0)
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if (not isinstance(bias, dict) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                      for t in bias)
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
+                               for v in bias.values())):
+                raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}")
+            self.logit_bias = {t: float(v) for t, v in bias.items()} or None
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 self._check_int(name, minimum=0)

@@ -278,7 +278,10 @@ BAD_REQUESTS = [
     ("n too large", "/v1/completions", {"prompt": "w5", "n": 100_000_000}, 400, "n"),
     ("too many completions", "/v1/completions", {"prompt": [[5]] * 600, "n": 2}, 400, "prompt"),
     ("best_of", "/v1/completions", {"prompt": "w5", "best_of": 3}, 400, "best_of"),
-    ("logit_bias", "/v1/completions", {"prompt": "w5", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("logit_bias key", "/v1/completions", {"prompt": "w5", "logit_bias": {"w5": 10}}, 400, "logit_bias"),
+    ("logit_bias value", "/v1/completions", {"prompt": "w5", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ("logit_bias past the vocabulary", "/v1/completions", {"prompt": "w5", "logit_bias": {"99999": 1}}, 400,
+     "logit_bias"),
     ("json response_format", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "w5"}], "response_format": {"type": "json_object"}}, 400,
      "response_format"),
@@ -323,6 +326,15 @@ def test_inputs_at_the_edges_of_their_ranges_are_served(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert client.models.retrieve("tiny").id == "tiny"
     assert httpx.get(server.url + "/v1/models/gpt-9").status_code == 404
+
+
+def test_logit_bias_forces_a_token_in_both_endpoints(client):
+    out = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=3, temperature=0, logit_bias={"7": 100},
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text.split() == ["w7"] * 3
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=2,
+                                          temperature=1.0, logit_bias={"9": 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content.split() == ["w9"] * 2
 
 
 def test_a_chunked_body_over_the_limit_gets_413(server, client):

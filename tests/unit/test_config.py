@@ -13,7 +13,8 @@ from tokenmill.sampling_params import SamplingParams
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("repetition_penalty", 0.0),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("seed", "x"), ("logprobs", 21),
     ("stop", [""]), ("stop_token_ids", [-1]), ("temperature", float("nan")), ("seed", 2 ** 63),
-    ("seed", -(2 ** 63) - 1), ("n", 129),
+    ("seed", -(2 ** 63) - 1), ("n", 129), ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}), ("logit_bias", [5]),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -291,3 +291,15 @@ def test_logprobs_report_the_sampled_token_and_top_n():
     lp = out.logprobs[0]
     ref = logits.log_softmax(-1)[0]
     assert list(lp) == [0, 2] and lp[0] == pytest.approx(float(ref[0])) and lp[2] == pytest.approx(float(ref[2]))
+
+
+def test_logit_bias_forces_and_bans_tokens_and_logprobs_stay_raw(sampler):
+    """logit_bias is added before sampling: +100 forces a token (greedy or sampled), -100 bans the
+    best one; logprobs are still the model's own (raw, as every other transform leaves them)."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(4))
+    best = int(logits[1].argmax())
+    reqs = [req("a", temperature=0.0, logit_bias={5: 100.0}, logprobs=0),
+            req("b", temperature=0.0, logit_bias={best: -100}), req("c", temperature=1.0, logit_bias={2: 100})]
+    out = sampler(0)(logits, meta_for(reqs))
+    assert out.token_ids[0] == 5 and out.token_ids[1] == int(logits[1].topk(2).indices[1]) and out.token_ids[2] == 2
+    assert out.logprobs[0][5] == pytest.approx(float(logits[0].log_softmax(-1)[5]))

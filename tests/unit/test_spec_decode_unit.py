@@ -111,9 +111,10 @@ def test_drafts_that_do_not_fit_are_dropped_before_anyone_is_preempted():
     assert s.num_preemptions == 0 and not a.draft_token_ids
 
 
-def test_seeded_sampled_requests_do_not_speculate():
+def test_seeded_sampled_and_biased_requests_do_not_speculate():
     """Same seed, same text in any batch: drafts would draw other numbers from the request's
-    generator, and whether a request speculates depends on its batch."""
+    generator, and whether a request speculates depends on its batch. Greedy verification reads
+    the model's own logits, so a logit_bias would be ignored."""
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.spec_decode import Speculator
 
@@ -126,3 +127,4 @@ def test_seeded_sampled_requests_do_not_speculate():
     assert Speculator.eligible(decoding(SamplingParams(temperature=0.8)))
     assert Speculator.eligible(decoding(SamplingParams(temperature=0.0, seed=1)))
     assert not Speculator.eligible(decoding(SamplingParams(temperature=0.8, seed=1)))
+    assert not Speculator.eligible(decoding(SamplingParams(temperature=0.0, logit_bias={5: 100.0})))

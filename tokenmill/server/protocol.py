@@ -2,8 +2,8 @@
 
 Pydantic checks types; SamplingParams checks ranges (and names the field); both end up as
 HTTP 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's API does;
-known ones that tokenmill does not implement (best_of, logit_bias, a response_format other than
-text, tools, suffix) get a 400 rather than an answer that silently ignores them.
+known ones that tokenmill does not implement (best_of, a response_format other than text, tools,
+suffix) get a 400 rather than an answer that silently ignores them.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     priority: int = 0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
-    logit_bias: dict | None = None
     response_format: dict | None = None
     tools: list | None = None
     suffix: str | None = None
@@ -58,7 +58,7 @@ class SamplingFields(BaseModel):
             return "best_of"
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             return "response_format"
-        return next((name for name in ("logit_bias", "tools", "suffix") if getattr(self, name)), None)
+        return next((name for name in ("tools", "suffix") if getattr(self, name)), None)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
                         prompt_logprobs: int | None = None):
@@ -70,13 +70,22 @@ class SamplingFields(BaseModel):
             "n": self.n, "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
             "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop if self.stop is not None else [],
             "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos, "logprobs": logprobs,
-            "prompt_logprobs": prompt_logprobs,
+            "prompt_logprobs": prompt_logprobs, "logit_bias": self._logit_bias(),
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
         return SamplingParams(**values)
+
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): value for token, value in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)!r}") from None
 
 
 class CompletionRequest(SamplingFields):

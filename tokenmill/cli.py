@@ -29,12 +29,29 @@ _ENGINE_HELP = {
 }
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
+    if text.lower() in _TRUE:
         return True
-    if text.lower() in ("0", "false", "no", "off"):
+    if text.lower() in _FALSE:
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def explicit_bool_values(argv: list[str]) -> list[str]:
+    """A bare boolean flag before a positional argument (`--enforce-eager "Hello"`) would take it as
+    its value and fail: there the flag becomes `--enforce-eager=true`."""
+    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineConfig)
+             if str(f.type).startswith("bool")}
+    out = []
+    for arg, following in zip(argv, [*argv[1:], None]):
+        if (arg in flags and following is not None and not following.startswith("-")
+                and following.lower() not in _TRUE + _FALSE):
+            arg += "=true"
+        out.append(arg)
+    return out
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -175,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(explicit_bool_values(sys.argv[1:] if argv is None else argv))
     if hasattr(args, "max_num_seqs"):  # a command with engine options: a bad value is a usage error
         try:
             engine_config_from_args(args)

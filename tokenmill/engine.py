@@ -35,13 +35,22 @@ Prompt = str | list[int] | dict
 DEFAULT_CPU_KV_MEMORY = 4 * 1024**3
 
 
+def resolve_device(name: str) -> torch.device:
+    """The engine's device, with its index ("cuda" is the current GPU: torch.cuda.set_device needs
+    an index); a CUDA device on a torch that sees none is an error before anything loads."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch build sees no CUDA GPU "
+                         f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():  # before loading anything
-            raise ValueError(f"device {config.device!r}: this torch build sees no CUDA GPU "
-                             f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
+        self.device = resolve_device(config.device)
         self.use_device()
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.kv_dtype = getattr(torch, config.kv_dtype_name)

@@ -350,6 +350,34 @@ def test_a_chunked_body_over_the_limit_gets_413(server, client):
     assert_still_serving(client)
 
 
+def test_the_body_limit_answers_once():
+    """Over the limit in a chunked body: the middleware answers 413 and drops the app's own answer;
+    an app that began answering before it read too much keeps its answer (no second start)."""
+    from tokenmill.server.streaming import BodyLimitMiddleware
+
+    async def run(answer_first: bool) -> list:
+        sent, chunks = [], [{"type": "http.request", "body": b"x" * 60, "more_body": True}] * 3
+
+        async def receive():
+            return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append((message["type"], message.get("status")))
+
+        async def app(scope, receive, send):
+            if answer_first:
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+            while (await receive())["type"] == "http.request":
+                pass
+            if not answer_first:
+                await send({"type": "http.response.start", "status": 400, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+        await BodyLimitMiddleware(app, max_bytes=100)({"type": "http", "headers": []}, receive, send)
+        return sent
+    assert asyncio.run(run(False)) == [("http.response.start", 413), ("http.response.body", None)]
+    assert asyncio.run(run(True)) == [("http.response.start", 200), ("http.response.body", None)]
+
+
 def test_prompts_are_tokenized_off_the_event_loop(server, client, monkeypatch):
     """Tokenizing a body of a few MB takes seconds: done on the event loop, it stalled every open
     stream meanwhile. Completion and chat prompts are tokenized on worker threads."""

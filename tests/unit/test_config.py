@@ -114,12 +114,47 @@ def test_vllm_dtype_names_are_accepted():
 
 
 def test_cli_boolean_options_take_a_bare_flag_a_value_or_no():
-    from tokenmill.cli import build_parser
-    parser = build_parser()
-    args = parser.parse_args(["generate", "hi", "--enforce-eager", "--no-enable-prefix-caching",
-                              "--gguf-blocks", "false", "--dtype", "half"])
+    """A bare flag before a positional argument does not take it as its value."""
+    from tokenmill.cli import build_parser, explicit_bool_values
+
+    def parse(*argv):
+        return build_parser().parse_args(explicit_bool_values(list(argv)))
+    args = parse("generate", "hi", "--enforce-eager", "--no-enable-prefix-caching", "--gguf-blocks", "false",
+                 "--dtype", "half")
     assert args.enforce_eager is True and args.enable_prefix_caching is False and args.gguf_blocks is False
-    assert parser.parse_args(["generate", "hi"]).enable_prefix_caching is True
+    assert parse("generate", "hi").enable_prefix_caching is True
+    args = parse("generate", "--enforce-eager", "Hello world", "--gguf-blocks", "off")
+    assert args.enforce_eager is True and args.prompts == ["Hello world"] and args.gguf_blocks is False
+    args = parse("serve", "--enforce-eager", "/models/m.gguf")
+    assert args.enforce_eager is True and args.model == "/models/m.gguf"
+
+
+def test_a_cuda_device_gets_its_index_and_needs_cuda(monkeypatch):
+    """torch.cuda.set_device refuses "cuda" without an index: the engine resolves it to the current
+    GPU. Without CUDA, an error before anything loads."""
+    import torch
+
+    from tokenmill.engine import resolve_device
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="sees no CUDA"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1) and resolve_device("cuda:0") == torch.device("cuda", 0)
+
+
+def test_seeds_past_32_bits_are_mixed_not_cut_on_the_cpu():
+    """The CPU generator keeps a seed's low 32 bits: seeds 1 and 2^32 + 1 drew the same numbers."""
+    import torch
+
+    from tokenmill.model_runner import seed_bits
+    cpu = torch.device("cpu")
+    assert [seed_bits(s, cpu) for s in (0, 1, 2 ** 32 - 1)] == [0, 1, 2 ** 32 - 1]  # unchanged
+    seeds = (0, 1, 2 ** 32 + 1, -1, 2 ** 63 - 1, -(2 ** 63), 2 ** 32)
+    assert len({seed_bits(s, cpu) for s in seeds}) == len(seeds) and all(0 <= seed_bits(s, cpu) < 2 ** 32
+                                                                          for s in seeds)
+    assert seed_bits(2 ** 40, torch.device("cuda")) == 2 ** 40
 
 
 def test_cli_refuses_a_bad_port_and_a_missing_gpu_before_loading(capsys):

@@ -210,10 +210,10 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float) -> Non
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
-        except (httpx.ConnectError, httpx.TimeoutException, httpx.RemoteProtocolError):
-            pass  # not up yet
         except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
             raise ValueError(f"--base-url {url!r}: {exc}") from None
+        except httpx.TransportError:
+            pass  # not up yet
         time.sleep(0.5)
     raise ConnectionError(f"no healthy server at {url} after {timeout:.0f} s")
 

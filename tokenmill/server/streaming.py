@@ -102,24 +102,29 @@ class BodyLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._reject(send)
         received = 0
-        rejected = False
+        rejected = started = False
 
         async def counting_receive():
-            # Past the limit: answer 413 here and tell the app the client left. An exception would
-            # reach FastAPI's body parsing, which turns any error into its own 400.
+            # Past the limit: answer 413 here (unless the app has begun its own answer) and tell
+            # the app the client left. An exception would reach FastAPI's body parsing, which
+            # turns any error into its own 400.
             nonlocal received, rejected
             message = await receive()
             if message["type"] == "http.request" and not rejected:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     rejected = True
-                    await self._reject(send)
+                    if not started:
+                        await self._reject(send)
                     return {"type": "http.disconnect"}
             return message
 
         async def guarded_send(message):
-            if not rejected:  # after the 413, whatever the app answers is dropped
-                await send(message)
+            nonlocal started
+            if rejected and not started:  # after the 413, whatever the app answers is dropped
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
         await self.app(scope, counting_receive, guarded_send)
 

@@ -337,6 +337,20 @@ def test_logit_bias_forces_a_token_in_both_endpoints(client):
     assert chat.choices[0].message.content.split() == ["w9"] * 2
 
 
+def test_vllm_output_fields_reach_the_detokenizer(client):
+    """include_stop_str_in_output and skip_special_tokens, vLLM's extensions, are honoured."""
+    def text(max_tokens=8, logit_bias=None, **extra):
+        out = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=max_tokens, temperature=0,
+                                        logit_bias=logit_bias, extra_body={"ignore_eos": True, **extra})
+        return out.choices[0].text
+    full = text()
+    stop = full.split()[2]
+    assert text(stop=[stop]) == full[:full.index(stop)]
+    assert text(stop=[stop], include_stop_str_in_output=True) == full[:full.index(stop) + len(stop)]
+    eos = {"logit_bias": {"1": 100}, "max_tokens": 2}  # w1, the tiny tokenizer's EOS (ignored here)
+    assert text(**eos) == "" and text(skip_special_tokens=False, **eos).split() == ["w1", "w1"]
+
+
 def test_a_chunked_body_over_the_limit_gets_413(server, client):
     """A body without a length header (chunked) is counted as it arrives: 413, not the 400 that
     FastAPI's body parsing made of the middleware's error."""

@@ -43,6 +43,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     priority: int = 0
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
@@ -71,6 +73,8 @@ class SamplingFields(BaseModel):
             "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop if self.stop is not None else [],
             "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos, "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs, "logit_bias": self._logit_bias(),
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

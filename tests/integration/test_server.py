@@ -159,6 +159,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, server, tiny_llama):
     assert [t for c in chunks for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(0\)"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, extra_body={"min_tokens": 2})
 
 
 def test_async_client_64_concurrent_streams(server):

@@ -285,6 +285,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         # echo with max_tokens 0 returns the prompt alone (with its logprobs: how clients score a text);
         # the engine still samples one token, which is dropped
         echo_only = req.echo and req.max_tokens == 0
+        if echo_only and req.min_tokens > 0:  # (checked here: the engine is asked for 1 token)
+            raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens (0)", param="min_tokens")
         params = sampling(req, 1 if echo_only else req.max_tokens, req.logprobs,
                           prompt_logprobs=req.logprobs if req.echo else None)
         prompts = req.prompts()

@@ -426,6 +426,10 @@ def test_api_key_is_enforced(tiny_llama):
         for headers in ({}, {"authorization": "Bearer wrong"}):
             r = httpx.post(s.url + "/v1/completions", json={"prompt": "w5"}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        # before the body is read: malformed JSON without a key is a 401, not a 400
+        r = httpx.post(s.url + "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+        assert r.status_code == 401
+        assert httpx.post(s.url + "/tokenize", json={"prompt": "w5"}).status_code == 401
         ok = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
         assert_still_serving(ok)
         with pytest.raises(openai.AuthenticationError):

@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,7 +35,7 @@ from tokenmill.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from tokenmill.server.streaming import AccessLogMiddleware, BodyLimitMiddleware, merge_streams
+from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, merge_streams
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -108,7 +107,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # (the last added runs first)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(AccessLogMiddleware, logger=logger)
 
     # ---- errors ----------------------------------------------------------------------------
@@ -138,14 +139,6 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     async def _http_error(_, exc: StarletteHTTPException):
         return JSONResponse(error_body(str(exc.detail), "not_found_error" if exc.status_code == 404
                                        else "invalid_request_error"), status_code=exc.status_code)
-
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
-                           "authentication_error", code="invalid_api_key")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -279,7 +272,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
 
     # ---- endpoints -------------------------------------------------------------------------
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
         # echo with max_tokens 0 returns the prompt alone (with its logprobs: how clients score a text);
@@ -350,7 +343,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         top_n = req.top_logprobs or 0
@@ -392,12 +385,12 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                     "finish_reason": c.finish_reason}
         return await respond(req, requests, params.n, raw, base, chunk_base, chunks, choice)
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "tokenmill", "max_model_len": engine.max_model_len}]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         check_model(model_id)
         return (await models())["data"][0]
@@ -417,7 +410,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     async def version():
         return {"version": __version__}
 
-    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -428,7 +421,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model)
         vocab = engine.model_config.vocab_size

@@ -1,5 +1,5 @@
-"""Plumbing for the server: merging request streams, the access log, and the request-body size
-limit.
+"""Plumbing for the server: merging request streams, the access log, the API key, and the
+request-body size limit.
 
 The two middlewares are plain ASGI ones, not Starlette's BaseHTTPMiddleware (`@app.middleware`),
 which hands every chunk of a streamed response through a memory stream and a task of its own.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -129,8 +130,33 @@ class BodyLimitMiddleware:
         await self.app(scope, counting_receive, guarded_send)
 
     async def _reject(self, send) -> None:
-        body = json.dumps(error_body(f"request body exceeds {self.max_bytes} bytes", param="body",
-                                     code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 413, error_body(f"request body exceeds {self.max_bytes} bytes", param="body",
+                                               code="request_too_large"))
+
+
+class ApiKeyMiddleware:
+    """401 for a request to a protected path (every /v1 one, /tokenize, /detokenize) without
+    'Authorization: Bearer KEY', before its body is read: as a FastAPI dependency the check ran
+    after the body was parsed, so malformed JSON got a 400 first."""
+
+    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                return await send_error(send, 401, error_body(
+                    "missing or incorrect API key (send 'Authorization: Bearer KEY')", "authentication_error",
+                    code="invalid_api_key"))
+        await self.app(scope, receive, send)
+
+
+async def send_error(send, status: int, body: dict) -> None:
+    """A whole JSON error response, straight from a middleware."""
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})

@@ -9,6 +9,7 @@ needs: `SchedulerConfig` to the scheduler, `CacheConfig` to the block pool.
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -90,7 +91,8 @@ class EngineConfig:
                                              # bytes to store and read, values rounded to 11 bits
                                              # (and held within +-65504)
     device: str = "cpu"                      # "cpu" or "cuda"
-    seed: int = 0                            # seeds the sampler for requests without their own seed
+    seed: int | None = 0                     # seeds the sampler for requests without their own seed
+                                             # (None: a random one, drawn here)
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     kv_watermark: float = 0.01               # share of the pool kept free when admitting
@@ -140,6 +142,10 @@ class EngineConfig:
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))  # (frozen)
+        if self.seed is None:
+            object.__setattr__(self, "seed", secrets.randbits(63))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(1 << 63) <= self.seed < 1 << 63:
+            raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):

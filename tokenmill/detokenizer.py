@@ -31,13 +31,17 @@ class IncrementalDetokenizer:
         self.emitted = 0      # characters of `text` already handed out
         self.num_tokens = 0   # output tokens fed so far
 
-    def update(self, new_token_ids: list[int]) -> tuple[str, str | None]:
-        """Feed new tokens; returns (text safe to emit now, the stop string that matched or None)."""
+    def update(self, new_token_ids: list[int], stop_token: bool = False) -> tuple[str, str | None]:
+        """Feed new tokens; returns (text safe to emit now, the stop string that matched or None).
+        stop_token: the last one ended the request (EOS or a stop token id); as in vLLM its text is
+        left out, unless include_stop_str_in_output."""
         searched_from = len(self.text)
-        for token in new_token_ids:
+        for i, token in enumerate(new_token_ids):
             self.num_tokens += 1
             if self.num_tokens == self.min_tokens:  # stops may end in this token's text, not before
                 searched_from = len(self.text)
+            if stop_token and i == len(new_token_ids) - 1 and not self.include_stop:
+                break
             piece = self.stream.step(self.backend, token)
             if piece:
                 self.text += piece

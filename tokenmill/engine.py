@@ -68,6 +68,9 @@ class LLMEngine:
 
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > max_len:
+            logger.warning("max_model_len %d is past the model's %d positions: lowered to %d",
+                           config.max_model_len, max_len, max_len)
         model = load_model(checkpoint, max_len, self.dtype, self.device, config.kernels, config.gguf_blocks,
                            config.gguf_int8_rows)
         # A draft model is loaded before the pool is sized (on a GPU, from the memory left), and its
@@ -148,8 +151,10 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                      arrival_time: float | None = None, priority: int = 0,
-                     deadline: float | None = None) -> Request:
+                     deadline: float | None = None, fit_to_context: bool = False) -> Request:
         """Tokenize and validate; raises ValueError for anything the engine could never serve.
+        fit_to_context: a max_tokens past the context ends the output there instead (the offline
+        API's choice, as vLLM's; the server answers 400, as vLLM's and OpenAI's do).
 
         Touches no engine state, so the server calls it on its own thread and returns 400s
         without waiting for a step."""
@@ -168,11 +173,11 @@ class LLMEngine:
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "
                              f"{self.max_model_len}: no room for any output")
-        if params.max_tokens is not None and params.max_tokens > room:
+        if params.max_tokens is not None and params.max_tokens > room and not fit_to_context:
             raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({self.max_model_len})")
         return Request(request_id=request_id, prompt_token_ids=ids, params=params,
-                       max_tokens=params.max_tokens or room, eos_token_ids=self.eos_token_ids,
+                       max_tokens=min(params.max_tokens or room, room), eos_token_ids=self.eos_token_ids,
                        prompt=text, priority=priority, deadline=deadline,
                        arrival_time=arrival_time if arrival_time is not None else time.monotonic())
 
@@ -351,7 +356,8 @@ class LLMEngine:
     def _make_output(self, request: Request) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
         new_ids = request.output_token_ids[detok.num_tokens:]
-        delta, stop = detok.update(new_ids)
+        # (the scheduler finishes as "stopped" only on a token: stop strings are found just below)
+        delta, stop = detok.update(new_ids, stop_token=request.status == RequestStatus.FINISHED_STOPPED)
         if stop is not None:
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -385,7 +391,8 @@ class LLMEngine:
         completion = CompletionOutput(
             index=0, text=text, token_ids=request.output_token_ids, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
-            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None)
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            cumulative_logprob=request.cumulative_logprob if request.params.logprobs is not None else None)
         times = request.times
         metrics = RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.finished,
                                  request.num_cached_tokens, request.num_preemptions)

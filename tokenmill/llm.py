@@ -38,26 +38,27 @@ class LLM:
 
         # n > 1 fans out into n requests; a seeded request gets seeds seed, seed+1, ...
         jobs = []  # (prompt index, sample index, request id)
+        finished: dict[str, RequestOutput] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
                 for j in range(p.n):
                     sub = p if p.n == 1 else p.for_sample(j)
                     request_id = f"llm-{self._counter}"
                     self._counter += 1
-                    self.engine.add_request(request_id, prompt, sub)
+                    # as vLLM offline: max_tokens past the context ends the output there ("length")
+                    self.engine.add(self.engine.make_request(request_id, prompt, sub, fit_to_context=True))
                     jobs.append((i, j, request_id))
-        except ValueError:
+            with tqdm(total=len(jobs), desc="generating", unit="req", disable=not use_tqdm or len(jobs) < 2) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # a bad prompt, Ctrl-C: what this call queued must not run on in later calls
             for _, _, request_id in jobs:
-                self.engine.abort(request_id)
+                if request_id not in finished:
+                    self.engine.abort(request_id)
             raise
-
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(jobs), desc="generating", unit="req", disable=not use_tqdm or len(jobs) < 2) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
 
         results: list[RequestOutput | None] = [None] * len(prompts)
         for i, j, request_id in jobs:
@@ -69,14 +70,30 @@ class LLM:
                 results[i].outputs.append(out.outputs[0])
         return results
 
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer (vLLM's name for it)."""
+        return self.tokenizer
+
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, rendered
-        through the model's chat template."""
+        through the model's chat template. Content may be a string or OpenAI's list of text parts."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(conv) for conv in conversations]
+        prompts = [self.render_chat(conv, add_generation_prompt) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def render_chat(self, conversation: list[dict]) -> dict:
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
+        messages = []
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"a chat message needs a 'role' and a 'content', got {m!r}")
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI's content parts: only text ones
+                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                    raise ValueError(f"only text content parts are supported, got {content!r}")
+                content = "".join(str(p.get("text", "")) for p in content)
+            messages.append({**m, "content": content or ""})
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}

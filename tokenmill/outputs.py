@@ -88,6 +88,7 @@ class CompletionOutput:
     finish_reason: str | None = None            # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None        # the stop token id or string that matched
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None     # sum over token_ids, when logprobs are asked for
 
 
 @dataclass

@@ -82,6 +82,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0         # of the output tokens, when logprobs are asked for
     prompt_logprobs: list[dict[int, float] | None] = field(init=False)  # entry j: prompt token j given
                                             # those before it (None for the first); filled chunk by chunk
     times: RequestTimes = field(init=False)

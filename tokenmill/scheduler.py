@@ -293,6 +293,7 @@ class Scheduler:
                     break
             if logprobs := result.logprobs.get(request.request_id):
                 request.output_logprobs.extend(logprobs[:appended])
+                request.cumulative_logprob += sum(entry[token] for token, entry in zip(new_tokens, logprobs[:appended]))
             changed.append(request)
         return changed
 

@@ -134,6 +134,42 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
 def test_chat_uses_the_chat_template(llm):
     out = llm.chat([{"role": "user", "content": "w7 w8"}], SamplingParams(max_tokens=3, temperature=0.0))
     assert out[0].prompt_token_ids == [2, 7, 8, 3, 4]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "w7 "}, {"type": "text", "text": "w8"}]}]
+    assert llm.chat(parts, SamplingParams(max_tokens=1))[0].prompt_token_ids == [2, 7, 8, 3, 4]
+    no_prompt = llm.chat(parts, SamplingParams(max_tokens=1), add_generation_prompt=False)[0]
+    assert no_prompt.prompt_token_ids == [2, 7, 8, 3]
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "w7"}])
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_offline_generate_as_a_vllm_user_expects(llm):
+    """max_tokens past the context ends the output there ("length"), as vLLM's offline API does
+    (the engine's add_request, and the server, refuse it); cumulative_logprob sums the chosen
+    tokens' logprobs; a call that fails or is interrupted leaves nothing running for the next one."""
+    out = llm.generate([[5] * 1020], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
+    c = llm.generate([[5, 6]], SamplingParams(max_tokens=4, logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)))
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+    with pytest.raises(TypeError):
+        llm.generate([[5, 6], {"prompt_token_ids": None}], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+    engine, original = llm.engine, llm.engine.step
+    calls = []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original()
+    engine.step = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6]] * 4, SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    finally:
+        del engine.step
+    assert not engine.has_unfinished_requests() and engine.kv.pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("where", ["launch", "collect"])
@@ -248,3 +284,18 @@ def test_chat_starts_over_with_the_message_that_no_longer_fit(tiny_llama, monkey
     err = capsys.readouterr().err
     assert err.count("the conversation starts over") == 2
     assert len(added) == 3 and added[0] == added[1] == added[2]  # turn 2 alone; turn 3 skipped; 4 alone
+
+
+def test_the_stop_token_is_in_token_ids_but_not_in_the_text(llm):
+    """As in vLLM: a request ended by a stop token id keeps the token in token_ids and stop_reason,
+    and its text ends before it, unless include_stop_str_in_output."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    full = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0]
+    stop = full.token_ids[2]
+    k = full.token_ids.index(stop)
+    for include in (False, True):
+        params = greedy.clone(stop_token_ids=[stop], include_stop_str_in_output=include)
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full.token_ids[:k + 1] and out.stop_reason == stop and out.finish_reason == "stop"
+        cut = llm.generate([[5, 6, 7]], greedy.clone(max_tokens=k + 1 if include else k), use_tqdm=False)[0]
+        assert out.text == cut.outputs[0].text

@@ -107,6 +107,13 @@ def test_sampling_params_keep_float32_meanings_and_samples_wrap_their_seeds():
     assert p.for_sample(1).n == 1 and SamplingParams(n=2).for_sample(1).seed is None
 
 
+def test_a_seed_of_none_draws_one():
+    seeds = {EngineConfig(seed=None).seed for _ in range(3)}
+    assert len(seeds) == 3 and all(isinstance(s, int) for s in seeds)
+    with pytest.raises(ValueError, match="seed"):
+        EngineConfig(seed="x")
+
+
 def test_vllm_dtype_names_are_accepted():
     assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(dtype="float").dtype == "float32"
     assert EngineConfig(dtype="auto").torch_dtype_name == "float32"

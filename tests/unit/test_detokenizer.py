@@ -94,3 +94,14 @@ def test_stop_strings_count_only_from_min_tokens_on(tokenizer):
         detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt: "), params)
         delta, stop_all = detok.update(ids)  # every token in one update
         assert stop_all == stop and delta + (detok.flush() if stop is None else "") == "".join(deltas)
+
+
+def test_the_token_that_ended_a_request_is_left_out_of_its_text(tokenizer):
+    """EOS or a stop token id: its text is not part of the output (as in vLLM), unless
+    include_stop_str_in_output; the tokens before it in the same update are."""
+    ids = tokenizer.encode("The quick brown fox")
+    for include, expected in ((False, tokenizer.decode(ids[:-1])), (True, tokenizer.decode(ids))):
+        detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt: "),
+                                       SamplingParams(include_stop_str_in_output=include))
+        text = detok.update(ids[:2])[0] + detok.update(ids[2:], stop_token=True)[0] + detok.flush()
+        assert text == expected and detok.num_tokens == len(ids)

@@ -169,6 +169,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
         if params.logit_bias is not None and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "

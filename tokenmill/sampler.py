@@ -2,7 +2,8 @@
 
 Order of operations on the (S, V) logits of the rows that sample this step:
   1. raw logprobs (log_softmax of the model's logits), when any row asked for logprobs
-  2. repetition / presence / frequency penalties, then logit_bias, only for rows that set them
+  2. repetition / presence / frequency penalties, logit_bias, then allowed_token_ids, only for rows
+     that set them
   3. EOS and stop tokens masked for rows still under min_tokens
   4. greedy rows: argmax
   5. other rows: temperature, top-k, top-p, min-p, then one draw from the probabilities
@@ -40,6 +41,7 @@ class SamplingMetadata:
     frequency: torch.Tensor | None = None
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids) under min_tokens
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # logit_bias: rows, token ids, values
+    allowed: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, the only token ids it may take)
     num_logprobs: list[int | None] = field(default_factory=list)       # per row, None: not asked
 
     @classmethod
@@ -74,6 +76,8 @@ class SamplingMetadata:
         if biased:
             rows, ids, values = zip(*biased)
             meta.bias = (tensor(rows, torch.int64), tensor(ids, torch.int64), tensor(values, torch.float32))
+        meta.allowed = [(i, tensor(p.allowed_token_ids, torch.int64)) for i, p in enumerate(params)
+                        if p.allowed_token_ids is not None]
         for i, r in enumerate(requests):
             if r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens:
                 meta.banned.append((i, sorted(set(r.params.stop_token_ids) | r.eos_token_ids)))
@@ -222,13 +226,17 @@ class Sampler:
         copy to it (async scheduling waits for the last step's tokens while such a request runs)."""
         want_logprobs = any(n is not None for n in meta.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        if meta.penalty_rows or meta.banned or meta.bias is not None:
+        if meta.penalty_rows or meta.banned or meta.bias is not None or meta.allowed:
             logits = logits.clone()
         if meta.penalty_rows:
             apply_penalties(logits, meta)
         if meta.bias is not None:
             rows, ids, values = meta.bias
             logits.index_put_((rows, ids), values, accumulate=True)
+        for row, ids in meta.allowed:
+            kept = logits[row, ids]
+            logits[row] = float("-inf")
+            logits[row, ids] = kept
         if meta.banned:
             rows = torch.tensor([row for row, ids in meta.banned for _ in ids])
             cols = torch.tensor([t for _, ids in meta.banned for t in ids])

@@ -37,6 +37,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # this request's cap on drafts per step (0: never)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
                                         # (OpenAI's range, -100..100: +-100 forces or bans a token)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's, e.g. for labels)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +85,12 @@ class SamplingParams:
                                for v in bias.values())):
                 raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}")
             self.logit_bias = {t: float(v) for t, v in bias.items()} or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (not isinstance(ids, (list, tuple)) or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            self.allowed_token_ids = sorted(set(ids))
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 self._check_int(name, minimum=0)

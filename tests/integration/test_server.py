@@ -284,6 +284,8 @@ BAD_REQUESTS = [
     ("logit_bias value", "/v1/completions", {"prompt": "w5", "logit_bias": {"5": 200}}, 400, "logit_bias"),
     ("logit_bias past the vocabulary", "/v1/completions", {"prompt": "w5", "logit_bias": {"99999": 1}}, 400,
      "logit_bias"),
+    ("allowed_token_ids past the vocabulary", "/v1/completions", {"prompt": "w5", "allowed_token_ids": [99999]},
+     400, "allowed_token_ids"),
     ("json response_format", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "w5"}], "response_format": {"type": "json_object"}}, 400,
      "response_format"),
@@ -337,6 +339,9 @@ def test_logit_bias_forces_a_token_in_both_endpoints(client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=2,
                                           temperature=1.0, logit_bias={"9": 100}, extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content.split() == ["w9"] * 2
+    labels = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=4, temperature=1.0,
+                                       extra_body={"ignore_eos": True, "allowed_token_ids": [11, 12]})
+    assert set(labels.choices[0].text.split()) <= {"w11", "w12"} and len(labels.choices[0].text.split()) == 4
 
 
 def test_vllm_output_fields_reach_the_detokenizer(client):

@@ -303,3 +303,14 @@ def test_logit_bias_forces_and_bans_tokens_and_logprobs_stay_raw(sampler):
     out = sampler(0)(logits, meta_for(reqs))
     assert out.token_ids[0] == 5 and out.token_ids[1] == int(logits[1].topk(2).indices[1]) and out.token_ids[2] == 2
     assert out.logprobs[0][5] == pytest.approx(float(logits[0].log_softmax(-1)[5]))
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(sampler):
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(5))
+    worst = int(logits[0].argmin())
+    reqs = [req("a", temperature=0.0, allowed_token_ids=[worst, 6] if worst != 6 else [worst]),
+            req("b", temperature=1.0, allowed_token_ids=[3, 4])]
+    expected = max(reqs[0].params.allowed_token_ids, key=lambda t: float(logits[0, t]))
+    for seed in range(20):
+        out = sampler(seed)(logits, meta_for(reqs))
+        assert out.token_ids[0] == expected and out.token_ids[1] in (3, 4)

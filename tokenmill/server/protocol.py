@@ -45,6 +45,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
     priority: int = 0
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
@@ -75,6 +76,7 @@ class SamplingFields(BaseModel):
             "prompt_logprobs": prompt_logprobs, "logit_bias": self._logit_bias(),
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "allowed_token_ids": self.allowed_token_ids,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

@@ -383,7 +383,8 @@ class LLMEngine:
         if unreported is not None:  # async_output: its last tokens, or its end, are still to report
             self._unreported.remove(unreported)
             return self._make_output(unreported)
-        if request is None:
+        if request is None:  # unknown, or finished by a step that was cut short (Ctrl-C) before its output
+            self.detokenizers.pop(request_id, None)
             return None
         detok = self.detokenizers.pop(request_id, None)
         delta = detok.flush() if detok else ""  # the held-back tail: no stop string can match now

@@ -155,21 +155,25 @@ def test_offline_generate_as_a_vllm_user_expects(llm):
     with pytest.raises(TypeError):
         llm.generate([[5, 6], {"prompt_token_ids": None}], SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished_requests()
-    engine, original = llm.engine, llm.engine.step
+    engine = llm.engine
+    scheduler, original = engine.scheduler, engine.scheduler.update
     calls = []
 
-    def interrupted():
+    def interrupted(*args, **kwargs):  # Ctrl-C inside a step: a request has finished, its output unbuilt
         calls.append(1)
+        changed = original(*args, **kwargs)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return original()
-    engine.step = interrupted
+        return changed
+    scheduler.update = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
-            llm.generate([[5, 6]] * 4, SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+            llm.generate([[5, 6, i] for i in range(4)], [SamplingParams(max_tokens=n, ignore_eos=True)
+                                                         for n in (2, 3, 50, 50)], use_tqdm=False)
     finally:
-        del engine.step
+        del scheduler.update
     assert not engine.has_unfinished_requests() and engine.kv.pool.num_used_blocks == 0
+    assert not engine.unfinished_request_ids()  # no detokenizer left behind
 
 
 @pytest.mark.parametrize("where", ["launch", "collect"])

@@ -270,6 +270,8 @@ BAD_REQUESTS = [
     ("top_p out of range", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "w5"}], "top_p": 1.5}, 400, "top_p"),
     ("beyond context", "/v1/completions", {"prompt": [5] * 8000, "max_tokens": 500}, 400, None),
+    ("max_tokens past the context", "/v1/completions", {"prompt": [5] * 10, "max_tokens": 100_000}, 400,
+     "max_tokens"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}, 400, None),
@@ -435,6 +437,15 @@ def test_api_key_is_enforced(tiny_llama):
         r = httpx.post(s.url + "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
         assert r.status_code == 401
         assert httpx.post(s.url + "/tokenize", json={"prompt": "w5"}).status_code == 401
+        assert httpx.post(s.url + "/detokenize", json={"tokens": [5]}).status_code == 401
+        assert httpx.get(s.url + "/v1/models/tiny").status_code == 401
+        assert httpx.get(s.url + "/metrics").status_code == 200 and httpx.get(s.url + "/version").status_code == 200
+
+        async def mounted() -> int:  # the app under a prefix: the check strips it
+            transport = httpx.ASGITransport(app=s.app, root_path="/api")
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+                return (await http.get("/api/v1/models")).status_code
+        assert asyncio.run(mounted()) == 401
         ok = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
         assert_still_serving(ok)
         with pytest.raises(openai.AuthenticationError):

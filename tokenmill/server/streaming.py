@@ -145,7 +145,11 @@ class ApiKeyMiddleware:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED):
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # mounted under a prefix (or served with --root-path)
+            path = path[len(root):]
+        if scope["type"] == "http" and path.startswith(self.PROTECTED):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 return await send_error(send, 401, error_body(

@@ -298,15 +298,15 @@ class Scheduler:
         return changed
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        """Length first, as in vLLM: a stop token that is also the last one allowed ends the request
+        by length (and stays in its text)."""
         params = request.params
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
         if request.num_output_tokens > params.min_tokens:  # EOS and stop tokens only after min_tokens
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
         return None

@@ -156,6 +156,18 @@ def test_eos_stops_unless_ignored_or_under_min_tokens():
     assert r.finish_reason == "stop" and r.output_token_ids == [1, 1, 1]
 
 
+def test_eos_as_the_last_token_allowed_ends_by_length():
+    """As in vLLM, length is checked first: an EOS that is also the max_tokens-th token ends the
+    request by length (its text, if any, is kept)."""
+    from tokenmill.outputs import RunnerOutput
+    s = make_scheduler()
+    r = make_request("a", prompt_len=3, max_tokens=2)
+    s.add_request(r)
+    for token in (20, 1):
+        s.update(s.schedule(), RunnerOutput(sampled_token_ids={"a": [token]}))
+    assert r.finish_reason == "length" and r.output_token_ids == [20, 1]
+
+
 def test_static_batching_admits_only_into_an_empty_batch():
     s = make_scheduler(static_batching=True, max_num_seqs=2, budget=4)
     s.add_request(make_request("a", prompt_len=10, max_tokens=2))

@@ -169,8 +169,12 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
         if params.logit_bias is not None and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
-            raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
+        if params.allowed_token_ids is not None:
+            if max(params.allowed_token_ids) >= vocab:
+                raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if params.min_tokens and set(params.allowed_token_ids) <= ends:  # nothing left to sample
+                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens forbids at first")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "

@@ -124,6 +124,7 @@ def test_step_api_streams_deltas_and_abort_frees_blocks(llm):
     ([99999], SamplingParams(), r"token ids must be integers in \[0, 384\)"),
     ([5], SamplingParams(stop_token_ids=[400], min_tokens=2), r"stop_token_ids must be integers in \[0, 384\)"),
     ({"nope": 1}, SamplingParams(), "prompt"),
+    ([5], SamplingParams(allowed_token_ids=[1, 9], stop_token_ids=[9], min_tokens=1), "allowed_token_ids"),
 ])
 def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):

@@ -92,7 +92,7 @@ class LLM:
             if isinstance(content, list):  # OpenAI's content parts: only text ones
                 if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                     raise ValueError(f"only text content parts are supported, got {content!r}")
-                content = "".join(str(p.get("text", "")) for p in content)
+                content = "\n".join(str(p.get("text", "")) for p in content)  # as vLLM
             messages.append({**m, "content": content or ""})
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)

@@ -141,7 +141,7 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text":
                 raise ValueError(f"unsupported content part type {part.get('type')!r} (only 'text')")
             parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins text parts
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -162,6 +162,8 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty")
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            text, ids = None, ids[-params.truncate_prompt_tokens:]  # the text no longer matches the ids
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")

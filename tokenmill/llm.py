@@ -26,8 +26,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts are strings, token-id lists or {"prompt_token_ids": [...]} dicts (or one of them)."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Prompts are strings, token-id lists or {"prompt_token_ids": [...]} dicts (or one of them).
+        priority: one per prompt (lower first), for the engine's "priority" scheduling policy."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -35,18 +36,22 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
 
         # n > 1 fans out into n requests; a seeded request gets seeds seed, seed+1, ...
         jobs = []  # (prompt index, sample index, request id)
         finished: dict[str, RequestOutput] = {}
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            for i, (prompt, p, rank) in enumerate(zip(prompts, params_list, priorities)):
                 for j in range(p.n):
                     sub = p if p.n == 1 else p.for_sample(j)
                     request_id = f"llm-{self._counter}"
                     self._counter += 1
                     # as vLLM offline: max_tokens past the context ends the output there ("length")
-                    self.engine.add(self.engine.make_request(request_id, prompt, sub, fit_to_context=True))
+                    self.engine.add(self.engine.make_request(request_id, prompt, sub, priority=rank,
+                                                             fit_to_context=True))
                     jobs.append((i, j, request_id))
             with tqdm(total=len(jobs), desc="generating", unit="req", disable=not use_tqdm or len(jobs) < 2) as bar:
                 while self.engine.has_unfinished_requests():

@@ -38,6 +38,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
                                         # (OpenAI's range, -100..100: +-100 forces or bans a token)
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's, e.g. for labels)
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.num_speculative_tokens is not None:
             self._check_int("num_speculative_tokens", minimum=0)
+        if self.truncate_prompt_tokens is not None:
+            self._check_int("truncate_prompt_tokens", minimum=1)
         if self.logit_bias is not None:
             bias = self.logit_bias
             if (not isinstance(bias, dict) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0

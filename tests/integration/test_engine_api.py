@@ -304,3 +304,17 @@ def test_the_stop_token_is_in_token_ids_but_not_in_the_text(llm):
         assert out.token_ids == full.token_ids[:k + 1] and out.stop_reason == stop and out.finish_reason == "stop"
         cut = llm.generate([[5, 6, 7]], greedy.clone(max_tokens=k + 1 if include else k), use_tqdm=False)[0]
         assert out.text == cut.outputs[0].text
+
+
+def test_truncated_prompts_and_priorities_in_generate(tiny_llama):
+    """vLLM's truncate_prompt_tokens keeps a prompt's last k tokens; generate(priority=...) orders
+    requests under the priority policy (one sequence at a time here: lower runs first)."""
+    llm = LLM(str(tiny_llama), max_num_seqs=1, scheduling_policy="priority")
+    out = llm.generate([list(range(5, 15))], SamplingParams(max_tokens=2, truncate_prompt_tokens=3),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == [12, 13, 14] and out.prompt is None
+    outs = llm.generate([[5, 6], [7, 8], [9, 10]], SamplingParams(max_tokens=3), priority=[2, 0, 1], use_tqdm=False)
+    starts = [o.metrics.first_scheduled_time for o in outs]
+    assert starts[1] < starts[2] < starts[0]
+    with pytest.raises(ValueError, match="priorities"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=1), priority=[1, 2])

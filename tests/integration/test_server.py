@@ -341,6 +341,9 @@ def test_logit_bias_forces_a_token_in_both_endpoints(client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=2,
                                           temperature=1.0, logit_bias={"9": 100}, extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content.split() == ["w9"] * 2
+    truncated = client.completions.create(model="tiny", prompt="w5 w6 w7 w8 w9", max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 2})
+    assert truncated.usage.prompt_tokens == 2
     labels = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=4, temperature=1.0,
                                        extra_body={"ignore_eos": True, "allowed_token_ids": [11, 12]})
     assert set(labels.choices[0].text.split()) <= {"w11", "w12"} and len(labels.choices[0].text.split()) == 4

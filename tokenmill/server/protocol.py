@@ -46,6 +46,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     priority: int = 0
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
@@ -76,7 +77,7 @@ class SamplingFields(BaseModel):
             "prompt_logprobs": prompt_logprobs, "logit_bias": self._logit_bias(),
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
-            "allowed_token_ids": self.allowed_token_ids,
+            "allowed_token_ids": self.allowed_token_ids, "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

@@ -23,15 +23,26 @@ _SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "gemm_cp
 _NAME = "tokenmill_cpu_ops"
 
 
-@functools.lru_cache(maxsize=1)
-def _build():
-    from torch.utils.cpp_extension import _get_build_directory, load
-    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    built = Path(_get_build_directory(_NAME, verbose=False)) / f"{_NAME}.so"
-    newest = max(f.stat().st_mtime for f in _CSRC.iterdir())
-    if not built.exists() or built.stat().st_mtime < newest:  # otherwise minutes of silence
+def _announce_build() -> None:
+    """Say so when the kernels are about to compile (minutes of silence otherwise). Best effort:
+    it reads torch's private build directory, and a torch without it just stays quiet."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        built = Path(_get_build_directory(_NAME, verbose=False)) / f"{_NAME}.so"
+        newest = max(f.stat().st_mtime for f in _CSRC.iterdir())
+        stale = not built.exists() or built.stat().st_mtime < newest
+    except (ImportError, AttributeError, TypeError, OSError):
+        return
+    if stale:
         logger.warning("compiling tokenmill's CPU kernels (after an install or update; about 2 minutes "
                        "on 2 cores; cached in %s)", built.parent)
+
+
+@functools.lru_cache(maxsize=1)
+def _build():
+    from torch.utils.cpp_extension import load
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    _announce_build()
     # -fopenmp: at::parallel_for is inlined from ATen's headers and only threads under OpenMP.
     return load(name=_NAME, sources=[str(_CSRC / s) for s in _SOURCES],
                 extra_include_paths=[str(_CSRC)], extra_cflags=["-O3", "-march=native", "-fopenmp"],

@@ -165,15 +165,12 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             text, ids = None, ids[-params.truncate_prompt_tokens:]  # the text no longer matches the ids
         vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers in [0, {vocab})")
-        if params.logit_bias is not None and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        for name, tokens in (("prompt token ids", ids), ("stop_token_ids", params.stop_token_ids),
+                             ("logit_bias token ids", params.logit_bias or ()),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+                raise ValueError(f"{name} must be integers in [0, {vocab})")
         if params.allowed_token_ids is not None:
-            if max(params.allowed_token_ids) >= vocab:
-                raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if params.min_tokens and set(params.allowed_token_ids) <= ends:  # nothing left to sample
                 raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens forbids at first")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from tokenmill.chat import render_chat
 from tokenmill.config import EngineConfig
 from tokenmill.engine import LLMEngine, Prompt
 from tokenmill.outputs import RequestOutput
@@ -89,16 +90,4 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
-        messages = []
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m:
-                raise ValueError(f"a chat message needs a 'role' and a 'content', got {m!r}")
-            content = m.get("content")
-            if isinstance(content, list):  # OpenAI's content parts: only text ones
-                if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                    raise ValueError(f"only text content parts are supported, got {content!r}")
-                content = "\n".join(str(p.get("text", "")) for p in content)  # as vLLM
-            messages.append({**m, "content": content or ""})
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        return render_chat(self.tokenizer, conversation, add_generation_prompt)

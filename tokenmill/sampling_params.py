@@ -13,6 +13,10 @@ _GREEDY_BELOW = 1e-5   # temperatures below this sample greedily
 _FLOAT32_TINY, _FLOAT32_MAX = 1.1754944e-38, 3.4028235e38  # the sampler's float32 positive range
 
 
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
 @dataclass
 class SamplingParams:
     n: int = 1                          # completions per prompt (fanned out as separate requests)
@@ -82,16 +86,14 @@ class SamplingParams:
             self._check_int("truncate_prompt_tokens", minimum=1)
         if self.logit_bias is not None:
             bias = self.logit_bias
-            if (not isinstance(bias, dict) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                      for t in bias)
+            if (not isinstance(bias, dict) or not all(map(_is_token_id, bias))
                     or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
                                for v in bias.values())):
                 raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}")
             self.logit_bias = {t: float(v) for t, v in bias.items()} or None
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            if (not isinstance(ids, (list, tuple)) or not ids
-                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            if not isinstance(ids, (list, tuple)) or not ids or not all(map(_is_token_id, ids)):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
             self.allowed_token_ids = sorted(set(ids))
         for name in ("logprobs", "prompt_logprobs"):

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
 from tokenmill.async_engine import AsyncLLMEngine, EngineDeadError
+from tokenmill.chat import render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
@@ -334,14 +335,12 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                     "finish_reason": finish_reason(out)}
         return await respond(req, requests, params.n, raw, base, base, chunks, choice, generated=not echo_only)
 
-    def render_chat(messages, add_generation_prompt: bool = True) -> dict:
+    def chat_prompt(messages, add_generation_prompt: bool = True) -> dict:
         try:
-            conversation = [{"role": m.role, "content": m.text()} for m in messages]
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=False)
-        except Exception as exc:  # jinja raises for conversations the template rejects
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            return render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in messages],
+                               add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
@@ -354,7 +353,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                            param="max_completion_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling(req, max_tokens, top_n if req.logprobs else None)
-        prompt = await asyncio.to_thread(render_chat, req.messages, req.add_generation_prompt)  # tokenizes
+        prompt = await asyncio.to_thread(chat_prompt, req.messages, req.add_generation_prompt)  # tokenizes
         requests = await build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
                 "created": int(time.time()), "model": served_model_name}
@@ -416,7 +415,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
-            ids = (await asyncio.to_thread(render_chat, req.messages))["prompt_token_ids"]
+            ids = (await asyncio.to_thread(chat_prompt, req.messages))["prompt_token_ids"]
         else:
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}

@@ -85,7 +85,6 @@ class SamplingFields(BaseModel):
                 values[name] = getattr(self, name)
         return SamplingParams(**values)
 
-
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
@@ -132,17 +131,6 @@ class ChatMessage(BaseModel):
         if v not in ROLES:
             raise ValueError(f"unknown role {v!r}; expected one of {', '.join(ROLES)}")
         return v
-
-    def text(self) -> str:
-        """Content as plain text; content parts of type "text" are joined."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"unsupported content part type {part.get('type')!r} (only 'text')")
-            parts.append(str(part.get("text", "")))
-        return "\n".join(parts)  # as vLLM joins text parts
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -1,0 +1,35 @@
+"""Chat rendering shared by the offline API and the server: content parts, roles, template errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.chat import content_text, render_chat
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        if any(m["role"] == "bad" for m in messages):
+            raise RuntimeError("template says no")
+        return "|".join(f"{m['role']}:{m['content']}" for m in messages) + ("|>" if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens):
+        return [len(word) for word in text.split("|")]
+
+
+def test_content_parts_are_joined_with_newlines_and_only_text_is_taken():
+    assert content_text(None) == "" and content_text("hi") == "hi"
+    assert content_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "a\nb"
+    with pytest.raises(ValueError, match="image_url"):
+        content_text([{"type": "image_url", "image_url": {"url": "x"}}])
+
+
+def test_render_chat_checks_roles_and_turns_template_errors_into_value_errors():
+    out = render_chat(FakeTokenizer(), [{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert out["prompt"] == "user:hi|>" and out["prompt_token_ids"] == [7, 1]
+    bare = render_chat(FakeTokenizer(), [{"role": "user", "content": "x"}], add_generation_prompt=False)
+    assert bare["prompt"] == "user:x"
+    with pytest.raises(ValueError, match="role"):
+        render_chat(FakeTokenizer(), [{"content": "x"}])
+    with pytest.raises(ValueError, match="cannot apply the chat template: template says no"):
+        render_chat(FakeTokenizer(), [{"role": "bad", "content": "x"}])

@@ -1,0 +1,37 @@
+"""Chat prompts: a conversation through the model's chat template, to text and token ids.
+
+One function for the offline API (LLM.chat, `tokenmill chat`) and the server, so both read
+OpenAI's content parts the same way and render the same text for the same conversation.
+"""
+
+from __future__ import annotations
+
+
+def content_text(content) -> str:
+    """A message's content as plain text: a string, nothing, or OpenAI's list of content parts,
+    whose text parts are joined with newlines (as vLLM joins them); other parts are refused."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"unsupported content part type {kind!r} (only 'text')")
+        parts.append(str(part.get("text", "")))
+    return "\n".join(parts)
+
+
+def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
+    """{"prompt": text, "prompt_token_ids": ids} for a list of {"role", "content", ...} messages;
+    ValueError for a message without a role, a content part that is not text, or a conversation
+    the template rejects."""
+    messages = []
+    for m in conversation:
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"a chat message needs a 'role' and a 'content', got {m!r}")
+        messages.append({**m, "content": content_text(m.get("content"))})
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except Exception as exc:  # jinja raises for conversations the template rejects
+        raise ValueError(f"cannot apply the chat template: {exc}") from None
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -63,10 +63,33 @@ def _save_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     fast.save_pretrained(str(path))
 
 
+def _save_byte_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer (GPT-2's kind: every text has a tokenization, and tokens are
+    pieces of text), trained here on a few lines of JSON and prose; "<s>" is 0 and "</s>" 1."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ['{"name": "Ada", "age": 36, "tags": ["math", "code"], "ok": true, "none": null}',
+              "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
+              "yes no maybe red green blue 0123456789 [1, 2, 3] {} () <> -+*/=_:;,.!?'"] * 4
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.save_pretrained(str(path))
+
+
 def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOCAB, noise: float = 0.0,
-                     **overrides) -> Path:
+                     byte_tokenizer: bool = False, **overrides) -> Path:
     """Save a random tiny model of `arch` (and its tokenizer) to `path`. noise > 0: perturb every
-    weight by that relative amount (a draft model that mostly agrees with the seed-`seed` one)."""
+    weight by that relative amount (a draft model that mostly agrees with the seed-`seed` one).
+    byte_tokenizer: a byte-level BPE tokenizer instead of the word-level one (tokens that are
+    pieces of text, for grammars over the output text)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -84,7 +107,7 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * noise * p.std())
     model.save_pretrained(str(path), safe_serialization=True)
-    _save_tokenizer(path, vocab_size)
+    (_save_byte_tokenizer if byte_tokenizer else _save_tokenizer)(path, vocab_size)
     return path
 
 
@@ -107,6 +130,12 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_bytes(tmp_path_factory) -> Path:
+    """A tiny llama with a byte-level BPE tokenizer (structured outputs: grammars over text)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_bytes") / "llama", "llama", byte_tokenizer=True)
 
 
 # Let test modules import the fakes helper module beside them.

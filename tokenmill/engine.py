@@ -28,6 +28,7 @@ from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
+from tokenmill.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
@@ -181,10 +183,13 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > room and not fit_to_context:
             raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the model's context length ({self.max_model_len})")
+        grammar = (self.grammars.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         return Request(request_id=request_id, prompt_token_ids=ids, params=params,
                        max_tokens=min(params.max_tokens or room, room), eos_token_ids=self.eos_token_ids,
                        prompt=text, priority=priority, deadline=deadline,
-                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+                       arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                       grammar=grammar)
 
     def add(self, request: Request) -> None:
         """Queue a request built by make_request."""
@@ -284,8 +289,8 @@ class LLMEngine:
         return outputs
 
     def _can_step_ahead(self) -> bool:
-        """Penalties read a request's past tokens on the host, so they need the last step's."""
-        return not any(r.params.has_penalties for r in self.scheduler.requests.values())
+        """Penalties and grammars read a request's past tokens on the host, so they need the last step's."""
+        return not any(r.params.has_penalties or r.grammar is not None for r in self.scheduler.requests.values())
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Async scheduling: schedule and launch this step while the last one still runs on the
@@ -361,8 +366,12 @@ class LLMEngine:
     def _make_output(self, request: Request) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
         new_ids = request.output_token_ids[detok.num_tokens:]
-        # (the scheduler finishes as "stopped" only on a token: stop strings are found just below)
-        delta, stop = detok.update(new_ids, stop_token=request.status == RequestStatus.FINISHED_STOPPED)
+        # (the scheduler finishes as "stopped" on an EOS or stop token, or on a completed grammar,
+        # whose last token is text; stop strings are found just below)
+        last = new_ids[-1] if new_ids else None
+        ended_on_stop_token = (request.status == RequestStatus.FINISHED_STOPPED
+                               and (last in request.eos_token_ids or last in request.params.stop_token_ids))
+        delta, stop = detok.update(new_ids, stop_token=ended_on_stop_token)
         if stop is not None:
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)

@@ -16,8 +16,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured import Grammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -67,6 +71,7 @@ class Request:
     priority: int = 0                       # lower is served first under the "priority" policy
     deadline: float | None = None           # monotonic seconds, for the "edf" policy
     arrival_time: float = field(default_factory=time.monotonic)
+    grammar: Grammar | None = None          # structured outputs: follows the output (structured.py)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the model sees
@@ -123,6 +128,8 @@ class Request:
 
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.times.first_token is None:
             self.times.first_token = now
         self.times.last_token = now

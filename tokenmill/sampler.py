@@ -5,6 +5,8 @@ Order of operations on the (S, V) logits of the rows that sample this step:
   2. repetition / presence / frequency penalties, logit_bias, then allowed_token_ids, only for rows
      that set them
   3. EOS and stop tokens masked for rows still under min_tokens
+  3b. structured outputs: tokens the request's grammar does not allow next masked (a row that the
+     steps before left no token the grammar allows keeps the grammar's alone)
   4. greedy rows: argmax
   5. other rows: temperature, top-k, top-p, min-p, then one draw from the probabilities
      (Sampler.draw; on the CPU, with the kernels loaded, all of it in csrc/sampler_cpu.cpp).
@@ -20,6 +22,7 @@ import torch
 
 from tokenmill.host_memory import to_device
 from tokenmill.request import Request
+from tokenmill.structured import allowed_tokens
 
 
 @dataclass
@@ -42,6 +45,8 @@ class SamplingMetadata:
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids) under min_tokens
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # logit_bias: rows, token ids, values
     allowed: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, the only token ids it may take)
+    grammar_rows: list[int] = field(default_factory=list)  # rows with structured outputs
+    grammar_banned: torch.Tensor | None = None  # (G, V) bool: what each one's grammar forbids next
     num_logprobs: list[int | None] = field(default_factory=list)       # per row, None: not asked
 
     @classmethod
@@ -78,6 +83,11 @@ class SamplingMetadata:
             meta.bias = (tensor(rows, torch.int64), tensor(ids, torch.int64), tensor(values, torch.float32))
         meta.allowed = [(i, tensor(p.allowed_token_ids, torch.int64)) for i, p in enumerate(params)
                         if p.allowed_token_ids is not None]
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            meta.grammar_rows = constrained
+            allowed = allowed_tokens([requests[i].grammar for i in constrained], vocab_size)
+            meta.grammar_banned = to_device(torch.from_numpy(~allowed), device)
         for i, r in enumerate(requests):
             if r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens:
                 meta.banned.append((i, sorted(set(r.params.stop_token_ids) | r.eos_token_ids)))
@@ -226,7 +236,8 @@ class Sampler:
         copy to it (async scheduling waits for the last step's tokens while such a request runs)."""
         want_logprobs = any(n is not None for n in meta.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-        if meta.penalty_rows or meta.banned or meta.bias is not None or meta.allowed:
+        model_logits = logits
+        if meta.penalty_rows or meta.banned or meta.bias is not None or meta.allowed or meta.grammar_rows:
             logits = logits.clone()
         if meta.penalty_rows:
             apply_penalties(logits, meta)
@@ -241,6 +252,12 @@ class Sampler:
             rows = torch.tensor([row for row, ids in meta.banned for _ in ids])
             cols = torch.tensor([t for _, ids in meta.banned for t in ids])
             logits[to_device(rows, logits.device), to_device(cols, logits.device)] = float("-inf")
+        if meta.grammar_rows:
+            masked_before = {row for row, _ in meta.allowed} | {row for row, _ in meta.banned}
+            for j, row in enumerate(meta.grammar_rows):
+                logits[row].masked_fill_(meta.grammar_banned[j], float("-inf"))
+                if row in masked_before and torch.isneginf(logits[row]).all():  # none the grammar allows is left
+                    logits[row] = model_logits[row].masked_fill(meta.grammar_banned[j], float("-inf"))
 
         if meta.all_greedy:
             return self.argmax(logits), raw_logprobs

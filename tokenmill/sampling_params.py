@@ -18,6 +18,40 @@ def _is_token_id(t) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's StructuredOutputsParams; exactly one field set).
+    The engine turns it into a grammar (structured.py); only its shape is checked here."""
+
+    json: dict | str | None = None      # a JSON schema (a dict, or the schema as JSON text)
+    regex: str | None = None            # the whole output matches it
+    choice: list[str] | None = None     # the output is one of these strings
+    grammar: str | None = None          # a Lark grammar (or llama.cpp's GBNF, with "::=")
+    json_object: bool | None = None     # any JSON object (OpenAI's response_format json_object)
+
+    def __post_init__(self) -> None:
+        kinds = {"json": ((dict, str), "a JSON schema"), "regex": (str, "a string"),
+                 "choice": (list, "a list of non-empty strings"), "grammar": (str, "a string"),
+                 "json_object": (bool, "a boolean")}
+        given = [name for name in kinds if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(kinds)}, got "
+                             f"{', '.join(given) or 'none'}")
+        name = given[0]
+        value = getattr(self, name)
+        types, what = kinds[name]
+        if (not isinstance(value, types) or (isinstance(value, (str, list)) and not value)
+                or (name == "choice" and not all(isinstance(c, str) and c for c in value))):
+            raise ValueError(f"structured_outputs.{name} must be {what}, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "StructuredOutputsParams":
+        unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown fields: {', '.join(unknown)}")
+        return cls(**fields)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1                          # completions per prompt (fanned out as separate requests)
     max_tokens: int | None = 16         # None: up to the model's context length
@@ -43,6 +77,8 @@ class SamplingParams:
                                         # (OpenAI's range, -100..100: +-100 forces or bans a token)
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's, e.g. for labels)
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (vLLM's)
+    structured_outputs: StructuredOutputsParams | dict | None = None  # JSON schema, regex, choice or
+                                        # grammar the output must follow (such a request does not speculate)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +132,11 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or not ids or not all(map(_is_token_id, ids)):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
             self.allowed_token_ids = sorted(set(ids))
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {self.structured_outputs!r}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 self._check_int(name, minimum=0)
@@ -126,6 +167,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def edits_logits(self) -> bool:
+        """logit_bias, allowed_token_ids or structured outputs change the model's logits before
+        sampling (so speculative decoding, which verifies against the logits, leaves it alone)."""
+        return (self.logit_bias is not None or self.allowed_token_ids is not None
+                or self.structured_outputs is not None)
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

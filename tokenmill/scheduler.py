@@ -299,10 +299,13 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         """Length first, as in vLLM: a stop token that is also the last one allowed ends the request
-        by length (and stays in its text)."""
+        by length (and stays in its text). A completed grammar ends it even under min_tokens:
+        no token may follow."""
         params = request.params
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        if request.grammar is not None and request.grammar.is_terminated:  # nothing may follow
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens > params.min_tokens:  # EOS and stop tokens only after min_tokens
             if token in params.stop_token_ids:
                 request.stop_reason = token

@@ -154,13 +154,13 @@ class Speculator:
 
     @staticmethod
     def eligible(r: Request) -> bool:
-        """Decoding, no penalties (they would depend on the drafts), no logit_bias or allowed
-        tokens (verification reads the model's own logits), past min_tokens, and not a seeded
+        """Decoding, no penalties (they would depend on the drafts), no logit_bias, allowed tokens
+        or structured outputs (verification reads the model's own logits), past min_tokens, and not a seeded
         sampled request: verifying drafts takes other numbers from its generator than a plain
         step does, and whether it speculates depends on the batch, so its text would too."""
         p = r.params
         return (r.num_remaining_prefill == 1 and r.num_output_tokens > 0 and not p.has_penalties
-                and p.logit_bias is None and p.allowed_token_ids is None
+                and not p.edits_logits
                 and r.num_output_tokens >= p.min_tokens and p.num_speculative_tokens != 0
                 and (p.seed is None or p.greedy))
 

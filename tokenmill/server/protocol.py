@@ -2,8 +2,8 @@
 
 Pydantic checks types; SamplingParams checks ranges (and names the field); both end up as
 HTTP 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's API does;
-known ones that tokenmill does not implement (best_of, a response_format other than text, tools,
-suffix) get a 400 rather than an answer that silently ignores them.
+known ones that tokenmill does not implement (best_of, tools, suffix) get a 400 rather than an
+answer that silently ignores them.
 """
 
 from __future__ import annotations
@@ -50,9 +50,15 @@ class SamplingFields(BaseModel):
     priority: int = 0
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
-    response_format: dict | None = None
     tools: list | None = None
     suffix: str | None = None
 
@@ -60,8 +66,6 @@ class SamplingFields(BaseModel):
         """The first field set to something tokenmill does not implement, or None."""
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format"
         return next((name for name in ("tools", "suffix") if getattr(self, name)), None)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
@@ -78,12 +82,37 @@ class SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "allowed_token_ids": self.allowed_token_ids, "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "structured_outputs": self._structured_outputs(),
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
         return SamplingParams(**values)
+
+    def _structured_outputs(self) -> dict | None:
+        """The one structured-output constraint the request sets, as StructuredOutputsParams fields."""
+        given = {}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type", "text")
+            if kind == "json_object":
+                given["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise ValueError("response_format needs json_schema.schema, a JSON schema object")
+                given["response_format"] = {"json": spec["schema"]}
+            elif kind != "text":
+                raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for kind in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{kind}") is not None:
+                given[f"guided_{kind}"] = {kind: getattr(self, f"guided_{kind}")}
+        if len(given) > 1:
+            raise ValueError(f"structured_outputs takes one constraint, got {', '.join(given)}")
+        return next(iter(given.values()), None)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

@@ -1,0 +1,158 @@
+"""Structured outputs end to end on a tiny random model with a byte-level tokenizer: random
+weights write garbage unless the grammar holds them, so every output that parses is the
+grammar's doing. Offline (beside unconstrained requests, under preemption, with speculation
+configured) and over HTTP with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                         "n": {"enum": [1, 2, 3]}, "tags": {"type": "array", "maxItems": 2,
+                                                            "items": {"type": "string", "maxLength": 3}}}}
+
+
+def check(value: dict) -> None:
+    assert set(value) == {"name", "ok", "n", "tags"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert len(value["tags"]) <= 2 and all(isinstance(t, str) and len(t) <= 3 for t in value["tags"])
+
+
+CONSTRAINED = [
+    (SamplingParams(max_tokens=120, temperature=0.0, structured_outputs={"json": SCHEMA}),
+     lambda text: check(json.loads(text))),
+    (SamplingParams(max_tokens=120, temperature=1.0, seed=1, structured_outputs={"json": SCHEMA}),
+     lambda text: check(json.loads(text))),
+    (SamplingParams(max_tokens=40, temperature=1.0, seed=2, structured_outputs={"regex": r"[0-9]{3}-[a-z]{2,4}"}),
+     lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text) or pytest.fail(text)),
+    (SamplingParams(max_tokens=40, temperature=0.8, seed=3, structured_outputs={"choice": ["red", "green", "blue"]}),
+     lambda text: text in ("red", "green", "blue") or pytest.fail(text)),
+    # any object: unbounded, so a random model may still be writing one at max_tokens
+    (SamplingParams(max_tokens=40, temperature=1.0, seed=4, structured_outputs={"json_object": True}),
+     lambda text: text.startswith("{")),
+]
+
+
+def generate(llm: LLM, with_plain: bool = True):
+    params = [p for p, _ in CONSTRAINED]
+    plain = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = ["hello there", "The quick brown fox", "0123", "Paris", "{}"]
+    if with_plain:
+        params, prompts = params + [plain], prompts + ["yes no maybe"]
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_bytes):
+    return generate(LLM(str(tiny_bytes), max_model_len=512, num_kv_blocks=256, block_size=16))
+
+
+def test_outputs_follow_their_grammar_beside_an_unconstrained_request(tiny_bytes, roomy):
+    for (params, follows), out in zip(CONSTRAINED, roomy):
+        if not params.structured_outputs.json_object:  # bounded: the grammar completed, nothing may follow
+            assert out.finish_reason == "stop", out.text
+        follows(out.text)
+    alone = LLM(str(tiny_bytes), max_model_len=512).generate(
+        ["yes no maybe"], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert roomy[-1].token_ids == alone[0].outputs[0].token_ids  # the masks touch only their own rows
+
+
+def test_unconstrained_garbage_does_not_parse(roomy):
+    """The control: the same model without a grammar does not write JSON by chance."""
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(roomy[-1].text)
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_kv_blocks=10, block_size=8, max_num_seqs=6, preemption_mode="recompute"),
+    dict(num_kv_blocks=10, block_size=8, max_num_seqs=6, preemption_mode="swap", swap_space=1 << 22),
+    dict(speculative="ngram", num_speculative_tokens=3, speculative_adaptive=False),
+    dict(async_scheduling=True, async_output=False),
+], ids=["recompute", "swap", "ngram", "async_scheduling"])
+def test_the_same_outputs_under_preemption_speculation_and_async_scheduling(tiny_bytes, roomy, options):
+    """A preempted request keeps its grammar's place (its tokens are not fed again); a
+    constrained request does not speculate, so its tokens are the plain steps' ones; async
+    scheduling waits for a constrained request's last token (its mask depends on it)."""
+    llm = LLM(str(tiny_bytes), max_model_len=512, **{"block_size": 16, **options})
+    outs = generate(llm)
+    if "preemption_mode" in options:
+        assert llm.engine.scheduler.num_preemptions > 0, "the small pool should force preemption"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+
+
+def test_n_samples_each_follow_the_grammar(tiny_bytes):
+    llm = LLM(str(tiny_bytes), max_model_len=512)
+    params = SamplingParams(n=4, max_tokens=60, temperature=1.0, seed=9, structured_outputs={"json": SCHEMA})
+    outs = llm.generate(["hello"], params, use_tqdm=False)[0].outputs
+    assert len(outs) == 4 and len({o.text for o in outs}) > 1
+    for out in outs:
+        check(json.loads(out.text))
+
+
+# ---- over HTTP --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tiny_bytes):
+    from test_server import running_server
+    with running_server(tiny_bytes) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_response_format_json_schema_in_chat_whole_and_streamed(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=120, temperature=0, response_format=response_format)
+    check(json.loads(whole.choices[0].message.content))
+    assert whole.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=120, temperature=0, response_format=response_format,
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole.choices[0].message.content
+    obj = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+                                         temperature=1.0, seed=5, response_format={"type": "json_object"})
+    content = obj.choices[0].message.content  # any object: it may still be open at max_tokens
+    assert content.startswith("{")
+    assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(content), dict)
+
+
+def test_vllm_fields_in_completions(client):
+    choice = client.completions.create(model="tiny", prompt="pick", max_tokens=20, temperature=1.0, seed=1,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    regex = client.completions.create(model="tiny", prompt="code", max_tokens=20, temperature=1.0, seed=2,
+                                      extra_body={"structured_outputs": {"regex": "[a-c]{4}"}})
+    assert re.fullmatch("[a-c]{4}", regex.choices[0].text)
+    grammar = client.completions.create(model="tiny", prompt="list", max_tokens=30, temperature=1.0, seed=3,
+                                        extra_body={"guided_grammar": 'root ::= "[" [0-9] ("," [0-9])* "]"'})
+    assert re.fullmatch(r"\[[0-9](,[0-9])*\]", grammar.choices[0].text) or grammar.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"guided_regex": "a(b"}, "unclosed group"),
+    ({"guided_json": {"type": "nonsense"}}, "nonsense"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"lark": "start: x"}}, "structured_outputs"),
+], ids=["unknown type", "no schema", "bad regex", "bad schema", "two constraints", "two in one", "unknown field"])
+def test_bad_constraints_are_400s_and_the_server_keeps_serving(server, client, body, param):
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert param in (error["param"] or "") or param in error["message"]
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason

@@ -1,0 +1,120 @@
+"""Structured outputs: a JSON schema, a regex, a list of choices or a grammar, as token masks.
+
+llguidance (one of vLLM's structured-output backends) compiles the constraint against the
+tokenizer's vocabulary. Each constrained request carries a `Grammar` that follows its output:
+before each of its sampling steps the grammar gives the tokens that keep the output inside the
+language (a bitmask over the vocabulary, tens of microseconds for JSON), the sampler sets every
+other logit to -inf, and each token the request appends advances the grammar. When the grammar
+admits no further token the request ends with "stop"; where the language may go on (a regex
+like [0-9]+), the model's end-of-sequence token is allowed wherever the output is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from tokenmill.sampling_params import StructuredOutputsParams
+
+# JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): what models emit on one line. With
+# llguidance's default (any whitespace between tokens) a small model can emit blank lines forever.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams into per-request Grammars for one tokenizer. The
+    tokenizer's llguidance form takes about 0.4 s to build (the default model's 49,152
+    tokens), so it is built on first use, once, by whichever thread asks first."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size          # the width of the model's logits
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self.tokenizer, n_vocab=max(self.vocab_size, len(self.tokenizer)),
+                        eos_token=self.eos_token_ids or None)
+                except ValueError as exc:  # a slow (Python) tokenizer
+                    raise ValueError(f"structured outputs need a fast tokenizer: {exc}") from None
+            return self._ll_tokenizer
+
+    def compile(self, spec: StructuredOutputsParams) -> Grammar:
+        """A fresh Grammar for one request; ValueError naming the problem for an invalid one."""
+        tokenizer = self.ll_tokenizer()
+        try:
+            text = grammar_text(spec)
+        except ValueError as exc:
+            raise ValueError(f"invalid structured output: {exc}") from None
+        error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+        if error:
+            raise ValueError(f"invalid structured output: {error.strip()}")
+        return Grammar(llguidance.LLMatcher(tokenizer, text, log_level=0), mask_width(tokenizer.vocab_size))
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar for the one constraint the spec sets."""
+    if spec.json is not None or spec.json_object:
+        schema = {"type": "object"} if spec.json_object else spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    if spec.regex is not None:
+        return llguidance.grammar_from("regex", spec.regex)
+    if spec.choice is not None:
+        return llguidance.grammar_from("choice", spec.choice)
+    return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to it
+
+
+class Grammar:
+    """One request's position in its language."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int) -> None:
+        self.matcher = matcher
+        self.num_words = num_words            # of its bitmask rows: the tokenizer's vocabulary / 32
+
+    def fill_mask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the tokens allowed next into row `row` of an int32 bitmask (bit t of word t // 32
+        for token t). A matcher that has stopped, or failed, allows only the end-of-sequence tokens."""
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a token the request appended. A token the mask did not allow (there is
+        none, unless a caller appends tokens of its own) leaves the matcher failed, which ends the
+        request."""
+        self.matcher.consume_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """No token may follow: the output is complete (or the matcher failed)."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+
+def mask_width(vocab_size: int) -> int:
+    """32-bit words of a bitmask over vocab_size tokens."""
+    return (vocab_size + 31) // 32
+
+
+def allowed_tokens(grammars: list[Grammar], vocab_size: int) -> np.ndarray:
+    """(G, vocab_size) bool: the tokens each grammar allows next (the logits' width: tokens the
+    tokenizer has beyond it are never sampled; logits beyond the tokenizer's tokens are never allowed)."""
+    bitmask = np.zeros((len(grammars), grammars[0].num_words), dtype=np.int32)
+    for row, grammar in enumerate(grammars):
+        grammar.fill_mask(bitmask, row)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").astype(bool)  # x86: little-endian words
+    if bits.shape[1] < vocab_size:
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
+    return bits[:, :vocab_size]

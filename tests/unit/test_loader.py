@@ -222,3 +222,22 @@ def test_a_sliding_window_caps_the_context(tiny_llama, tmp_path):
         model_dir = copy_model(tiny_llama, tmp_path / f"window_{len(extra)}_{extra['sliding_window']}", **extra)
         got = hf_model_config(model_dir).max_position_embeddings
         assert got == (expected or default)
+
+
+def test_building_a_model_does_not_import_torch_dynamo():
+    """Random init and table building on the meta device go through torch's Python reference
+    ops, whose first use imports torch._dynamo: a second of every start, for nothing."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "from tokenmill.config import ModelConfig\n"
+            "from tokenmill.models.llama import LlamaForCausalLM\n"
+            "cfg = ModelConfig(architecture='llama', vocab_size=80, hidden_size=64, intermediate_size=96,\n"
+            "                  num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,\n"
+            "                  rope_scaling={'rope_type': 'freq_factors', 'factors': [1.0] * 8})\n"
+            "with torch.device('meta'):\n"
+            "    model = LlamaForCausalLM(cfg, max_len=64)\n"
+            "model.to_empty(device='cpu').rotary.build()\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -45,14 +45,14 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Rotary inverse frequencies (head_dim / 2,), with Llama-3 or linear scaling when configured,
     or divided by a factor each (a GGUF file's rope_freqs, which is how llama.cpp stores Llama 3's)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "freq_factors":
-        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64, device="cpu")
         if factors.shape != inv_freq.shape:
             raise ValueError(f"rope_freqs has {factors.numel()} factors, the heads {inv_freq.numel()} frequencies")
         return inv_freq / factors
@@ -78,9 +78,11 @@ class Rotary(nn.Module):
         self.build()
 
     def build(self, device: torch.device | None = None) -> None:
-        """(Re)compute the float32 tables, e.g. after the model was created on the meta device."""
+        """(Re)compute the float32 tables, e.g. after the model was created on the meta device.
+        Computed on the CPU whatever the default device: arange on the meta device goes through
+        torch's Python reference ops, whose first use imports torch._dynamo (a second of startup)."""
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float64), inv_freq)  # (max_len, D/2)
+        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float64, device="cpu"), inv_freq)  # (max_len, D/2)
         self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
         self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
 
@@ -192,7 +194,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # not randomly initialised (the checkpoint overwrites it; normal_ on the meta device would
+        # import torch._dynamo, see Rotary.build)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

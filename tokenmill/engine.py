@@ -25,6 +25,7 @@ from tokenmill.models.loader import load_model, load_tokenizer, open_checkpoint,
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, RunnerOutput, SchedulerOutput, StepStats
 from tokenmill.proposers import make_proposer
 from tokenmill.request import Request, RequestStatus
+from tokenmill.sampler import bad_words_token_ids
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
@@ -189,7 +190,7 @@ class LLMEngine:
                        max_tokens=min(params.max_tokens or room, room), eos_token_ids=self.eos_token_ids,
                        prompt=text, priority=priority, deadline=deadline,
                        arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-                       grammar=grammar)
+                       grammar=grammar, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words or []))
 
     def add(self, request: Request) -> None:
         """Queue a request built by make_request."""
@@ -289,8 +290,10 @@ class LLMEngine:
         return outputs
 
     def _can_step_ahead(self) -> bool:
-        """Penalties and grammars read a request's past tokens on the host, so they need the last step's."""
-        return not any(r.params.has_penalties or r.grammar is not None for r in self.scheduler.requests.values())
+        """Penalties, grammars and bad words read a request's past tokens on the host, so they need
+        the last step's."""
+        return not any(r.params.has_penalties or r.grammar is not None or r.bad_words_token_ids
+                       for r in self.scheduler.requests.values())
 
     def _step_ahead(self) -> list[RequestOutput]:
         """Async scheduling: schedule and launch this step while the last one still runs on the

@@ -72,6 +72,7 @@ class Request:
     deadline: float | None = None           # monotonic seconds, for the "edf" policy
     arrival_time: float = field(default_factory=time.monotonic)
     grammar: Grammar | None = None          # structured outputs: follows the output (structured.py)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the model sees

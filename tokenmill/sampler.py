@@ -4,7 +4,8 @@ Order of operations on the (S, V) logits of the rows that sample this step:
   1. raw logprobs (log_softmax of the model's logits), when any row asked for logprobs
   2. repetition / presence / frequency penalties, logit_bias, then allowed_token_ids, only for rows
      that set them
-  3. EOS and stop tokens masked for rows still under min_tokens
+  3. EOS and stop tokens masked for rows still under min_tokens, and the token that would complete
+     a bad word
   3b. structured outputs: tokens the request's grammar does not allow next masked (a row that the
      steps before left no token the grammar allows keeps the grammar's alone)
   4. greedy rows: argmax
@@ -42,7 +43,8 @@ class SamplingMetadata:
     repetition: torch.Tensor | None = None  # (R,) for the penalty rows
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
-    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids) under min_tokens
+    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids): stops under
+                                                                        # min_tokens, bad words
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # logit_bias: rows, token ids, values
     allowed: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, the only token ids it may take)
     grammar_rows: list[int] = field(default_factory=list)  # rows with structured outputs
@@ -89,9 +91,38 @@ class SamplingMetadata:
             allowed = allowed_tokens([requests[i].grammar for i in constrained], vocab_size)
             meta.grammar_banned = to_device(torch.from_numpy(~allowed), device)
         for i, r in enumerate(requests):
+            banned = set()
             if r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens:
-                meta.banned.append((i, sorted(set(r.params.stop_token_ids) | r.eos_token_ids)))
+                banned |= set(r.params.stop_token_ids) | r.eos_token_ids
+            if r.bad_words_token_ids:
+                banned |= bad_word_ends(r.bad_words_token_ids, r.output_token_ids)
+            if banned:
+                meta.banned.append((i, sorted(banned)))
         return meta
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences of each bad word, as it would start the text and as it would follow a
+    space (the second only where the space joins the word's first token, so that it is another
+    sequence of as many tokens, as vLLM does)."""
+    sequences = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(alone)
+        if spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return [s for s in sequences if s]
+
+
+def bad_word_ends(sequences: list[list[int]], output: list[int]) -> set[int]:
+    """Tokens that would complete a bad word next: a one-token word always, a longer one's last
+    token where the output ends in the tokens before it."""
+    banned = set()
+    for seq in sequences:
+        if len(seq) == 1 or (len(output) >= len(seq) - 1 and output[len(output) - len(seq) + 1:] == seq[:-1]):
+            banned.add(seq[-1])
+    return banned
 
 
 @dataclass

@@ -79,6 +79,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (vLLM's)
     structured_outputs: StructuredOutputsParams | dict | None = None  # JSON schema, regex, choice or
                                         # grammar the output must follow (such a request does not speculate)
+    bad_words: list[str] | None = None  # words never generated (vLLM's): each word's last token is
+                                        # banned wherever the output ends in the tokens before it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,6 +134,11 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or not ids or not all(map(_is_token_id, ids)):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
             self.allowed_token_ids = sorted(set(ids))
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None and not (isinstance(self.bad_words, (list, tuple)) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -170,10 +177,10 @@ class SamplingParams:
 
     @property
     def edits_logits(self) -> bool:
-        """logit_bias, allowed_token_ids or structured outputs change the model's logits before
-        sampling (so speculative decoding, which verifies against the logits, leaves it alone)."""
+        """logit_bias, allowed_token_ids, structured outputs or bad_words change the model's logits
+        before sampling (so speculative decoding, which verifies against the logits, leaves it alone)."""
         return (self.logit_bias is not None or self.allowed_token_ids is not None
-                or self.structured_outputs is not None)
+                or self.structured_outputs is not None or bool(self.bad_words))
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

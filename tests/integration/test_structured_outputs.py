@@ -156,3 +156,37 @@ def test_bad_constraints_are_400s_and_the_server_keeps_serving(server, client, b
     error = response.json()["error"]
     assert param in (error["param"] or "") or param in error["message"]
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+# ---- bad words (vLLM's): the other way to keep text out -------------------------------------------
+
+@pytest.mark.parametrize("options", [{}, dict(async_scheduling=True, async_output=False)],
+                         ids=["sync", "async_scheduling"])
+def test_a_bad_word_the_model_would_write_is_avoided_from_where_it_would_complete(tiny_bytes, options):
+    """Async scheduling waits for such a request's last token (the ban depends on it)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_bytes))
+    llm = LLM(str(tiny_bytes), max_model_len=512, **options)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = llm.generate(["hello there"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    # a two-token word of the greedy output that tokenizes back to those tokens
+    i = next(i for i in range(2, 28) if tokenizer.encode(tokenizer.decode(plain[i:i + 2]).lstrip(),
+                                                       add_special_tokens=False) == plain[i:i + 2])
+    word = tokenizer.decode(plain[i:i + 2])
+    out = llm.generate(["hello there"], greedy.clone(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
+    assert out[:i + 1] == plain[:i + 1] and out[i + 1] != plain[i + 1]
+    assert all(out[j:j + 2] != plain[i:i + 2] for j in range(len(out) - 1))
+
+
+def test_bad_words_over_http_outrank_logit_bias(client, tiny_bytes):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_bytes))
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert len(yes) == 1
+    forced = client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0,
+                                       logit_bias={str(yes[0]): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == "yes" * 3
+    banned = client.completions.create(model="tiny", prompt="hi", max_tokens=3, temperature=0,
+                                       logit_bias={str(yes[0]): 100},
+                                       extra_body={"ignore_eos": True, "bad_words": ["yes"]})
+    assert "yes" not in banned.choices[0].text

@@ -314,3 +314,31 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(sampler):
     for seed in range(20):
         out = sampler(seed)(logits, meta_for(reqs))
         assert out.token_ids[0] == expected and out.token_ids[1] in (3, 4)
+
+
+def test_bad_words_ban_the_token_that_would_complete_them(sampler):
+    """A one-token word is never sampled; a longer one's last token only where the output ends in
+    the tokens before it (so the same token stays free elsewhere)."""
+    from tokenmill.sampler import bad_word_ends
+    assert bad_word_ends([[5], [6, 7]], [3, 6]) == {5, 7} and bad_word_ends([[5], [6, 7]], [6, 3]) == {5}
+    assert bad_word_ends([[2, 6, 7]], [6]) == set() and bad_word_ends([[2, 6, 7]], [9, 2, 6]) == {7}
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 5.0                                          # the best token in both rows
+    reqs = [req("a", output=(6,), temperature=0.0), req("b", output=(3,), temperature=0.0)]
+    for r in reqs:
+        r.bad_words_token_ids = [[6, 7]]
+    out = sampler(0)(logits, meta_for(reqs))
+    assert out.token_ids[0] != 7 and out.token_ids[1] == 7
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenmill.sampler import bad_words_token_ids
+    vocab = {"Paris": 0, "Ġ": 1, "ĠParis": 2, "hello": 3, "Ġhello": 4, "Ġworld": 5, "x": 6}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="x"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    assert bad_words_token_ids(fast, ["Paris"]) == [[0], [2]]
+    assert bad_words_token_ids(fast, [" hello world"]) == [[3, 5], [4, 5]]

@@ -129,3 +129,5 @@ def test_seeded_sampled_and_biased_requests_do_not_speculate():
     assert not Speculator.eligible(decoding(SamplingParams(temperature=0.8, seed=1)))
     assert not Speculator.eligible(decoding(SamplingParams(temperature=0.0, logit_bias={5: 100.0})))
     assert not Speculator.eligible(decoding(SamplingParams(temperature=0.0, allowed_token_ids=[5])))
+    assert not Speculator.eligible(decoding(SamplingParams(temperature=0.0, bad_words=["x"])))
+    assert not Speculator.eligible(decoding(SamplingParams(temperature=0.0, structured_outputs={"regex": "x"})))

@@ -57,6 +57,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    bad_words: list[str] | None = None
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
     tools: list | None = None
@@ -82,7 +83,7 @@ class SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "allowed_token_ids": self.allowed_token_ids, "truncate_prompt_tokens": self.truncate_prompt_tokens,
-            "structured_outputs": self._structured_outputs(),
+            "structured_outputs": self._structured_outputs(), "bad_words": self.bad_words,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

@@ -6,6 +6,8 @@ OpenAI's content parts the same way and render the same text for the same conver
 
 from __future__ import annotations
 
+import json
+
 
 def content_text(content) -> str:
     """A message's content as plain text: a string, nothing, or OpenAI's list of content parts,
@@ -21,17 +23,37 @@ def content_text(content) -> str:
     return "\n".join(parts)
 
 
-def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
-    """{"prompt": text, "prompt_token_ids": ids} for a list of {"role", "content", ...} messages;
-    ValueError for a message without a role, a content part that is not text, or a conversation
-    the template rejects."""
+def _with_argument_objects(tool_calls: list) -> list:
+    """An assistant message's tool calls with their JSON-text arguments (OpenAI's form) as objects,
+    the form chat templates (Qwen's, Llama's) write out."""
+    out = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function = {**function, "arguments": json.loads(function["arguments"])}
+            except ValueError:
+                pass
+            call = {**call, "function": function}
+        out.append(call)
+    return out
+
+
+def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> dict:
+    """{"prompt": text, "prompt_token_ids": ids} for a list of {"role", "content", ...} messages
+    (and the tools the template shows the model); ValueError for a message without a role, a
+    content part that is not text, or a conversation the template rejects."""
     messages = []
     for m in conversation:
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"a chat message needs a 'role' and a 'content', got {m!r}")
         messages.append({**m, "content": content_text(m.get("content"))})
+        if isinstance(m.get("tool_calls"), list):
+            messages[-1]["tool_calls"] = _with_argument_objects(m["tool_calls"])
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             tools=tools)
     except Exception as exc:  # jinja raises for conversations the template rejects
         raise ValueError(f"cannot apply the chat template: {exc}") from None
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -58,3 +58,14 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
     assert len(events) < 1000  # it was cut short, not run to its 1000 tokens
     log = proc.stdout.read()
     assert "POST /v1/completions 200" in log  # one line per request
+
+
+def test_auto_tool_choice_without_a_parser_fails_before_the_model_loads(tmp_path):
+    """vLLM's --enable-auto-tool-choice needs a format to parse; said at once, not after a load
+    (the model path does not even exist)."""
+    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(tmp_path / "none"),
+                          "--enable-auto-tool-choice"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--tool-call-parser" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--tool-call-parser", "xml"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "hermes" in out.stderr

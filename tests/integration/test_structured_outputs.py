@@ -190,3 +190,99 @@ def test_bad_words_over_http_outrank_logit_bias(client, tiny_bytes):
                                        logit_bias={str(yes[0]): 100},
                                        extra_body={"ignore_eos": True, "bad_words": ["yes"]})
     assert "yes" not in banned.choices[0].text
+
+
+# ---- tool calling: named and required calls are structured outputs; auto ones are parsed -----------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["city", "unit"],
+             "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}}}}},
+         {"type": "function", "function": {"name": "now", "parameters": {
+             "type": "object", "properties": {}, "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def hermes_client(tiny_bytes):
+    from test_server import running_server
+    with running_server(tiny_bytes, tool_call_parser="hermes") as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_named_tool_choice_calls_that_function_whole_and_streamed(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=60, temperature=0)
+    message = whole.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1 and whole.choices[0].finish_reason == "stop"
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("C", "F") and len(arguments["city"]) <= 8
+    stream = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                            max_tokens=60, temperature=0, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    pieces = [t.function.arguments for d in deltas for t in (d.delta.tool_calls or [])]
+    assert "".join(pieces) == call.function.arguments and deltas[-1].finish_reason == "stop"
+
+
+def test_required_tool_choice_makes_calls_to_the_tools(client):
+    """One call with parallel_tool_calls false; otherwise at least one (a random model may go on
+    adding calls: cut short by max_tokens, the text comes back as content)."""
+    for seed in range(3):
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                             parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=seed)
+        calls = out.choices[0].message.tool_calls
+        assert len(calls) == 1 and out.choices[0].finish_reason == "tool_calls"
+        assert calls[0].function.name in ("get_weather", "now") and isinstance(json.loads(calls[0].function.arguments),
+                                                                               dict)
+    several = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                             max_tokens=120, temperature=1.0, n=3, seed=3)
+    for c in several.choices:
+        assert (c.finish_reason == "tool_calls" and len(c.message.tool_calls) >= 1) or (
+            c.finish_reason == "length" and c.message.content.startswith("[{"))
+
+
+def test_auto_tool_calls_are_parsed_from_the_models_own_format(hermes_client):
+    """A random model does not call tools by itself: a regex makes it write a Hermes call (or
+    plain text), and the server's parser turns that into tool_calls."""
+    forced = 'OK<tool_call>\\{"name": "now", "arguments": \\{\\}\\}</tool_call>'
+    out = hermes_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+                                                extra_body={"guided_regex": forced})
+    message = out.choices[0].message
+    assert message.content == "OK" and [c.function.name for c in message.tool_calls] == ["now"]
+    assert json.loads(message.tool_calls[0].function.arguments) == {} and out.choices[0].finish_reason == "tool_calls"
+    stream = hermes_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60,
+                                                   temperature=0, stream=True, extra_body={"guided_regex": forced})
+    deltas = [c.choices[0] for c in stream if c.choices]
+    assert "".join(d.delta.content or "" for d in deltas) == "OK"
+    assert [t.function.name for d in deltas for t in (d.delta.tool_calls or [])] == ["now"]
+    plain = hermes_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=20,
+                                                  temperature=0, extra_body={"guided_regex": "hello"})
+    assert plain.choices[0].message.content == "hello" and not plain.choices[0].message.tool_calls
+
+
+def test_a_conversation_with_calls_and_results_reaches_the_template(server):
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    # arguments handed over as an object (as templates write them), not as a string in a string
+    assert '<call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</call>' in text
+    assert "<tool>21</s>" in text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS}, "--tool-call-parser"),   # "auto" by default: this server has no parser
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rain"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+], ids=["auto without a parser", "unknown function", "no tools", "no name", "with response_format"])
+def test_bad_tool_requests_are_400s(server, body, param):
+    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert param in (error["param"] or "") or param in error["message"]

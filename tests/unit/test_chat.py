@@ -8,9 +8,10 @@ from tokenmill.chat import content_text, render_chat
 
 
 class FakeTokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None):
         if any(m["role"] == "bad" for m in messages):
             raise RuntimeError("template says no")
+        self.seen = messages, tools
         return "|".join(f"{m['role']}:{m['content']}" for m in messages) + ("|>" if add_generation_prompt else "")
 
     def encode(self, text, add_special_tokens):
@@ -33,3 +34,15 @@ def test_render_chat_checks_roles_and_turns_template_errors_into_value_errors():
         render_chat(FakeTokenizer(), [{"content": "x"}])
     with pytest.raises(ValueError, match="cannot apply the chat template: template says no"):
         render_chat(FakeTokenizer(), [{"role": "bad", "content": "x"}])
+
+
+def test_tool_calls_reach_the_template_with_object_arguments_and_the_tools_beside():
+    tokenizer, tools = FakeTokenizer(), [{"type": "function", "function": {"name": "f"}}]
+    calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+             {"id": "2", "type": "function", "function": {"name": "f", "arguments": "not json"}}]
+    render_chat(tokenizer, [{"role": "assistant", "content": None, "tool_calls": calls},
+                            {"role": "tool", "tool_call_id": "1", "content": "2"}], tools=tools)
+    messages, seen_tools = tokenizer.seen
+    assert [c["function"]["arguments"] for c in messages[0]["tool_calls"]] == [{"x": 1}, "not json"]
+    assert messages[0]["content"] == "" and messages[1]["tool_call_id"] == "1" and seen_tools == tools
+    assert calls[0]["function"]["arguments"] == '{"x": 1}'  # the caller's messages are left as they were

@@ -37,6 +37,8 @@ from tokenmill.server.protocol import (
     error_body,
 )
 from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, merge_streams
+from tokenmill.server.tools import PARSERS, ToolStream, plan_tools
+from tokenmill.server.tools import finish_reason as tool_finish_reason
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -93,7 +95,9 @@ class APIError(Exception):
 
 
 def create_app(engine, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = 4 * 1024 * 1024) -> FastAPI:
+               max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None) -> FastAPI:
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     metrics = ServerMetrics(engine)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
     tokenizer = engine.tokenizer
@@ -335,10 +339,10 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                     "finish_reason": finish_reason(out)}
         return await respond(req, requests, params.n, raw, base, base, chunks, choice, generated=not echo_only)
 
-    def chat_prompt(messages, add_generation_prompt: bool = True) -> dict:
-        try:
-            return render_chat(tokenizer, [{"role": m.role, "content": m.content} for m in messages],
-                               add_generation_prompt)
+    def chat_prompt(messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> dict:
+        try:  # (with the messages' other fields: an assistant's tool_calls, a tool's tool_call_id)
+            return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+                               add_generation_prompt, tools)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
@@ -353,12 +357,25 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                            param="max_completion_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling(req, max_tokens, top_n if req.logprobs else None)
-        prompt = await asyncio.to_thread(chat_prompt, req.messages, req.add_generation_prompt)  # tokenizes
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, tool_call_parser, req.parallel_tool_calls is not False)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
+        if plan is not None and plan.constraint() is not None:  # the calls are a structured output
+            if params.structured_outputs is not None:
+                raise APIError(400, "tool_choice 'required' or a named function makes the output a structured "
+                               "output already: drop response_format or structured_outputs", param="tool_choice")
+            params = params.clone(structured_outputs=plan.constraint())
+        prompt = await asyncio.to_thread(chat_prompt, req.messages, req.add_generation_prompt,
+                                         req.tools)  # tokenizes
+        if plan is not None and plan.choice == "none":
+            plan = None
         requests = await build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
                 "created": int(time.time()), "model": served_model_name}
         chunk_base = {**base, "object": "chat.completion.chunk"}
         started = [False] * len(requests)
+        tool_streams = [ToolStream(plan) if plan is not None else None for _ in requests]
 
         def chunks(i: int, out: RequestOutput):
             result = []
@@ -369,19 +386,31 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             lp = None
             if req.logprobs and out.new_token_ids:
                 lp = chat_logprobs(out.outputs[0].logprobs[-len(out.new_token_ids):], out.new_token_ids, top_n)
-            if out.new_text or lp is not None:
-                result.append({**chunk_base, "choices": [{"index": i, "delta": {"content": out.new_text},
+            stream, reason = tool_streams[i], out.outputs[0].finish_reason
+            if stream is None:
+                delta = {"content": out.new_text} if out.new_text else None
+            else:
+                delta = stream.delta(out.outputs[0].text, out.new_text, out.finished)
+                reason = stream.finish_reason(reason)
+            if delta is not None or lp is not None:
+                result.append({**chunk_base, "choices": [{"index": i, "delta": delta or {"content": ""},
                                                           "logprobs": lp, "finish_reason": None}]})
             if out.finished:
                 result.append({**chunk_base, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                          "finish_reason": out.outputs[0].finish_reason}]})
+                                                          "finish_reason": reason}]})
             return result
 
         def choice(i: int, out: RequestOutput) -> dict:
             c = out.outputs[0]
-            return {"index": i, "message": {"role": "assistant", "content": c.text},
+            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if plan is not None:
+                message["content"], calls = plan.parse(c.text)
+                if calls:
+                    message["tool_calls"] = [call.to_dict() for call in calls]
+                reason = tool_finish_reason(plan, calls, reason)
+            return {"index": i, "message": message,
                     "logprobs": chat_logprobs(c.logprobs, c.token_ids, top_n) if req.logprobs else None,
-                    "finish_reason": c.finish_reason}
+                    "finish_reason": reason}
         return await respond(req, requests, params.n, raw, base, chunk_base, chunks, choice)
 
     @app.get("/v1/models")

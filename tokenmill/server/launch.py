@@ -12,6 +12,7 @@ import dataclasses
 import logging
 
 from tokenmill.server.api import create_app
+from tokenmill.server.tools import PARSERS
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -30,6 +31,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get HTTP 413")
+    parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                        help="the model's tool-call format, for tool_choice 'auto' (hermes: Qwen 2.5/3, Hermes; "
+                             "llama3_json: Llama 3.1+)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's flag, accepted: tool_choice 'auto' is on whenever --tool-call-parser is given")
 
 
 def run_server(args: argparse.Namespace, config) -> int:
@@ -37,9 +43,12 @@ def run_server(args: argparse.Namespace, config) -> int:
 
     from tokenmill.engine import LLMEngine
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(PARSERS) + ")")
     engine = LLMEngine(dataclasses.replace(config, model=args.model))
     name = args.served_model_name or engine.model_path.stem
-    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     tool_call_parser=args.tool_call_parser)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

@@ -2,8 +2,8 @@
 
 Pydantic checks types; SamplingParams checks ranges (and names the field); both end up as
 HTTP 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's API does;
-known ones that tokenmill does not implement (best_of, tools, suffix) get a 400 rather than an
-answer that silently ignores them.
+known ones that tokenmill does not implement (best_of, suffix, tools in completions) get a 400
+rather than an answer that silently ignores them.
 """
 
 from __future__ import annotations
@@ -60,14 +60,13 @@ class SamplingFields(BaseModel):
     bad_words: list[str] | None = None
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
-    tools: list | None = None
     suffix: str | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something tokenmill does not implement, or None."""
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
-        return next((name for name in ("tools", "suffix") if getattr(self, name)), None)
+        return "suffix" if self.suffix else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
                         prompt_logprobs: int | None = None):
@@ -129,6 +128,10 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     max_tokens: int | None = 16
+    tools: list | None = None  # a chat feature: a 400 here
+
+    def unsupported(self) -> str | None:
+        return super().unsupported() or ("tools" if self.tools else None)
 
     @field_validator("prompt")
     @classmethod
@@ -169,6 +172,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
 
 
 class TokenizeRequest(BaseModel):

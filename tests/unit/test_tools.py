@@ -1,0 +1,98 @@
+"""Tool calling's pieces without a model: plans from tools and tool_choice, the calls'
+constraints, the parsers of each model format, and the streamed deltas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.server.tools import ToolStream, plan_tools
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+HERMES_TEXT = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+
+
+def calls(parsed) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in parsed[1]]
+
+
+@pytest.mark.parametrize("tools, choice, parser, message", [
+    (None, "required", None, "tool_choice needs tools"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, None, "'nope', which is not among"),
+    ([WEATHER], "sometimes", "hermes", "tool_choice must be"),
+    ([WEATHER], None, None, "needs the server started with --tool-call-parser"),
+    ([{"type": "function", "function": {"parameters": {}}}], "required", None, "tools must be functions"),
+    ([{"type": "retrieval"}], "required", None, "tools must be functions"),
+])
+def test_plans_refuse_what_cannot_be_served(tools, choice, parser, message):
+    with pytest.raises(ValueError, match=message):
+        plan_tools(tools, choice, parser)
+
+
+def test_constraints_of_named_and_required_choices():
+    named = plan_tools([WEATHER, NOW], {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named.constraint() == {"json": WEATHER["function"]["parameters"]}
+    assert calls(named.parse('{"city": "Rome"}')) == [("get_weather", {"city": "Rome"})]
+    required = plan_tools([WEATHER, NOW], "required", None)
+    schema = required.constraint()["json"]
+    assert schema["minItems"] == 1 and [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == [
+        "get_weather", "now"]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}  # none given
+    assert "maxItems" not in schema
+    assert plan_tools([WEATHER, NOW], "required", None, parallel=False).constraint()["json"]["maxItems"] == 1
+    text = '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    assert required.parse(text)[0] is None and calls(required.parse(text)) == [("now", {}), ("get_weather",
+                                                                                             {"city": "Oslo"})]
+    assert required.parse('[{"name": "now", "par') == ('[{"name": "now", "par', [])  # cut by max_tokens
+    assert plan_tools([WEATHER], "auto", "hermes").constraint() is None
+    assert plan_tools(None, "none", None) is None and plan_tools([WEATHER], "none", None).choice == "none"
+
+
+def test_hermes_and_llama3_json_outputs_parse_into_calls():
+    hermes = plan_tools([WEATHER, NOW], "auto", "hermes")
+    assert hermes.parse(HERMES_TEXT)[0] == "Let me look."
+    assert calls(hermes.parse(HERMES_TEXT)) == [("get_weather", {"city": "Paris"}), ("now", {})]
+    assert hermes.parse("just text") == ("just text", [])
+    assert hermes.parse("<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [])
+    llama = plan_tools([WEATHER, NOW], "auto", "llama3_json")
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "parameters": {}}'
+    assert llama.parse(text)[0] is None and calls(llama.parse(text)) == [("get_weather", {"city": "Paris"}),
+                                                                         ("now", {})]
+    assert llama.parse('It is {"not": "a call"}') == ('It is {"not": "a call"}', [])
+
+
+def stream(plan, pieces: list[str]) -> tuple[list[dict], ToolStream]:
+    s, text, deltas = ToolStream(plan), "", []
+    for k, piece in enumerate(pieces):
+        text += piece
+        delta = s.delta(text, piece, k == len(pieces) - 1)
+        if delta is not None:
+            deltas.append(delta)
+    return deltas, s
+
+
+def test_streamed_deltas_add_up_to_the_whole_answer():
+    hermes = plan_tools([WEATHER, NOW], "auto", "hermes")
+    pieces = [HERMES_TEXT[i:i + 5] for i in range(0, len(HERMES_TEXT), 5)]
+    deltas, s = stream(hermes, pieces)
+    assert "".join(d.get("content", "") for d in deltas) == "Let me look."   # no piece of "<tool_call>" leaks
+    assert [c["function"]["name"] for c in deltas[-1]["tool_calls"]] == ["get_weather", "now"]
+    assert s.finish_reason("stop") == "tool_calls" and s.finish_reason("length") == "length"
+    deltas, s = stream(hermes, ["Hi <tool", "s are nice"])       # a tag that never came
+    assert "".join(d.get("content", "") for d in deltas) == "Hi <tools are nice" and s.finish_reason("stop") == "stop"
+    named = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
+    deltas, s = stream(named, ['{"ci', 'ty": "Ro', 'me"}'])
+    first = deltas[0]["tool_calls"][0]
+    assert first["id"].startswith("call_") and first["function"]["name"] == "get_weather"
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas) == '{"city": "Rome"}'
+    assert s.finish_reason("stop") == "stop"  # made to call: OpenAI's "stop"
+    llama = plan_tools([WEATHER], "auto", "llama3_json")
+    deltas, _ = stream(llama, [" Hel", "lo"])
+    assert "".join(d.get("content", "") for d in deltas) == " Hello"
+    deltas, _ = stream(llama, [' {"name": "get_wea', 'ther", "parameters": {"city": "X"}}'])
+    assert len(deltas) == 1 and "content" not in deltas[0] and deltas[0]["tool_calls"][0]["function"]["name"] == (
+        "get_weather")

@@ -286,3 +286,11 @@ def test_bad_tool_requests_are_400s(server, body, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert param in (error["param"] or "") or param in error["message"]
+
+
+def test_offline_chat_shows_the_tools_to_the_template(tiny_bytes):
+    llm = LLM(str(tiny_bytes), max_model_len=512)
+    out = llm.chat(ASK, SamplingParams(max_tokens=120, temperature=0.0, structured_outputs={"json": SCHEMA}),
+                   tools=TOOLS)[0]
+    assert out.prompt.startswith('<tools>[{"type": "function", "function": {"name": "get_weather"')
+    check(json.loads(out.outputs[0].text))

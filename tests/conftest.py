@@ -79,7 +79,8 @@ def _save_byte_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+    fast.chat_template = ("{% if greeting is defined %}{{ greeting }}{% endif %}"  # a template variable
+                          "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
                           "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
                           "{% for c in m.get('tool_calls', []) %}<call>{{ c['function'] | tojson }}</call>{% endfor %}"
                           "</s>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -40,10 +40,11 @@ def _with_argument_objects(tool_calls: list) -> list:
 
 
 def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> dict:
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> dict:
     """{"prompt": text, "prompt_token_ids": ids} for a list of {"role", "content", ...} messages
-    (and the tools the template shows the model); ValueError for a message without a role, a
-    content part that is not text, or a conversation the template rejects."""
+    (and the tools the template shows the model; template_kwargs: the template's own variables,
+    such as Qwen3's enable_thinking); ValueError for a message without a role, a content part that
+    is not text, or a conversation the template rejects."""
     messages = []
     for m in conversation:
         if not isinstance(m, dict) or "role" not in m:
@@ -51,9 +52,12 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
         messages.append({**m, "content": content_text(m.get("content"))})
         if isinstance(m.get("tool_calls"), list):
             messages[-1]["tool_calls"] = _with_argument_objects(m["tool_calls"])
+    reserved = {"messages", "conversation", "add_generation_prompt", "tokenize", "tools"} & set(template_kwargs or {})
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             tools=tools)
+                                             tools=tools, **(template_kwargs or {}))
     except Exception as exc:  # jinja raises for conversations the template rejects
         raise ValueError(f"cannot apply the chat template: {exc}") from None
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

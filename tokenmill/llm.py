@@ -82,15 +82,18 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, rendered
         through the model's chat template (with `tools`, OpenAI's function list, where the template
-        shows them; the calls are the caller's to parse, as in vLLM's LLM.chat). Content may be a
-        string or OpenAI's list of text parts."""
+        shows them, the calls being the caller's to parse; and the template's own variables, such
+        as Qwen3's enable_thinking, as in vLLM's LLM.chat). Content may be a string or OpenAI's
+        list of text parts."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(conv, add_generation_prompt, tools) for conv in conversations]
+        prompts = [self.render_chat(conv, add_generation_prompt, tools, chat_template_kwargs)
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> dict:
-        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools)
+                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> dict:
+        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools, chat_template_kwargs)

@@ -294,3 +294,13 @@ def test_offline_chat_shows_the_tools_to_the_template(tiny_bytes):
                    tools=TOOLS)[0]
     assert out.prompt.startswith('<tools>[{"type": "function", "function": {"name": "get_weather"')
     check(json.loads(out.outputs[0].text))
+
+
+def test_chat_template_kwargs_reach_the_template(server, client):
+    def prompt_tokens(**extra) -> int:
+        out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, extra_body=extra)
+        return out.usage.prompt_tokens
+    assert prompt_tokens(chat_template_kwargs={"greeting": "hello hello"}) > prompt_tokens()
+    bad = httpx.post(server.url + "/v1/chat/completions",
+                     json={"messages": ASK, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert bad.status_code == 400 and "may not set add_generation_prompt" in bad.json()["error"]["message"]

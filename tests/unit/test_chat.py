@@ -8,10 +8,10 @@ from tokenmill.chat import content_text, render_chat
 
 
 class FakeTokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None, **variables):
         if any(m["role"] == "bad" for m in messages):
             raise RuntimeError("template says no")
-        self.seen = messages, tools
+        self.seen = messages, tools, variables
         return "|".join(f"{m['role']}:{m['content']}" for m in messages) + ("|>" if add_generation_prompt else "")
 
     def encode(self, text, add_special_tokens):
@@ -42,7 +42,15 @@ def test_tool_calls_reach_the_template_with_object_arguments_and_the_tools_besid
              {"id": "2", "type": "function", "function": {"name": "f", "arguments": "not json"}}]
     render_chat(tokenizer, [{"role": "assistant", "content": None, "tool_calls": calls},
                             {"role": "tool", "tool_call_id": "1", "content": "2"}], tools=tools)
-    messages, seen_tools = tokenizer.seen
+    messages, seen_tools, _ = tokenizer.seen
     assert [c["function"]["arguments"] for c in messages[0]["tool_calls"]] == [{"x": 1}, "not json"]
     assert messages[0]["content"] == "" and messages[1]["tool_call_id"] == "1" and seen_tools == tools
     assert calls[0]["function"]["arguments"] == '{"x": 1}'  # the caller's messages are left as they were
+
+
+def test_template_variables_pass_through_but_not_over_the_renderers_own():
+    tokenizer = FakeTokenizer()
+    render_chat(tokenizer, [{"role": "user", "content": "hi"}], template_kwargs={"enable_thinking": False})
+    assert tokenizer.seen[2] == {"enable_thinking": False}
+    with pytest.raises(ValueError, match="may not set tools"):
+        render_chat(tokenizer, [{"role": "user", "content": "hi"}], template_kwargs={"tools": []})

@@ -339,10 +339,11 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                     "finish_reason": finish_reason(out)}
         return await respond(req, requests, params.n, raw, base, base, chunks, choice, generated=not echo_only)
 
-    def chat_prompt(messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> dict:
+    def chat_prompt(messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> dict:
         try:  # (with the messages' other fields: an assistant's tool_calls, a tool's tool_call_id)
             return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages],
-                               add_generation_prompt, tools)
+                               add_generation_prompt, tools, template_kwargs)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
 
@@ -366,8 +367,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                 raise APIError(400, "tool_choice 'required' or a named function makes the output a structured "
                                "output already: drop response_format or structured_outputs", param="tool_choice")
             params = params.clone(structured_outputs=plan.constraint())
-        prompt = await asyncio.to_thread(chat_prompt, req.messages, req.add_generation_prompt,
-                                         req.tools)  # tokenizes
+        prompt = await asyncio.to_thread(chat_prompt, req.messages, req.add_generation_prompt,  # tokenizes
+                                         req.tools, req.chat_template_kwargs)
         if plan is not None and plan.choice == "none":
             plan = None
         requests = await build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")

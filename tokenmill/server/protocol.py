@@ -174,6 +174,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    chat_template_kwargs: dict | None = None  # the template's own variables (Qwen3's enable_thinking)
     parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
 
 

@@ -204,8 +204,9 @@ ASK = [{"role": "user", "content": "weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def hermes_client(tiny_bytes):
+    """A server that parses Hermes tool calls and Qwen3's thinking."""
     from test_server import running_server
-    with running_server(tiny_bytes, tool_call_parser="hermes") as s:
+    with running_server(tiny_bytes, tool_call_parser="hermes", reasoning_parser="qwen3") as s:
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -304,3 +305,21 @@ def test_chat_template_kwargs_reach_the_template(server, client):
     bad = httpx.post(server.url + "/v1/chat/completions",
                      json={"messages": ASK, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert bad.status_code == 400 and "may not set add_generation_prompt" in bad.json()["error"]["message"]
+
+
+def test_thinking_comes_back_as_reasoning_content_before_the_answer_and_its_calls(hermes_client):
+    forced = '<think>hmm</think>OK<tool_call>\\{"name": "now", "arguments": \\{\\}\\}</tool_call>'
+    whole = hermes_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60,
+                                                  temperature=0, extra_body={"guided_regex": forced})
+    message = whole.choices[0].message
+    assert message.reasoning_content == "hmm" and message.content == "OK"
+    assert [c.function.name for c in message.tool_calls] == ["now"]
+    stream = hermes_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60,
+                                                   temperature=0, stream=True, extra_body={"guided_regex": forced})
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "hmm"
+    assert "".join(d.content or "" for d in deltas) == "OK"
+    assert [t.function.name for d in deltas for t in (d.tool_calls or [])] == ["now"]
+    plain = hermes_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=20, temperature=0,
+                                                  extra_body={"guided_regex": "Paris"})
+    assert plain.choices[0].message.content == "Paris" and plain.choices[0].message.reasoning_content is None

@@ -36,6 +36,7 @@ from tokenmill.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from tokenmill.server.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStream
 from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, merge_streams
 from tokenmill.server.tools import PARSERS, ToolStream, plan_tools
 from tokenmill.server.tools import finish_reason as tool_finish_reason
@@ -95,9 +96,13 @@ class APIError(Exception):
 
 
 def create_app(engine, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None) -> FastAPI:
+               max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+    thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     metrics = ServerMetrics(engine)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
     tokenizer = engine.tokenizer
@@ -377,6 +382,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         chunk_base = {**base, "object": "chat.completion.chunk"}
         started = [False] * len(requests)
         tool_streams = [ToolStream(plan) if plan is not None else None for _ in requests]
+        reasoning_streams = [ReasoningStream(thinking) if thinking is not None else None for _ in requests]
 
         def chunks(i: int, out: RequestOutput):
             result = []
@@ -388,12 +394,18 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             if req.logprobs and out.new_token_ids:
                 lp = chat_logprobs(out.outputs[0].logprobs[-len(out.new_token_ids):], out.new_token_ids, top_n)
             stream, reason = tool_streams[i], out.outputs[0].finish_reason
+            text, new_text, delta = out.outputs[0].text, out.new_text, {}
+            if reasoning_streams[i] is not None:  # the thinking first; what follows it is the answer
+                new_reasoning, text, new_text = reasoning_streams[i].step(text, out.finished)
+                if new_reasoning:
+                    delta["reasoning_content"] = new_reasoning
             if stream is None:
-                delta = {"content": out.new_text} if out.new_text else None
+                if new_text:
+                    delta["content"] = new_text
             else:
-                delta = stream.delta(out.outputs[0].text, out.new_text, out.finished)
+                delta.update(stream.delta(text, new_text, out.finished) or {})
                 reason = stream.finish_reason(reason)
-            if delta is not None or lp is not None:
+            if delta or lp is not None:
                 result.append({**chunk_base, "choices": [{"index": i, "delta": delta or {"content": ""},
                                                           "logprobs": lp, "finish_reason": None}]})
             if out.finished:
@@ -404,8 +416,11 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         def choice(i: int, out: RequestOutput) -> dict:
             c = out.outputs[0]
             message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if thinking is not None:
+                reasoning, message["content"] = thinking.split(c.text)
+                message["reasoning_content"] = reasoning or None
             if plan is not None:
-                message["content"], calls = plan.parse(c.text)
+                message["content"], calls = plan.parse(message["content"])
                 if calls:
                     message["tool_calls"] = [call.to_dict() for call in calls]
                 reason = tool_finish_reason(plan, calls, reason)

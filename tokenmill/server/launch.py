@@ -12,6 +12,7 @@ import dataclasses
 import logging
 
 from tokenmill.server.api import create_app
+from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools import PARSERS
 
 logger = logging.getLogger("tokenmill.server")
@@ -34,6 +35,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (hermes: Qwen 2.5/3, Hermes; "
                              "llama3_json: Llama 3.1+)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="return <think> blocks as reasoning_content (qwen3; deepseek_r1: templates that open "
+                             "the block themselves)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="vLLM's flag, accepted: tool_choice 'auto' is on whenever --tool-call-parser is given")
 
@@ -48,7 +52,7 @@ def run_server(args: argparse.Namespace, config) -> int:
     engine = LLMEngine(dataclasses.replace(config, model=args.model))
     name = args.served_model_name or engine.model_path.stem
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     tool_call_parser=args.tool_call_parser)
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

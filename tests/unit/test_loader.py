@@ -241,3 +241,34 @@ def test_building_a_model_does_not_import_torch_dynamo():
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_gguf_reader_through_a_plain_view_reads_what_ggufs_own_does(tmp_path):
+    """open_gguf's reader (slices through an ndarray view of the map: 3.3x faster on the default
+    model's metadata) gives the same fields and tensors; a gguf whose private reader method has
+    changed would make it fall back to the stock reader, which this notices."""
+    from gguf import GGUFReader
+
+    from tokenmill.models.loader import open_gguf
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", KINDS, tied=False, bias=True)
+    from gguf import GGUFWriter  # plus the string arrays and scalars a tokenizer brings
+    w = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_token_list([f"tok{i}" for i in range(300)] + ["é", "東京", ""])
+    w.add_token_scores([float(i) for i in range(303)])
+    w.add_eos_token_id(7)
+    w.add_tensor("x", np.arange(12, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (path, tmp_path / "t.gguf"):
+        ours, stock = open_gguf(p), GGUFReader(str(p))
+        assert type(ours).__name__ == "PlainViewReader"
+        assert list(ours.fields) == list(stock.fields)
+        for key, field in stock.fields.items():
+            assert ours.fields[key].data == field.data and ours.fields[key].types == field.types
+            assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(ours.fields[key].parts, field.parts))
+        assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == [
+            (t.name, t.tensor_type, list(t.shape)) for t in stock.tensors]
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, stock.tensors))

@@ -333,10 +333,33 @@ class Checkpoint:
         return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config, kernels)
 
 
+def open_gguf(path: Path):
+    """gguf's GGUFReader, its slices of the file taken through a plain ndarray view of its memory
+    map. np.memmap's __getitem__ is Python code, and the reader slices the map three times per
+    string of metadata: the default model's 49,152 tokens and as many merges took 3.0 s to read,
+    0.9 s this way (the same fields and tensors, tested). Only when the reader's private `_get`
+    has the signature this was written against; otherwise the reader as it is."""
+    import inspect
+
+    from gguf import GGUFReader
+
+    class PlainViewReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    expected = ["self", "offset", "dtype", "count", "override_order"]
+    fits = list(inspect.signature(getattr(GGUFReader, "_get", lambda: None)).parameters) == expected
+    return (PlainViewReader if fits else GGUFReader)(str(path))
+
+
 def open_checkpoint(path: Path) -> Checkpoint:
     if path.suffix == ".gguf":
-        from gguf import GGUFReader
-        reader = GGUFReader(str(path))
+        reader = open_gguf(path)
         return Checkpoint(path, gguf_model_config(reader), reader)
     return Checkpoint(path, hf_model_config(path))
 

@@ -34,8 +34,12 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: list[int], stop_token: bool = False) -> tuple[str, str | None]:
         """Feed new tokens; returns (text safe to emit now, the stop string that matched or None).
         stop_token: the last one ended the request (EOS or a stop token id); as in vLLM its text is
-        left out, unless include_stop_str_in_output."""
+        left out, unless include_stop_str_in_output. Several tokens at once (accepted drafts) are
+        searched token by token, as they would be one per step: a stop string ends the output at
+        the first token that completes one, and `num_tokens` then counts the tokens up to it
+        (the caller drops the rest)."""
         searched_from = len(self.text)
+        matched = None
         for i, token in enumerate(new_token_ids):
             self.num_tokens += 1
             if self.num_tokens == self.min_tokens:  # stops may end in this token's text, not before
@@ -45,7 +49,10 @@ class IncrementalDetokenizer:
             piece = self.stream.step(self.backend, token)
             if piece:
                 self.text += piece
-        matched = self._find_stop(searched_from) if self.num_tokens >= self.min_tokens else None
+                if self.stop and self.num_tokens >= self.min_tokens:
+                    matched = self._find_stop(searched_from)
+                    if matched is not None:
+                        break
         end = len(self.text) if matched else max(self.emitted, len(self.text) - self.hold)
         return self._emit(end), matched
 

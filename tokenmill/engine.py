@@ -374,8 +374,13 @@ class LLMEngine:
         last = new_ids[-1] if new_ids else None
         ended_on_stop_token = (request.status == RequestStatus.FINISHED_STOPPED
                                and (last in request.eos_token_ids or last in request.params.stop_token_ids))
+        fed = detok.num_tokens
         delta, stop = detok.update(new_ids, stop_token=ended_on_stop_token)
         if stop is not None:
+            used = detok.num_tokens - fed  # accepted drafts past the one that completed the stop string
+            if used < len(new_ids):
+                request.drop_output_tokens(len(new_ids) - used)
+                new_ids = new_ids[:used]
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             request.status = RequestStatus.FINISHED_STOPPED  # a stop string outranks a length limit

@@ -127,6 +127,15 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
+    def drop_output_tokens(self, n: int) -> None:
+        """Take back the last n output tokens (and their logprobs): accepted drafts past the token
+        that completed a stop string, as if they had come one per step."""
+        dropped, self.token_ids = self.token_ids[-n:], self.token_ids[:-n]
+        k = len(self.output_logprobs) - self.num_output_tokens  # entries past the kept tokens
+        if k > 0:
+            entries, self.output_logprobs = self.output_logprobs[-k:], self.output_logprobs[:-k]
+            self.cumulative_logprob -= sum(e[t] for t, e in zip(dropped[len(dropped) - k:], entries))
+
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)
         if self.grammar is not None:

@@ -229,3 +229,29 @@ def test_the_kv_budget_holds_the_draft_models_pool_too(tiny_llama, draft_model):
     draft_per_token = spec.speculator.proposer.model_config.kv_bytes_per_token * 4
     assert spec.cache_config.num_blocks == budget // (16 * (per_token + draft_per_token))
     assert spec.speculator.proposer.kv.pool.num_blocks == spec.cache_config.num_blocks
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_inside_accepted_drafts_ends_the_tokens_there_too(tiny_llama, include):
+    """The target as its own draft: every draft is accepted, so a stop string completes inside a
+    step's tokens. token_ids, logprobs and the cumulative logprob end at the token that completed
+    it, as one token per step would have them (they used to keep the drafts after it)."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def run(params, **options):
+        llm = LLM(str(tiny_llama), num_kv_blocks=64, **options)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)[0].outputs[0]
+        return out, llm.engine
+
+    full, _ = run(greedy)
+    stopped = greedy.clone(stop=[f"w{full.token_ids[2]}"], include_stop_str_in_output=include)
+    plain, _ = run(stopped)
+    spec, engine = run(stopped, speculative=f"draft:{tiny_llama}", num_speculative_tokens=4,
+                       speculative_adaptive=False)
+    assert engine.speculator.num_accepted > 0
+    assert plain.token_ids == full.token_ids[:3] and plain.finish_reason == "stop"
+    assert (spec.token_ids, spec.text, spec.finish_reason, spec.stop_reason) == (
+        plain.token_ids, plain.text, plain.finish_reason, plain.stop_reason)
+    assert len(spec.logprobs) == len(plain.logprobs) == 3  # (values to float noise: verified in a wider batch)
+    assert all(a == pytest.approx(b, abs=1e-4) for a, b in zip(spec.logprobs, plain.logprobs))
+    assert spec.cumulative_logprob == pytest.approx(plain.cumulative_logprob, abs=1e-4)

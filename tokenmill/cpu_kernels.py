@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,25 @@ _SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "gemm_cp
 
 
 _NAME = "tokenmill_cpu_ops"
+STALE_LOCK_SECONDS = 600  # a build takes 2-4 minutes on 2 cores
+
+
+def _clear_stale_lock() -> None:
+    """torch's build waits, without a word and without end, while another build's lock file
+    exists; a first run interrupted mid-build (Ctrl-C) leaves one behind, so every later start
+    hung. A lock older than any build is removed; a younger one is announced. Best effort, as
+    _announce_build: it reads torch's private build directory."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        lock = Path(_get_build_directory(_NAME, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except (ImportError, AttributeError, TypeError, OSError):
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %d minutes ago by an interrupted kernel build", lock, age // 60)
+        lock.unlink(missing_ok=True)
+    else:
+        logger.warning("waiting for another process's kernel build to finish (or delete %s if none runs)", lock)
 
 
 def _announce_build() -> None:
@@ -42,6 +62,7 @@ def _announce_build() -> None:
 def _build():
     from torch.utils.cpp_extension import load
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    _clear_stale_lock()
     _announce_build()
     # -fopenmp: at::parallel_for is inlined from ATen's headers and only threads under OpenMP.
     return load(name=_NAME, sources=[str(_CSRC / s) for s in _SOURCES],

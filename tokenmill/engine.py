@@ -173,10 +173,16 @@ class LLMEngine:
                              ("allowed_token_ids", params.allowed_token_ids or ())):
             if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
                 raise ValueError(f"{name} must be integers in [0, {vocab})")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        banned_always = {seq[0] for seq in bad_words if len(seq) == 1}
+        if any(t >= vocab for seq in bad_words for t in seq):
+            bad_words = [seq for seq in bad_words if all(t < vocab for t in seq)]  # never sampled anyway
         if params.allowed_token_ids is not None:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if params.min_tokens and set(params.allowed_token_ids) <= ends:  # nothing left to sample
                 raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens forbids at first")
+            if set(params.allowed_token_ids) <= banned_always:
+                raise ValueError("allowed_token_ids holds only tokens that bad_words bans")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "
@@ -190,7 +196,7 @@ class LLMEngine:
                        max_tokens=min(params.max_tokens or room, room), eos_token_ids=self.eos_token_ids,
                        prompt=text, priority=priority, deadline=deadline,
                        arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-                       grammar=grammar, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words or []))
+                       grammar=grammar, bad_words_token_ids=bad_words)
 
     def add(self, request: Request) -> None:
         """Queue a request built by make_request."""

@@ -12,6 +12,7 @@ like [0-9]+), the model's end-of-sequence token is allowed wherever the output i
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import llguidance
@@ -20,6 +21,8 @@ import llguidance.numpy
 import numpy as np
 
 from tokenmill.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 # JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): what models emit on one line. With
 # llguidance's default (any whitespace between tokens) a small model can emit blank lines forever.
@@ -95,7 +98,9 @@ class Grammar:
         """Advance past a token the request appended. A token the mask did not allow (there is
         none, unless a caller appends tokens of its own) leaves the matcher failed, which ends the
         request."""
-        self.matcher.consume_token(token_id)
+        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+            logger.warning("a structured output's grammar failed (the request ends here): %s",
+                           self.matcher.get_error())
 
     @property
     def is_terminated(self) -> bool:

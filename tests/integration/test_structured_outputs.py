@@ -323,3 +323,29 @@ def test_thinking_comes_back_as_reasoning_content_before_the_answer_and_its_call
     plain = hermes_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=20, temperature=0,
                                                   extra_body={"guided_regex": "Paris"})
     assert plain.choices[0].message.content == "Paris" and plain.choices[0].message.reasoning_content is None
+
+
+def test_a_structured_output_under_a_reasoning_parser_is_the_answer(tiny_bytes):
+    """deepseek_r1 takes text with no </think> as thinking; a grammar-held output never has one,
+    so it is all answer (it used to come back as reasoning_content, content empty)."""
+    from test_server import running_server
+    with running_server(tiny_bytes, reasoning_parser="deepseek_r1") as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+        out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=0,
+                                             response_format=fmt)
+        check(json.loads(out.choices[0].message.content))
+        assert getattr(out.choices[0].message, "reasoning_content", None) is None
+        stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=0,
+                                                response_format=fmt, stream=True)
+        deltas = [c.choices[0].delta for c in stream if c.choices]
+        assert "".join(d.content or "" for d in deltas) == out.choices[0].message.content
+        assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+
+
+def test_allowed_tokens_that_bad_words_all_ban_are_refused(tiny_bytes):
+    from transformers import AutoTokenizer
+    yes = AutoTokenizer.from_pretrained(str(tiny_bytes)).encode("yes", add_special_tokens=False)
+    llm = LLM(str(tiny_bytes), max_model_len=512)
+    with pytest.raises(ValueError, match="bad_words bans"):
+        llm.generate(["hi"], SamplingParams(allowed_token_ids=yes, bad_words=["yes"]), use_tqdm=False)

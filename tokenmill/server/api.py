@@ -382,7 +382,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         chunk_base = {**base, "object": "chat.completion.chunk"}
         started = [False] * len(requests)
         tool_streams = [ToolStream(plan) if plan is not None else None for _ in requests]
-        reasoning_streams = [ReasoningStream(thinking) if thinking is not None else None for _ in requests]
+        # a structured output constrains the whole output, so it never holds thinking to split off
+        split = thinking if params.structured_outputs is None else None
+        reasoning_streams = [ReasoningStream(split) if split is not None else None for _ in requests]
 
         def chunks(i: int, out: RequestOutput):
             result = []
@@ -416,8 +418,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         def choice(i: int, out: RequestOutput) -> dict:
             c = out.outputs[0]
             message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
-            if thinking is not None:
-                reasoning, message["content"] = thinking.split(c.text)
+            if split is not None:
+                reasoning, message["content"] = split.split(c.text)
                 message["reasoning_content"] = reasoning or None
             if plan is not None:
                 message["content"], calls = plan.parse(message["content"])

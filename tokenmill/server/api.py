@@ -382,8 +382,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         chunk_base = {**base, "object": "chat.completion.chunk"}
         started = [False] * len(requests)
         tool_streams = [ToolStream(plan) if plan is not None else None for _ in requests]
-        # a structured output constrains the whole output, so it never holds thinking to split off
-        split = thinking if params.structured_outputs is None else None
+        # a structured output constrains the output from its first token: thinking only where the
+        # grammar itself opens a block (deepseek_r1's rule would take all of it as thinking)
+        split = thinking if thinking is None or params.structured_outputs is None else ReasoningParser("qwen3")
         reasoning_streams = [ReasoningStream(split) if split is not None else None for _ in requests]
 
         def chunks(i: int, out: RequestOutput):

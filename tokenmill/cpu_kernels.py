@@ -25,16 +25,24 @@ _NAME = "tokenmill_cpu_ops"
 STALE_LOCK_SECONDS = 600  # a build takes 2-4 minutes on 2 cores
 
 
-def _clear_stale_lock() -> None:
-    """torch's build waits, without a word and without end, while another build's lock file
-    exists; a first run interrupted mid-build (Ctrl-C) leaves one behind, so every later start
-    hung. A lock older than any build is removed; a younger one is announced. Best effort, as
-    _announce_build: it reads torch's private build directory."""
+def _build_directory() -> Path | None:
+    """Where torch builds the kernels; None where it cannot be read (a private torch function:
+    what uses it is best effort)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
-        lock = Path(_get_build_directory(_NAME, verbose=False)) / "lock"
-        age = time.time() - lock.stat().st_mtime
+        return Path(_get_build_directory(_NAME, verbose=False))
     except (ImportError, AttributeError, TypeError, OSError):
+        return None
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """torch's build waits, without a word and without end, while another build's lock file
+    exists; a first run interrupted mid-build (Ctrl-C) leaves one behind, so every later start
+    hung. A lock older than any build is removed; a younger one is announced."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
         return
     if age > STALE_LOCK_SECONDS:
         logger.warning("removing %s, left %d minutes ago by an interrupted kernel build", lock, age // 60)
@@ -43,27 +51,27 @@ def _clear_stale_lock() -> None:
         logger.warning("waiting for another process's kernel build to finish (or delete %s if none runs)", lock)
 
 
-def _announce_build() -> None:
-    """Say so when the kernels are about to compile (minutes of silence otherwise). Best effort:
-    it reads torch's private build directory, and a torch without it just stays quiet."""
+def _announce_build(build_dir: Path) -> None:
+    """Say so when the kernels are about to compile (minutes of silence otherwise)."""
+    built = build_dir / f"{_NAME}.so"
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-        built = Path(_get_build_directory(_NAME, verbose=False)) / f"{_NAME}.so"
         newest = max(f.stat().st_mtime for f in _CSRC.iterdir())
         stale = not built.exists() or built.stat().st_mtime < newest
-    except (ImportError, AttributeError, TypeError, OSError):
+    except OSError:
         return
     if stale:
         logger.warning("compiling tokenmill's CPU kernels (after an install or update; about 2 minutes "
-                       "on 2 cores; cached in %s)", built.parent)
+                       "on 2 cores; cached in %s)", build_dir)
 
 
 @functools.lru_cache(maxsize=1)
 def _build():
     from torch.utils.cpp_extension import load
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    _clear_stale_lock()
-    _announce_build()
+    build_dir = _build_directory()
+    if build_dir is not None:
+        _clear_stale_lock(build_dir)
+        _announce_build(build_dir)
     # -fopenmp: at::parallel_for is inlined from ATen's headers and only threads under OpenMP.
     return load(name=_NAME, sources=[str(_CSRC / s) for s in _SOURCES],
                 extra_include_paths=[str(_CSRC)], extra_cflags=["-O3", "-march=native", "-fopenmp"],

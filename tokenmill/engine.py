@@ -173,10 +173,9 @@ class LLMEngine:
                              ("allowed_token_ids", params.allowed_token_ids or ())):
             if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
                 raise ValueError(f"{name} must be integers in [0, {vocab})")
-        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        bad_words = [seq for seq in bad_words_token_ids(self.tokenizer, params.bad_words or [])
+                     if all(t < vocab for t in seq)]  # (a word with a token past the logits is never sampled)
         banned_always = {seq[0] for seq in bad_words if len(seq) == 1}
-        if any(t >= vocab for seq in bad_words for t in seq):
-            bad_words = [seq for seq in bad_words if all(t < vocab for t in seq)]  # never sampled anyway
         if params.allowed_token_ids is not None:
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if params.min_tokens and set(params.allowed_token_ids) <= ends:  # nothing left to sample

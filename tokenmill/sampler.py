@@ -91,9 +91,10 @@ class SamplingMetadata:
             allowed = allowed_tokens([requests[i].grammar for i in constrained], vocab_size)
             meta.grammar_banned = to_device(torch.from_numpy(~allowed), device)
         for i, r in enumerate(requests):
-            banned = set()
-            if r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens:
-                banned |= set(r.params.stop_token_ids) | r.eos_token_ids
+            under_min = r.num_output_tokens + r.num_pending_tokens < r.params.min_tokens
+            if not under_min and not r.bad_words_token_ids:  # (the usual row: nothing to ban)
+                continue
+            banned = set(r.params.stop_token_ids) | r.eos_token_ids if under_min else set()
             if r.bad_words_token_ids:
                 banned |= bad_word_ends(r.bad_words_token_ids, r.output_token_ids)
             if banned:

@@ -59,10 +59,10 @@ class GrammarCompiler:
             text = grammar_text(spec)
         except ValueError as exc:
             raise ValueError(f"invalid structured output: {exc}") from None
-        error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
-        if error:
-            raise ValueError(f"invalid structured output: {error.strip()}")
-        return Grammar(llguidance.LLMatcher(tokenizer, text, log_level=0), mask_width(tokenizer.vocab_size))
+        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)  # (never raises: an invalid
+        if matcher.is_error():                                        # grammar leaves it failed)
+            raise ValueError(f"invalid structured output: {matcher.get_error().strip()}")
+        return Grammar(matcher, mask_width(tokenizer.vocab_size))
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:

@@ -416,9 +416,9 @@ def test_an_interrupted_builds_lock_is_cleared_and_a_fresh_one_kept(tmp_path, mo
     from torch.utils.cpp_extension import _get_build_directory
     lock = tmp_path.joinpath(_get_build_directory(cpu_kernels._NAME, verbose=False), "lock")
     lock.touch()
-    cpu_kernels._clear_stale_lock()
+    cpu_kernels._clear_stale_lock(cpu_kernels._build_directory())
     assert lock.exists()                                   # maybe a build running now
     old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
-    cpu_kernels._clear_stale_lock()
+    cpu_kernels._clear_stale_lock(cpu_kernels._build_directory())
     assert not lock.exists()

@@ -367,11 +367,12 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             plan = plan_tools(req.tools, req.tool_choice, tool_call_parser, req.parallel_tool_calls is not False)
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
-        if plan is not None and plan.constraint() is not None:  # the calls are a structured output
+        calls_constraint = plan.constraint() if plan is not None else None
+        if calls_constraint is not None:  # the calls are a structured output
             if params.structured_outputs is not None:
                 raise APIError(400, "tool_choice 'required' or a named function makes the output a structured "
                                "output already: drop response_format or structured_outputs", param="tool_choice")
-            params = params.clone(structured_outputs=plan.constraint())
+            params = params.clone(structured_outputs=calls_constraint)
         prompt = await asyncio.to_thread(chat_prompt, req.messages, req.add_generation_prompt,  # tokenizes
                                          req.tools, req.chat_template_kwargs)
         if plan is not None and plan.choice == "none":

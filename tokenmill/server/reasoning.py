@@ -17,8 +17,9 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that a `tag` to come could complete."""
+def partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that a `tag` to come could complete (text a stream holds
+    back; also the tool-call parsers')."""
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
@@ -38,7 +39,7 @@ class ReasoningParser:
             return body[:end], body[end + len(END):]
         if self.kind == "qwen3" and not opened:
             return "", text                     # no thinking: all answer
-        return body[:len(body) - (0 if final else _partial_tag(body, END))], ""
+        return body[:len(body) - (0 if final else partial_tag(body, END))], ""
 
 
 class ReasoningStream:

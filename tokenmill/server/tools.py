@@ -17,6 +17,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from tokenmill.server.reasoning import partial_tag
+
 PARSERS = ("hermes", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -67,9 +69,7 @@ class ToolPlan:
             found = text.find(HERMES_START)
             if found != -1:
                 return found
-            held = next((k for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1)
-                         if HERMES_START.startswith(text[-k:])), 0)  # a start tag may be on its way
-            return len(text) - held
+            return len(text) - partial_tag(text, HERMES_START)  # a start tag may be on its way
         head = text.lstrip()  # llama3_json: the whole message is the call, or it is content
         undecided = not head or PYTHON_TAG.startswith(head) or head.startswith(("{", PYTHON_TAG))
         return 0 if undecided else len(text)

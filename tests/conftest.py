@@ -2,10 +2,13 @@
 
 Each tiny model gets a word-level tokenizer ("w0".."wN") so the engine loads it through
 the same path as a real checkpoint, with no hub access.
+
+TOKENMILL_TEST_DEVICE=cuda runs the suite's engines on that device (see `engine_device`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -122,6 +125,32 @@ def copy_model(src: Path, dst: Path, **config_changes) -> Path:
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, **config_changes}))
     return dst
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_device():
+    """With TOKENMILL_TEST_DEVICE=cuda every engine a test builds without naming a device (nor a
+    CPU-only option) runs on CUDA, in float32 (the dtype of the transformers oracle), with a 1 GiB
+    KV pool unless the test sizes it (CUDA's default takes 85% of the free memory, which the
+    engines a module holds would share ever more thinly): the suite, run on a GPU machine, checks
+    the CUDA path."""
+    device = os.environ.get("TOKENMILL_TEST_DEVICE")
+    if not device:
+        yield
+        return
+    from tokenmill.config import EngineConfig
+    init = EngineConfig.__init__
+
+    def on_device(self, *args, **kwargs):
+        cpu_only = kwargs.get("attention_backend") == "cpu" or kwargs.get("kv_cache_dtype") == "float16"
+        if not args and "model" in kwargs and "device" not in kwargs and not cpu_only:
+            kwargs.update(device=device, dtype=kwargs.get("dtype", "float32"),
+                          kv_cache_memory=kwargs.get("kv_cache_memory", 1 << 30))
+        init(self, *args, **kwargs)
+
+    EngineConfig.__init__ = on_device
+    yield
+    EngineConfig.__init__ = init
 
 
 @pytest.fixture(scope="session")

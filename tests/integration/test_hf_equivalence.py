@@ -42,19 +42,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, kv_dtype, tol):
     """Reference path (SDPA, F.linear, torch ops) and fast path (C++ attention kernel, panel
     GEMM projections, fused C++ ops) both match transformers; with a float16 KV pool, to within
-    what rounding K and V to float16 costs; and the Triton element-wise kernels of CUDA (here
-    under the Triton interpreter without a GPU)."""
+    what rounding K and V to float16 costs; and the Triton element-wise kernels of CUDA (on a GPU, or
+    under the Triton interpreter without one)."""
     path = tiny_models[arch]
     checkpoint = open_checkpoint(path)
     cfg = checkpoint.config
-    model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"),
-                       kernels="torch" if kernels == "triton" else kernels)
+    # the Triton kernels on CUDA where there is one, else under the interpreter on the CPU
+    device = torch.device("cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu")
+    model = load_model(checkpoint, 1024, torch.float32, device, kernels="torch" if kernels == "triton" else kernels)
     if kernels == "triton":
         from tokenmill.models.triton_ops import TritonFusedOps
         model.ops = TritonFusedOps()
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
-    runner = ModelRunner(model, cfg, CacheConfig(64, 16), make_backend(backend_name, torch.device("cpu")),
-                         torch.device("cpu"), kv_dtype, seed=0)
+    runner = ModelRunner(model, cfg, CacheConfig(64, 16), make_backend(backend_name, device), device, kv_dtype, seed=0)
     rng = random.Random(arch)
     lengths = {"a": 70, "b": 23, "c": 41, "d": 9}
     reqs = {k: Request(request_id=k, prompt_token_ids=[rng.randrange(2, 384) for _ in range(n)],
@@ -80,7 +80,7 @@ def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, k
         order = sorted(order, key=lambda rid: (chunks[rid][1] - chunks[rid][0]) > short_max)
         for rid in order:
             n = chunks[rid][1] - chunks[rid][0]
-            out[rid] = logits[offset:offset + n]
+            out[rid] = logits[offset:offset + n].cpu()
             offset += n
         for rid, (start, end) in chunks.items():
             reqs[rid].num_computed_tokens = end

@@ -78,15 +78,18 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 def test_speculative_sampling_matches_the_target_end_to_end(tmp_path):
     """A 16-token model: the token after the first (the first one verified against ngram
-    drafts) has the target's conditional distribution."""
+    drafts) has the target's conditional distribution. The prompt is one where the usual first
+    token (15) is followed by a draft (0) the target takes about a quarter of the time, so that
+    both accepted drafts and draws from the residual make up that distribution."""
     model = build_tiny_model(tmp_path / "v16", "llama", seed=5, vocab_size=16, initializer_range=0.3)
-    prompt = list(range(16)) * 2 + [7, 3]  # every token occurs earlier: the lookup always proposes
+    prompt = list(range(16)) * 2 + [2, 6]  # every token occurs earlier: the lookup always proposes
     n = 1500
     llm = LLM(str(model), speculative="ngram", speculative_adaptive=False, num_speculative_tokens=2,
               max_num_seqs=256, num_kv_blocks=2048)
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, SamplingParams(max_tokens=3, temperature=1.0,
                                                                            ignore_eos=True), use_tqdm=False)
-    assert llm.engine.speculator.num_accepted > 0
+    spec = llm.engine.speculator
+    assert 0.1 < spec.num_accepted / spec.num_proposed < 0.9, f"{spec.num_accepted}/{spec.num_proposed}"
     pairs = [o.outputs[0].token_ids[:2] for o in outs]
     first = max(set(p[0] for p in pairs), key=[p[0] for p in pairs].count)
     seconds = torch.tensor([p[1] for p in pairs if p[0] == first])

@@ -359,7 +359,8 @@ class LLMEngine:
             if request is not None and request.swapped_block_ids:
                 self.kv.free(request)  # its host copy may never have been written
         self.last_stats = StepStats()  # the failed step ran nothing that listeners should count
-        outputs = [self._fail(r, f"{type(exc).__name__}: {exc}") for r in sched.requests if not r.is_finished]
+        error = f"the engine step that ran this request failed: {type(exc).__name__}: {exc}"
+        outputs = [self._fail(r, error) for r in sched.requests if not r.is_finished]
         if self.speculator is not None:
             for request_id in sched.finished_request_ids + [r.request_id for r in sched.requests]:
                 self.speculator.proposer.release(request_id)
@@ -424,10 +425,13 @@ class LLMEngine:
         times = request.times
         metrics = RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.finished,
                                  request.num_cached_tokens, request.num_preemptions)
+        grammar = request.grammar
+        failed = grammar is not None and grammar.failed and request.status == RequestStatus.FINISHED_ERROR
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
                              request.is_finished, new_text=delta, new_token_ids=new_ids, metrics=metrics,
                              prompt_logprobs=request.prompt_logprobs if request.params.prompt_logprobs is not None
-                             else None)
+                             else None,
+                             error=f"its structured output's grammar failed: {grammar.error}" if failed else None)
 
     def _record_stats(self, sched, result: RunnerOutput, time_schedule: float, time_detokenize: float,
                       start: float, end: float) -> None:

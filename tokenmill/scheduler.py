@@ -300,8 +300,10 @@ class Scheduler:
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         """Length first, as in vLLM: a stop token that is also the last one allowed ends the request
         by length (and stays in its text). A completed grammar ends it even under min_tokens:
-        no token may follow."""
+        no token may follow. A failed one ends it with an error, whatever else held."""
         params = request.params
+        if request.grammar is not None and request.grammar.failed:
+            return RequestStatus.FINISHED_ERROR
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         if request.grammar is not None and request.grammar.is_terminated:  # nothing may follow

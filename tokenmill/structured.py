@@ -97,15 +97,24 @@ class Grammar:
     def accept(self, token_id: int) -> None:
         """Advance past a token the request appended. A token the mask did not allow (there is
         none, unless a caller appends tokens of its own) leaves the matcher failed, which ends the
-        request."""
+        request with an error."""
         if not self.matcher.consume_token(token_id) or self.matcher.is_error():
-            logger.warning("a structured output's grammar failed (the request ends here): %s",
-                           self.matcher.get_error())
+            logger.warning("a structured output's grammar failed (the request ends with an error): %s",
+                           self.error)
 
     @property
     def is_terminated(self) -> bool:
         """No token may follow: the output is complete (or the matcher failed)."""
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+    @property
+    def failed(self) -> bool:
+        """The matcher failed: the output does not follow the grammar, so it is no answer."""
+        return self.matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
 
 
 def mask_width(vocab_size: int) -> int:

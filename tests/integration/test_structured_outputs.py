@@ -97,6 +97,21 @@ def test_n_samples_each_follow_the_grammar(tiny_bytes):
         check(json.loads(out.text))
 
 
+def test_a_grammar_that_fails_mid_output_ends_its_request_with_an_error(tiny_bytes, monkeypatch):
+    """llguidance fails rather than raises: a matcher that lets a token through it should not
+    have (here its mask is opened to every token) ends the request as an error naming the
+    grammar, and the request beside it is untouched."""
+    from tokenmill.structured import Grammar
+    monkeypatch.setattr(Grammar, "fill_mask", lambda self, bitmask, row: bitmask.__setitem__(row, -1))
+    llm = LLM(str(tiny_bytes), max_model_len=512)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    digits, plain = llm.generate(["hello there", "yes no maybe"],
+                                 [greedy.clone(structured_outputs={"regex": "[0-9]+"}), greedy], use_tqdm=False)
+    assert digits.outputs[0].finish_reason == "error" and "grammar failed" in digits.error
+    assert len(digits.outputs[0].token_ids) < 30 and not re.fullmatch("[0-9]+", digits.outputs[0].text)
+    assert plain.error is None and plain.outputs[0].finish_reason == "length"
+
+
 # ---- over HTTP --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -139,6 +154,16 @@ def test_vllm_fields_in_completions(client):
     grammar = client.completions.create(model="tiny", prompt="list", max_tokens=30, temperature=1.0, seed=3,
                                         extra_body={"guided_grammar": 'root ::= "[" [0-9] ("," [0-9])* "]"'})
     assert re.fullmatch(r"\[[0-9](,[0-9])*\]", grammar.choices[0].text) or grammar.choices[0].finish_reason == "length"
+
+
+def test_a_grammar_that_fails_is_a_500_naming_it(client, monkeypatch):
+    from tokenmill.structured import Grammar
+    monkeypatch.setattr(Grammar, "fill_mask", lambda self, bitmask, row: bitmask.__setitem__(row, -1))
+    with pytest.raises(openai.InternalServerError, match="grammar failed"):
+        client.completions.create(model="tiny", prompt="hello there", max_tokens=30, temperature=0,
+                                  extra_body={"guided_regex": "[0-9]+", "ignore_eos": True})
+    monkeypatch.undo()
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
 
 
 @pytest.mark.parametrize("body, param", [

@@ -167,3 +167,21 @@ def test_a_completed_grammar_ends_the_request_even_under_min_tokens(tiny_bytes, 
         assert scheduler._stop_status(request, t) is None
     request.append_token(ids[-1], 0.0)
     assert scheduler._stop_status(request, ids[-1]).name == "FINISHED_STOPPED"
+
+
+def test_a_failed_grammar_ends_the_request_with_an_error(compiler, tokenizer):
+    """A token the grammar does not allow (only a caller appending its own tokens can give one)
+    leaves the output outside the language: an error, not a "stop" or "length" answer."""
+    from tokenmill.config import SchedulerConfig
+    from tokenmill.kv_cache import KVCacheManager
+    grammar = compile_(compiler, regex="[0-9]+")
+    request = Request(request_id="r", prompt_token_ids=[3, 4], params=SamplingParams(max_tokens=2),
+                      max_tokens=2, eos_token_ids=frozenset({1}), grammar=grammar)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128),
+                          KVCacheManager(num_blocks=16, block_size=4))
+    seven, = tokenizer.encode("7", add_special_tokens=False)
+    request.append_token(seven, 0.0)
+    assert scheduler._stop_status(request, seven) is None and not grammar.failed
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    request.append_token(letter, 0.0)  # the last token max_tokens allows, and not the grammar's
+    assert grammar.failed and scheduler._stop_status(request, letter).name == "FINISHED_ERROR"

@@ -210,7 +210,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     def raise_if_failed(outputs: list[RequestOutput]) -> None:
         failed = next((o for o in outputs if o.error is not None), None)
         if failed is not None:
-            raise APIError(500, f"the engine step that ran this request failed: {failed.error}", "server_error")
+            raise APIError(500, failed.error, "server_error")
 
     def usage(outputs: list[RequestOutput], n: int, generated: bool = True) -> dict:
         """Token counts; generated=False: the outputs' tokens are not returned (echo with max_tokens 0)."""
@@ -252,8 +252,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         try:
             async for i, out in merge_streams([async_engine.generate(r) for r in requests]):
                 if out.error is not None:
-                    yield sse(error_body(f"the engine step that ran this request failed: {out.error}",
-                                         "server_error"))
+                    yield sse(error_body(out.error, "server_error"))
                     return
                 outputs[i] = out
                 for chunk in make_chunks(i, out):

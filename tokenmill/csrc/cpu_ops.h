@@ -5,7 +5,19 @@
 
 #include <torch/extension.h>
 
+#include <stdexcept>
+#include <string>
 #include <vector>
+
+// The kernels' argument checks: RuntimeError in Python, its message one string built without
+// std::ostringstream (which TORCH_CHECK formats its arguments with). In an extension built on the
+// GPU machines' image (torch 2.11.0+cu130, GCC 13) any std::ostringstream crashed the process,
+// while a std::runtime_error of a std::string was raised as it should be
+// (benchmarks/results/gpu_h100/19_cpp_exception_probe.txt).
+#define TM_CHECK(cond, message)                                  \
+  do {                                                           \
+    if (!(cond)) throw std::runtime_error(std::string(message)); \
+  } while (0)
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,

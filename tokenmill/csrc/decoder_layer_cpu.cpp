@@ -15,9 +15,9 @@ CpuDecoderLayer::CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_no
                                  c10::optional<torch::Tensor> k_norm)
     : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), eps(eps), q_norm(std::move(q_norm)),
       k_norm(std::move(k_norm)), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), scale(scale) {
-  TORCH_CHECK(projections.size() == 4, "DecoderLayer: qkv, o, gate_up and down projections");
-  for (const auto& p : projections) TORCH_CHECK(!p.empty(), "DecoderLayer: a projection without parts");
-  TORCH_CHECK(this->q_norm.has_value() == this->k_norm.has_value(), "DecoderLayer: q and k norms go together");
+  TM_CHECK(projections.size() == 4, "DecoderLayer: qkv, o, gate_up and down projections");
+  for (const auto& p : projections) TM_CHECK(!p.empty(), "DecoderLayer: a projection without parts");
+  TM_CHECK(this->q_norm.has_value() == this->k_norm.has_value(), "DecoderLayer: q and k norms go together");
   qkv = projections[0], o = projections[1], gate_up = projections[2], down = projections[3];
 }
 
@@ -71,8 +71,8 @@ torch::Tensor CpuDecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch
                                        std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
                                        torch::Tensor slot_block, torch::Tensor slot_offset, torch::Tensor block_tables,
                                        torch::Tensor query_start, torch::Tensor seq_lens) const {
-  TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
-              "DecoderStack: one K and one V pool per layer");
+  TM_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+           "DecoderStack: one K and one V pool per layer");
   c10::optional<torch::Tensor> residual;
   for (size_t i = 0; i < layers.size(); ++i) {
     // Between layers another Python thread that waits for the GIL (the server's event loop) takes

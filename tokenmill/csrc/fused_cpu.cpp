@@ -41,15 +41,15 @@ float sum_squares(const float* x, int64_t n) {
 }  // namespace
 
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32, name, ": float32 only");
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected a 2-d tensor with contiguous rows");
+  TM_CHECK(t.dtype() == torch::kFloat32, std::string(name) + ": float32 only");
+  TM_CHECK(t.dim() == 2 && t.stride(1) == 1, std::string(name) + ": expected a 2-d tensor with contiguous rows");
 }
 
 // Returns out; `residual`, when given, is updated in place to residual + x.
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                            double eps) {
   check_rows(x, "add_rms_norm(x)");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight shape");
+  TM_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight shape");
   const int64_t T = x.size(0), H = x.size(1);
   auto out = torch::empty({T, H}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -58,7 +58,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
   int64_t r_stride = 0;
   if (residual.has_value()) {
     check_rows(*residual, "add_rms_norm(residual)");
-    TORCH_CHECK(residual->size(0) == T && residual->size(1) == H, "add_rms_norm: residual shape");
+    TM_CHECK(residual->size(0) == T && residual->size(1) == H, "add_rms_norm: residual shape");
     rp = residual->data_ptr<float>();
     r_stride = residual->stride(0);
   }
@@ -87,8 +87,8 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
 void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
                  int64_t num_kv_heads, int64_t head_dim) {
   check_rows(qkv, "rotary_qkv_(qkv)");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2,
-              "rotary_qkv_: cos/sin must be (T, head_dim / 2) and contiguous");
+  TM_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2,
+           "rotary_qkv_: cos/sin must be (T, head_dim / 2) and contiguous");
   const int64_t T = qkv.size(0), half = head_dim / 2, heads = num_q_heads + num_kv_heads;
   const int64_t stride = qkv.stride(0);
   float* base = qkv.data_ptr<float>();
@@ -182,7 +182,7 @@ int64_t row_argmax(const float* row, int64_t V) {
 torch::Tensor argmax_rows(torch::Tensor x) {
   check_rows(x, "argmax_rows(x)");
   const int64_t T = x.size(0), V = x.size(1), stride = x.stride(0);
-  TORCH_CHECK(V > 0, "argmax_rows: empty rows");
+  TM_CHECK(V > 0, "argmax_rows: empty rows");
   auto out = torch::empty({T}, x.options().dtype(torch::kInt64));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();

@@ -518,8 +518,8 @@ void int8_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t
 // (ceil(N / 16), K / 32, panel block bytes) uint8, for the loader to lay out every matrix's
 // panels in one arena before packing them into it.
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format) {
-  TORCH_CHECK(format >= kFloat32 && format <= kLastFormat && (format == kFloat32 || K % kBlock == 0),
-              "panel_shape: unknown format ", format, " or K not a multiple of 32");
+  TM_CHECK(format >= kFloat32 && format <= kLastFormat && (format == kFloat32 || K % kBlock == 0),
+           "panel_shape: unknown format " + std::to_string(format) + " or K not a multiple of 32");
   const int64_t P = (N + kPanel - 1) / kPanel;
   if (format == kFloat32) return {P, K, kPanel};
   return {P, K / kBlock, panel_block_bytes(format)};
@@ -528,14 +528,14 @@ std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format) {
 // `out` given: zero it (it must have the panels' shape and dtype) and pack into it; else a new tensor.
 static torch::Tensor panels_tensor(c10::optional<torch::Tensor> out, std::vector<int64_t> shape, torch::ScalarType dtype) {
   if (!out.has_value()) return torch::zeros(shape, torch::TensorOptions().dtype(dtype));
-  TORCH_CHECK(out->dtype() == dtype && out->sizes() == c10::IntArrayRef(shape) && out->is_contiguous(),
-              "pack: out must be contiguous, of the panels' shape and dtype");
+  TM_CHECK(out->dtype() == dtype && out->sizes() == c10::IntArrayRef(shape) && out->is_contiguous(),
+           "pack: out must be contiguous, of the panels' shape and dtype");
   return out->zero_();
 }
 
 // W (N, K) -> (ceil(N / 16), K, 16), the last panel zero-padded.
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out) {
-  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.dim() == 2, "pack_panels: a float32 matrix");
+  TM_CHECK(weight.dtype() == torch::kFloat32 && weight.dim() == 2, "pack_panels: a float32 matrix");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
   auto w = weight.contiguous();
   auto panels = panels_tensor(out, panel_shape(N, K, kFloat32), torch::kFloat32);
@@ -556,12 +556,12 @@ torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out
 // (ceil(N / 16), K / 32, panel block bytes), the last panel padded with zero scales.
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out) {
 #ifndef TOKENMILL_AVX2
-  TORCH_CHECK(false, "pack_block_panels: the block formats need AVX2, FMA and F16C");
+  TM_CHECK(false, "pack_block_panels: the block formats need AVX2, FMA and F16C");
 #endif
-  TORCH_CHECK(format >= kQ4_0 && format <= kLastFormat, "pack_block_panels: unknown format ", format);
-  TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && K % kBlock == 0 &&
-                  rows.size(1) == K / kBlock * gguf_block_bytes(format),
-              "pack_block_panels: rows must be (N, K / 32 * block bytes) uint8");
+  TM_CHECK(format >= kQ4_0 && format <= kLastFormat, "pack_block_panels: unknown format " + std::to_string(format));
+  TM_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && K % kBlock == 0 &&
+               rows.size(1) == K / kBlock * gguf_block_bytes(format),
+           "pack_block_panels: rows must be (N, K / 32 * block bytes) uint8");
   const int64_t N = rows.size(0), P = (N + kPanel - 1) / kPanel, B = K / kBlock;
   const int64_t gb = gguf_block_bytes(format), pb = panel_block_bytes(format), sb = scale_bytes(format) / kPanel;
   auto r = rows.contiguous();
@@ -609,16 +609,18 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c
 // not the same bits, tested): the token-embedding lookup in a GGUF file's own rows. gguf's numpy
 // took 0.15 ms for one token, 2% of a batch-1 decode step, most of it in per-call overhead.
 torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) {
-  TORCH_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
-              "embed_rows: rows must be contiguous uint8 (V, bytes)");
-  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "embed_rows: Q4_0, Q4_1 or Q8_0 only");
-  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "embed_rows: ids must be int64 (T,)");
+  TM_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
+           "embed_rows: rows must be contiguous uint8 (V, bytes)");
+  TM_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "embed_rows: Q4_0, Q4_1 or Q8_0 only");
+  TM_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "embed_rows: ids must be int64 (T,)");
   const int64_t V = rows.size(0), bytes = rows.size(1), block = gguf_block_bytes(format);
-  TORCH_CHECK(bytes % block == 0, "embed_rows: rows of whole blocks");
+  TM_CHECK(bytes % block == 0, "embed_rows: rows of whole blocks");
   const int64_t B = bytes / block, T = ids.size(0);
   const torch::Tensor idx = ids.contiguous();
   const int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "embed_rows: token id ", ip[t], " out of range");
+  for (int64_t t = 0; t < T; ++t) {
+    TM_CHECK(ip[t] >= 0 && ip[t] < V, "embed_rows: token id " + std::to_string(ip[t]) + " out of range");
+  }
   auto out = torch::empty({T, B * kBlock}, rows.options().dtype(torch::kFloat32));
   const uint8_t* rp = rows.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -651,10 +653,10 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
 // kernel's format Q4F, Q5F or Q6F: what loader.k_quant_as_blocks_of_32 makes with numpy, byte for
 // byte (tested), in a fraction of the time (a 7B model's re-cut took 32 s in numpy).
 torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
-  TORCH_CHECK(format == kQ4F || format == kQ5F || format == kQ6F, "recut_k_quant: format Q4F, Q5F or Q6F");
+  TM_CHECK(format == kQ4F || format == kQ5F || format == kQ6F, "recut_k_quant: format Q4F, Q5F or Q6F");
   const int64_t super_bytes = format == kQ4F ? 144 : format == kQ5F ? 176 : 210;
-  TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.size(1) % super_bytes == 0,
-              "recut_k_quant: rows (N, K / 256 * super-block bytes) uint8");
+  TM_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.size(1) % super_bytes == 0,
+           "recut_k_quant: rows (N, K / 256 * super-block bytes) uint8");
   auto r = raw.contiguous();
   const int64_t supers = r.numel() / super_bytes, out_block = gguf_block_bytes(format);
   auto out = torch::empty({raw.size(0), raw.size(1) / super_bytes * 8 * out_block}, r.options());
@@ -722,29 +724,29 @@ torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
                            int64_t format, c10::optional<torch::Tensor> out, int64_t int8_rows) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "panel_linear: x must be a float32 matrix");
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && (N + kPanel - 1) / kPanel == P, "panel_linear: panel count");
+  TM_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "panel_linear: x must be a float32 matrix");
+  TM_CHECK(panels.dim() == 3 && panels.is_contiguous() && (N + kPanel - 1) / kPanel == P, "panel_linear: panel count");
   if (format == kFloat32) {
-    TORCH_CHECK(panels.dtype() == torch::kFloat32 && panels.size(1) == K && panels.size(2) == kPanel,
-                "panel_linear: float32 panels (P, K, 16) expected");
+    TM_CHECK(panels.dtype() == torch::kFloat32 && panels.size(1) == K && panels.size(2) == kPanel,
+             "panel_linear: float32 panels (P, K, 16) expected");
   } else {
 #ifndef TOKENMILL_AVX2
-    TORCH_CHECK(false, "panel_linear: the block formats need AVX2, FMA and F16C");
+    TM_CHECK(false, "panel_linear: the block formats need AVX2, FMA and F16C");
 #endif
-    TORCH_CHECK(format >= kQ4_0 && format <= kLastFormat && panels.dtype() == torch::kUInt8 &&
-                    K % kBlock == 0 && panels.size(1) == K / kBlock && panels.size(2) == panel_block_bytes(format),
-                "panel_linear: block panels (P, K / 32, bytes) of format ", format, " expected");
+    TM_CHECK(format >= kQ4_0 && format <= kLastFormat && panels.dtype() == torch::kUInt8 &&
+                 K % kBlock == 0 && panels.size(1) == K / kBlock && panels.size(2) == panel_block_bytes(format),
+             "panel_linear: block panels (P, K / 32, bytes) of format " + std::to_string(format) + " expected");
   }
   auto xc = x.contiguous();
   const float* b = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "panel_linear: bias shape");
+    TM_CHECK(bias->is_contiguous() && bias->numel() == N, "panel_linear: bias shape");
     b = bias->data_ptr<float>();
   }
   if (out.has_value()) {
-    TORCH_CHECK(out->dtype() == torch::kFloat32 && out->dim() == 2 && out->size(0) == M && out->size(1) == N &&
-                    out->stride(1) == 1 && (M <= 1 || out->stride(0) >= N),
-                "panel_linear: out must be a float32 (M, N) matrix with contiguous rows");
+    TM_CHECK(out->dtype() == torch::kFloat32 && out->dim() == 2 && out->size(0) == M && out->size(1) == N &&
+                 out->stride(1) == 1 && (M <= 1 || out->stride(0) >= N),
+             "panel_linear: out must be a float32 (M, N) matrix with contiguous rows");
   }
   auto y = out.has_value() ? *out : torch::empty({M, N}, x.options());
   const int64_t ldy = y.stride(0);

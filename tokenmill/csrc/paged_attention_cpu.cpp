@@ -396,17 +396,17 @@ template <typename KV>
 torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor query_start,
                                    torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
-              "paged_attention: the pool and block tables must be contiguous");
-  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && query_start.dtype() == torch::kInt32 &&
-                  seq_lens.dtype() == torch::kInt32, "paged_attention: int32 metadata");
+  TM_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
+  TM_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
+           "paged_attention: the pool and block tables must be contiguous");
+  TM_CHECK(block_tables.dtype() == torch::kInt32 && query_start.dtype() == torch::kInt32 &&
+               seq_lens.dtype() == torch::kInt32, "paged_attention: int32 metadata");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t G = Hq / Hkv;
   const int64_t B = seq_lens.size(0);
   const int64_t max_blocks = block_tables.size(1);
-  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "paged_attention: head shapes disagree");
+  TM_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "paged_attention: head shapes disagree");
 
   const float* qp = q.data_ptr<float>();
   const KV* kp = k_cache.data_ptr<KV>();
@@ -607,9 +607,9 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,
                               torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
-                  (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
-              "paged_attention: float32 queries, a float32 or float16 pool");
+  TM_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
+               (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
+           "paged_attention: float32 queries, a float32 or float16 pool");
   if (k_cache.dtype() == torch::kFloat16)
     return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale);
   return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale);
@@ -635,10 +635,10 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
       return x;
     }
   };
-  TORCH_CHECK(!k_cache.is_same(v_cache), "write_kv: the K and V pools must be two tensors");
+  TM_CHECK(!k_cache.is_same(v_cache), "write_kv: the K and V pools must be two tensors");
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks && offsets[t] >= 0 && offsets[t] < bs,
-                "write_kv: slot out of range");
+    TM_CHECK(blocks[t] >= 0 && blocks[t] < num_blocks && offsets[t] >= 0 && offsets[t] < bs,
+             "write_kv: slot out of range");
   const auto write = [&](const float* src, int64_t stride, KV* pool) {
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < Hkv; ++h) {
@@ -663,18 +663,18 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
 
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_block, torch::Tensor slot_offset) {
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
-              "write_kv: heads must be contiguous");
-  TORCH_CHECK(slot_block.dtype() == torch::kInt64 && slot_offset.dtype() == torch::kInt64, "write_kv: int64 slots");
-  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
-              (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16) &&
-              k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "write_kv: float32 k/v, contiguous float32 or float16 caches");
+  TM_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+           "write_kv: heads must be contiguous");
+  TM_CHECK(slot_block.dtype() == torch::kInt64 && slot_offset.dtype() == torch::kInt64, "write_kv: int64 slots");
+  TM_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
+           (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16) &&
+           k_cache.is_contiguous() && v_cache.is_contiguous(),
+           "write_kv: float32 k/v, contiguous float32 or float16 caches");
   const int64_t T = k.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
-  TORCH_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
-              v_cache.sizes() == k_cache.sizes(), "write_kv: k/v shapes disagree with the cache");
-  TORCH_CHECK(slot_block.is_contiguous() && slot_offset.is_contiguous() && slot_block.numel() == T &&
-              slot_offset.numel() == T, "write_kv: one contiguous slot per token");
+  TM_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
+           v_cache.sizes() == k_cache.sizes(), "write_kv: k/v shapes disagree with the cache");
+  TM_CHECK(slot_block.is_contiguous() && slot_offset.is_contiguous() && slot_block.numel() == T &&
+           slot_offset.numel() == T, "write_kv: one contiguous slot per token");
   const int64_t* blocks = slot_block.data_ptr<int64_t>();
   const int64_t* offsets = slot_offset.data_ptr<int64_t>();
   if (k_cache.dtype() == torch::kFloat16) {

@@ -10,7 +10,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <c10/util/Exception.h>
+#include "cpu_ops.h"  // TM_CHECK
 
 #include <algorithm>
 #include <atomic>
@@ -95,7 +95,7 @@ class ThreadChunks {
 // than asked for) are simply all stolen.
 template <class Body>
 void parallel_chunks(int64_t n, int64_t chunk, const Body& body) {
-  TORCH_CHECK(n >= 0 && n <= 0xFFFFFFFFll, "parallel_chunks: n must fit in 32 bits");
+  TM_CHECK(n >= 0 && n <= 0xFFFFFFFFll, "parallel_chunks: n must fit in 32 bits");
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, n));
   if (threads == 1 || at::in_parallel_region()) {
     StealingRanges ranges(n, 1, std::max<int64_t>(1, n));

@@ -283,28 +283,28 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::
                           c10::optional<torch::Tensor> floors) {
   check_rows(logits, "sample_rows(logits)");
   const int64_t S = logits.size(0), V = logits.size(1), stride = logits.stride(0);
-  TORCH_CHECK(V > 0, "sample_rows: empty rows");
+  TM_CHECK(V > 0, "sample_rows: empty rows");
   const auto per_row = [S](const c10::optional<torch::Tensor>& t, torch::ScalarType dtype, const char* name) {
     if (!t.has_value()) return torch::Tensor();
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == S && t->scalar_type() == dtype, "sample_rows: ", name,
-                " must be one ", dtype, " per row");
+    TM_CHECK(t->dim() == 1 && t->size(0) == S && t->scalar_type() == dtype,
+             std::string("sample_rows: ") + name + " must be one " + c10::toString(dtype) + " per row");
     return t->contiguous();
   };
   const torch::Tensor temps = per_row(temperature, torch::kFloat32, "temperature");
   const torch::Tensor us = per_row(u, torch::kFloat64, "u");
   const torch::Tensor ks = per_row(top_k, torch::kInt64, "top_k"), ps = per_row(top_p, torch::kFloat32, "top_p");
   const torch::Tensor mps = per_row(min_p, torch::kFloat32, "min_p"), fl = per_row(floors, torch::kFloat32, "floors");
-  TORCH_CHECK(!floors.has_value() || floors->is_contiguous(), "sample_rows: floors must be contiguous");
+  TM_CHECK(!floors.has_value() || floors->is_contiguous(), "sample_rows: floors must be contiguous");
   for (int64_t r = 0; r < S; ++r) {  // what the selection and the draw rely on
     const float t = temps.data_ptr<float>()[r];
     const double x = us.data_ptr<double>()[r];
-    TORCH_CHECK(t >= 0.0f, "sample_rows: temperature must be >= 0");
-    TORCH_CHECK(x >= 0.0 && x < 1.0, "sample_rows: u must be in [0, 1)");
-    TORCH_CHECK(!ks.defined() || ks.data_ptr<int64_t>()[r] >= 1, "sample_rows: top_k must be >= 1");
-    TORCH_CHECK(!ps.defined() || (ps.data_ptr<float>()[r] > 0.0f && ps.data_ptr<float>()[r] <= 1.0f),
-                "sample_rows: top_p must be in (0, 1]");
-    TORCH_CHECK(!mps.defined() || (mps.data_ptr<float>()[r] >= 0.0f && mps.data_ptr<float>()[r] <= 1.0f),
-                "sample_rows: min_p must be in [0, 1]");
+    TM_CHECK(t >= 0.0f, "sample_rows: temperature must be >= 0");
+    TM_CHECK(x >= 0.0 && x < 1.0, "sample_rows: u must be in [0, 1)");
+    TM_CHECK(!ks.defined() || ks.data_ptr<int64_t>()[r] >= 1, "sample_rows: top_k must be >= 1");
+    TM_CHECK(!ps.defined() || (ps.data_ptr<float>()[r] > 0.0f && ps.data_ptr<float>()[r] <= 1.0f),
+             "sample_rows: top_p must be in (0, 1]");
+    TM_CHECK(!mps.defined() || (mps.data_ptr<float>()[r] >= 0.0f && mps.data_ptr<float>()[r] <= 1.0f),
+             "sample_rows: min_p must be in [0, 1]");
   }
   auto out = torch::empty({S}, logits.options().dtype(torch::kInt64));
   const float* lp = logits.data_ptr<float>();
@@ -319,8 +319,8 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::
           op[r] = row_argmax(lp + r * stride, V);
         } else {
           const RowParams p{t, ks.defined() ? ks.data_ptr<int64_t>()[r] : V,
-                            ps.defined() ? ps.data_ptr<float>()[r] : 1.0f,
-                            mps.defined() ? mps.data_ptr<float>()[r] : 0.0f};
+                         ps.defined() ? ps.data_ptr<float>()[r] : 1.0f,
+                         mps.defined() ? mps.data_ptr<float>()[r] : 0.0f};
           op[r] = sample_row(lp + r * stride, V, p, us.data_ptr<double>()[r], buf, &floor);
         }
         if (fl.defined()) fl.data_ptr<float>()[r] = floor;

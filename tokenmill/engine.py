@@ -354,6 +354,8 @@ class LLMEngine:
         completes)."""
         logger.exception("step failed; failing its %d requests", len(sched.requests))
         self.kv.pool.uncache(list(range(self.kv.pool.num_blocks)))
+        for request in self.scheduler.running:  # what survives offers its blocks to the cache again
+            request.num_registered_blocks = 0
         for request_id in sched.preempted_request_ids:
             request = self.scheduler.requests.get(request_id)
             if request is not None and request.swapped_block_ids:

@@ -47,7 +47,8 @@ class BlockPool:
 
     Invariants, kept by every method: `num_free_blocks + num_evictable_blocks + num_used_blocks
     == num_blocks`; a block with ref > 0 is in neither queue; `cached` maps each hash to one
-    block whose `block_hash` is that hash.
+    block whose `block_hash` is that hash. A block in use whose content is cached in another
+    block is its twin: it takes the other's place when that one is evicted.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -57,6 +58,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}                       # hash -> block id
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # ref 0, no hash; a stack, 0 on top
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; oldest first
+        self.twins: dict[bytes, list[int]] = {}                  # hash -> uncached blocks in use of that content
+        self.twin_hash: dict[int, bytes] = {}                    # each such block -> its hash
         self.num_evictions = 0
         self.num_shared_refs = 0  # references beyond the first, summed over blocks (for waste figures)
 
@@ -83,8 +86,7 @@ class BlockPool:
                 block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self.cached[self.block_hash[block]]
-                self.block_hash[block] = None
+                self._forget(block)
                 self.num_evictions += 1
             self.ref_counts[block] = 1
             out.append(block)
@@ -108,15 +110,22 @@ class BlockPool:
             if self.ref_counts[block] > 0:
                 self.num_shared_refs -= 1
             else:
+                if block in self.twin_hash:
+                    self._drop_twin(block)
                 if self.block_hash[block] is None:
                     self._free.append(block)
                 else:
                     self._evictable[block] = None
 
     def cache(self, block: int, block_hash: bytes) -> None:
-        """Record a full, computed block's hash so later prompts can share it."""
-        if self.block_hash[block] is not None or block_hash in self.cached:
-            return  # already cached, or an identical block is: keep the first
+        """Record a full, computed block's hash so later prompts can share it. While an identical
+        block is cached the first is kept, and this one waits as its twin."""
+        if self.block_hash[block] is not None or block in self.twin_hash:
+            return
+        if block_hash in self.cached:
+            self.twins.setdefault(block_hash, []).append(block)
+            self.twin_hash[block] = block_hash
+            return
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
 
@@ -126,14 +135,32 @@ class BlockPool:
     def uncache(self, block_ids: list[int]) -> None:
         """Forget the hashes of these blocks (their contents can no longer be trusted)."""
         for block in block_ids:
-            block_hash = self.block_hash[block]
-            if block_hash is None:
+            if block in self.twin_hash:
+                self._drop_twin(block)
+            if self.block_hash[block] is None:
                 continue
-            del self.cached[block_hash]
-            self.block_hash[block] = None
+            self._forget(block)
             if block in self._evictable:
                 del self._evictable[block]
                 self._free.append(block)
+
+    def _forget(self, block: int) -> None:
+        """Drop a cached block's hash; the oldest twin of its content, if any, is cached instead."""
+        block_hash = self.block_hash[block]
+        self.block_hash[block] = None
+        del self.cached[block_hash]
+        if block_hash in self.twins:
+            twin = self.twins[block_hash][0]
+            self._drop_twin(twin)
+            self.block_hash[twin] = block_hash
+            self.cached[block_hash] = twin
+
+    def _drop_twin(self, block: int) -> None:
+        block_hash = self.twin_hash.pop(block)
+        twins = self.twins[block_hash]
+        twins.remove(block)
+        if not twins:
+            del self.twins[block_hash]
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the bookkeeping is inconsistent (tests call this every step)."""
@@ -148,6 +175,9 @@ class BlockPool:
             assert (block in free) <= (self.block_hash[block] is None)
         for h, block in self.cached.items():
             assert self.block_hash[block] == h
+        assert self.twin_hash == {b: h for h, blocks in self.twins.items() for b in blocks}
+        for block, h in self.twin_hash.items():
+            assert self.ref_counts[block] > 0 and self.block_hash[block] is None and h in self.cached
         assert len(free) + len(evictable) + self.num_used_blocks == self.num_blocks
         assert self.num_shared_refs == sum(max(r - 1, 0) for r in self.ref_counts)
 
@@ -238,6 +268,7 @@ class KVCacheManager:
             self.host_pool.free(request.swapped_block_ids)
             request.swapped_block_ids = []
         request.block_ids.clear()
+        request.num_registered_blocks = 0
         request.num_computed_tokens = 0
 
     def trim(self, request: Request) -> None:
@@ -258,6 +289,7 @@ class KVCacheManager:
         copies = list(zip(request.block_ids, host))
         self.pool.free(list(reversed(request.block_ids)))
         request.block_ids = []
+        request.num_registered_blocks = 0
         request.swapped_block_ids = host
         return copies
 
@@ -291,13 +323,19 @@ class KVCacheManager:
         return self.pool.num_free_blocks - revived
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the request's blocks that are full within its first `num_tokens` tokens."""
+        """Register the request's blocks that are full within its first `num_tokens` tokens, each
+        once (`num_registered_blocks`: a decode step fills at most one, and offering all of them
+        again every step cost a millisecond a step at batch 256; the pool keeps a block whose
+        content is cached elsewhere as a twin, so nothing needs offering twice)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(num_tokens, request.num_tokens) // self.block_size
+        if num_full <= request.num_registered_blocks:
+            return
         self._extend_hashes(request, num_full * self.block_size)
-        for i in range(num_full):
+        for i in range(request.num_registered_blocks, num_full):
             self.pool.cache(request.block_ids[i], request.block_hashes[i])
+        request.num_registered_blocks = num_full
 
     def _extend_hashes(self, request: Request, num_tokens: int) -> None:
         """Hash the request's full blocks within its first `num_tokens` tokens, once each."""

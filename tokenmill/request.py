@@ -82,6 +82,7 @@ class Request:
     num_cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
+    num_registered_blocks: int = 0          # leading block_ids already offered to the prefix cache
     swapped_block_ids: list[int] = field(default_factory=list)  # host blocks while swapped out
     draft_token_ids: list[int] = field(default_factory=list)    # speculative proposal for this step
     draft_probs: object | None = None       # (k, vocab) tensor: the draft model's distributions, if any

@@ -78,6 +78,56 @@ def test_identical_prefixes_share_blocks_with_ref_counts():
     kv.pool.check_invariants()
 
 
+def test_each_full_block_is_offered_to_the_cache_once_and_again_after_a_preemption(monkeypatch):
+    """Decode steps fill one block at a time: the blocks already offered are not offered again
+    (that cost a millisecond a step at batch 256), but blocks given anew after a preemption are."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, num_host_blocks=8)
+    offered = []
+    cache = kv.pool.cache
+    monkeypatch.setattr(kv.pool, "cache", lambda block, h: (offered.append(block), cache(block, h)))
+    r = make_request("a", prompt_len=6)
+    assert kv.allocate(r, 6, kv.find_prefix(r)) and offered == [r.block_ids[0]]
+    r.num_computed_tokens = 6
+    for _ in range(7):                   # decode steps: tokens 7..13, blocks 1 and 2 fill
+        r.token_ids.append(5)
+        assert kv.allocate(r, 1)
+        r.num_computed_tokens += 1
+    assert offered == r.block_ids[:3] and kv.pool.cached == {h: b for h, b in zip(r.block_hashes, r.block_ids)}
+    kv.free(r)                           # preempted, then recomputed into other blocks
+    kv.pool.uncache(list(range(16)))
+    offered.clear()
+    assert kv.allocate(r, r.num_tokens) and offered == r.block_ids[:3]
+    r.num_computed_tokens = r.num_tokens
+    kv.swap_out(r)                       # preempted by swapping, then back into other blocks
+    kv.pool.uncache(list(range(16)))
+    offered.clear()
+    kv.swap_in(r, 1)
+    assert offered == r.block_ids[:3]
+
+
+def test_a_block_whose_twin_is_cached_takes_its_place_once_the_twin_is_evicted():
+    """A request that computed its prefix itself (no lookup: it wants prompt logprobs) holds
+    twins of cached blocks: they replace the originals once those are evicted, and are forgotten
+    when freed first."""
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    first, twin = make_request("a", prompt_len=9), make_request("b", prompt_len=9)
+    for r in (first, twin):
+        assert kv.allocate(r, 9)         # twin: no prefix lookup
+        r.num_computed_tokens = 9
+    assert kv.pool.cached == {h: b for h, b in zip(first.block_hashes, first.block_ids)}
+    assert sorted(kv.pool.twin_hash) == sorted(twin.block_ids[:2])
+    kv.free(first)
+    taken = kv.pool.allocate(kv.pool.num_free_blocks)  # every free block, evicting the first's cached ones
+    assert kv.pool.cached == {h: b for h, b in zip(twin.block_hashes, twin.block_ids)} and not kv.pool.twins
+    kv.pool.check_invariants()
+    kv.pool.free(taken)
+    again = make_request("c", prompt_len=9)
+    assert kv.allocate(again, 9) and kv.pool.twin_hash.keys() == set(again.block_ids[:2])
+    kv.free(again)                       # a twin freed before its original: forgotten
+    assert not kv.pool.twins and kv.pool.num_free_blocks == 3 and kv.pool.num_evictable_blocks == 0
+    kv.pool.check_invariants()
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_token():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     first = make_request("a", prompt_len=8)

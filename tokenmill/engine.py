@@ -376,7 +376,7 @@ class LLMEngine:
 
     def _make_output(self, request: Request) -> RequestOutput:
         detok = self.detokenizers[request.request_id]
-        new_ids = request.output_token_ids[detok.num_tokens:]
+        new_ids = request.token_ids[request.num_prompt_tokens + detok.num_tokens:]  # (not a copy of every output token)
         # (the scheduler finishes as "stopped" on an EOS or stop token, or on a completed grammar,
         # whose last token is text; stop strings are found just below)
         last = new_ids[-1] if new_ids else None

@@ -384,7 +384,7 @@ class LLMEngine:
                                and (last in request.eos_token_ids or last in request.params.stop_token_ids))
         fed = detok.num_tokens
         delta, stop = detok.update(new_ids, stop_token=ended_on_stop_token)
-        if stop is not None:
+        if stop is not None and request.status != RequestStatus.FINISHED_ERROR:  # a failed grammar stays an error
             used = detok.num_tokens - fed  # accepted drafts past the one that completed the stop string
             if used < len(new_ids):
                 request.drop_output_tokens(len(new_ids) - used)

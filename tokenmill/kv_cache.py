@@ -257,12 +257,9 @@ class KVCacheManager:
         self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
         return True
 
-    def free(self, request: Request, uncache: bool = False) -> None:
+    def free(self, request: Request) -> None:
         """Return all of a request's blocks (and host blocks, if swapped); tail blocks first in
-        eviction order (least shareable). uncache: also forget their hashes (a failed step may
-        have left them half written)."""
-        if uncache:
-            self.pool.uncache(request.block_ids)
+        eviction order (least shareable)."""
         self.pool.free(list(reversed(request.block_ids)))
         if request.swapped_block_ids:
             self.host_pool.free(request.swapped_block_ids)

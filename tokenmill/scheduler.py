@@ -94,7 +94,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request, uncache=status == RequestStatus.FINISHED_ERROR)
+        self.kv.free(request)  # (a failed step has already made the whole pool forget its hashes)
         request.status = status
         request.times.finished = self.clock()
         if request.deadline is not None and request.times.finished > request.deadline:

@@ -114,7 +114,8 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        return self.matcher.get_error()
+        """llguidance's message, first line (the rest dumps the parser's state and the grammar)."""
+        return self.matcher.get_error().strip().split("\n", 1)[0]
 
 
 def mask_width(vocab_size: int) -> int:

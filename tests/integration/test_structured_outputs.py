@@ -105,11 +105,19 @@ def test_a_grammar_that_fails_mid_output_ends_its_request_with_an_error(tiny_byt
     monkeypatch.setattr(Grammar, "fill_mask", lambda self, bitmask, row: bitmask.__setitem__(row, -1))
     llm = LLM(str(tiny_bytes), max_model_len=512)
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    digits, plain = llm.generate(["hello there", "yes no maybe"],
-                                 [greedy.clone(structured_outputs={"regex": "[0-9]+"}), greedy], use_tqdm=False)
+    prompt = "hello there, " * 6  # several full blocks
+    constrained = greedy.clone(structured_outputs={"regex": "[0-9]+"})
+    digits, plain = llm.generate([prompt, "yes no maybe"], [constrained, greedy], use_tqdm=False)
     assert digits.outputs[0].finish_reason == "error" and "grammar failed" in digits.error
+    assert "\n" not in digits.error  # llguidance's first line, not its dump of the parser's state
     assert len(digits.outputs[0].token_ids) < 30 and not re.fullmatch("[0-9]+", digits.outputs[0].text)
     assert plain.error is None and plain.outputs[0].finish_reason == "length"
+    # a stop string the failing token completes does not turn the error into an answer
+    stopped, = llm.generate([prompt], constrained.clone(stop=[digits.outputs[0].text[-1]]), use_tqdm=False)
+    assert stopped.outputs[0].finish_reason == "error" and "grammar failed" in stopped.error
+    # nor does the failure make the cache forget the prompt's blocks (its KV is sound)
+    again, = llm.generate([prompt], greedy.clone(max_tokens=1), use_tqdm=False)
+    assert again.metrics.num_cached_tokens > 0
 
 
 # ---- over HTTP --------------------------------------------------------------------------------

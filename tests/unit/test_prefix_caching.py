@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import random
 
-from fakes import fake_run, make_scheduler
+from fakes import FakeClock, fake_run, make_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenmill.config import SchedulerConfig
+from tokenmill.kv_cache import KVCacheManager
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import Scheduler
 
 
 def request(rid: str, tokens: list[int], max_tokens: int = 4, **kw) -> Request:
@@ -117,3 +120,59 @@ def test_random_traffic_keeps_every_block_accounted_for(ops, prefix_caching):
         step(s)
         check_pool(s)
     assert s.kv.pool.num_used_blocks == 0
+
+
+class SlotStore:
+    """What a real pool would hold: the token written into each slot, copied by swaps as the
+    runner copies blocks. A step writes its chunks' tokens, then each request reads its whole
+    context back from its block table, as attention would: a prefix hit that handed it a block
+    of other content (a stale hash, a stale twin) shows up as a token it never had."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.device: dict[tuple[int, int], int] = {}
+        self.host: dict[tuple[int, int], int] = {}
+
+    def run(self, sched) -> None:
+        for src, dst in sched.swap_out:
+            self.host.update({(dst, i): self.device[(src, i)] for i in range(self.bs) if (src, i) in self.device})
+        for src, dst in sched.swap_in:
+            self.device.update({(dst, i): self.host[(src, i)] for i in range(self.bs) if (src, i) in self.host})
+        for r, n in zip(sched.requests, sched.num_scheduled_tokens):
+            start, end = r.num_computed_tokens, min(r.num_computed_tokens + n, r.num_tokens)
+            for pos in range(start, end):
+                self.device[(r.block_ids[pos // self.bs], pos % self.bs)] = r.token_ids[pos]
+            read = [self.device.get((r.block_ids[pos // self.bs], pos % self.bs)) for pos in range(end)]
+            assert read == r.token_ids[:end], f"{r.request_id} reads another sequence's KV"
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "again", "step", "step", "step", "abort"]), st.integers(0, 3),
+                          st.integers(1, 30), st.integers(0, 10_000)), min_size=1, max_size=80),
+       st.sampled_from(["recompute", "swap"]))
+def test_prefix_hits_and_twins_always_hand_a_request_its_own_tokens(ops, mode):
+    """Random traffic with repeated prompts (identical requests decode identical blocks: twins of
+    cached ones), preemption by recompute or swap over a small pool, and aborts: every step each
+    request reads back exactly its own tokens, and the cache's bookkeeping holds."""
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True, num_host_blocks=12)
+    s = Scheduler(SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=16, max_model_len=80, kv_watermark=0.0,
+                                  preemption_mode=mode), kv, clock=FakeClock())
+    store, prefixes, last, n = SlotStore(4), [[7] * 12, list(range(20, 32)), [9, 8] * 6, []], None, 0
+    for op, prefix, length, salt in ops:
+        if op in ("add", "again"):
+            if op == "add" or last is None:  # again: the last prompt, for as many tokens as the salt says
+                last = (prefixes[prefix] + [random.Random(salt).randrange(2, 50) for _ in range(length)])[:60]
+            s.add_request(request(f"r{n}", list(last), max_tokens=1 + salt % 16))
+            n += 1
+        elif op == "abort" and s.requests:
+            s.finish_request(sorted(s.requests)[salt % len(s.requests)], RequestStatus.FINISHED_ABORTED)
+        else:
+            sched = s.schedule()
+            store.run(sched)
+            s.update(sched, fake_run(sched))
+        check_pool(s)
+    while s.has_unfinished_requests():
+        sched = s.schedule()
+        store.run(sched)
+        s.update(sched, fake_run(sched))
+        check_pool(s)

@@ -344,7 +344,7 @@ class LLMEngine:
         return outputs
 
     def _outputs(self, requests: list[Request]) -> list[RequestOutput]:
-        return [self._make_output(r) for r in requests]
+        return [out for r in requests if (out := self._make_output(r)) is not None]
 
     def _fail_step(self, sched, exc: Exception) -> list[RequestOutput]:
         """Fail the step's requests, and distrust what the step may have left half done: forget
@@ -374,7 +374,7 @@ class LLMEngine:
         waiting += sum(r.num_remaining_prefill for r in sched.running if r.num_remaining_prefill > 1)
         self.speculator.propose(sched.running, waiting, self.config.max_num_batched_tokens, self.max_model_len)
 
-    def _make_output(self, request: Request) -> RequestOutput:
+    def _make_output(self, request: Request) -> RequestOutput | None:
         detok = self.detokenizers[request.request_id]
         new_ids = request.token_ids[request.num_prompt_tokens + detok.num_tokens:]  # (not a copy of every output token)
         # (the scheduler finishes as "stopped" on an EOS or stop token, or on a completed grammar,
@@ -397,6 +397,8 @@ class LLMEngine:
             delta += detok.flush()
         if request.is_finished:
             del self.detokenizers[request.request_id]
+        elif request.params.output_kind == "final":
+            return None  # (its text is still followed: stop strings end it)
         return self._output(request, detok.text[:detok.emitted], delta, new_ids)
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
@@ -419,6 +421,8 @@ class LLMEngine:
         return self._output(request, detok.text[:detok.emitted] if detok else "", delta, [])
 
     def _output(self, request: Request, text: str, delta: str, new_ids: list[int]) -> RequestOutput:
+        if request.params.output_kind == "final":  # its one report: all of it is new
+            delta, new_ids = text, request.output_token_ids
         completion = CompletionOutput(
             index=0, text=text, token_ids=request.output_token_ids, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,

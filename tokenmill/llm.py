@@ -47,7 +47,7 @@ class LLM:
         try:
             for i, (prompt, p, rank) in enumerate(zip(prompts, params_list, priorities)):
                 for j in range(p.n):
-                    sub = p if p.n == 1 else p.for_sample(j)
+                    sub = (p if p.n == 1 else p.for_sample(j)).clone(output_kind="final")  # no output per step
                     request_id = f"llm-{self._counter}"
                     self._counter += 1
                     # as vLLM offline: max_tokens past the context ends the output there ("length")

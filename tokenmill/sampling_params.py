@@ -81,6 +81,8 @@ class SamplingParams:
                                         # grammar the output must follow (such a request does not speculate)
     bad_words: list[str] | None = None  # words never generated (vLLM's): each word's last token is
                                         # banned wherever the output ends in the tokens before it
+    output_kind: str = "cumulative"     # "final": the engine reports the request only once it ended
+                                        # (vLLM's FINAL_ONLY; LLM.generate's), no output built per step
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +114,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 63):  # a torch.Generator's seed
             raise ValueError(f"seed must fit in 64 bits, in [-2^63, 2^63), got {self.seed}")
+        if self.output_kind not in ("cumulative", "final"):
+            raise ValueError(f"output_kind must be 'cumulative' or 'final', got {self.output_kind!r}")
         if self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -117,6 +117,33 @@ def test_step_api_streams_deltas_and_abort_frees_blocks(llm):
     assert engine.kv.pool.num_used_blocks == 0
 
 
+def test_final_only_outputs_report_a_request_once_it_ended(llm):
+    """output_kind="final" (vLLM's FINAL_ONLY, what LLM.generate asks for): no output per step,
+    one at the end with the same text, tokens and logprobs, stop strings still applied."""
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    full = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0]
+    stop = full.text.split()[4]
+    for rid, params in (("f1", greedy), ("f2", greedy.clone(stop=[stop]))):
+        engine.add_request(rid, [5, 6, 7], params.clone(output_kind="final"))
+    engine.add_request("c", [5, 6, 7], greedy)  # cumulative beside them: reported every step
+    seen: dict[str, list] = {"f1": [], "f2": [], "c": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert [o.finished for o in seen["f1"]] == [True] and [o.finished for o in seen["f2"]] == [True]
+    assert len(seen["c"]) == 12
+    whole, stopped = seen["f1"][0].outputs[0], seen["f2"][0].outputs[0]
+    assert (whole.text, whole.token_ids) == (full.text, full.token_ids)
+    assert [list(e) for e in whole.logprobs] == [list(e) for e in full.logprobs]  # (prefill rounding differs
+    assert [v for e in whole.logprobs for v in e.values()] == pytest.approx(    # with the batch, ~1e-7)
+        [v for e in full.logprobs for v in e.values()], abs=1e-5)
+    assert (seen["f1"][0].new_token_ids, seen["f1"][0].new_text) == (full.token_ids, full.text)  # all of it is new
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[:full.text.index(stop)]
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+
+
 @pytest.mark.parametrize("prompt, params, message", [
     ("", SamplingParams(), "empty"),
     ([5] * 1100, SamplingParams(max_tokens=1), "context length"),

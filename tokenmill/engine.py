@@ -353,9 +353,7 @@ class LLMEngine:
         and of those that ended before it (the speculator learns of them after a step that
         completes)."""
         logger.exception("step failed; failing its %d requests", len(sched.requests))
-        self.kv.pool.uncache(list(range(self.kv.pool.num_blocks)))
-        for request in self.scheduler.running:  # what survives offers its blocks to the cache again
-            request.num_registered_blocks = 0
+        self.kv.forget_cached(self.scheduler.running)
         for request_id in sched.preempted_request_ids:
             request = self.scheduler.requests.get(request_id)
             if request is not None and request.swapped_block_ids:

@@ -268,6 +268,13 @@ class KVCacheManager:
         request.num_registered_blocks = 0
         request.num_computed_tokens = 0
 
+    def forget_cached(self, holders: list[Request]) -> None:
+        """Forget every cached hash (a failed step may have left blocks half written); `holders`,
+        the requests that keep their blocks, offer the full ones again at their next allocation."""
+        self.pool.uncache(list(range(self.pool.num_blocks)))
+        for request in holders:
+            request.num_registered_blocks = 0
+
     def trim(self, request: Request) -> None:
         """Free the blocks past the request's computed tokens (after rejected speculative tokens).
         Those blocks were never registered in the cache: drafts are not tokens of the request."""

@@ -105,7 +105,7 @@ class Grammar:
     @property
     def is_terminated(self) -> bool:
         """No token may follow: the output is complete (or the matcher failed)."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        return self.matcher.is_stopped() or self.failed
 
     @property
     def failed(self) -> bool:

@@ -66,9 +66,10 @@ def _save_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     fast.save_pretrained(str(path))
 
 
-def _save_byte_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
+def save_byte_tokenizer(path: Path, vocab_size: int = VOCAB, special: tuple[str, ...] = ()) -> None:
     """A byte-level BPE tokenizer (GPT-2's kind: every text has a tokenization, and tokens are
-    pieces of text), trained here on a few lines of JSON and prose; "<s>" is 0 and "</s>" 1."""
+    pieces of text), trained here on a few lines of JSON and prose; "<s>" is 0 and "</s>" 1, and
+    the `special` tokens (such as Mistral's "[TOOL_CALLS]") 2 on."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,10 +79,11 @@ def _save_byte_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     corpus = ['{"name": "Ada", "age": 36, "tags": ["math", "code"], "ok": true, "none": null}',
               "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
               "yes no maybe red green blue 0123456789 [1, 2, 3] {} () <> -+*/=_:;,.!?'"] * 4
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", *special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=list(special))
     fast.chat_template = ("{% if greeting is defined %}{{ greeting }}{% endif %}"  # a template variable
                           "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
                           "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
@@ -113,7 +115,7 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * noise * p.std())
     model.save_pretrained(str(path), safe_serialization=True)
-    (_save_byte_tokenizer if byte_tokenizer else _save_tokenizer)(path, vocab_size)
+    (save_byte_tokenizer if byte_tokenizer else _save_tokenizer)(path, vocab_size)
     return path
 
 

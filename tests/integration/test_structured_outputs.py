@@ -296,6 +296,41 @@ def test_auto_tool_calls_are_parsed_from_the_models_own_format(hermes_client):
     assert plain.choices[0].message.content == "hello" and not plain.choices[0].message.tool_calls
 
 
+@pytest.fixture(scope="module")
+def mistral_client(tiny_bytes, tmp_path_factory):
+    """A server that parses Mistral's tool calls, its tokenizer with "[TOOL_CALLS]" as a special token."""
+    from conftest import copy_model, save_byte_tokenizer
+    from test_server import running_server
+    model = copy_model(tiny_bytes, tmp_path_factory.mktemp("mistral") / "llama")
+    save_byte_tokenizer(model, special=("[TOOL_CALLS]",))
+    with running_server(model, tool_call_parser="mistral") as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_mistral_calls_after_the_special_token_are_parsed(mistral_client):
+    """Text is decoded without special tokens by default, which would drop "[TOOL_CALLS]": a Mistral
+    server keeps them for tool_choice "auto". A grammar makes the model write the token itself (id 2)."""
+    forced = 'start: "Wait." <[2]> "[{\\"name\\": \\"now\\", \\"arguments\\": {}}]"'
+    for stream in (False, True):
+        out = mistral_client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60,
+                                                     temperature=0, stream=stream,
+                                                     extra_body={"guided_grammar": forced})
+        if stream:
+            deltas = [c.choices[0] for c in out if c.choices]
+            content = "".join(d.delta.content or "" for d in deltas)
+            calls, reason = [t for d in deltas for t in (d.delta.tool_calls or [])], deltas[-1].finish_reason
+        else:
+            message, reason = out.choices[0].message, out.choices[0].finish_reason
+            content, calls = message.content, message.tool_calls
+        assert content == "Wait." and [c.function.name for c in calls] == ["now"] and reason == "tool_calls"
+        assert json.loads(calls[0].function.arguments) == {} and len(calls[0].id) == 9
+    plain = mistral_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0,
+                                                   extra_body={"guided_grammar": forced})
+    # without tools, special tokens are skipped as by default
+    assert plain.choices[0].message.content == 'Wait.[{"name": "now", "arguments": {}}]'
+
+
+
 def test_a_conversation_with_calls_and_results_reaches_the_template(server):
     messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "call_1", "type": "function",

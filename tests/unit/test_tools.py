@@ -65,6 +65,47 @@ def test_hermes_and_llama3_json_outputs_parse_into_calls():
     assert llama.parse('It is {"not": "a call"}') == ('It is {"not": "a call"}', [])
 
 
+@pytest.mark.parametrize("text, content", [
+    ('Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]',
+     "Sure."),                                                                  # Mistral 7B v0.3, Nemo
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}', None),     # tokenizers v13
+    ('[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]now{}', None),                 # v11
+    ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}', None),
+])
+def test_mistral_outputs_parse_into_calls_with_mistral_ids(text, content):
+    mistral = plan_tools([WEATHER, NOW], "auto", "mistral")
+    parsed = mistral.parse(text)
+    assert parsed[0] == content and calls(parsed) == [("get_weather", {"city": "Paris"}), ("now", {})]
+    # Mistral's chat templates take back only 9-character alphanumeric ids
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in parsed[1])
+    assert mistral.keeps_special_tokens and not plan_tools([WEATHER], "auto", "hermes").keeps_special_tokens
+
+
+def test_mistral_text_that_is_not_calls_stays_content():
+    mistral = plan_tools([WEATHER, NOW], "auto", "mistral")
+    for text in ["No tools needed.", "[TOOL_CALLS] [{\"name\": \"now\", \"argu", "[TOOL_CALLS]{\"city\": 1}",
+                 "[TOOL_CALLS]now[ARGS][1, 2]", "[TOOL_CALLS]now"]:
+        assert mistral.parse(text) == (text, []), text
+    named = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "mistral")
+    assert len(named.parse('{"city": "Rome"}')[1][0].id) == 9     # every call of a Mistral server
+    assert named.parse('{"city": "Rome"}')[1][0].id != named.parse('{"city": "Rome"}')[1][0].id
+
+
+def test_pythonic_outputs_parse_into_calls():
+    pythonic = plan_tools([WEATHER, NOW], "auto", "pythonic")
+    for text in ['[get_weather(city="Paris"), now()]', '<|python_start|>[get_weather(city=\'Paris\'), now()]'
+                 '<|python_end|>', ' [get_weather(city="Paris"),\n now()] ']:
+        assert pythonic.parse(text)[0] is None and calls(pythonic.parse(text)) == [("get_weather", {"city": "Paris"}),
+                                                                                   ("now", {})], text
+    nested = pythonic.parse('[f(a=[1, -2.5], b={"k": None}, c=True, d=(1, 2))]')
+    assert calls(nested) == [("f", {"a": [1, -2.5], "b": {"k": None}, "c": True, "d": [1, 2]})]
+    assert nested[1][0].id.startswith("call_")
+    for text in ["[1] See the footnote.", "[get_weather('Paris')]", "[f(**kw)]", "[f(**{'a': 1})]",
+                 "[os.system(cmd='ls')]", "[f(a=open('x'))]", "[f(a={1, 2})]", "[f(a=1e999)]", "[]", "[f(a=1)",
+                 "get_weather(city='Paris')"]:
+        assert pythonic.parse(text) == (text, []), text
+
+
 def stream(plan, pieces: list[str]) -> tuple[list[dict], ToolStream]:
     s, text, deltas = ToolStream(plan), "", []
     for k, piece in enumerate(pieces):
@@ -96,3 +137,20 @@ def test_streamed_deltas_add_up_to_the_whole_answer():
     deltas, _ = stream(llama, [' {"name": "get_wea', 'ther", "parameters": {"city": "X"}}'])
     assert len(deltas) == 1 and "content" not in deltas[0] and deltas[0]["tool_calls"][0]["function"]["name"] == (
         "get_weather")
+
+
+def test_streamed_content_holds_back_what_may_open_mistral_or_pythonic_calls():
+    mistral = plan_tools([NOW], "auto", "mistral")
+    deltas, s = stream(mistral, ["One mo", "ment.[TOOL", "_CALLS]now", "[ARGS]{}"])
+    assert "".join(d.get("content", "") for d in deltas) == "One moment."   # no piece of the tag leaks
+    assert deltas[-1]["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+    assert s.finish_reason("stop") == "tool_calls"
+    deltas, s = stream(mistral, ["Costs [TO", "P] dollars"])                 # a tag that never came
+    assert "".join(d.get("content", "") for d in deltas) == "Costs [TOP] dollars" and s.finish_reason("stop") == "stop"
+    pythonic = plan_tools([NOW], "auto", "pythonic")
+    deltas, _ = stream(pythonic, ["[no", "w()]"])
+    assert len(deltas) == 1 and "content" not in deltas[0] and deltas[0]["tool_calls"][0]["function"]["name"] == "now"
+    deltas, _ = stream(pythonic, ["<|python", "_start|>[now()]"])
+    assert len(deltas) == 1 and deltas[0]["tool_calls"][0]["function"]["name"] == "now"
+    deltas, _ = stream(pythonic, ["It is", " noon."])
+    assert [d.get("content") for d in deltas] == ["It is", " noon."]          # plain text streams as it comes

@@ -376,6 +376,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                                          req.tools, req.chat_template_kwargs)
         if plan is not None and plan.choice == "none":
             plan = None
+        if plan is not None and plan.keeps_special_tokens:
+            params = params.clone(skip_special_tokens=False)
         requests = await build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
                 "created": int(time.time()), "model": served_model_name}

@@ -34,7 +34,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get HTTP 413")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (hermes: Qwen 2.5/3, Hermes; "
-                             "llama3_json: Llama 3.1+)")
+                             "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2/4)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="return <think> blocks as reasoning_content (qwen3; deepseek_r1: templates that open "
                              "the block themselves)")

@@ -6,32 +6,39 @@ The tools go to the chat template; `tool_choice` decides how calls come out:
   "required"        the output is constrained to a JSON array of {"name", "parameters"} calls,
                     at least one, each naming one of the tools
   "auto"            the model decides, and its text is parsed for calls in its own format:
-                    the server's tool-call parser, "hermes" (<tool_call>{...}</tool_call> blocks:
-                    Qwen 2.5 / 3, Hermes) or "llama3_json" (Llama 3.1+: the message is a JSON call)
+                    the server's tool-call parser (PARSERS):
+                      hermes       <tool_call>{...}</tool_call> blocks after the content (Qwen 2.5 / 3, Hermes)
+                      llama3_json  the message is a JSON call, or several joined by ";" (Llama 3.1+)
+                      mistral      [TOOL_CALLS] then a JSON array of calls (Mistral 7B v0.3, Nemo), or
+                                   name[ARGS]{...} / name{...} after each [TOOL_CALLS] (tokenizers v11+)
+                      pythonic     the message is a Python list of calls, [f(a=1), g(b="x")] (Llama 3.2, 4)
   "none"            no calls are made
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass
 
 from tokenmill.server.reasoning import partial_tag
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
+PYTHON_TAG = "<|python_tag|>"                                     # Llama 3.1's, before a JSON call
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"   # Llama 4's, around pythonic calls
+MISTRAL_START, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+# content first, then calls after a tag; or the whole message is calls, opening with one of these
+CALLS_AFTER = {"hermes": HERMES_START, "mistral": MISTRAL_START}
+CALLS_OPEN_WITH = {"llama3_json": ("{", PYTHON_TAG), "pythonic": ("[", PYTHON_START)}
 
 
 @dataclass
 class ToolCall:
     name: str
     arguments: str                      # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+    id: str = ""                        # given by the plan (ToolPlan.call_id)
 
     def to_dict(self, index: int | None = None) -> dict:
         out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -43,7 +50,7 @@ class ToolPlan:
     choice: str                         # "none", "auto", "required" or "named"
     tools: list[dict]                   # as the request gave them (for the chat template)
     name: str | None = None             # the named function
-    parser: str | None = None           # for "auto"
+    parser: str | None = None           # the server's: parses "auto" outputs, and shapes every call's id
     parallel: bool = True               # parallel_tool_calls: false makes "required" one call
 
     def constraint(self) -> dict | None:
@@ -59,23 +66,40 @@ class ToolPlan:
                              "items": {"anyOf": calls}}}
         return None
 
+    def call_id(self) -> str:
+        """A new call's id: OpenAI's call_ form, or 9 letters and digits for Mistral (its chat
+        templates refuse any other id when the call comes back in the conversation)."""
+        return uuid.uuid4().hex[:9] if self.parser == "mistral" else f"call_{uuid.uuid4().hex[:24]}"
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Mistral's [TOOL_CALLS] is a special token: its outputs must be decoded with it."""
+        return self.choice == "auto" and self.parser == "mistral"
+
     def content_end(self, text: str) -> int:
         """How much of a partial output is surely content, not the start of a call (streaming)."""
         if self.choice in ("named", "required"):
             return 0
         if self.choice != "auto":
             return len(text)
-        if self.parser == "hermes":
-            found = text.find(HERMES_START)
+        if self.parser in CALLS_AFTER:
+            tag = CALLS_AFTER[self.parser]
+            found = text.find(tag)
             if found != -1:
                 return found
-            return len(text) - partial_tag(text, HERMES_START)  # a start tag may be on its way
-        head = text.lstrip()  # llama3_json: the whole message is the call, or it is content
-        undecided = not head or PYTHON_TAG.startswith(head) or head.startswith(("{", PYTHON_TAG))
+            return len(text) - partial_tag(text, tag)  # a start tag may be on its way
+        head = text.lstrip()  # the whole message is the calls, or it is content
+        undecided = not head or any(o.startswith(head) or head.startswith(o) for o in CALLS_OPEN_WITH[self.parser])
         return 0 if undecided else len(text)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) from a whole output. Text that does not parse as calls is content."""
+        content, calls = self._parse(text)
+        for call in calls:
+            call.id = self.call_id()
+        return content, calls
+
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.choice == "named":
             return None, [ToolCall(self.name, text)]
         if self.choice == "required":
@@ -86,9 +110,7 @@ class ToolPlan:
             return None, calls
         if self.choice != "auto":
             return text, []
-        if self.parser == "hermes":
-            return _parse_hermes(text)
-        return _parse_llama3_json(text)
+        return _PARSE[self.parser](text)
 
 
 def _call(obj) -> ToolCall:
@@ -132,6 +154,60 @@ def _parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     return None, calls
 
 
+def _parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
+    start = text.find(MISTRAL_START)
+    if start == -1:
+        return text, []
+    calls = []
+    try:
+        for piece in text[start + len(MISTRAL_START):].split(MISTRAL_START):
+            body = piece.strip()
+            if body.startswith(("[", "{")):  # before v11: a JSON array of calls (or one call)
+                found = json.loads(body)
+                calls += [_call(c) for c in (found if isinstance(found, list) else [found])]
+                continue
+            if MISTRAL_ARGS in body:  # v11+: name[ARGS]{...}, maybe name[CALL_ID]id[ARGS]{...}
+                head, _, args = body.partition(MISTRAL_ARGS)
+            else:  # or name{...}
+                brace = body.find("{")
+                if brace <= 0:
+                    raise ValueError("not a call")
+                head, args = body[:brace], body[brace:]
+            name = head.partition(MISTRAL_CALL_ID)[0].strip()
+            arguments = json.loads(args)
+            if not name or not isinstance(arguments, dict):
+                raise ValueError("not a call")
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+    except ValueError:
+        return text, []
+    return text[:start] or None, calls
+
+
+def _parse_pythonic(text: str) -> tuple[str | None, list[ToolCall]]:
+    """[f(a=1), g(b="x")]: read with Python's own parser, never run; arguments must be literals."""
+    body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        found = ast.parse(body, mode="eval").body
+        if not isinstance(found, ast.List) or not found.elts:
+            raise ValueError("not a list of calls")
+        calls = []
+        for node in found.elts:
+            if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
+                    or any(k.arg is None for k in node.keywords)):  # f(x) or f(**x): no parameter names
+                raise ValueError("not a call with named arguments")
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):  # TypeError: a set, bytes
+        return text, []
+    return None, calls
+
+
+_PARSE = {"hermes": _parse_hermes, "llama3_json": _parse_llama3_json, "mistral": _parse_mistral,
+          "pythonic": _parse_pythonic}
+
+
 def plan_tools(tools: list | None, tool_choice, parser: str | None, parallel: bool = True) -> ToolPlan | None:
     """Check a request's tools and tool_choice (ValueError naming the field); None without tools."""
     if not tools:
@@ -149,7 +225,7 @@ def plan_tools(tools: list | None, tool_choice, parser: str | None, parallel: bo
         name = (tool_choice.get("function") or {}).get("name")
         if name not in names:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
-        return ToolPlan("named", tools, name=name)
+        return ToolPlan("named", tools, name=name, parser=parser)
     choice = tool_choice or "auto"
     if choice not in ("none", "auto", "required"):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}")
@@ -174,7 +250,7 @@ class ToolStream:
             if self.calls and new_text:
                 return {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}
             if not self.calls and (new_text or finished):
-                self.calls = [ToolCall(self.plan.name, new_text)]
+                self.calls = [ToolCall(self.plan.name, new_text, self.plan.call_id())]
                 return {"tool_calls": [self.calls[0].to_dict(0)]}
             return None
         if not finished:

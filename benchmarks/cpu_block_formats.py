@@ -1,5 +1,5 @@
-"""The CPU panel kernel over float32 panels, Q4_1 blocks and K-quant blocks (re-cut into blocks
-of 32 with float32 scales, loader.k_quant_as_blocks_of_32): the projections of 24 layers of a
+"""The CPU panel kernel over float32 panels, Q4_1 blocks and K-quant blocks (re-cut into the
+kernel's formats, loader.k_quant_rows): the projections of 24 layers of a
 Llama-shaped model with hidden 512 and FFN 1536 (K-quants need rows of 256s), from random Q4_K
 super-blocks (float32 and Q4_1 hold the same weights, dequantized) and random Q5_K and Q6_K
 super-blocks of the same shapes; the formats alternated, seven rounds, medians.
@@ -25,7 +25,7 @@ from conftest import random_k_quant_rows  # noqa: E402
 
 from tokenmill.cpu_kernels import load_cpu_kernels  # noqa: E402
 from tokenmill.host_memory import huge_page_copies  # noqa: E402
-from tokenmill.models.loader import k_quant_as_blocks_of_32  # noqa: E402
+from tokenmill.models.loader import k_quant_rows  # noqa: E402
 from tokenmill.models.packed_linear import BLOCK_FORMATS  # noqa: E402
 
 SHAPES = [(1536, 512), (512, 512), (3072, 512), (512, 1536)]  # qkv, o, gate_up, down: (N, K)
@@ -44,7 +44,7 @@ def build(kernels, layers: int = 24) -> dict[str, list[tuple[torch.Tensor, int, 
             q4_1 = torch.from_numpy(quantize(w, GGMLQuantizationType.Q4_1).copy())
             mats["Q4_1"].append(kernels.pack_block_panels(q4_1, FORMATS["Q4_1"], k))
             for kind, rows in raw.items():
-                recut = torch.from_numpy(k_quant_as_blocks_of_32(rows, kind).copy())
+                recut = torch.from_numpy(k_quant_rows(rows, kind).copy())
                 mats[kind].append(kernels.pack_block_panels(recut, FORMATS[kind], k))
     shapes = SHAPES * layers
     return {name: [(p, n, k) for p, (n, k) in zip(huge_page_copies(panels), shapes)] for name, panels in mats.items()}

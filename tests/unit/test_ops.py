@@ -96,11 +96,11 @@ def _gguf_rows(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from tokenmill.models.loader import k_quant_as_blocks_of_32
+    from tokenmill.models.loader import k_quant_rows
     qtype, rng = GGMLQuantizationType[kind], np.random.default_rng(0)
     if kind.endswith("_K"):
         raw = random_k_quant_rows(rng, kind, n, k)
-        rows = k_quant_as_blocks_of_32(raw, kind)
+        rows = k_quant_rows(raw, kind)
     else:
         raw = rows = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     weights = dequantize(raw, qtype).astype(np.float32).reshape(n, k)
@@ -244,13 +244,13 @@ def test_k_quant_recut_in_cpp_gives_numpys_bytes(fused, kind):
         pytest.skip("block formats need AVX2")
     import numpy as np
 
-    from tokenmill.models.loader import k_quant_as_blocks_of_32
+    from tokenmill.models.loader import k_quant_rows
     from tokenmill.models.packed_linear import BLOCK_FORMATS
     raw = random_k_quant_rows(np.random.default_rng(1), kind, 9, 768)
     supers = raw.reshape(9, 3, -1)
     supers[1::2, :, 209 if kind == "Q6_K" else 1] |= 0x80  # negative d on every other row
     ours = fused.kernels.recut_k_quant(torch.from_numpy(raw), BLOCK_FORMATS[kind])
-    assert torch.equal(ours, torch.from_numpy(k_quant_as_blocks_of_32(raw, kind)))
+    assert torch.equal(ours, torch.from_numpy(k_quant_rows(raw, kind)))
 
 
 def test_packed_linear_with_blocks_gives_the_float32_panels_result(fused):

@@ -68,34 +68,56 @@ void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, flo
 }
 
 // Weight formats of panel_linear: float32 panels, or one of GGUF's block formats. The K-quants
-// are re-cut at load (recut_k_quant below) into blocks of 32 k with float32 scales made by
-// gguf's own float32 arithmetic: Q4F is Q4_1 with float32 scales and offsets, what a Q4_K
-// super-block becomes (scale d * sc, offset -dmin * m); Q5F the same with one byte per 5-bit
-// code (Q5_K; Q5_0 and Q5_1 too, re-cut in loader.py); Q6F one int8 code per weight (q - 32) and
-// a float32 scale d * sc per 16 k (Q6_K; Q3_K too, its codes q - 4, re-cut in loader.py),
-// the second 16 k's scales in the slot where the other formats keep offsets.
+// are re-cut at load (recut_k_quant below) into codes the tiles decode with one instruction or
+// two, their scales such that the kernel's float32 arithmetic gives gguf's values:
+//   Q4F  Q4_K in its super-blocks of 256 k: fp16 d and dmin, per block of 32 an 8-bit scale sc
+//        and min m, Q4_1's nibbles; a block's scale is d * sc and its offset -(dmin * m), made
+//        per block in the tile (both products exact in float32, as gguf's own)
+//   Q5F  blocks of 32 with a float32 scale and offset and a byte per 5-bit code (Q5_K; Q5_0 and
+//        Q5_1 too, re-cut in loader.py)
+//   Q6F  super-blocks of 256: fp16 d, an int8 scale sc per 16 k, a signed byte per code (Q6_K's
+//        q - 32; Q3_K's q - 4, re-cut in loader.py); scale d * sc
+// The super-block formats keep a panel's 16 scales per super-block in a header before its
+// codes: 0.58 bytes a weight for Q4F (the file's 0.56) and 1.07 for Q6F (0.82), where float32
+// scales for every block of 32 took 0.75 and 1.25.
 enum Format : int64_t { kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6 };
 constexpr int64_t kLastFormat = kQ6F;
 constexpr int64_t kBlock = 32;  // weights per GGUF block
+constexpr int64_t kSuper = 8;   // blocks per super-block (Q4F, Q6F)
 
-constexpr bool float_scales(int64_t f) { return f >= kQ4F; }
+constexpr bool super_blocks(int64_t f) { return f == kQ4F || f == kQ6F; }
 constexpr bool byte_codes(int64_t f) { return f == kQ8_0 || f == kQ5F || f == kQ6F; }
 constexpr bool has_offset(int64_t f) { return f == kQ4_1 || f == kQ4F || f == kQ5F; }  // v = d * q + m
 constexpr bool second_slot(int64_t f) { return has_offset(f) || f == kQ6F; }  // offsets, or Q6F's 2nd scales
 
-// Bytes of one block of one row as given to pack_block_panels: the GGUF file's, or for the
-// re-cut formats two float32 (scale and offset, or two scales) and the codes.
-int64_t gguf_block_bytes(int64_t format) {
-  return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : format == kQ4F ? 24 : 40;
+// A panel is stored in units of 32 k (a block) or of 256 k (a super-block): blocks per unit.
+constexpr int64_t unit_blocks(int64_t f) { return super_blocks(f) ? kSuper : 1; }
+constexpr int64_t unit_k(int64_t f) { return kBlock * unit_blocks(f); }
+
+// Bytes of one unit of one row as given to pack_block_panels: the GGUF file's block (Q4_0, Q4_1,
+// Q8_0); Q5F's two float32 (scale, offset) and 32 codes; Q4F's fp16 d and dmin, 8 scales, 8 mins
+// and 128 bytes of nibbles; Q6F's fp16 d, 16 int8 scales and 256 codes.
+constexpr int64_t row_unit_bytes(int64_t format) {
+  constexpr int64_t bytes[kLastFormat + 1] = {0, 18, 20, 34, 2 + 2 + 8 + 8 + 128, 40, 2 + 16 + 256};
+  return bytes[format];
 }
 
-// Bytes of one block of 32 k across a panel's 16 features: scales (and offsets), then codes
-// (32 k x 8 bytes of two nibbles, or 32 k x 16 bytes).
-int64_t scale_bytes(int64_t format) { return (float_scales(format) ? 4 : 2) * kPanel; }
-int64_t offset_bytes(int64_t format) { return second_slot(format) ? scale_bytes(format) : 0; }
-int64_t codes_at(int64_t format) { return scale_bytes(format) + offset_bytes(format); }
-int64_t code_bytes(int64_t format) { return byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2; }
-int64_t panel_block_bytes(int64_t format) { return codes_at(format) + code_bytes(format); }
+// One unit across a panel's 16 features. A block: its scales (and offsets; fp16, or float32 for
+// Q5F), then its codes (32 k x 8 bytes of two nibbles, or 32 k x 16 bytes). A super-block: a
+// header (fp16 d, for Q4F fp16 dmin, then per block the 16 8-bit scales and for Q4F the 16 mins,
+// or for Q6F per 16 k the 16 int8 scales), then its 8 blocks' codes.
+constexpr int64_t scale_bytes(int64_t format) { return (format == kQ5F ? 4 : 2) * kPanel; }
+constexpr int64_t offset_bytes(int64_t format) { return second_slot(format) && !super_blocks(format) ? scale_bytes(format) : 0; }
+constexpr int64_t code_bytes(int64_t format) { return byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2; }
+constexpr int64_t codes_at(int64_t format) {  // where a panel unit's codes start
+  if (format == kQ4F) return 2 * 2 * kPanel + 2 * kSuper * kPanel;
+  if (format == kQ6F) return 2 * kPanel + 2 * kSuper * kPanel;
+  return scale_bytes(format) + offset_bytes(format);
+}
+constexpr int64_t unit_bytes(int64_t format) { return codes_at(format) + unit_blocks(format) * code_bytes(format); }
+// What a block of 32 k takes of a panel, on average over its unit: a tile's first pass prefetches
+// that much of the next panel per block, the whole panel over its blocks.
+constexpr int64_t block_span(int64_t format) { return unit_bytes(format) / unit_blocks(format); }
 
 #ifdef TOKENMILL_AVX2
 // v = d * q (+ m), as gguf's numpy dequantization computes it: the product rounded, then the
@@ -119,22 +141,60 @@ struct BlockScales {
   __m256 d0, d1, m0, m1;
 };
 
+inline __m256 halves8(const uint8_t* p) {  // 8 fp16 -> float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <bool Signed>
+inline __m256 bytes8(const uint8_t* p) {  // 8 int8 or uint8 -> float32
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// A block's scales from the unit it begins (Q4_0, Q4_1, Q8_0, Q5F).
 template <int64_t F>
 inline BlockScales block_scales(const uint8_t* blk) {
   BlockScales s;
-  if constexpr (float_scales(F)) {
+  if constexpr (F == kQ5F) {
     const float* f = reinterpret_cast<const float*>(blk);
     s.d0 = _mm256_loadu_ps(f), s.d1 = _mm256_loadu_ps(f + 8), s.m0 = _mm256_loadu_ps(f + 16), s.m1 = _mm256_loadu_ps(f + 24);
     return s;
   }
-  s.d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-  s.d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+  s.d0 = halves8(blk), s.d1 = halves8(blk + 16);
   s.m0 = s.m1 = _mm256_setzero_ps();
-  if constexpr (F == kQ4_1) {
-    s.m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32)));
-    s.m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 48)));
+  if constexpr (F == kQ4_1) s.m0 = halves8(blk + 32), s.m1 = halves8(blk + 48);
+  return s;
+}
+
+// Block j's scales from its super-block's header (Q4F, Q6F): d * sc and -(dmin * m), or Q6F's
+// d * sc of its two halves, as recut_k_quant's arithmetic in gguf's makes them (the products are
+// exact in float32: fp16 d has 11 significant bits, sc and m at most 8).
+template <int64_t F>
+inline BlockScales super_block_scales(const uint8_t* unit, int64_t j) {
+  const __m256 d0 = halves8(unit), d1 = halves8(unit + 16);
+  BlockScales s;
+  if constexpr (F == kQ4F) {
+    const uint8_t *sc = unit + 4 * kPanel + j * kPanel, *m = sc + kSuper * kPanel;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    s.d0 = _mm256_mul_ps(d0, bytes8<false>(sc)), s.d1 = _mm256_mul_ps(d1, bytes8<false>(sc + 8));
+    s.m0 = _mm256_xor_ps(_mm256_mul_ps(halves8(unit + 32), bytes8<false>(m)), sign);
+    s.m1 = _mm256_xor_ps(_mm256_mul_ps(halves8(unit + 48), bytes8<false>(m + 8)), sign);
+  } else {
+    const uint8_t* sc = unit + 2 * kPanel + 2 * j * kPanel;
+    s.d0 = _mm256_mul_ps(d0, bytes8<true>(sc)), s.d1 = _mm256_mul_ps(d1, bytes8<true>(sc + 8));
+    s.m0 = _mm256_mul_ps(d0, bytes8<true>(sc + kPanel)), s.m1 = _mm256_mul_ps(d1, bytes8<true>(sc + kPanel + 8));
   }
   return s;
+}
+
+// Block b (of 32 k) of a panel: its codes, and its scales.
+template <int64_t F>
+inline const uint8_t* codes_of(const uint8_t* panel, int64_t b) {
+  return panel + b / unit_blocks(F) * unit_bytes(F) + codes_at(F) + b % unit_blocks(F) * code_bytes(F);
+}
+template <int64_t F>
+inline BlockScales scales_of(const uint8_t* panel, int64_t b) {
+  if constexpr (super_blocks(F)) return super_block_scales<F>(panel + b / kSuper * unit_bytes(F), b % kSuper);
+  return block_scales<F>(panel + b * unit_bytes(F));
 }
 
 // Q6F's scales for k 16-31 are in the offsets' slot: from there on, they are the scales.
@@ -174,19 +234,18 @@ inline void prefetch_block(const uint8_t* pf, int64_t bytes) {
 // tile_gemm.h with its sums in its order, without a decoded buffer to write and read back.
 template <int64_t F, int R>
 void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  const int64_t block_bytes = panel_block_bytes(F), code_start = codes_at(F);
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
   __m256 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* blk = src + b * block_bytes;
-    if (pf != nullptr) prefetch_block(pf + b * block_bytes, block_bytes);
-    BlockScales s = block_scales<F>(blk);
+    if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
+    BlockScales s = scales_of<F>(src, b);
+    const uint8_t* codes = codes_of<F>(src, b);
     const float* xb = x + b * kBlock;
     for (int64_t i = 0; i < kBlock; i += 2) {
       if (i == kBlock / 2) next_half<F>(s);
       __m256 w0, w1, w2, w3;
-      decode_row<F>(blk + code_start, i, s, w0, w1);
-      decode_row<F>(blk + code_start, i + 1, s, w2, w3);
+      decode_row<F>(codes, i, s, w0, w1);
+      decode_row<F>(codes, i + 1, s, w2, w3);
       if constexpr (R == 1) {  // the one-row tile's four chains: even k in a0/a1, odd k in a2/a3
         row_fma(xb + i, w0, w1, a0, a1);
         row_fma(xb + i + 1, w2, w3, a2, a3);
@@ -219,15 +278,14 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blo
 // when there are too many rows to decode once per tile; prefetches the next panel (pf) meanwhile.
 template <int64_t F>
 void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  const int64_t block_bytes = panel_block_bytes(F), code_start = codes_at(F);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* blk = src + b * block_bytes;
-    if (pf != nullptr) prefetch_block(pf + b * block_bytes, block_bytes);
-    BlockScales s = block_scales<F>(blk);
+    if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
+    BlockScales s = scales_of<F>(src, b);
+    const uint8_t* codes = codes_of<F>(src, b);
     for (int64_t i = 0; i < kBlock; ++i) {
       if (i == kBlock / 2) next_half<F>(s);
       __m256 w0, w1;
-      decode_row<F>(blk + code_start, i, s, w0, w1);
+      decode_row<F>(codes, i, s, w0, w1);
       _mm256_storeu_ps(out + (b * kBlock + i) * kPanel, w0);
       _mm256_storeu_ps(out + (b * kBlock + i) * kPanel + 8, w1);
     }
@@ -254,7 +312,7 @@ constexpr const BlockTileFn* kBlockTiles[kLastFormat + 1] = {
 // is the float32 panels' own. store(tile, p, m0, rows) writes a finished tile.
 template <class Store>
 void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t* wp, int64_t format, Store store) {
-  const int64_t panel_bytes = K / kBlock * panel_block_bytes(format);
+  const int64_t panel_bytes = K / unit_k(format) * unit_bytes(format);
   tokenmill::parallel_chunks(P, panel_chunk(M), [&](tokenmill::ThreadChunks& chunks) {
     float tile[kRows * kPanel];
     // 64-byte aligned, as the float32 panels are: a panel row is one cache line, not two
@@ -387,16 +445,14 @@ inline void add_block(__m256i lo, __m256i hi, const BlockScales& s, float dx, fl
 // most 8 x 2 x 15 x 127 per int16 lane in a block, no overflow. The rows share the unpacking.
 template <int64_t F, int R>
 void int8_tile_nibbles(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  const int64_t block_bytes = panel_block_bytes(F), code_start = codes_at(F);
   const __m256i mask = _mm256_set1_epi8(0x0F);
   // in each half: bytes 0-7 are one k's features, 8-15 the next k's; pair them up per feature
   const __m256i pair_up = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
                                            0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
   std::fill(out, out + R * kPanel, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* blk = src + b * block_bytes;
-    if (pf != nullptr) prefetch_block(pf + b * block_bytes, block_bytes);
-    const uint8_t* codes = blk + code_start;
+    if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
+    const uint8_t* codes = codes_of<F>(src, b);
     __m256i lo[R], hi[R];  // per row: features 0-7 and 8-15, int16, both halves
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
     // not unrolled: unrolled, GCC computed every product first and summed them in a tree, spilling
@@ -412,7 +468,7 @@ void int8_tile_nibbles(const Int8Row* x, const uint8_t* src, int64_t num_blocks,
         hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(h, xv));
       }
     }
-    const BlockScales s = block_scales<F>(blk);
+    const BlockScales s = scales_of<F>(src, b);
     for (int r = 0; r < R; ++r) {
       __m256i slo = widen_add(lo[r]), shi = widen_add(hi[r]);
       if constexpr (F == kQ4_0) {  // values are d * (q - 8)
@@ -430,14 +486,12 @@ void int8_tile_nibbles(const Int8Row* x, const uint8_t* src, int64_t num_blocks,
 // back in order per block. Q6F's second 16 k have scales of their own: its sums go per half.
 template <int64_t F, int R>
 void int8_tile_bytes(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  const int64_t block_bytes = panel_block_bytes(F), code_start = codes_at(F);
   constexpr int64_t kParts = F == kQ6F ? 2 : 1;  // runs of k with one scale
   std::fill(out, out + R * kPanel, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* blk = src + b * block_bytes;
-    if (pf != nullptr) prefetch_block(pf + b * block_bytes, block_bytes);
-    const uint8_t* codes = blk + code_start;
-    BlockScales s = block_scales<F>(blk);
+    if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
+    const uint8_t* codes = codes_of<F>(src, b);
+    BlockScales s = scales_of<F>(src, b);
     for (int64_t part = 0; part < kParts; ++part) {
       if (part == 1) next_half<F>(s);
       __m256i a[R], c[R];  // per row: features 0-3, 8-11 and 4-7, 12-15
@@ -493,7 +547,7 @@ constexpr const Int8TileFn* kInt8Tiles[kLastFormat + 1] = {
 // decoding's time without, 0.76x with; its Q8_0 head 1.29x without, 0.76-0.94x with).
 template <class Store>
 void int8_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t* wp, int64_t format, Store store) {
-  const int64_t panel_bytes = K / kBlock * panel_block_bytes(format);
+  const int64_t panel_bytes = K / unit_k(format) * unit_bytes(format);
   std::vector<Int8Row> rows(M);
   for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, rows[m]);
   tokenmill::parallel_chunks(P, 0, [&](tokenmill::ThreadChunks& chunks) {
@@ -515,14 +569,14 @@ void int8_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t
 }  // namespace
 
 // The shape of the panels of an (N, K) matrix in `format`: (ceil(N / 16), K, 16) float32, or
-// (ceil(N / 16), K / 32, panel block bytes) uint8, for the loader to lay out every matrix's
-// panels in one arena before packing them into it.
+// (ceil(N / 16), K / (32 or 256), panel unit bytes) uint8, for the loader to lay out every
+// matrix's panels in one arena before packing them into it.
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format) {
-  TM_CHECK(format >= kFloat32 && format <= kLastFormat && (format == kFloat32 || K % kBlock == 0),
-           "panel_shape: unknown format " + std::to_string(format) + " or K not a multiple of 32");
+  TM_CHECK(format >= kFloat32 && format <= kLastFormat && (format == kFloat32 || K % unit_k(format) == 0),
+           "panel_shape: unknown format " + std::to_string(format) + " or K not a multiple of its blocks");
   const int64_t P = (N + kPanel - 1) / kPanel;
   if (format == kFloat32) return {P, K, kPanel};
-  return {P, K / kBlock, panel_block_bytes(format)};
+  return {P, K / unit_k(format), unit_bytes(format)};
 }
 
 // `out` given: zero it (it must have the panels' shape and dtype) and pack into it; else a new tensor.
@@ -552,51 +606,79 @@ torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out
   return panels;
 }
 
-// A GGUF tensor's rows (N, K / 32 * block bytes) in Q4_0, Q4_1, Q8_0, or re-cut -> panels of blocks
-// (ceil(N / 16), K / 32, panel block bytes), the last panel padded with zero scales.
+// Where a row's unit keeps its codes (row_unit_bytes), and how many bytes of them a block has.
+constexpr int64_t row_codes_at(int64_t format) {
+  return format == kQ4F ? 2 + 2 + 2 * kSuper : format == kQ6F ? 2 + 2 * kSuper
+                                             : scale_bytes(format) / kPanel * (offset_bytes(format) ? 2 : 1);
+}
+constexpr int64_t row_block_codes(int64_t format) { return byte_codes(format) ? kBlock : kBlock / 2; }
+
+// Row j's scales (and offsets) from its unit into the panel unit `out`.
+void put_scales(int64_t format, const uint8_t* row, int64_t j, uint8_t* out) {
+  if (format == kQ4F) {  // d and dmin, then per block its scale, then per block its min
+    std::memcpy(out + 2 * j, row, 2);
+    std::memcpy(out + 2 * (kPanel + j), row + 2, 2);
+    for (int64_t b = 0; b < 2 * kSuper; ++b) out[4 * kPanel + b * kPanel + j] = row[4 + b];
+  } else if (format == kQ6F) {  // d, then per 16 k its scale
+    std::memcpy(out + 2 * j, row, 2);
+    for (int64_t t = 0; t < 2 * kSuper; ++t) out[2 * kPanel + t * kPanel + j] = row[2 + t];
+  } else {  // scale d, and offset m
+    const int64_t sb = scale_bytes(format) / kPanel;
+    std::memcpy(out + sb * j, row, sb);
+    if (offset_bytes(format)) std::memcpy(out + sb * (kPanel + j), row + sb, sb);
+  }
+}
+
+// One block's codes of `rows` rows (qs[j]: row j's) into a panel's layout at `codes`: k by k, the
+// 16 features side by side. Nibbles come as in GGUF, byte i holding weight i (low nibble) and
+// weight i + 16 (high), and go to panel bytes holding feature j in the low nibble, j + 8 in the high.
+void put_codes(int64_t format, const uint8_t* const* qs, int64_t rows, uint8_t* codes) {
+  if (byte_codes(format)) {
+    for (int64_t i = 0; i < kBlock; ++i) {
+      for (int64_t j = 0; j < rows; ++j) codes[i * kPanel + j] = qs[j][i];
+    }
+    return;
+  }
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int64_t at = i % (kBlock / 2), shift = i < kBlock / 2 ? 0 : 4;
+    for (int64_t j = 0; j < rows; ++j) codes[i * kPanel / 2 + j % 8] |= ((qs[j][at] >> shift) & 0x0F) << (j < 8 ? 0 : 4);
+  }
+}
+
+// A GGUF tensor's rows (N, K / 32 * block bytes) in Q4_0, Q4_1, Q8_0, or re-cut (N, K / 32 or 256
+// * unit bytes) -> panels (ceil(N / 16), K / 32 or 256, panel unit bytes), the last panel padded
+// with zero scales.
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out) {
 #ifndef TOKENMILL_AVX2
   TM_CHECK(false, "pack_block_panels: the block formats need AVX2, FMA and F16C");
 #endif
   TM_CHECK(format >= kQ4_0 && format <= kLastFormat, "pack_block_panels: unknown format " + std::to_string(format));
-  TM_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && K % kBlock == 0 &&
-               rows.size(1) == K / kBlock * gguf_block_bytes(format),
-           "pack_block_panels: rows must be (N, K / 32 * block bytes) uint8");
-  const int64_t N = rows.size(0), P = (N + kPanel - 1) / kPanel, B = K / kBlock;
-  const int64_t gb = gguf_block_bytes(format), pb = panel_block_bytes(format), sb = scale_bytes(format) / kPanel;
+  TM_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && K % unit_k(format) == 0 &&
+               rows.size(1) == K / unit_k(format) * row_unit_bytes(format),
+           "pack_block_panels: rows must be (N, K / 32 or 256 * unit bytes) uint8");
+  const int64_t N = rows.size(0), P = (N + kPanel - 1) / kPanel, U = K / unit_k(format);
+  const int64_t rb = row_unit_bytes(format), ub = unit_bytes(format);
   auto r = rows.contiguous();
   auto panels = panels_tensor(out, panel_shape(N, K, format), torch::kUInt8);
   const uint8_t* src = r.data_ptr<uint8_t>();
   uint8_t* dst = panels.data_ptr<uint8_t>();
   const int64_t row_bytes = rows.size(1);
-  const int64_t code_from = offset_bytes(format) ? 2 * sb : sb;  // where a row's block keeps its codes
-  // panel by panel, block by block, each panel block written in order from its 16 rows' blocks
-  // (rows past N stay zero: zero scales)
+  // panel by panel, unit by unit, each panel unit written in order from its 16 rows' units (rows
+  // past N stay zero: zero scales)
   at::parallel_for(0, P, 1, [&](int64_t p_begin, int64_t p_end) {
     for (int64_t p = p_begin; p < p_end; ++p) {
       const int64_t rows_here = std::min(kPanel, N - p * kPanel);
-      for (int64_t b = 0; b < B; ++b) {
-        uint8_t* out = dst + (p * B + b) * pb;
-        uint8_t* codes = out + codes_at(format);
-        const uint8_t* qs[kPanel];
+      for (int64_t u = 0; u < U; ++u) {
+        uint8_t* unit = dst + (p * U + u) * ub;
+        const uint8_t* row_units[kPanel];
         for (int64_t j = 0; j < rows_here; ++j) {
-          const uint8_t* blk = src + (p * kPanel + j) * row_bytes + b * gb;
-          std::memcpy(out + sb * j, blk, sb);                                              // scale d
-          if (offset_bytes(format)) std::memcpy(out + sb * (kPanel + j), blk + sb, sb);  // offset m (Q6F: d)
-          qs[j] = blk + code_from;
+          row_units[j] = src + (p * kPanel + j) * row_bytes + u * rb;
+          put_scales(format, row_units[j], j, unit);
         }
-        if (byte_codes(format)) {
-          for (int64_t i = 0; i < kBlock; ++i) {
-            for (int64_t j = 0; j < rows_here; ++j) codes[i * kPanel + j] = qs[j][i];
-          }
-        } else {  // GGUF: byte i holds weight i (low nibble) and weight i + 16 (high nibble); a
-                  // panel's byte holds feature j in its low nibble and feature j + 8 in its high one
-          for (int64_t i = 0; i < kBlock; ++i) {
-            const int64_t at = i % (kBlock / 2), shift = i < kBlock / 2 ? 0 : 4;
-            for (int64_t j = 0; j < rows_here; ++j) {
-              codes[i * kPanel / 2 + j % 8] |= ((qs[j][at] >> shift) & 0x0F) << (j < 8 ? 0 : 4);
-            }
-          }
+        for (int64_t b = 0; b < unit_blocks(format); ++b) {
+          const uint8_t* qs[kPanel];
+          for (int64_t j = 0; j < rows_here; ++j) qs[j] = row_units[j] + row_codes_at(format) + b * row_block_codes(format);
+          put_codes(format, qs, rows_here, unit + codes_at(format) + b * code_bytes(format));
         }
       }
     }
@@ -613,7 +695,7 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
            "embed_rows: rows must be contiguous uint8 (V, bytes)");
   TM_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "embed_rows: Q4_0, Q4_1 or Q8_0 only");
   TM_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "embed_rows: ids must be int64 (T,)");
-  const int64_t V = rows.size(0), bytes = rows.size(1), block = gguf_block_bytes(format);
+  const int64_t V = rows.size(0), bytes = rows.size(1), block = row_unit_bytes(format);
   TM_CHECK(bytes % block == 0, "embed_rows: rows of whole blocks");
   const int64_t B = bytes / block, T = ids.size(0);
   const torch::Tensor idx = ids.contiguous();
@@ -649,30 +731,25 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
   return out;
 }
 
-// Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> rows of 32-weight blocks in the
-// kernel's format Q4F, Q5F or Q6F: what loader.k_quant_as_blocks_of_32 makes with numpy, byte for
-// byte (tested), in a fraction of the time (a 7B model's re-cut took 32 s in numpy).
+// Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> rows in the kernel's format Q4F, Q5F
+// or Q6F (row_unit_bytes): what loader.k_quant_rows makes with numpy, byte for byte (tested), in
+// a fraction of the time (a 7B model's re-cut took 32 s in numpy).
 torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
   TM_CHECK(format == kQ4F || format == kQ5F || format == kQ6F, "recut_k_quant: format Q4F, Q5F or Q6F");
   const int64_t super_bytes = format == kQ4F ? 144 : format == kQ5F ? 176 : 210;
   TM_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.size(1) % super_bytes == 0,
            "recut_k_quant: rows (N, K / 256 * super-block bytes) uint8");
   auto r = raw.contiguous();
-  const int64_t supers = r.numel() / super_bytes, out_block = gguf_block_bytes(format);
-  auto out = torch::empty({raw.size(0), raw.size(1) / super_bytes * 8 * out_block}, r.options());
+  const int64_t supers = r.numel() / super_bytes, out_unit = row_unit_bytes(format) * (kSuper / unit_blocks(format));
+  auto out = torch::empty({raw.size(0), raw.size(1) / super_bytes * out_unit}, r.options());
   const uint8_t* src = r.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, supers, 64, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const uint8_t* sb = src + s * super_bytes;
-      float first[8], second[8];  // per block of 32: scale and offset (Q6F: the two halves' scales)
-      uint8_t q[256];             // the super-block's codes in gguf's order of its values
-      if (format == kQ6F) {       // ql (128), qh (64), 16 int8 scales, fp16 d
-        const float d = c10::detail::fp16_ieee_to_fp32_value(sb[208] | sb[209] << 8);
-        for (int i = 0; i < 8; ++i) {
-          first[i] = d * static_cast<float>(static_cast<int8_t>(sb[192 + 2 * i]));
-          second[i] = d * static_cast<float>(static_cast<int8_t>(sb[193 + 2 * i]));
-        }
+      uint8_t* o = dst + s * out_unit;
+      uint8_t q[256];  // the super-block's codes in gguf's order of its values
+      if (format == kQ6F) {  // ql (128), qh (64), 16 int8 scales, fp16 d -> d, the scales, q - 32
         for (int g = 0; g < 2; ++g) {  // gguf's order: 128 values per half, from 64 bytes of ql, 32 of qh
           const uint8_t *ql = sb + g * 64, *qh = sb + 128 + g * 32;
           uint8_t* v = q + g * 128;
@@ -681,36 +758,44 @@ torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
             for (int j = 0; j < 32; ++j) v[s * 32 + j] |= ((qh[j] >> (2 * s)) & 0x03) << 4;
           }
         }
-        for (int e = 0; e < 256; ++e) q[e] = static_cast<uint8_t>(static_cast<int8_t>(q[e]) - 32);
-      } else {  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
-        const float d = c10::detail::fp16_ieee_to_fp32_value(sb[0] | sb[1] << 8);
-        const float dmin = c10::detail::fp16_ieee_to_fp32_value(sb[2] | sb[3] << 8);
-        const uint8_t* sc = sb + 4;
-        const uint8_t* qs = sb + super_bytes - 128;
-        for (int i = 0; i < 8; ++i) {
-          const int scale = i < 4 ? sc[i] & 0x3F : (sc[i + 4] & 0x0F) | ((sc[i - 4] >> 2) & 0x30);
-          const int min = i < 4 ? sc[i + 4] & 0x3F : (sc[i + 4] >> 4) | ((sc[i] >> 2) & 0x30);
-          first[i] = d * static_cast<float>(scale);
-          second[i] = -(dmin * static_cast<float>(min));
-        }
-        for (int c = 0; c < 8; ++c) {  // sub-block c: nibbles of 32 bytes (c / 2), fifth bits at bit c
-          const uint8_t* bytes = qs + c / 2 * 32;
-          for (int j = 0; j < 32; ++j) q[c * 32 + j] = (bytes[j] >> (4 * (c % 2))) & 0x0F;
-          if (format == kQ5F) {
-            for (int j = 0; j < 32; ++j) q[c * 32 + j] |= ((sb[16 + j] >> c) & 0x01) << 4;
-          }
+        std::memcpy(o, sb + 208, 2);
+        std::memcpy(o + 2, sb + 192, 16);
+        for (int e = 0; e < 256; ++e) o[18 + e] = static_cast<uint8_t>(static_cast<int8_t>(q[e]) - 32);
+        continue;
+      }
+      // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
+      const uint8_t* sc = sb + 4;
+      const uint8_t* qs = sb + super_bytes - 128;
+      uint8_t scale[8], min[8];
+      for (int i = 0; i < 8; ++i) {
+        scale[i] = i < 4 ? sc[i] & 0x3F : (sc[i + 4] & 0x0F) | ((sc[i - 4] >> 2) & 0x30);
+        min[i] = i < 4 ? sc[i + 4] & 0x3F : (sc[i + 4] >> 4) | ((sc[i] >> 2) & 0x30);
+      }
+      for (int c = 0; c < 8; ++c) {  // sub-block c: nibbles of 32 bytes (c / 2), fifth bits at bit c
+        const uint8_t* bytes = qs + c / 2 * 32;
+        for (int j = 0; j < 32; ++j) q[c * 32 + j] = (bytes[j] >> (4 * (c % 2))) & 0x0F;
+        if (format == kQ5F) {
+          for (int j = 0; j < 32; ++j) q[c * 32 + j] |= ((sb[16 + j] >> c) & 0x01) << 4;
         }
       }
-      for (int i = 0; i < 8; ++i) {
-        uint8_t* blk = dst + (s * 8 + i) * out_block;
-        std::memcpy(blk, &first[i], 4);
-        std::memcpy(blk + 4, &second[i], 4);
-        const uint8_t* codes = q + i * kBlock;
-        if (format == kQ4F) {  // Q4_1's order: byte j holds weight j and weight j + 16
-          for (int j = 0; j < kBlock / 2; ++j) blk[8 + j] = codes[j] | codes[j + kBlock / 2] << 4;
-        } else {
-          std::memcpy(blk + 8, codes, kBlock);
+      if (format == kQ4F) {  // d, dmin, the scales, the mins, then per block Q4_1's nibbles: byte j
+                             // holds weight j and weight j + 16
+        std::memcpy(o, sb, 4);
+        std::memcpy(o + 4, scale, 8);
+        std::memcpy(o + 12, min, 8);
+        for (int i = 0; i < 8; ++i) {
+          for (int j = 0; j < kBlock / 2; ++j) o[20 + i * 16 + j] = q[i * kBlock + j] | q[i * kBlock + j + 16] << 4;
         }
+        continue;
+      }
+      const float d = c10::detail::fp16_ieee_to_fp32_value(sb[0] | sb[1] << 8);
+      const float dmin = c10::detail::fp16_ieee_to_fp32_value(sb[2] | sb[3] << 8);
+      for (int i = 0; i < 8; ++i) {  // Q5F: per block the float32 scale d * sc, offset -(dmin * m), codes
+        const float first = d * static_cast<float>(scale[i]), second = -(dmin * static_cast<float>(min[i]));
+        uint8_t* blk = o + i * row_unit_bytes(kQ5F);
+        std::memcpy(blk, &first, 4);
+        std::memcpy(blk + 4, &second, 4);
+        std::memcpy(blk + 8, q + i * kBlock, kBlock);
       }
     }
   });
@@ -734,8 +819,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
     TM_CHECK(false, "panel_linear: the block formats need AVX2, FMA and F16C");
 #endif
     TM_CHECK(format >= kQ4_0 && format <= kLastFormat && panels.dtype() == torch::kUInt8 &&
-                 K % kBlock == 0 && panels.size(1) == K / kBlock && panels.size(2) == panel_block_bytes(format),
-             "panel_linear: block panels (P, K / 32, bytes) of format " + std::to_string(format) + " expected");
+                 K % unit_k(format) == 0 && panels.size(1) == K / unit_k(format) && panels.size(2) == unit_bytes(format),
+             "panel_linear: block panels (P, K / 32 or 256, unit bytes) of format " + std::to_string(format) + " expected");
   }
   auto xc = x.contiguous();
   const float* b = nullptr;

@@ -207,33 +207,33 @@ def _bit_fields(packed: np.ndarray, groups: int, shifts: list[int], mask: int) -
     return (fields & np.uint8(mask)).reshape(packed.shape[0], -1)
 
 
-def k_quant_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
-    """Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> rows of 32-weight blocks the
-    CPU kernel reads: two float32 then the codes. Q4_K and Q5_K: scale d * sc and offset
-    -(dmin * m), then Q4_1's 16 bytes of nibbles (Q4_K) or a byte per code (Q5_K); Q6_K: the
-    scales d * sc of both halves of 16, then a signed byte per code (q - 32). Scales are made with
-    gguf's own float32 arithmetic, so that the kernel's d * q (+ offset) is gguf's value bit for bit."""
+def k_quant_rows(rows: np.ndarray, kind: str) -> np.ndarray:
+    """Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> the rows the CPU kernel packs
+    (gemm_cpu.cpp, Format), with gguf's own arithmetic where values are made, so that the kernel's
+    d * q (+ offset) is gguf's value bit for bit. Per super-block of 256 weights, Q4_K: its fp16 d
+    and dmin, the 8 scales, the 8 mins, then per 32 weights Q4_1's 16 bytes of nibbles; Q6_K: its
+    fp16 d, its 16 int8 scales, a signed byte per code (q - 32). Q5_K: per 32 weights the float32
+    scale d * sc and offset -(dmin * m), then a byte per code."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K
     blocks = rows.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
     if kind == "Q6_K":  # ql (128), qh (64), 16 int8 scales, d
-        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
-        scales = (d * blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(-1, 8, 2)
         low = _bit_fields(blocks[:, :128], 2, [0, 4], 0x0F)
         high = _bit_fields(blocks[:, 128:192], 2, [0, 2, 4, 6], 0x03)
-        codes = ((low | (high << 4)).view(np.int8) - np.int8(32)).view(np.uint8).reshape(-1, 8, 32)
-        first, second = scales[..., :1], scales[..., 1:]
-    else:  # d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
-        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
-        first = (d * sc.astype(np.float32)).reshape(-1, 8, 1)
-        second = -(dmin * m.astype(np.float32)).reshape(-1, 8, 1)
-        codes = _bit_fields(blocks[:, -128:], 4, [0, 4], 0x0F).reshape(-1, 8, 32)
-        if kind == "Q5_K":
-            codes = codes | (_bit_fields(blocks[:, 16:48], 1, list(range(8)), 0x01).reshape(-1, 8, 32) << 4)
-        else:  # Q4_1's nibble order: byte i = weight i | weight i + 16 << 4
-            codes = codes[..., :16] | (codes[..., 16:] << 4)
+        codes = ((low | (high << 4)).view(np.int8) - np.int8(32)).view(np.uint8)
+        return np.concatenate([blocks[:, 208:210], blocks[:, 192:208], codes], axis=1).reshape(rows.shape[0], -1)
+    # d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    codes = _bit_fields(blocks[:, -128:], 4, [0, 4], 0x0F).reshape(-1, 8, 32)
+    if kind == "Q4_K":  # Q4_1's nibble order: byte i = weight i | weight i + 16 << 4
+        codes = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(-1, 128)
+        parts = [blocks[:, 0:4], sc.reshape(-1, 8).astype(np.uint8), m.reshape(-1, 8).astype(np.uint8), codes]
+        return np.concatenate(parts, axis=1).reshape(rows.shape[0], -1)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    first = (d * sc.astype(np.float32)).reshape(-1, 8, 1)
+    second = -(dmin * m.astype(np.float32)).reshape(-1, 8, 1)
+    codes = codes | (_bit_fields(blocks[:, 16:48], 1, list(range(8)), 0x01).reshape(-1, 8, 32) << 4)
     out = np.concatenate([first.view(np.uint8), second.view(np.uint8), codes], axis=-1)
     return out.reshape(rows.shape[0], -1)
 
@@ -253,27 +253,24 @@ def q5_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), offset.view(np.uint8), codes], axis=1).reshape(rows.shape[0], -1)
 
 
-def q3_k_as_blocks_of_32(rows: np.ndarray) -> np.ndarray:
-    """Q3_K rows (N, K / 256 * 110 bytes) -> the kernel's Q6F rows: per 32 weights the float32
-    scales d * sc of both halves of 16, then a signed byte per code (q - 4, from -4 to 3), decoded
-    as gguf does it, so that the kernel's scale * code is gguf's dl * q bit for bit."""
+def q3_k_rows(rows: np.ndarray) -> np.ndarray:
+    """Q3_K rows (N, K / 256 * 110 bytes) -> the kernel's Q6F rows: per super-block of 256 weights
+    its fp16 d, an int8 scale per 16 weights (sc - 32), then a signed byte per code (q - 4, from -4
+    to 3), decoded as gguf does it, so that the kernel's (d * scale) * code is gguf's dl * q bit for bit."""
     blocks = rows.reshape(-1, 110)
     hmask, qs, packed = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
-    d = blocks[:, 108:110].copy().view(np.float16).astype(np.float32)
     sc = _bit_fields(packed[:, :8], 1, [0, 4], 0x0F) | (_bit_fields(packed[:, 8:], 1, [0, 2, 4, 6], 0x03) << 4)
-    scales = (d * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)).reshape(-1, 8, 2)  # per 16 weights
+    scales = (sc.astype(np.int8) - np.int8(32)).view(np.uint8)
     ql = _bit_fields(qs, 2, [0, 2, 4, 6], 0x03)
     qh = _bit_fields(hmask, 1, list(range(8)), 0x01) ^ 1                         # a set bit: no -4
-    codes = (ql.astype(np.int8) - (qh << 2).astype(np.int8)).reshape(-1, 8, 32)
-    out = np.concatenate([scales[..., :1].view(np.uint8), scales[..., 1:].view(np.uint8), codes.view(np.uint8)],
-                         axis=-1)
-    return out.reshape(rows.shape[0], -1)
+    codes = (ql.astype(np.int8) - (qh << 2).astype(np.int8)).view(np.uint8)
+    return np.concatenate([blocks[:, 108:110], scales, codes], axis=1).reshape(rows.shape[0], -1)
 
 
 def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
     """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut by the
-    kernels' recut_k_quant (the same bytes as k_quant_as_blocks_of_32), Q5_0 and Q5_1 by
-    q5_as_blocks_of_32, Q3_K by q3_k_as_blocks_of_32, q/k rows un-permuted, copied out of the
+    kernels' recut_k_quant (the same bytes as k_quant_rows), Q5_0 and Q5_1 by
+    q5_as_blocks_of_32, Q3_K by q3_k_rows, q/k rows un-permuted, copied out of the
     file's read-only mapping."""
     kind = tensor.tensor_type.name
     rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
@@ -282,7 +279,7 @@ def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
     elif kind in ("Q5_0", "Q5_1"):
         rows = q5_as_blocks_of_32(rows, kind)
     elif kind == "Q3_K":
-        rows = q3_k_as_blocks_of_32(rows)
+        rows = q3_k_rows(rows)
     if heads:
         rows = _unpermute(rows, heads)
     return torch.from_numpy(np.require(rows, requirements=["C", "W"]))

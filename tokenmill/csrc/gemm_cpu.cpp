@@ -20,8 +20,8 @@
 // Batch-1 decode streams every weight once and is bound by memory. For GGUF weights in Q4_0,
 // Q4_1 or Q8_0 (and Q5_0, Q5_1 and the K-quants Q3_K to Q6_K, see Format below) the
 // kernel can also read them in their blocks of 32 (a scale, and for some an offset, per 32
-// weights of a row), re-laid as panels: per block of 32 k, the 16 features' scales, then each
-// k's 16 codes side by side. A tile decodes each k's 16 weights into two registers with exactly
+// weights of a row), re-laid as panels: per block of 32 k (or super-block of 256, see Format), the
+// 16 features' scales, then each k's 16 codes side by side. A tile decodes each k's 16 weights into two registers with exactly
 // the arithmetic of gguf's own dequantization (d * q, + m for Q4_1, rounded the same way) and
 // runs the same FMAs in the same order as over float32 panels, so the product is bit for bit the
 // same while a fifth of the bytes (Q4_1) stream from memory. Each pass of up to six rows decodes everything again,
@@ -88,7 +88,6 @@ constexpr int64_t kSuper = 8;   // blocks per super-block (Q4F, Q6F)
 constexpr bool super_blocks(int64_t f) { return f == kQ4F || f == kQ6F; }
 constexpr bool byte_codes(int64_t f) { return f == kQ8_0 || f == kQ5F || f == kQ6F; }
 constexpr bool has_offset(int64_t f) { return f == kQ4_1 || f == kQ4F || f == kQ5F; }  // v = d * q + m
-constexpr bool second_slot(int64_t f) { return has_offset(f) || f == kQ6F; }  // offsets, or Q6F's 2nd scales
 
 // A panel is stored in units of 32 k (a block) or of 256 k (a super-block): blocks per unit.
 constexpr int64_t unit_blocks(int64_t f) { return super_blocks(f) ? kSuper : 1; }
@@ -107,7 +106,9 @@ constexpr int64_t row_unit_bytes(int64_t format) {
 // header (fp16 d, for Q4F fp16 dmin, then per block the 16 8-bit scales and for Q4F the 16 mins,
 // or for Q6F per 16 k the 16 int8 scales), then its 8 blocks' codes.
 constexpr int64_t scale_bytes(int64_t format) { return (format == kQ5F ? 4 : 2) * kPanel; }
-constexpr int64_t offset_bytes(int64_t format) { return second_slot(format) && !super_blocks(format) ? scale_bytes(format) : 0; }
+constexpr int64_t offset_bytes(int64_t format) {  // a block's own offsets (Q4_1, Q5F)
+  return has_offset(format) && !super_blocks(format) ? scale_bytes(format) : 0;
+}
 constexpr int64_t code_bytes(int64_t format) { return byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2; }
 constexpr int64_t codes_at(int64_t format) {  // where a panel unit's codes start
   if (format == kQ4F) return 2 * 2 * kPanel + 2 * kSuper * kPanel;
@@ -166,8 +167,8 @@ inline BlockScales block_scales(const uint8_t* blk) {
 }
 
 // Block j's scales from its super-block's header (Q4F, Q6F): d * sc and -(dmin * m), or Q6F's
-// d * sc of its two halves, as recut_k_quant's arithmetic in gguf's makes them (the products are
-// exact in float32: fp16 d has 11 significant bits, sc and m at most 8).
+// d * sc of its two halves, the products gguf's dequantization makes (exact in float32: fp16 d
+// has 11 significant bits, sc and m at most 8).
 template <int64_t F>
 inline BlockScales super_block_scales(const uint8_t* unit, int64_t j) {
   const __m256 d0 = halves8(unit), d1 = halves8(unit + 16);

@@ -6,6 +6,7 @@ OpenAI's content parts the same way and render the same text for the same conver
 
 from __future__ import annotations
 
+import inspect
 import json
 
 
@@ -19,7 +20,9 @@ def content_text(content) -> str:
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"unsupported content part type {kind!r} (only 'text')")
-        parts.append(str(part.get("text", "")))
+        if not isinstance(part.get("text", ""), str):
+            raise ValueError(f"a text content part's 'text' must be a string, got {part.get('text')!r}")
+        parts.append(part.get("text", ""))
     return "\n".join(parts)
 
 
@@ -39,6 +42,14 @@ def _with_argument_objects(tool_calls: list) -> list:
     return out
 
 
+def _template_options(tokenizer) -> set[str]:
+    """apply_chat_template's own parameters (chat_template, tokenizer_kwargs, return_dict, ...):
+    what template variables from a request may not set. A template is code the server runs: one
+    from a request could keep a thread busy for as long as it likes."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} | {"messages"}
+
+
 def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None, template_kwargs: dict | None = None) -> dict:
     """{"prompt": text, "prompt_token_ids": ids} for a list of {"role", "content", ...} messages
@@ -52,9 +63,10 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
         messages.append({**m, "content": content_text(m.get("content"))})
         if isinstance(m.get("tool_calls"), list):
             messages[-1]["tool_calls"] = _with_argument_objects(m["tool_calls"])
-    reserved = {"messages", "conversation", "add_generation_prompt", "tokenize", "tools"} & set(template_kwargs or {})
+    reserved = _template_options(tokenizer) & set(template_kwargs or {})
     if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: only the template's "
+                         "own variables")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              tools=tools, **(template_kwargs or {}))

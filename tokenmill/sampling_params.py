@@ -6,6 +6,7 @@ the server can turn it into an HTTP 400 without guessing which input was bad.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 MAX_N = 128            # completions per prompt: each is a request of its own
@@ -163,8 +164,8 @@ class SamplingParams:
 
     def _check_float(self, name: str, low: float, high: float | None, low_open: bool = False) -> None:
         value = getattr(self, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-            raise ValueError(f"{name} must be a number, got {value!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
         if value < low or (low_open and value == low) or (high is not None and value > high):
             interval = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
             raise ValueError(f"{name} must be in {interval}, got {value}")

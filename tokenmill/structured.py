@@ -60,9 +60,13 @@ class GrammarCompiler:
         except ValueError as exc:
             raise ValueError(f"invalid structured output: {exc}") from None
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)  # (never raises: an invalid
-        if matcher.is_error():                                        # grammar leaves it failed)
+        grammar = Grammar(matcher, mask_width(tokenizer.vocab_size))   # grammar leaves it failed)
+        if matcher.is_error():
             raise ValueError(f"invalid structured output: {matcher.get_error().strip()}")
-        return Grammar(matcher, mask_width(tokenizer.vocab_size))
+        grammar.fill_mask(np.zeros((1, grammar.num_words), np.int32), 0)
+        if matcher.is_error():  # one that no text satisfies ([^\s\S]) fails on its first mask
+            raise ValueError(f"invalid structured output: no text satisfies it ({grammar.error})")
+        return grammar
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:

@@ -127,6 +127,13 @@ def test_n_echo_and_logprobs(client, server):
     offsets = [o for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                for o in chunk.choices[0].logprobs.text_offset]
     assert offsets[0] == 0 and offsets[prompt_len] == len("w5") and offsets == sorted(offsets)
+    # text held back for a stop string that never comes: offsets still those of the whole text
+    kwargs = dict(model="tiny", prompt="w5", max_tokens=8, temperature=0, logprobs=0, stop=["zzzz"],
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].logprobs.text_offset
+    streamed = [o for chunk in client.completions.create(**kwargs, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for o in chunk.choices[0].logprobs.text_offset]
+    assert streamed == whole and whole[1] > 0
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w9"}], max_tokens=3,
                                           logprobs=True, top_logprobs=2, temperature=0)
     content = chat.choices[0].logprobs.content
@@ -297,6 +304,20 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("empty stop string", "/v1/completions", {"prompt": "w5", "stop": ""}, 400, "stop"),
     ("priority under fcfs", "/v1/completions", {"prompt": "w5", "priority": 5}, 400, "priority"),
+    # lone surrogates ("\ud800" in JSON) are no unicode: the tokenizer and the response's encoder refuse them
+    ("lone surrogate in a prompt", "/v1/completions", b'{"prompt": "w5 \\ud800"}', 400, "prompt"),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages.0.content"),
+    ("lone surrogate in a model name", "/v1/completions", b'{"prompt": "w5", "model": "\\ud800"}', 400, "model"),
+    ("lone surrogate to tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt"),
+    ("lone surrogate in bad_words", "/v1/completions", b'{"prompt": "w5", "bad_words": ["\\ud800"]}', 400,
+     "bad_words"),
+    ("infinite temperature", "/v1/completions", b'{"prompt": "w5", "temperature": Infinity}', 400, "temperature"),
+    ("top_logprobs past 20", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("a template from the request", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400,
+     "chat_template"),
 ]
 
 

@@ -23,6 +23,8 @@ def test_content_parts_are_joined_with_newlines_and_only_text_is_taken():
     assert content_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "a\nb"
     with pytest.raises(ValueError, match="image_url"):
         content_text([{"type": "image_url", "image_url": {"url": "x"}}])
+    with pytest.raises(ValueError, match="must be a string"):
+        content_text([{"type": "text", "text": {"not": "text"}}])
 
 
 def test_render_chat_checks_roles_and_turns_template_errors_into_value_errors():
@@ -54,3 +56,17 @@ def test_template_variables_pass_through_but_not_over_the_renderers_own():
     assert tokenizer.seen[2] == {"enable_thinking": False}
     with pytest.raises(ValueError, match="may not set tools"):
         render_chat(tokenizer, [{"role": "user", "content": "hi"}], template_kwargs={"tools": []})
+
+
+def test_template_variables_cannot_replace_the_template_or_its_options():
+    """apply_chat_template's own parameters are not variables: a request's own template is code
+    the server would run (one looping for minutes kept a server thread busy; a few, all of them)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, unk_token="a")))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ greeting }}"
+    hi = [{"role": "user", "content": "a"}]
+    assert render_chat(tokenizer, hi, template_kwargs={"greeting": "!"})["prompt"] == "a!"
+    for option in ("chat_template", "tokenizer_kwargs", "return_dict", "continue_final_message", "messages"):
+        with pytest.raises(ValueError, match=f"may not set {option}"):
+            render_chat(tokenizer, hi, template_kwargs={option: "{% for i in range(10**9) %}{% endfor %}"})

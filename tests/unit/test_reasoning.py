@@ -14,6 +14,7 @@ from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
     ("qwen3", "Paris.", "", "Paris."),                                 # no thinking (enable_thinking false)
     ("qwen3", "<think>still going", "still going", ""),                # cut short while thinking
     ("qwen3", "a <think> b", "", "a <think> b"),                       # a tag inside the answer is text
+    ("qwen3", "abc</think>def", "", "abc</think>def"),                 # and a closing one: no block opened
     ("deepseek_r1", "hmm</think>Paris.", "hmm", "Paris."),             # the template opened the block
     ("deepseek_r1", "<think>hmm</think>Paris.", "hmm", "Paris."),
     ("deepseek_r1", "still going", "still going", ""),
@@ -24,7 +25,8 @@ def test_whole_outputs_split(kind, text, reasoning, content):
 
 @pytest.mark.parametrize("kind, text", [
     ("qwen3", "<think>\nhmm, let me see</think>\n\nParis it is."), ("qwen3", "Paris <thinks> it is."),
-    ("qwen3", "<think>a</thin"), ("deepseek_r1", "hmm</th</think>Paris</think>."), ("deepseek_r1", "<thi"),
+    ("qwen3", "<think>a</thin"), ("qwen3", "abc</think>def"), ("deepseek_r1", "hmm</th</think>Paris</think>."),
+    ("deepseek_r1", "<thi"),
 ])
 def test_streamed_pieces_add_up_to_the_whole_split_at_every_cut(kind, text):
     parser = ReasoningParser(kind)

@@ -23,6 +23,7 @@ def calls(parsed) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("tools, choice, parser, message", [
     (None, "required", None, "tool_choice needs tools"),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, None, "'nope', which is not among"),
+    ([WEATHER], {"type": "function", "function": "get_weather"}, None, "None, which is not among"),
     ([WEATHER], "sometimes", "hermes", "tool_choice must be"),
     ([WEATHER], None, None, "needs the server started with --tool-call-parser"),
     ([{"type": "function", "function": {"parameters": {}}}], "required", None, "tools must be functions"),

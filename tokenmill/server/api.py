@@ -300,7 +300,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             r = requests[i]
             return r.prompt if r.prompt is not None else tokenizer.decode(r.prompt_token_ids)
 
-        sent = [0] * len(requests)           # characters already streamed per choice (for text_offset)
+        # per choice: the next token's text_offset (the echo's and earlier tokens' characters: text
+        # held back for a stop string lags behind the tokens), and whether the prompt went out
+        offsets = [0] * len(requests)
         echoed = [not req.echo] * len(requests)
 
         def finish_reason(out: RequestOutput) -> str | None:
@@ -319,14 +321,14 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
             echo = ""
             if not echoed[i]:
                 echo, echoed[i] = prompt_text(i), True
+                offsets[i] = len(echo)
             lp = None
-            if req.logprobs is not None and new_ids:  # offsets into the text as sent, echo first
-                entries = out.outputs[0].logprobs[-len(new_ids):]
-                lp = completion_logprobs(entries, new_ids, sent[i] + len(echo))
+            if req.logprobs is not None and new_ids:  # offsets into the whole text, echo first
+                lp = completion_logprobs(out.outputs[0].logprobs[-len(new_ids):], new_ids, offsets[i])
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             if echo:
                 lp = with_prompt(lp, out)
             text = echo + new_text
-            sent[i] += len(text)
             if not text and not out.finished and lp is None:
                 return []
             return [{**base, "choices": [{"index": i, "text": text, "logprobs": lp,
@@ -357,6 +359,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         top_n = req.top_logprobs or 0
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:  # 0 is not "no limit"
             raise APIError(400, f"max_completion_tokens must be >= 1, got {req.max_completion_tokens}",
                            param="max_completion_tokens")

@@ -10,21 +10,52 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def lone_surrogate_at(body) -> str | None:
+    """Where a request's text holds a lone UTF-16 surrogate ("\\ud800" in JSON parses into one):
+    no unicode text, which tokenizers refuse and a response quoting it cannot be encoded. A loop,
+    not recursion: bodies may nest as deep as JSON lets them."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the body"
+        elif isinstance(value, (dict, list)):
+            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+                name = str(key).encode("utf-8", "backslashreplace").decode()
+                stack += [(key, path), (item, f"{path}.{name}" if path else name)]
+    return None
+
+
+class APIRequest(BaseModel):
+    """A request body: unknown fields ignored, as OpenAI's API does; its text valid unicode."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise ValueError(f"{where} is not valid unicode text (a lone surrogate such as \\ud800)")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(APIRequest):
     """The sampling fields both endpoints share (OpenAI's, plus vLLM's common extensions)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -178,18 +209,14 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(APIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(APIRequest):
     model: str | None = None
     tokens: list[int]
 

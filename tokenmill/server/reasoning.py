@@ -33,12 +33,12 @@ class ReasoningParser:
         if not final and START.startswith(text) and text != START:
             return "", ""                       # an opening tag may be on its way
         opened = text.startswith(START)
+        if self.kind == "qwen3" and not opened:
+            return "", text                     # no block opened: all answer, a "</think>" in it too
         body = text[len(START):] if opened else text
         end = body.find(END)
         if end != -1:
             return body[:end], body[end + len(END):]
-        if self.kind == "qwen3" and not opened:
-            return "", text                     # no thinking: all answer
         return body[:len(body) - (0 if final else partial_tag(body, END))], ""
 
 

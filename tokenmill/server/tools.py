@@ -222,7 +222,8 @@ def plan_tools(tools: list | None, tool_choice, parser: str | None, parallel: bo
             raise ValueError(f"tools must be functions with a name and a parameters schema, got {tool!r}")
     names = [t["function"]["name"] for t in tools]
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in names:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
         return ToolPlan("named", tools, name=name, parser=parser)

@@ -20,19 +20,25 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def lone_surrogate_at(body) -> str | None:
     """Where a request's text holds a lone UTF-16 surrogate ("\\ud800" in JSON parses into one):
     no unicode text, which tokenizers refuse and a response quoting it cannot be encoded. A loop,
-    not recursion: bodies may nest as deep as JSON lets them."""
-    stack = [(body, "")]
+    not recursion (bodies may nest as deep as JSON lets them), that passes over numbers and ASCII
+    text at once (a prompt of 100,000 token ids takes a few milliseconds)."""
+    stack: list = [(body, None)]   # (value, where: None, or (where its container is, key))
     while stack:
-        value, path = stack.pop()
+        value, where = stack.pop()
         if isinstance(value, str):
             try:
-                value.encode("utf-8")
+                value.isascii() or value.encode("utf-8")
             except UnicodeEncodeError:
-                return path or "the body"
-        elif isinstance(value, (dict, list)):
-            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-                name = str(key).encode("utf-8", "backslashreplace").decode()
-                stack += [(key, path), (item, f"{path}.{name}" if path else name)]
+                keys = []
+                while where is not None:
+                    where, key = where
+                    keys.append(str(key).encode("utf-8", "backslashreplace").decode())
+                return ".".join(reversed(keys)) or "the body"
+        elif isinstance(value, dict):
+            stack += [(key, where) for key in value if not key.isascii()]
+            stack += [(item, (where, key)) for key, item in value.items() if isinstance(item, (str, dict, list))]
+        elif isinstance(value, list):
+            stack += [(item, (where, k)) for k, item in enumerate(value) if isinstance(item, (str, dict, list))]
     return None
 
 

@@ -73,21 +73,23 @@ void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, flo
 //   Q4F  Q4_K in its super-blocks of 256 k: fp16 d and dmin, per block of 32 an 8-bit scale sc
 //        and min m, Q4_1's nibbles; a block's scale is d * sc and its offset -(dmin * m), made
 //        per block in the tile (both products exact in float32, as gguf's own)
-//   Q5F  blocks of 32 with a float32 scale and offset and a byte per 5-bit code (Q5_K; Q5_0 and
-//        Q5_1 too, re-cut in loader.py)
+//   Q5K  Q5_K the same way, with a byte per 5-bit code
+//   Q5F  blocks of 32 with a float32 scale and offset and a byte per 5-bit code (Q5_0 and Q5_1,
+//        re-cut in loader.py)
 //   Q6F  super-blocks of 256: fp16 d, an int8 scale sc per 16 k, a signed byte per code (Q6_K's
 //        q - 32; Q3_K's q - 4, re-cut in loader.py); scale d * sc
 // The super-block formats keep a panel's 16 scales per super-block in a header before its
-// codes: 0.58 bytes a weight for Q4F (the file's 0.56) and 1.07 for Q6F (0.82), where float32
-// scales for every block of 32 took 0.75 and 1.25.
-enum Format : int64_t { kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6 };
-constexpr int64_t kLastFormat = kQ6F;
+// codes: 0.58 bytes a weight for Q4F (the file's 0.56), 1.08 for Q5K (0.69) and 1.07 for Q6F
+// (0.82), where float32 scales for every block of 32 took 0.75, 1.25 and 1.25.
+enum Format : int64_t { kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6, kQ5K = 7 };
+constexpr int64_t kLastFormat = kQ5K;
 constexpr int64_t kBlock = 32;  // weights per GGUF block
 constexpr int64_t kSuper = 8;   // blocks per super-block (Q4F, Q6F)
 
-constexpr bool super_blocks(int64_t f) { return f == kQ4F || f == kQ6F; }
-constexpr bool byte_codes(int64_t f) { return f == kQ8_0 || f == kQ5F || f == kQ6F; }
-constexpr bool has_offset(int64_t f) { return f == kQ4_1 || f == kQ4F || f == kQ5F; }  // v = d * q + m
+constexpr bool super_blocks(int64_t f) { return f == kQ4F || f == kQ6F || f == kQ5K; }
+constexpr bool byte_codes(int64_t f) { return f == kQ8_0 || f == kQ5F || f == kQ6F || f == kQ5K; }
+constexpr bool has_offset(int64_t f) { return f == kQ4_1 || f == kQ4F || f == kQ5F || f == kQ5K; }  // v = d * q + m
+constexpr bool unsigned_bytes(int64_t f) { return f == kQ5F || f == kQ5K; }  // byte codes 0..31, not int8
 
 // A panel is stored in units of 32 k (a block) or of 256 k (a super-block): blocks per unit.
 constexpr int64_t unit_blocks(int64_t f) { return super_blocks(f) ? kSuper : 1; }
@@ -95,9 +97,9 @@ constexpr int64_t unit_k(int64_t f) { return kBlock * unit_blocks(f); }
 
 // Bytes of one unit of one row as given to pack_block_panels: the GGUF file's block (Q4_0, Q4_1,
 // Q8_0); Q5F's two float32 (scale, offset) and 32 codes; Q4F's fp16 d and dmin, 8 scales, 8 mins
-// and 128 bytes of nibbles; Q6F's fp16 d, 16 int8 scales and 256 codes.
+// and 128 bytes of nibbles (Q5K: 256 bytes of codes); Q6F's fp16 d, 16 int8 scales and 256 codes.
 constexpr int64_t row_unit_bytes(int64_t format) {
-  constexpr int64_t bytes[kLastFormat + 1] = {0, 18, 20, 34, 2 + 2 + 8 + 8 + 128, 40, 2 + 16 + 256};
+  constexpr int64_t bytes[kLastFormat + 1] = {0, 18, 20, 34, 2 + 2 + 8 + 8 + 128, 40, 2 + 16 + 256, 2 + 2 + 8 + 8 + 256};
   return bytes[format];
 }
 
@@ -111,7 +113,7 @@ constexpr int64_t offset_bytes(int64_t format) {  // a block's own offsets (Q4_1
 }
 constexpr int64_t code_bytes(int64_t format) { return byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2; }
 constexpr int64_t codes_at(int64_t format) {  // where a panel unit's codes start
-  if (format == kQ4F) return 2 * 2 * kPanel + 2 * kSuper * kPanel;
+  if (format == kQ4F || format == kQ5K) return 2 * 2 * kPanel + 2 * kSuper * kPanel;
   if (format == kQ6F) return 2 * kPanel + 2 * kSuper * kPanel;
   return scale_bytes(format) + offset_bytes(format);
 }
@@ -173,7 +175,7 @@ template <int64_t F>
 inline BlockScales super_block_scales(const uint8_t* unit, int64_t j) {
   const __m256 d0 = halves8(unit), d1 = halves8(unit + 16);
   BlockScales s;
-  if constexpr (F == kQ4F) {
+  if constexpr (F == kQ4F || F == kQ5K) {
     const uint8_t *sc = unit + 4 * kPanel + j * kPanel, *m = sc + kSuper * kPanel;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     s.d0 = _mm256_mul_ps(d0, bytes8<false>(sc)), s.d1 = _mm256_mul_ps(d1, bytes8<false>(sc + 8));
@@ -211,7 +213,7 @@ inline void decode_row(const uint8_t* codes, int64_t i, const BlockScales& s, __
   if constexpr (F == kQ8_0 || F == kQ6F) {
     q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel)));
     q1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel + 8)));
-  } else if constexpr (F == kQ5F) {
+  } else if constexpr (unsigned_bytes(F)) {
     q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel)));
     q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i * kPanel + 8)));
   } else {  // byte j: feature j in the low nibble, feature j + 8 in the high one
@@ -296,7 +298,7 @@ void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint
 using DecodeFn = void (*)(const uint8_t*, int64_t, float*, const uint8_t*);
 constexpr DecodeFn kDecoders[kLastFormat + 1] = {nullptr,           decode_panel<kQ4_0>, decode_panel<kQ4_1>,
                                                  decode_panel<kQ8_0>, decode_panel<kQ4F>,  decode_panel<kQ5F>,
-                                                 decode_panel<kQ6F>};
+                                                 decode_panel<kQ6F>,  decode_panel<kQ5K>};
 
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
 template <int64_t F>
@@ -304,7 +306,7 @@ constexpr BlockTileFn kBlockTilesOf[kRows + 1] = {nullptr,           block_tile<
                                                   block_tile<F, 4>, block_tile<F, 5>, block_tile<F, 6>};
 constexpr const BlockTileFn* kBlockTiles[kLastFormat + 1] = {
     nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>, kBlockTilesOf<kQ4F>, kBlockTilesOf<kQ5F>,
-    kBlockTilesOf<kQ6F>};
+    kBlockTilesOf<kQ6F>, kBlockTilesOf<kQ5K>};
 
 // x (M, K) times block panels. The first block of rows with more than kDecodeRows rows decodes
 // a panel once into a buffer that the float32 path's tiles run over, for it and every block after
@@ -502,7 +504,7 @@ void int8_tile_bytes(const Int8Row* x, const uint8_t* src, int64_t num_blocks, f
         const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * kPanel));
         const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (i + 1) * kPanel));
         __m256i w0, w1;
-        if constexpr (F == kQ5F) {
+        if constexpr (unsigned_bytes(F)) {
           w0 = _mm256_cvtepu8_epi16(r0), w1 = _mm256_cvtepu8_epi16(r1);
         } else {
           w0 = _mm256_cvtepi8_epi16(r0), w1 = _mm256_cvtepi8_epi16(r1);
@@ -540,7 +542,7 @@ constexpr Int8TileFn kInt8TilesOf[kInt8Rows + 1] = {nullptr, int8_tile<F, 1>, in
                                                     int8_tile<F, 4>};
 constexpr const Int8TileFn* kInt8Tiles[kLastFormat + 1] = {
     nullptr, kInt8TilesOf<kQ4_0>, kInt8TilesOf<kQ4_1>, kInt8TilesOf<kQ8_0>, kInt8TilesOf<kQ4F>,
-    kInt8TilesOf<kQ5F>, kInt8TilesOf<kQ6F>};
+    kInt8TilesOf<kQ5F>, kInt8TilesOf<kQ6F>, kInt8TilesOf<kQ5K>};
 
 // x (M, K) times block panels with x in 8-bit blocks, up to four rows per pass over a panel. The
 // first pass over a panel prefetches the next one: unlike the float32 decoding, these passes
@@ -609,14 +611,14 @@ torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out
 
 // Where a row's unit keeps its codes (row_unit_bytes), and how many bytes of them a block has.
 constexpr int64_t row_codes_at(int64_t format) {
-  return format == kQ4F ? 2 + 2 + 2 * kSuper : format == kQ6F ? 2 + 2 * kSuper
+  return format == kQ4F || format == kQ5K ? 2 + 2 + 2 * kSuper : format == kQ6F ? 2 + 2 * kSuper
                                              : scale_bytes(format) / kPanel * (offset_bytes(format) ? 2 : 1);
 }
 constexpr int64_t row_block_codes(int64_t format) { return byte_codes(format) ? kBlock : kBlock / 2; }
 
 // Row j's scales (and offsets) from its unit into the panel unit `out`.
 void put_scales(int64_t format, const uint8_t* row, int64_t j, uint8_t* out) {
-  if (format == kQ4F) {  // d and dmin, then per block its scale, then per block its min
+  if (format == kQ4F || format == kQ5K) {  // d and dmin, then per block its scale, then per block its min
     std::memcpy(out + 2 * j, row, 2);
     std::memcpy(out + 2 * (kPanel + j), row + 2, 2);
     for (int64_t b = 0; b < 2 * kSuper; ++b) out[4 * kPanel + b * kPanel + j] = row[4 + b];
@@ -732,16 +734,16 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
   return out;
 }
 
-// Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> rows in the kernel's format Q4F, Q5F
+// Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> rows in the kernel's format Q4F, Q5K
 // or Q6F (row_unit_bytes): what loader.k_quant_rows makes with numpy, byte for byte (tested), in
 // a fraction of the time (a 7B model's re-cut took 32 s in numpy).
 torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
-  TM_CHECK(format == kQ4F || format == kQ5F || format == kQ6F, "recut_k_quant: format Q4F, Q5F or Q6F");
-  const int64_t super_bytes = format == kQ4F ? 144 : format == kQ5F ? 176 : 210;
+  TM_CHECK(format == kQ4F || format == kQ5K || format == kQ6F, "recut_k_quant: format Q4F, Q5K or Q6F");
+  const int64_t super_bytes = format == kQ4F ? 144 : format == kQ5K ? 176 : 210;
   TM_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.size(1) % super_bytes == 0,
            "recut_k_quant: rows (N, K / 256 * super-block bytes) uint8");
   auto r = raw.contiguous();
-  const int64_t supers = r.numel() / super_bytes, out_unit = row_unit_bytes(format) * (kSuper / unit_blocks(format));
+  const int64_t supers = r.numel() / super_bytes, out_unit = row_unit_bytes(format);
   auto out = torch::empty({raw.size(0), raw.size(1) / super_bytes * out_unit}, r.options());
   const uint8_t* src = r.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -775,28 +777,21 @@ torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
       for (int c = 0; c < 8; ++c) {  // sub-block c: nibbles of 32 bytes (c / 2), fifth bits at bit c
         const uint8_t* bytes = qs + c / 2 * 32;
         for (int j = 0; j < 32; ++j) q[c * 32 + j] = (bytes[j] >> (4 * (c % 2))) & 0x0F;
-        if (format == kQ5F) {
+        if (format == kQ5K) {
           for (int j = 0; j < 32; ++j) q[c * 32 + j] |= ((sb[16 + j] >> c) & 0x01) << 4;
         }
       }
-      if (format == kQ4F) {  // d, dmin, the scales, the mins, then per block Q4_1's nibbles: byte j
-                             // holds weight j and weight j + 16
-        std::memcpy(o, sb, 4);
-        std::memcpy(o + 4, scale, 8);
-        std::memcpy(o + 12, min, 8);
-        for (int i = 0; i < 8; ++i) {
-          for (int j = 0; j < kBlock / 2; ++j) o[20 + i * 16 + j] = q[i * kBlock + j] | q[i * kBlock + j + 16] << 4;
-        }
+      // d, dmin, the scales, the mins, then the codes: Q5K's bytes, or per block Q4_1's nibbles
+      // (byte j holds weight j and weight j + 16)
+      std::memcpy(o, sb, 4);
+      std::memcpy(o + 4, scale, 8);
+      std::memcpy(o + 12, min, 8);
+      if (format == kQ5K) {
+        std::memcpy(o + 20, q, 256);
         continue;
       }
-      const float d = c10::detail::fp16_ieee_to_fp32_value(sb[0] | sb[1] << 8);
-      const float dmin = c10::detail::fp16_ieee_to_fp32_value(sb[2] | sb[3] << 8);
-      for (int i = 0; i < 8; ++i) {  // Q5F: per block the float32 scale d * sc, offset -(dmin * m), codes
-        const float first = d * static_cast<float>(scale[i]), second = -(dmin * static_cast<float>(min[i]));
-        uint8_t* blk = o + i * row_unit_bytes(kQ5F);
-        std::memcpy(blk, &first, 4);
-        std::memcpy(blk + 4, &second, 4);
-        std::memcpy(blk + 8, q + i * kBlock, kBlock);
+      for (int i = 0; i < 8; ++i) {
+        for (int j = 0; j < kBlock / 2; ++j) o[20 + i * 16 + j] = q[i * kBlock + j] | q[i * kBlock + j + 16] << 4;
       }
     }
   });

@@ -209,11 +209,11 @@ def _bit_fields(packed: np.ndarray, groups: int, shifts: list[int], mask: int) -
 
 def k_quant_rows(rows: np.ndarray, kind: str) -> np.ndarray:
     """Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> the rows the CPU kernel packs
-    (gemm_cpu.cpp, Format), with gguf's own arithmetic where values are made, so that the kernel's
-    d * q (+ offset) is gguf's value bit for bit. Per super-block of 256 weights, Q4_K: its fp16 d
-    and dmin, the 8 scales, the 8 mins, then per 32 weights Q4_1's 16 bytes of nibbles; Q6_K: its
-    fp16 d, its 16 int8 scales, a signed byte per code (q - 32). Q5_K: per 32 weights the float32
-    scale d * sc and offset -(dmin * m), then a byte per code."""
+    (gemm_cpu.cpp, Format), codes unpacked as gguf's dequantization reads them. Per super-block of
+    256 weights, Q4_K and Q5_K: the fp16 d and dmin, the 8 scales, the 8 mins, then per 32 weights
+    Q4_1's 16 bytes of nibbles (Q4_K) or a byte per code (Q5_K); Q6_K: the fp16 d, the 16 int8
+    scales, a signed byte per code (q - 32). The kernel makes a block's d * sc and -(dmin * m)
+    from them, exactly gguf's products, so that its values are gguf's bit for bit."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K
     blocks = rows.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
@@ -225,17 +225,13 @@ def k_quant_rows(rows: np.ndarray, kind: str) -> np.ndarray:
     # d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
     codes = _bit_fields(blocks[:, -128:], 4, [0, 4], 0x0F).reshape(-1, 8, 32)
-    if kind == "Q4_K":  # Q4_1's nibble order: byte i = weight i | weight i + 16 << 4
-        codes = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(-1, 128)
-        parts = [blocks[:, 0:4], sc.reshape(-1, 8).astype(np.uint8), m.reshape(-1, 8).astype(np.uint8), codes]
-        return np.concatenate(parts, axis=1).reshape(rows.shape[0], -1)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    first = (d * sc.astype(np.float32)).reshape(-1, 8, 1)
-    second = -(dmin * m.astype(np.float32)).reshape(-1, 8, 1)
-    codes = codes | (_bit_fields(blocks[:, 16:48], 1, list(range(8)), 0x01).reshape(-1, 8, 32) << 4)
-    out = np.concatenate([first.view(np.uint8), second.view(np.uint8), codes], axis=-1)
-    return out.reshape(rows.shape[0], -1)
+    if kind == "Q5_K":
+        codes = codes | (_bit_fields(blocks[:, 16:48], 1, list(range(8)), 0x01).reshape(-1, 8, 32) << 4)
+    else:  # Q4_1's nibble order: byte i = weight i | weight i + 16 << 4
+        codes = codes[..., :16] | (codes[..., 16:] << 4)
+    parts = [blocks[:, 0:4], sc.reshape(-1, 8).astype(np.uint8), m.reshape(-1, 8).astype(np.uint8),
+             codes.reshape(blocks.shape[0], -1)]
+    return np.concatenate(parts, axis=1).reshape(rows.shape[0], -1)
 
 
 def q5_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:

@@ -35,9 +35,10 @@ from tokenmill.host_memory import huge_page_slots
 
 _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works with it
 # GGUF types the panel kernel reads as blocks; the K-quants, Q5_0 and Q5_1 re-cut at load
-# (loader.py) into the kernel's formats Q4F (Q4_K's super-blocks), Q5F (32-weight blocks with
-# float32 scales) and Q6F (super-blocks with a scale per 16 weights: Q6_K, and Q3_K too)
-BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
+# (loader.py) into the kernel's formats Q4F and Q5K (Q4_K's and Q5_K's super-blocks), Q5F
+# (32-weight blocks with float32 scales: Q5_0, Q5_1) and Q6F (super-blocks with a scale per 16
+# weights: Q6_K, and Q3_K too)
+BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 7, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
                  "Q3_K": 6}
 
 

@@ -162,6 +162,9 @@ class LLMEngine:
         Touches no engine state, so the server calls it on its own thread and returns 400s
         without waiting for a step."""
         params = params or SamplingParams()
+        if priority and self.config.scheduling_policy != "priority":  # as vLLM: not silently ignored
+            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' "
+                             f"(this engine runs '{self.config.scheduling_policy}')")
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -177,11 +180,13 @@ class LLMEngine:
                      if all(t < vocab for t in seq)]  # (a word with a token past the logits is never sampled)
         banned_always = {seq[0] for seq in bad_words if len(seq) == 1}
         if params.allowed_token_ids is not None:
-            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if params.min_tokens and set(params.allowed_token_ids) <= ends:  # nothing left to sample
-                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens forbids at first")
-            if set(params.allowed_token_ids) <= banned_always:
+            allowed = set(params.allowed_token_ids)
+            if allowed <= banned_always:
                 raise ValueError("allowed_token_ids holds only tokens that bad_words bans")
+            # under min_tokens the sampler also bans EOS (ignore_eos too, as vLLM) and the stop tokens
+            if params.min_tokens and allowed <= banned_always | set(params.stop_token_ids) | set(self.eos_token_ids):
+                raise ValueError("allowed_token_ids holds only stop tokens and tokens that bad_words bans, "
+                                 "which min_tokens forbids at first")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "

@@ -5,7 +5,7 @@ Order of operations on the (S, V) logits of the rows that sample this step:
   2. repetition / presence / frequency penalties, logit_bias, then allowed_token_ids, only for rows
      that set them
   3. EOS and stop tokens masked for rows still under min_tokens, and the token that would complete
-     a bad word
+     a bad word (a row these leave without any of its allowed_token_ids keeps those)
   3b. structured outputs: tokens the request's grammar does not allow next masked (a row that the
      steps before left no token the grammar allows keeps the grammar's alone)
   4. greedy rows: argmax
@@ -276,14 +276,18 @@ class Sampler:
         if meta.bias is not None:
             rows, ids, values = meta.bias
             logits.index_put_((rows, ids), values, accumulate=True)
+        kept = {}
         for row, ids in meta.allowed:
-            kept = logits[row, ids]
+            kept[row] = logits[row, ids]
             logits[row] = float("-inf")
-            logits[row, ids] = kept
+            logits[row, ids] = kept[row]
         if meta.banned:
             rows = torch.tensor([row for row, ids in meta.banned for _ in ids])
             cols = torch.tensor([t for _, ids in meta.banned for t in ids])
             logits[to_device(rows, logits.device), to_device(cols, logits.device)] = float("-inf")
+            for row, ids in meta.allowed:  # bans that leave no allowed token (a longer bad word, say)
+                if torch.isneginf(logits[row]).all():  # give way: an allowed token, never another
+                    logits[row, ids] = kept[row]
         if meta.grammar_rows:
             masked_before = {row for row, _ in meta.allowed} | {row for row, _ in meta.banned}
             for j, row in enumerate(meta.grammar_rows):

@@ -5,6 +5,7 @@ each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
 
   1. Running requests that are decoding get their one token each, first.
   2. Running requests still inside their prompt get the next chunk of it.
+     (Both in admission order under fcfs, else in the policy's order.)
   3. Waiting requests are admitted in policy order while the budget, `max_num_seqs` and the
      KV pool (less a watermark) allow; each gets a chunk of its prompt.
 
@@ -115,8 +116,8 @@ class Scheduler:
         num_decodes = 0  # decodes in this step so far (they set the long prompts' allowance)
         long_tokens = 0  # tokens granted so far to long prompts held back beside them
 
-        # 1 + 2: running requests, decodes before prompt chunks (a stable sort keeps admission order).
-        for request in sorted(self.running, key=lambda r: r.num_remaining_prefill > 1):
+        # 1 + 2: running requests, decodes before prompt chunks.
+        for request in self._running_order():
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -210,6 +211,15 @@ class Scheduler:
                 return (1, r.arrival_time)
             return (2, *self.policy_key(r))
         return min(self.waiting, key=rank)
+
+    def _running_order(self) -> list[Request]:
+        """Decodes before prompt chunks; within each, admission order under fcfs, else the
+        policy's. Those first in line take the last free blocks, and a victim is picked only among
+        those not yet scheduled: in admission order, a low-priority request admitted earlier took
+        the last block and the high-priority one behind it had to preempt itself."""
+        if self.config.policy == "fcfs":
+            return sorted(self.running, key=lambda r: r.num_remaining_prefill > 1)  # stable: admission order
+        return sorted(self.running, key=lambda r: (r.num_remaining_prefill > 1, *self.policy_key(r)))
 
     def _pick_victim(self, exclude: dict[Request, int]) -> Request | None:
         """The running request to preempt, among those not yet scheduled in this step (their

@@ -152,11 +152,21 @@ def test_final_only_outputs_report_a_request_once_it_ended(llm):
     ([5], SamplingParams(stop_token_ids=[400], min_tokens=2), r"stop_token_ids must be integers in \[0, 384\)"),
     ({"nope": 1}, SamplingParams(), "prompt"),
     ([5], SamplingParams(allowed_token_ids=[1, 9], stop_token_ids=[9], min_tokens=1), "allowed_token_ids"),
+    # EOS is banned under min_tokens with ignore_eos too, and the bans add up
+    ([5], SamplingParams(allowed_token_ids=[1], ignore_eos=True, min_tokens=2), "allowed_token_ids"),
+    ([5], SamplingParams(allowed_token_ids=[1, 9], bad_words=["w9"], min_tokens=2), "allowed_token_ids"),
 ])
 def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         llm.engine.add_request("bad", prompt, params)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_priority_without_the_priority_policy_is_an_error_not_ignored(llm):
+    with pytest.raises(ValueError, match="needs scheduling_policy 'priority'"):
+        llm.generate(["w5", "w6"], SamplingParams(max_tokens=2), priority=[0, 3], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(["w5"], SamplingParams(max_tokens=2), priority=[0], use_tqdm=False)) == 1
 
 
 def test_chat_uses_the_chat_template(llm):

@@ -70,6 +70,23 @@ def test_each_policy_picks_its_preemption_victim(policy, victim):
     assert s._pick_victim(exclude={}).request_id == victim
 
 
+def test_under_priority_the_low_priority_request_is_preempted_even_if_admitted_first():
+    """Both decode and cross a block boundary in the same step with one block left: the
+    high-priority request takes it, whatever the admission order, and the low one is preempted."""
+    s = make_scheduler(policy="priority", num_blocks=5, block_size=4, budget=64)
+    low = make_request("low", prompt_len=7, max_tokens=12, arrival=0.0, priority=10)
+    high = make_request("high", prompt_len=7, max_tokens=12, arrival=1.0, priority=0)
+    s.add_request(low)
+    s.update(sched := s.schedule(), fake_run(sched))      # low admitted first (2 blocks)
+    s.add_request(high)
+    preempted = []
+    while s.has_unfinished_requests():
+        sched = s.schedule()
+        preempted += sched.preempted_request_ids
+        s.update(sched, fake_run(sched))
+    assert preempted and set(preempted) == {"low"} and high.num_preemptions == 0
+
+
 def test_watermark_holds_back_admission_but_never_starves_an_empty_batch():
     s = make_scheduler(num_blocks=20, block_size=4, budget=200, kv_watermark=0.25)  # 5 blocks reserve
     big = make_request("big", prompt_len=60, max_tokens=2)  # 15 blocks + growth

@@ -316,6 +316,17 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(sampler):
         assert out.token_ids[0] == expected and out.token_ids[1] in (3, 4)
 
 
+def test_bans_that_leave_no_allowed_token_give_way_to_the_allowed_ones(sampler):
+    """min_tokens (EOS) and a longer bad word can ban every allowed token of a row at some step:
+    the row then keeps its allowed tokens (before this, all -inf, it sampled token 0)."""
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(6))
+    under_min = req("a", temperature=0.0, allowed_token_ids=[1], min_tokens=3)       # 1 is EOS
+    word = req("b", output=(6,), temperature=1.0, allowed_token_ids=[7], seed=3)
+    word.bad_words_token_ids = [[6, 7]]
+    for seed in range(5):
+        assert sampler(seed)(logits, meta_for([under_min, word])).token_ids == [1, 7]
+
+
 def test_bad_words_ban_the_token_that_would_complete_them(sampler):
     """A one-token word is never sampled; a longer one's last token only where the output ends in
     the tokens before it (so the same token stays free elsewhere)."""

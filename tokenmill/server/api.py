@@ -163,9 +163,6 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         if len(prompts) * params.n > MAX_COMPLETIONS:
             raise APIError(400, f"at most {MAX_COMPLETIONS} completions per request (prompts x n), "
                                 f"got {len(prompts)} x {params.n}", param="prompt")
-        if priority and engine.config.scheduling_policy != "priority":
-            raise APIError(400, f"priority {priority} needs the server's scheduling_policy 'priority' "
-                                f"(it runs '{engine.config.scheduling_policy}')", param="priority")
         return await asyncio.to_thread(make_requests, prompts, params, priority, prefix)
 
     def make_requests(prompts: list, params, priority: int, prefix: str):
@@ -179,7 +176,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                                                               {"prompt": text, "prompt_token_ids": ids}, sub,
                                                               priority=priority))
         except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), param="priority" if str(exc).startswith("priority") else None) from None
         return requests
 
     def sampling(req, max_tokens, logprobs, prompt_logprobs=None):

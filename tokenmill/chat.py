@@ -72,4 +72,9 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
                                              tools=tools, **(template_kwargs or {}))
     except Exception as exc:  # jinja raises for conversations the template rejects
         raise ValueError(f"cannot apply the chat template: {exc}") from None
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were no UTF-8 (a shell's stdin)
+            raise ValueError("the conversation is not valid UTF-8 text") from None
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

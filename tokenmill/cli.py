@@ -202,10 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:  # a model that cannot be found or loaded: a message, not a traceback
-        logging.getLogger("tokenmill").debug("the error in full", exc_info=True)
-        print(f"tokenmill: {exc}", file=sys.stderr)
+    except (ValueError, OSError, MemoryError) as exc:  # a model that cannot be found or loaded, a pool too
+        logging.getLogger("tokenmill").debug("the error in full", exc_info=True)  # big: a message, not a traceback
+        print(f"tokenmill: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for it, without a traceback
+        print("tokenmill: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

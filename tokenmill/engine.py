@@ -15,13 +15,21 @@ import time
 from collections.abc import Callable
 
 import torch
+from safetensors import SafetensorError
 
 from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from tokenmill.detokenizer import IncrementalDetokenizer
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_runner import ModelRunner, PendingStep
-from tokenmill.models.loader import load_model, load_tokenizer, open_checkpoint, resolve_model_path
+from tokenmill.models.loader import (
+    BROKEN_FILE_ERRORS,
+    load_model,
+    load_tokenizer,
+    open_checkpoint,
+    resolve_model_path,
+    unreadable,
+)
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, RunnerOutput, SchedulerOutput, StepStats
 from tokenmill.proposers import make_proposer
 from tokenmill.request import Request, RequestStatus
@@ -74,8 +82,11 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > max_len:
             logger.warning("max_model_len %d is past the model's %d positions: lowered to %d",
                            config.max_model_len, max_len, max_len)
-        model = load_model(checkpoint, max_len, self.dtype, self.device, config.kernels, config.gguf_blocks,
-                           config.gguf_int8_rows)
+        try:
+            model = load_model(checkpoint, max_len, self.dtype, self.device, config.kernels, config.gguf_blocks,
+                               config.gguf_int8_rows)
+        except (*BROKEN_FILE_ERRORS, SafetensorError) as exc:
+            raise unreadable(path, exc) from exc
         # A draft model is loaded before the pool is sized (on a GPU, from the memory left), and its
         # own pool gets as many blocks: each block then costs the two models' K/V.
         proposer = (make_proposer(config.speculative, config, self.model_config.vocab_size)
@@ -147,6 +158,11 @@ class LLMEngine:
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if not prompt.isascii():
+                try:
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError:  # bytes that were no UTF-8 (a shell argument, stdin)
+                    raise ValueError("prompt is not valid UTF-8 text") from None
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)

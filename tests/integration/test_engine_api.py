@@ -155,6 +155,7 @@ def test_final_only_outputs_report_a_request_once_it_ended(llm):
     # EOS is banned under min_tokens with ignore_eos too, and the bans add up
     ([5], SamplingParams(allowed_token_ids=[1], ignore_eos=True, min_tokens=2), "allowed_token_ids"),
     ([5], SamplingParams(allowed_token_ids=[1, 9], bad_words=["w9"], min_tokens=2), "allowed_token_ids"),
+    ("w5 \udcff", SamplingParams(), "not valid UTF-8"),   # a shell argument's bytes that were no UTF-8
 ])
 def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):

@@ -34,7 +34,8 @@ def test_sampling_params_normalise():
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 0), ("max_model_len", 1),
     ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu"), ("scheduling_policy", "random"),
     ("kv_watermark", 1.0), ("kv_cache_memory", "lots"), ("attention_backend", "magic"),
-    ("kv_cache_dtype", "int8"), ("gguf_int8_rows", -1), ("gguf_int8_rows", True),
+    ("kv_cache_dtype", "int8"), ("gguf_int8_rows", -1), ("gguf_int8_rows", True), ("device", "cpu:abc"),
+    ("device", "cuda:-1"),
 ])
 def test_invalid_engine_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -199,3 +200,17 @@ def test_a_kernel_build_is_announced(monkeypatch, tmp_path, caplog):
             assert "compiling" not in caplog.text
     finally:
         kernels._build.cache_clear()
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "spec", "--concurrency", "1", "0"],     # 0 concurrent requests never ended
+    ["bench", "spec", "--num-passages", "0"],
+    ["bench", "serve", "--request-rate", "0"], ["bench", "serve", "--burstiness", "0"],
+    ["bench", "serve", "--max-concurrency", "-1"], ["bench", "serve", "--num-prompts", "0"],
+    ["bench", "throughput", "--num-requests", "0"],
+])
+def test_bench_counts_and_rates_that_measure_nothing_are_usage_errors(argv, capsys):
+    from tokenmill.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "must be" in capsys.readouterr().err

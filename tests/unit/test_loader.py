@@ -272,3 +272,17 @@ def test_the_gguf_reader_through_a_plain_view_reads_what_ggufs_own_does(tmp_path
         assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == [
             (t.name, t.tensor_type, list(t.shape)) for t in stock.tensors]
         assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, stock.tensors))
+
+
+@pytest.mark.parametrize("keep", [0, 1024, 3 << 20])
+def test_a_truncated_gguf_is_a_value_error_naming_the_file(tmp_path, keep):
+    """Cut short anywhere (empty, inside the metadata, inside the tensors), not an IndexError from
+    inside gguf's reader or a bare numpy reshape error."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine import LLMEngine
+    from tokenmill.models.loader import default_model_path
+    cut = tmp_path / "cut.gguf"
+    with open(default_model_path(), "rb") as f:
+        cut.write_bytes(f.read(keep))
+    with pytest.raises((ValueError, OSError), match="cut.gguf"):
+        LLMEngine(EngineConfig(model=str(cut)))

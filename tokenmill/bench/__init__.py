@@ -9,13 +9,30 @@ import json
 from pathlib import Path
 
 
+def at_least_one(text: str) -> int:
+    """A count of requests, prompts, passages or concurrent requests: 0 would measure nothing (or
+    never end), so it is a usage error, said before anything loads."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive(text: str) -> float:
+    """A request rate or a burstiness (inf allowed: all at once)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
 
     p = sub.add_parser("throughput", help="offline throughput through the engine API")
     p.add_argument("--model", default=None)
     p.add_argument("--workload", choices=["random", "prefix", "long"], default="random")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=at_least_one, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--dataset-seed", type=int, default=0)
@@ -33,11 +50,11 @@ def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
     p.add_argument("--base-url", default=None, help="server to test (default: start `tokenmill serve` here)")
     p.add_argument("--model", default=None, help="model for the server this command starts")
     p.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
-    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+    p.add_argument("--request-rate", type=positive, nargs="+", default=[float("inf")],
                    help="requests per second, one run per value (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
+    p.add_argument("--max-concurrency", type=at_least_one, default=None)
+    p.add_argument("--num-prompts", type=at_least_one, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
     p.add_argument("--dataset-seed", type=int, default=0,
@@ -56,9 +73,10 @@ def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
 
     p = sub.add_parser("spec", help="speculative decoding on a repeat-the-passage workload")
     p.add_argument("--model", default=None)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 32])
-    p.add_argument("--min-requests", type=int, default=4, help="requests per concurrency at least")
-    p.add_argument("--num-passages", type=int, default=None, help="distinct passages (default: max concurrency)")
+    p.add_argument("--concurrency", type=at_least_one, nargs="+", default=[1, 4, 32])
+    p.add_argument("--min-requests", type=at_least_one, default=4, help="requests per concurrency at least")
+    p.add_argument("--num-passages", type=at_least_one, default=None,
+                   help="distinct passages (default: max concurrency)")
     p.add_argument("--passage-tokens", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=240)
     p.add_argument("--json", type=Path, default=None)

@@ -350,11 +350,25 @@ def open_gguf(path: Path):
     return (PlainViewReader if fits else GGUFReader)(str(path))
 
 
+# What reading a truncated, corrupt or incomplete file raises from inside gguf, numpy, json or
+# safetensors: turned into one ValueError that names the file (the cause stays chained).
+BROKEN_FILE_ERRORS: tuple[type[Exception], ...] = (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError,
+                                                   NotImplementedError)
+
+
+def unreadable(path: Path, exc: Exception) -> ValueError:
+    return ValueError(f"{path}: cannot load it as a model ({type(exc).__name__}: {exc}); "
+                      "a truncated or corrupt file, or a kind tokenmill does not read")
+
+
 def open_checkpoint(path: Path) -> Checkpoint:
-    if path.suffix == ".gguf":
-        reader = open_gguf(path)
-        return Checkpoint(path, gguf_model_config(reader), reader)
-    return Checkpoint(path, hf_model_config(path))
+    try:
+        if path.suffix == ".gguf":
+            reader = open_gguf(path)
+            return Checkpoint(path, gguf_model_config(reader), reader)
+        return Checkpoint(path, hf_model_config(path))
+    except BROKEN_FILE_ERRORS as exc:
+        raise unreadable(path, exc) from exc
 
 
 def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,

@@ -208,8 +208,9 @@ def test_a_kernel_build_is_announced(monkeypatch, tmp_path, caplog):
     ["bench", "serve", "--request-rate", "0"], ["bench", "serve", "--burstiness", "0"],
     ["bench", "serve", "--max-concurrency", "-1"], ["bench", "serve", "--num-prompts", "0"],
     ["bench", "throughput", "--num-requests", "0"],
+    ["serve", "--max-body-bytes", "0"],                  # a server that refused every request
 ])
-def test_bench_counts_and_rates_that_measure_nothing_are_usage_errors(argv, capsys):
+def test_counts_and_rates_that_measure_or_serve_nothing_are_usage_errors(argv, capsys):
     from tokenmill.cli import build_parser
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)

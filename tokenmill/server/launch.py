@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import logging
 
+from tokenmill.bench import at_least_one
 from tokenmill.server.api import create_app
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools import PARSERS
@@ -29,9 +30,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: SmolLM2)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger bodies get HTTP 413")
+    parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
+                        help="larger bodies get HTTP 413")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (hermes: Qwen 2.5/3, Hermes; "
                              "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2/4)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import inspect
 import json
 
+from tokenmill.sampling_params import is_unicode
+
 
 def content_text(content) -> str:
     """A message's content as plain text: a string, nothing, or OpenAI's list of content parts,
@@ -72,9 +74,6 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
                                              tools=tools, **(template_kwargs or {}))
     except Exception as exc:  # jinja raises for conversations the template rejects
         raise ValueError(f"cannot apply the chat template: {exc}") from None
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # bytes that were no UTF-8 (a shell's stdin)
-            raise ValueError("the conversation is not valid UTF-8 text") from None
+    if not is_unicode(text):  # bytes that were no UTF-8 (a shell's stdin)
+        raise ValueError("the conversation is not valid UTF-8 text")
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

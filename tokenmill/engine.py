@@ -34,7 +34,7 @@ from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, R
 from tokenmill.proposers import make_proposer
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampler import bad_words_token_ids
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, is_unicode
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
 from tokenmill.structured import GrammarCompiler
@@ -158,11 +158,8 @@ class LLMEngine:
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            if not prompt.isascii():
-                try:
-                    prompt.encode("utf-8")
-                except UnicodeEncodeError:  # bytes that were no UTF-8 (a shell argument, stdin)
-                    raise ValueError("prompt is not valid UTF-8 text") from None
+            if not is_unicode(prompt):  # bytes that were no UTF-8 (a shell argument, stdin)
+                raise ValueError("prompt is not valid UTF-8 text")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)

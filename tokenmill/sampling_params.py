@@ -14,6 +14,19 @@ _GREEDY_BELOW = 1e-5   # temperatures below this sample greedily
 _FLOAT32_TINY, _FLOAT32_MAX = 1.1754944e-38, 3.4028235e38  # the sampler's float32 positive range
 
 
+def is_unicode(text: str) -> bool:
+    """Whether a str is unicode text: no lone UTF-16 surrogate, which JSON's "\\ud800" parses into
+    and Python makes of a shell's bytes that were no UTF-8. Tokenizers refuse such text, and a
+    response quoting it cannot be encoded. ASCII, the usual case, is checked at once."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_token_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 

@@ -95,14 +95,6 @@ constexpr bool unsigned_bytes(int64_t f) { return f == kQ5F || f == kQ5K; }  // 
 constexpr int64_t unit_blocks(int64_t f) { return super_blocks(f) ? kSuper : 1; }
 constexpr int64_t unit_k(int64_t f) { return kBlock * unit_blocks(f); }
 
-// Bytes of one unit of one row as given to pack_block_panels: the GGUF file's block (Q4_0, Q4_1,
-// Q8_0); Q5F's two float32 (scale, offset) and 32 codes; Q4F's fp16 d and dmin, 8 scales, 8 mins
-// and 128 bytes of nibbles (Q5K: 256 bytes of codes); Q6F's fp16 d, 16 int8 scales and 256 codes.
-constexpr int64_t row_unit_bytes(int64_t format) {
-  constexpr int64_t bytes[kLastFormat + 1] = {0, 18, 20, 34, 2 + 2 + 8 + 8 + 128, 40, 2 + 16 + 256, 2 + 2 + 8 + 8 + 256};
-  return bytes[format];
-}
-
 // One unit across a panel's 16 features. A block: its scales (and offsets; fp16, or float32 for
 // Q5F), then its codes (32 k x 8 bytes of two nibbles, or 32 k x 16 bytes). A super-block: a
 // header (fp16 d, for Q4F fp16 dmin, then per block the 16 8-bit scales and for Q4F the 16 mins,
@@ -118,6 +110,18 @@ constexpr int64_t codes_at(int64_t format) {  // where a panel unit's codes star
   return scale_bytes(format) + offset_bytes(format);
 }
 constexpr int64_t unit_bytes(int64_t format) { return codes_at(format) + unit_blocks(format) * code_bytes(format); }
+
+// One row's unit, as given to pack_block_panels, holds what a panel unit holds for 16 rows, in the
+// same order: a sixteenth of its bytes, its codes at a sixteenth of the offset. That is the GGUF
+// file's block for Q4_0, Q4_1 and Q8_0; Q5F's two float32 (scale, offset) and 32 codes; Q4F's
+// fp16 d and dmin, 8 scales, 8 mins and 128 bytes of nibbles (Q5K: 256 bytes of codes); Q6F's
+// fp16 d, 16 int8 scales and 256 codes.
+constexpr int64_t row_unit_bytes(int64_t format) { return unit_bytes(format) / kPanel; }
+constexpr int64_t row_codes_at(int64_t format) { return codes_at(format) / kPanel; }
+static_assert(row_unit_bytes(kQ4_0) == 18 && row_unit_bytes(kQ4_1) == 20 && row_unit_bytes(kQ8_0) == 34 &&
+                  row_unit_bytes(kQ5F) == 40 && row_unit_bytes(kQ4F) == 2 + 2 + 8 + 8 + 128 &&
+                  row_unit_bytes(kQ5K) == 2 + 2 + 8 + 8 + 256 && row_unit_bytes(kQ6F) == 2 + 16 + 256,
+              "a row's unit is a sixteenth of a panel's: GGUF's block sizes, and the re-cut rows'");
 // What a block of 32 k takes of a panel, on average over its unit: a tile's first pass prefetches
 // that much of the next panel per block, the whole panel over its blocks.
 constexpr int64_t block_span(int64_t format) { return unit_bytes(format) / unit_blocks(format); }
@@ -609,12 +613,8 @@ torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out
   return panels;
 }
 
-// Where a row's unit keeps its codes (row_unit_bytes), and how many bytes of them a block has.
-constexpr int64_t row_codes_at(int64_t format) {
-  return format == kQ4F || format == kQ5K ? 2 + 2 + 2 * kSuper : format == kQ6F ? 2 + 2 * kSuper
-                                             : scale_bytes(format) / kPanel * (offset_bytes(format) ? 2 : 1);
-}
-constexpr int64_t row_block_codes(int64_t format) { return byte_codes(format) ? kBlock : kBlock / 2; }
+// The bytes of codes a block has in one row's unit.
+constexpr int64_t row_block_codes(int64_t format) { return code_bytes(format) / kPanel; }
 
 // Row j's scales (and offsets) from its unit into the panel unit `out`.
 void put_scales(int64_t format, const uint8_t* row, int64_t j, uint8_t* out) {

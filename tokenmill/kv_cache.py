@@ -237,6 +237,13 @@ class KVCacheManager:
         """Whether `allocate` would succeed while leaving `reserve` blocks available."""
         return self._num_new_blocks(request, num_new_tokens, hit) + reserve <= self._available(hit)
 
+    def admission_shortfall(self, request: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
+        """Blocks missing to admit a waiting request with `num_new_tokens` (after its prefix hit,
+        or, with hit None, its swapped blocks coming back); 0 or less when it fits."""
+        if hit is None:
+            return self.blocks_needed(request.num_computed_tokens + num_new_tokens) - self.pool.num_free_blocks
+        return self._num_new_blocks(request, num_new_tokens, hit) - self._available(hit)
+
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make the request's blocks cover `num_computed_tokens + num_new_tokens` tokens, and
         register the blocks this step will fill in the prefix cache.

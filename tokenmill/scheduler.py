@@ -9,6 +9,11 @@ each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
   3. Waiting requests are admitted in policy order while the budget, `max_num_seqs` and the
      KV pool (less a watermark) allow; each gets a chunk of its prompt.
 
+Under the priority policy a waiting request that finds no room (`max_num_seqs` reached, or the
+pool short) first preempts running requests of lower priority, lowest first, as many as it takes
+and only if that makes room; the victims wait behind it. This happens before step 1, while no
+running request holds blocks for this step yet, so nothing has to be unscheduled.
+
 A step that carries decodes gives long prompts (more tokens than `long_prefill_token_threshold`,
 by default one step's budget; prompt and output for a request replayed after preemption) only
 max(`long_prefill_min_chunk`, decodes / 2) tokens, all of them together: a step's
@@ -113,6 +118,10 @@ class Scheduler:
         preempted: list[Request] = []
         self._swap_out, swap_in = [], []
         admit_new = not static or not self.running
+        if admit_new and self.config.policy == "priority":
+            preempted += self._make_room_by_priority(budget)
+        victims = set(preempted)  # not readmitted in this step (async: a token of theirs may be in flight)
+        short = False  # a running request found the pool empty: admit nobody this step
         num_decodes = 0  # decodes in this step so far (they set the long prompts' allowance)
         long_tokens = 0  # tokens granted so far to long prompts held back beside them
 
@@ -141,6 +150,7 @@ class Scheduler:
                 victim = self._pick_victim(exclude=scheduled) or request
                 self._preempt(victim)
                 preempted.append(victim)
+                short = True
                 if victim is request:
                     break
             else:
@@ -150,10 +160,10 @@ class Scheduler:
                 num_decodes += request.num_remaining_prefill == 1
                 long_tokens += num_new if held else 0
 
-        # 3: admit waiting requests (none in a step that had to preempt: memory is short).
-        while (admit_new and not preempted and self.waiting and budget > 0
+        # 3: admit waiting requests (none in a step where a running one had to preempt: memory is short).
+        while (admit_new and not short and len(self.waiting) > len(victims) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self._next_waiting()
+            request = self._next_waiting(exclude=victims)
             reserve = self._watermark_blocks if self.running else 0
             if request.swapped_block_ids:  # swapped out: copy its blocks back, counter kept
                 num_new, held = self._chunk(request, request.num_remaining_prefill, budget, num_decodes,
@@ -198,19 +208,54 @@ class Scheduler:
             return min(remaining, allowance, budget), True
         return min(remaining, budget), False
 
-    def _next_waiting(self) -> Request:
-        """The waiting request the policy serves next; preempted ones first, then any request that
-        has waited `starvation_seconds` (oldest first), then the policy's order."""
+    def _next_waiting(self, exclude: set[Request] = frozenset()) -> Request:
+        """The waiting request the policy serves next; preempted ones first (under the priority
+        policy, first among their priority: a request that preempted one for its priority must
+        not see it come back ahead of it), then any request that has waited
+        `starvation_seconds` (oldest first), then the policy's order."""
         now = self.clock()
         starve = self.config.starvation_seconds
+        by_priority = self.config.policy == "priority"
 
         def rank(r: Request) -> tuple:
-            if r.status == RequestStatus.PREEMPTED:
+            preempted = r.status == RequestStatus.PREEMPTED
+            if preempted and not by_priority:
                 return (0, r.arrival_time)
             if now - r.arrival_time >= starve:
                 return (1, r.arrival_time)
+            if by_priority:
+                return (2, r.priority, not preempted, r.arrival_time)
             return (2, *self.policy_key(r))
-        return min(self.waiting, key=rank)
+        return min((r for r in self.waiting if r not in exclude), key=rank)
+
+    def _make_room_by_priority(self, budget: int) -> list[Request]:
+        """Preempt running requests of lower priority than the next waiting one until it has a
+        seat under `max_num_seqs` and blocks for its first chunk (estimated with the step's
+        budget less one token per request left running); none at all if even every such request
+        would not make room. Lowest priority first, ties latest admitted (as `_pick_victim`)."""
+        if not self.waiting or any(self._ends_in_flight(r) for r in self.running):
+            return []  # (async scheduling: blocks come back at the in-flight step's update)
+        request = self._next_waiting()
+        lower = [(i, r) for i, r in enumerate(self.running) if r.priority > request.priority]
+        if not lower:
+            return []
+        lower = [r for _, r in sorted(lower, key=lambda ir: (ir[1].priority, ir[0]), reverse=True)]
+        hit = None if request.swapped_block_ids else self.kv.find_prefix(request)
+        remaining = request.num_remaining_prefill if hit is None else request.num_tokens - hit.num_tokens
+        refs = self.kv.pool.ref_counts
+        keep = set(hit.block_ids) if hit is not None else set()
+        freed = 0  # blocks the first n victims hold alone (those of the hit would be revived anyway)
+        for n in range(len(lower) + 1):
+            if n:
+                freed += sum(1 for b in lower[n - 1].block_ids if refs[b] == 1 and b not in keep)
+            left = len(self.running) - n
+            tokens = min(remaining, max(1, budget - left))
+            reserve = self._watermark_blocks if left else 0
+            if left < self.config.max_num_seqs and self.kv.admission_shortfall(request, tokens, hit) + reserve <= freed:
+                for victim in lower[:n]:
+                    self._preempt(victim)
+                return lower[:n]
+        return []
 
     def _running_order(self) -> list[Request]:
         """Decodes before prompt chunks; within each, admission order under fcfs, else the

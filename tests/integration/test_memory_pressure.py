@@ -75,3 +75,27 @@ def test_a_step_failing_before_its_swap_copies_recomputes_the_swapped(tiny_llama
     assert all(finals[str(i)].finish_reason == "error" for i in map(int, failed))
     assert [finals[str(i)].token_ids for i in survivors] == [roomy[i] for i in survivors]
     assert engine.kv.pool.num_used_blocks == 0 and engine.kv.host_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async_scheduling"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_priority_preemption_to_admit_keeps_every_output(tiny_llama, roomy, mode, ahead):
+    """Requests arrive a step apart, each more urgent than the last: each one admitted into a full
+    batch preempts the least urgent running one, and every output is what it is alone."""
+    llm = LLM(str(tiny_llama), max_num_seqs=3, max_num_batched_tokens=64, block_size=16, num_kv_blocks=512,
+              enable_prefix_caching=False, scheduling_policy="priority", preemption_mode=mode,
+              swap_space=1 << 24, async_scheduling=ahead)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    finals, pending = {}, list(enumerate(prompts()))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params, priority=len(prompts()) - i)
+        for out in engine.step():
+            if out.finished:
+                finals[int(out.request_id)] = out.outputs[0].token_ids
+    assert engine.scheduler.num_preemptions > 0
+    assert (engine.scheduler.num_swapped_out > 0) == (mode == "swap")
+    assert [finals[i] for i in range(len(prompts()))] == roomy
+    assert engine.kv.pool.num_used_blocks == 0

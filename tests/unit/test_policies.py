@@ -138,3 +138,68 @@ def test_aborting_a_swapped_request_frees_its_host_blocks():
     assert s.kv.host_pool.num_used_blocks == 0
     run_to_completion(s)
     assert s.kv.pool.num_used_blocks == 0
+
+
+def admit_low_then_high(s, high_prompt_len: int = 4, high_priority: int = 0):
+    """Two low-priority requests (priorities 5 and 9) decode; a high-priority one arrives."""
+    for rid, prio in (("low5", 5), ("low9", 9)):
+        s.add_request(make_request(rid, prompt_len=4, max_tokens=20, priority=prio, ignore_eos=True))
+    for _ in range(3):
+        s.update(sched := s.schedule(), fake_run(sched))
+    high = make_request("high", prompt_len=high_prompt_len, max_tokens=3, arrival=1.0, priority=high_priority)
+    s.add_request(high)
+    return high
+
+
+def test_priority_preempts_the_lowest_to_admit_a_more_urgent_request_at_max_num_seqs():
+    s = make_scheduler(policy="priority", max_num_seqs=2, budget=64)
+    high = admit_low_then_high(s)
+    sched = s.schedule()
+    assert sched.preempted_request_ids == ["low9"]  # the lowest priority, not the one admitted last
+    assert high in sched.requests and s.requests["low9"] not in sched.requests  # not readmitted at once
+    s.update(sched, fake_run(sched))
+    steps = run_to_completion(s)
+    # the victim comes back only once high is done: it waits behind the request that preempted it
+    back = next(i for i, st in enumerate(steps) if any(r.request_id == "low9" for r in st.requests))
+    done = max(i for i, st in enumerate(steps) if high in st.requests)
+    assert high.num_output_tokens == 3 and high.num_preemptions == 0 and back > done
+
+
+def test_priority_preempts_as_many_as_it_takes_for_blocks():
+    # 10 blocks of 4: low5 and low9 hold 2 each after 3 steps (6 tokens computed); high needs 9
+    s = make_scheduler(policy="priority", num_blocks=10, block_size=4, max_num_seqs=8, budget=64)
+    high = admit_low_then_high(s, high_prompt_len=36)
+    sched = s.schedule()
+    assert sched.preempted_request_ids == ["low9", "low5"] and high in sched.requests
+    everyone = list(s.requests.values())
+    s.update(sched, fake_run(sched))
+    run_to_completion(s, check=lambda sc: sc.kv.pool.check_invariants())
+    assert all(r.num_output_tokens == r.max_tokens for r in everyone)  # nothing lost
+
+
+def test_priority_preempts_nobody_when_that_would_not_make_room():
+    s = make_scheduler(policy="priority", num_blocks=10, block_size=4, max_num_seqs=8, budget=64)
+    high = admit_low_then_high(s, high_prompt_len=44)  # 11 blocks: more than the whole pool frees
+    sched = s.schedule()
+    assert sched.preempted_request_ids == [] and high.status == RequestStatus.WAITING
+    assert s.num_preemptions == 0
+
+
+@pytest.mark.parametrize("policy, high_priority", [("priority", 9), ("fcfs", 0)])
+def test_equal_priority_or_another_policy_never_preempts_to_admit(policy, high_priority):
+    s = make_scheduler(policy=policy, max_num_seqs=2, budget=64)
+    high = admit_low_then_high(s, high_priority=high_priority)
+    steps = run_to_completion(s)
+    assert s.num_preemptions == 0 and not any(st.preempted_request_ids for st in steps)
+    assert high.num_output_tokens == 3
+
+
+@pytest.mark.parametrize("policy, first", [("priority", "urgent"), ("fcfs", "victim")])
+def test_a_preempted_request_waits_behind_more_urgent_ones_only_under_priority(policy, first):
+    s = make_scheduler(policy=policy)
+    victim = make_request("victim", prompt_len=4, arrival=5.0, priority=9)
+    urgent = make_request("urgent", prompt_len=4, arrival=6.0, priority=3)
+    s.add_request(victim)
+    s.add_request(urgent)
+    victim.status = RequestStatus.PREEMPTED
+    assert s._next_waiting().request_id == first

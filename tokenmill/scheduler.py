@@ -5,7 +5,10 @@ each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
 
   1. Running requests that are decoding get their one token each, first.
   2. Running requests still inside their prompt get the next chunk of it.
-     (Both in admission order under fcfs, else in the policy's order.)
+     (Both in admission order under fcfs, else in the policy's order. Under priority, the
+     priorities go in order, each one's decodes before its prompt chunks: a more urgent prompt
+     takes the budget before less urgent decodes, and is held back only for decoders at least
+     as urgent as it, below.)
   3. Waiting requests are admitted in policy order while the budget, `max_num_seqs` and the
      KV pool (less a watermark) allow; each gets a chunk of its prompt.
 
@@ -122,8 +125,15 @@ class Scheduler:
             preempted += self._make_room_by_priority(budget)
         victims = set(preempted)  # not readmitted in this step (async: a token of theirs may be in flight)
         short = False  # a running request found the pool empty: admit nobody this step
-        num_decodes = 0  # decodes in this step so far (they set the long prompts' allowance)
+        decoders: list[int] = []  # priorities of this step's decodes so far (they set long prompts' allowance)
         long_tokens = 0  # tokens granted so far to long prompts held back beside them
+
+        def decodes_ahead_of(request: Request) -> int:
+            """The decodes a waiting long prompt is held back for: under priority, those at least
+            as urgent (running requests come in priority order: all of them so far)."""
+            if self.config.policy != "priority":
+                return len(decoders)
+            return sum(1 for p in decoders if p <= request.priority)
 
         # 1 + 2: running requests, decodes before prompt chunks.
         for request in self._running_order():
@@ -133,7 +143,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if self._ends_in_flight(request):
                 continue  # async scheduling: it ends with the token in flight, by length
-            num_new, held = self._chunk(request, request.num_remaining_prefill, budget, num_decodes, long_tokens)
+            num_new, held = self._chunk(request, request.num_remaining_prefill, budget, len(decoders), long_tokens)
             if num_new == 0:
                 continue  # a long prompt whose share of this step went to an earlier one
             if request.draft_token_ids and request.num_remaining_prefill == 1:
@@ -157,7 +167,8 @@ class Scheduler:
                 scheduled[request] = num_new
                 drafts[request] = len(request.draft_token_ids)
                 budget -= num_new
-                num_decodes += request.num_remaining_prefill == 1
+                if request.num_remaining_prefill == 1:
+                    decoders.append(request.priority)
                 long_tokens += num_new if held else 0
 
         # 3: admit waiting requests (none in a step where a running one had to preempt: memory is short).
@@ -166,15 +177,15 @@ class Scheduler:
             request = self._next_waiting(exclude=victims)
             reserve = self._watermark_blocks if self.running else 0
             if request.swapped_block_ids:  # swapped out: copy its blocks back, counter kept
-                num_new, held = self._chunk(request, request.num_remaining_prefill, budget, num_decodes,
+                num_new, held = self._chunk(request, request.num_remaining_prefill, budget, decodes_ahead_of(request),
                                             long_tokens)
                 if num_new == 0 or not self.kv.can_swap_in(request, num_new, reserve=reserve):
                     break
                 swap_in.extend(self.kv.swap_in(request, num_new))
             else:
                 hit = self.kv.find_prefix(request)
-                num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens, budget, num_decodes,
-                                            long_tokens)
+                num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens, budget,
+                                            decodes_ahead_of(request), long_tokens)
                 if num_new == 0 or not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
                     break
                 self.kv.allocate(request, num_new, hit)
@@ -259,11 +270,14 @@ class Scheduler:
 
     def _running_order(self) -> list[Request]:
         """Decodes before prompt chunks; within each, admission order under fcfs, else the
-        policy's. Those first in line take the last free blocks, and a victim is picked only among
-        those not yet scheduled: in admission order, a low-priority request admitted earlier took
-        the last block and the high-priority one behind it had to preempt itself."""
+        policy's (under priority, by priority first: see the module's docstring). Those first in
+        line take the last free blocks, and a victim is picked only among those not yet
+        scheduled: in admission order, a low-priority request admitted earlier took the last
+        block and the high-priority one behind it had to preempt itself."""
         if self.config.policy == "fcfs":
             return sorted(self.running, key=lambda r: r.num_remaining_prefill > 1)  # stable: admission order
+        if self.config.policy == "priority":
+            return sorted(self.running, key=lambda r: (r.priority, r.num_remaining_prefill > 1, r.arrival_time))
         return sorted(self.running, key=lambda r: (r.num_remaining_prefill > 1, *self.policy_key(r)))
 
     def _pick_victim(self, exclude: dict[Request, int]) -> Request | None:

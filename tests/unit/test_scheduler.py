@@ -331,3 +331,23 @@ def test_prompt_logprobs_are_merged_by_prompt_index_once_each():
     s.update(last, RunnerOutput({"a": [9]}, prompt_logprobs={"a": (3, [{5: -2.0}, {6: -2.0}, {7: -2.0}])}))
     assert r.prompt_logprobs == [None, {3: -1.0}, {4: -1.0}, {5: -1.0}, {6: -1.0}, {7: -2.0}]
     assert r.output_token_ids == [9]
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_under_priority_an_urgent_prompt_goes_before_less_urgent_decodes(policy):
+    """Less urgent requests decode; an urgent long prompt runs beside them. Under priority it takes
+    the budget first and is not held back for them (they get what it leaves); under fcfs the
+    decodes go first and the long prompt trickles."""
+    s = make_scheduler(num_blocks=400, budget=100, max_num_seqs=40, policy=policy,
+                       long_prefill_token_threshold=50, long_prefill_min_chunk=8)
+    for i in range(10):
+        s.add_request(make_request(f"d{i}", prompt_len=1, max_tokens=60, priority=5))
+    step(s)  # the decoders are in
+    s.add_request(make_request("urgent", prompt_len=300, max_tokens=2, arrival=1.0, priority=0))
+    admitted, chunks = scheduled(step(s)), scheduled(step(s))
+    if policy == "priority":
+        assert admitted["urgent"] == 90  # what the decodes left, not held back for them
+        assert chunks["urgent"] == 100 and not any(k.startswith("d") for k in chunks)
+    else:
+        assert admitted["urgent"] == chunks["urgent"] == 8
+        assert sum(v for k, v in chunks.items() if k.startswith("d")) == 10

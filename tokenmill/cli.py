@@ -10,8 +10,12 @@ import argparse
 import dataclasses
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tokenmill.outputs import RequestOutput
 
 _ENGINE_HELP = {
     "max_num_seqs": "most sequences in one step",
@@ -92,19 +96,34 @@ def _sampling_params(args):
 
 
 def cmd_generate(args) -> int:
-    from tokenmill.llm import LLM
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    """Every prompt runs at once (continuous batching); the answers are printed in the prompts'
+    order, each as soon as it and those before it are done (not all at the end)."""
+    from tokenmill.engine import LLMEngine
+    engine = LLMEngine(engine_config_from_args(args))
     prompts = args.prompts or [sys.stdin.read()]
+    params = _sampling_params(args).clone(output_kind="final")
+    # every prompt checked before any runs (as LLM.generate); past the context, an answer ends there
+    requests = [engine.make_request(str(i), p, params, fit_to_context=True) for i, p in enumerate(prompts)]
+    for request in requests:
+        engine.add(request)
+    done: dict[int, RequestOutput] = {}
     failed = 0
-    for out in llm.generate(prompts, _sampling_params(args)):
-        if out.error is not None:
-            print(f"tokenmill: generation failed: {out.error}", file=sys.stderr)
-            failed += 1
-            continue
-        print(out.prompt + out.outputs[0].text if out.prompt else out.outputs[0].text)
-        if len(prompts) > 1:
-            print("-" * 40)
+    for i in range(len(prompts)):
+        while i not in done and engine.has_unfinished_requests():
+            done.update((int(out.request_id), out) for out in engine.step() if out.finished)
+        failed += _print_answer(done.pop(i), separate=len(prompts) > 1)
     return 1 if failed else 0
+
+
+def _print_answer(out: RequestOutput, separate: bool) -> bool:
+    """Print one prompt's answer (flushed: a pipe sees it now); True if it failed."""
+    if out.error is not None:
+        print(f"tokenmill: generation failed: {out.error}", file=sys.stderr, flush=True)
+        return True
+    print(out.prompt + out.outputs[0].text if out.prompt else out.outputs[0].text, flush=True)
+    if separate:
+        print("-" * 40, flush=True)
+    return False
 
 
 def cmd_chat(args) -> int:
@@ -113,6 +132,12 @@ def cmd_chat(args) -> int:
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     engine = llm.engine
     start = [{"role": "system", "content": args.system}] if args.system else []
+    if start:  # a system prompt that leaves no room would fail every message: said once, up front
+        used = len(llm.render_chat(start)["prompt_token_ids"])
+        if used + args.max_tokens >= engine.max_model_len:
+            raise ValueError(f"--system: the system prompt takes {used} tokens, and with --max-tokens "
+                             f"{args.max_tokens} leaves no room for a message in the context of "
+                             f"{engine.max_model_len} tokens")
     history: list[dict] = list(start)
     turn = 0
     print("tokenmill chat: empty line or Ctrl-D to quit", file=sys.stderr)
@@ -163,7 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, help="default: INFO for serve, WARNING otherwise")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("generate", help="generate from prompts given as arguments (or stdin)")
+    p = sub.add_parser("generate", help="generate from prompts given as arguments (or stdin)",
+                       description="Generate from prompts given as arguments (or stdin). The prompts run together; "
+                                   "each answer is printed, in the prompts' order, as soon as it and the ones "
+                                   "before it are done.")
     p.add_argument("prompts", nargs="*")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
     add_sampling_args(p)
@@ -193,11 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(explicit_bool_values(sys.argv[1:] if argv is None else argv))
-    if hasattr(args, "max_num_seqs"):  # a command with engine options: a bad value is a usage error
-        try:
+    try:  # bad engine or sampling options: usage errors now, not errors after the model loaded
+        if hasattr(args, "max_num_seqs"):
             engine_config_from_args(args)
-        except ValueError as e:
-            parser.error(str(e))
+        if args.command in ("generate", "chat"):
+            _sampling_params(args)
+        if getattr(args, "bench", None) == "throughput":
+            from tokenmill.sampling_params import SamplingParams
+            SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    except ValueError as e:
+        parser.error(str(e))
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -101,12 +101,15 @@ class LLMEngine:
         self.cache_config = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
         bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
         num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
-        self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.kv)
         backend = make_backend(config.attention_backend, self.device, config.block_size, self.model_config.head_dim,
                                self.dtype)
-        self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
-                                  self.kv_dtype, config.seed, num_host_blocks)
+        try:  # the pool's tensors first, then its bookkeeping (a list entry per block)
+            self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
+                                      self.kv_dtype, config.seed, num_host_blocks)
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
+        except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
+            raise MemoryError(self._pool_too_big(num_blocks, num_host_blocks, bytes_per_block, exc)) from exc
+        self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), self.kv)
         if self.device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False):
             self.runner.capture_graphs(config.max_num_seqs, max_len)
         self.speculator = None
@@ -145,6 +148,19 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds no block of "
                              f"{bytes_per_block} bytes")
         return num_blocks
+
+    def _pool_too_big(self, num_blocks: int, num_host_blocks: int, bytes_per_block: int, exc: Exception) -> str:
+        """The pools asked for, in blocks and bytes, and the options that sized them: "Cannot allocate
+        memory" alone named neither."""
+        reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        pools = (f"the pool of {num_blocks} blocks x {bytes_per_block} bytes "
+                 f"({num_blocks * bytes_per_block / 1024**3:.2f} GiB) on {self.device}")
+        flags = "--num-kv-blocks" if self.config.num_kv_blocks is not None else "--kv-cache-memory"
+        if num_host_blocks:
+            pools += (f" and the swap pool of {num_host_blocks} blocks "
+                      f"({num_host_blocks * bytes_per_block / 1024**3:.2f} GiB) in host memory")
+            flags += " or --swap-space"
+        return f"cannot allocate the KV cache ({reason}): {pools}; lower {flags}"
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -58,6 +58,20 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
     assert len(events) < 1000  # it was cut short, not run to its 1000 tokens
     log = proc.stdout.read()
     assert "POST /v1/completions 200" in log  # one line per request
+    assert f"as 'tiny' on http://127.0.0.1:{port}" in log  # served on the socket bound before the load
+
+
+def test_a_port_in_use_is_one_error_before_the_model_loads(tmp_path):
+    """Bound before the load (the model path does not even exist), not by uvicorn after it."""
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(tmp_path / "none"),
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip() == f"tokenmill: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
 def test_auto_tool_choice_without_a_parser_fails_before_the_model_loads(tmp_path):

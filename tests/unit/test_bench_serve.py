@@ -119,3 +119,71 @@ def test_waiting_for_a_server_fails_fast_on_a_bad_url_and_ends():
     with pytest.raises(ConnectionError, match="no healthy server"):
         wait_healthy("http://127.0.0.1:1", None, timeout=1)
     assert time.monotonic() - start < 10
+
+
+def _answer(response: httpx.Response) -> object:
+    """send() against a server that answers every request with `response`."""
+    async def go():
+        transport = httpx.MockTransport(lambda request: response)
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send(client, "http://test", "m", Prompt([5], 8))
+    return asyncio.run(go())
+
+
+def test_a_json_error_body_is_reported_by_its_message():
+    """OpenAI's, FastAPI's and plain {"error": "..."} bodies, with an error status or in place of
+    a stream (before: the body's bytes, or "no tokens received")."""
+    result = _answer(httpx.Response(404, json={"detail": "Not Found"}))
+    assert not result.ok and result.error == "HTTP 404: Not Found"
+    result = _answer(httpx.Response(400, json={"error": {"message": "model 'm' does not exist", "code": 400}}))
+    assert result.error == "HTTP 400: model 'm' does not exist"
+    result = _answer(httpx.Response(200, json={"error": "prompt must be a string"}))
+    assert not result.ok and result.error == "no event stream; the server answered: prompt must be a string"
+    result = _answer(httpx.Response(500, text="Internal Server Error"))
+    assert result.error == "HTTP 500: Internal Server Error"
+
+
+def test_a_server_without_an_openai_model_list_is_one_error(monkeypatch):
+    from tokenmill.bench import serve
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(404, json={"detail": "Not Found"}))
+    with pytest.raises(ValueError, match=r"/v1/models named no model \(HTTP 404: Not Found\); give --served-model"):
+        serve.first_model("http://test")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slo", "ttft=2000,tpot=abc"], "ttft=MS,tpot=MS"), (["--slo", "ttfb=200"], "ttft=MS,tpot=MS"),
+    (["--slo", "ttft=-5"], "ttft=MS,tpot=MS"), (["--slo", "ttft"], "ttft=MS,tpot=MS"),
+    (["--prompt-len", "300", "200"], "MIN (300) is above MAX (200)"),
+    (["--output-len", "0", "8"], "must be at least 1"),
+])
+def test_bad_slo_and_length_ranges_are_usage_errors_before_the_run(argv, message, capsys):
+    """--slo was read after the run it judges; MIN > MAX failed in randint once the server was up."""
+    from tokenmill.cli import build_parser
+    for bench in ("serve", "throughput") if argv[0] != "--slo" else ("serve",):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(["bench", bench, *argv])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and argv[0] in err and message in err
+    args = build_parser().parse_args(["bench", "serve", "--slo", "ttft=2000,tpot=50.5", "--prompt-len", "8", "8"])
+    assert args.slo == {"ttft": 2000.0, "tpot": 50.5} and args.prompt_len == [8, 8]
+
+
+def test_percentiles_of_no_samples_are_shown_as_missing_not_zero():
+    from tokenmill.bench.serve import RequestResult, format_rows, summarize
+    row = summarize([RequestResult(False, error="HTTP 500: boom")], wall=1.0, rate=1.0, slo={})
+    assert row["ttft"] == {"mean": None, "p50": None, "p90": None, "p99": None} and row["failed"] == 1
+    latencies = format_rows([row]).splitlines()[-1].split()[-16:]
+    assert latencies == ["-"] * 16
+
+
+def test_a_run_where_every_request_failed_exits_nonzero(monkeypatch, capsys):
+    from tokenmill.bench import serve
+    from tokenmill.cli import main
+
+    async def failing(client, url, model, req, ignore_eos=True):
+        return serve.RequestResult(False, error="HTTP 500: boom")
+    monkeypatch.setattr(serve, "wait_healthy", lambda url, proc, timeout: None)
+    monkeypatch.setattr(serve, "send", failing)
+    assert main(["bench", "serve", "--base-url", "http://test", "--served-model", "m", "--num-prompts", "2"]) == 1
+    out = capsys.readouterr()
+    assert "every request failed" in out.err and "HTTP 500: boom" in out.out

@@ -44,7 +44,8 @@ def plot_latency_vs_rate(rows: list[dict], out_dir: Path) -> Path:
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
     for key, ax, title in (("ttft", ax1, "time to first token"), ("itl", ax2, "inter-token latency")):
         for pct in ("p50", "p90", "p99"):
-            ax.plot(rates, [r[key][pct] * 1e3 for r in rows], marker="o", label=pct)
+            ax.plot(rates, [np.nan if r[key][pct] is None else r[key][pct] * 1e3 for r in rows],  # None: no sample
+                    marker="o", label=pct)
         ax.set_title(title)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("ms")

@@ -49,6 +49,24 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
 
 
+def error_message(body: bytes) -> str:
+    """What an error body says: OpenAI's {"error": {"message": ...}}, FastAPI's {"detail": ...},
+    {"error": "..."} or {"message": ...} (servers that are not OpenAI's), else its first 200
+    characters as text."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict):
+        for key in ("error", "detail", "message"):
+            value = payload.get(key)
+            if isinstance(value, dict):
+                value = value.get("message", value)
+            if value:
+                return str(value)[:200]
+    return body[:200].decode(errors="replace").strip()
+
+
 async def send(client, url: str, model: str, req: Prompt, ignore_eos: bool = True) -> RequestResult:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
             "temperature": 0.0, "stream_options": {"include_usage": True}}
@@ -56,13 +74,16 @@ async def send(client, url: str, model: str, req: Prompt, ignore_eos: bool = Tru
         body["ignore_eos"] = True
     start = time.perf_counter()
     first, last, chunks, usage_tokens, finished = None, None, 0, None, False
-    itl = []
+    itl, other = [], []  # other: lines that are no SSE data (a plain JSON error body)
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                return RequestResult(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+                return RequestResult(False, error=f"HTTP {response.status_code}: "
+                                                  f"{error_message(await response.aread())}")
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
+                    if len(other) < 100:
+                        other.append(line)
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
@@ -70,7 +91,7 @@ async def send(client, url: str, model: str, req: Prompt, ignore_eos: bool = Tru
                     break
                 payload = json.loads(data)
                 if "error" in payload:
-                    return RequestResult(False, error=str(payload["error"]))
+                    return RequestResult(False, error=error_message(data.encode()))
                 if payload.get("usage"):
                     usage_tokens = payload["usage"].get("completion_tokens")
                 choice = payload["choices"][0] if payload.get("choices") else {}
@@ -88,6 +109,9 @@ async def send(client, url: str, model: str, req: Prompt, ignore_eos: bool = Tru
     except Exception as exc:  # a dropped connection is a failed request, not a crashed benchmark
         return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
+    answer = "\n".join(other).strip()
+    if first is None and answer:  # an answer, but no event stream (a JSON error body)
+        return RequestResult(False, error=f"no event stream; the server answered: {error_message(answer.encode())}")
     if first is None or not finished:
         return RequestResult(False, error="no tokens received" if first is None else "stream ended unfinished")
     return RequestResult(True, usage_tokens if usage_tokens is not None else chunks, first - start, end - start, itl)
@@ -141,9 +165,10 @@ async def run_rate(url: str, model: str, workload: list[Prompt], rate: float, bu
 def summarize(results: list[RequestResult], wall: float, rate: float, slo: dict[str, float]) -> dict:
     ok = [r for r in results if r.ok]
 
-    def pct(values):
-        values = np.asarray(values) if len(values) else np.zeros(1)
-        return {"mean": float(values.mean()), "p50": float(np.percentile(values, 50)),
+    def pct(values) -> dict[str, float | None]:
+        if not len(values):  # no sample (no request succeeded): no figure, rather than a made-up 0
+            return dict.fromkeys(("mean", "p50", "p90", "p99"))
+        return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
                 "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
     good = [r for r in ok if r.ttft * 1e3 <= slo.get("ttft", float("inf"))
             and r.tpot * 1e3 <= slo.get("tpot", float("inf"))]
@@ -161,25 +186,13 @@ def format_rows(rows: list[dict]) -> str:
     columns = [f"{m} {p}" for m in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99")]
     head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'goodput':>8} "
             + " ".join(f"{c:>10}" for c in columns))
-    lines = [head, "(latencies in ms)"]
+    lines = [head, "(latencies in ms; -: no sample)"]
     for r in rows:
-        lat = " ".join(f"{r[m][p] * 1e3:>10.1f}" for m in ("ttft", "tpot", "itl", "e2e")
-                       for p in ("mean", "p50", "p90", "p99"))
+        lat = " ".join(f"{'-':>10}" if r[m][p] is None else f"{r[m][p] * 1e3:>10.1f}"
+                       for m in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99"))
         lines.append(f"{r['request_rate']:>6} {r['completed']:>5} {r['failed']:>4} {r['request_throughput']:>7.2f} "
                      f"{r['output_tok_s']:>9.1f} {r['goodput_req_s']:>8.2f} {lat}")
     return "\n".join(lines)
-
-
-def parse_slo(text: str | None) -> dict[str, float]:
-    if not text:
-        return {}
-    out = {}
-    for part in text.split(","):
-        key, _, value = part.partition("=")
-        if key not in ("ttft", "tpot") or not value:
-            raise ValueError(f"--slo: expected ttft=MS,tpot=MS, got {text!r}")
-        out[key] = float(value)
-    return out
 
 
 def start_server(args, port: int) -> subprocess.Popen:
@@ -218,6 +231,18 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float) -> Non
     raise ConnectionError(f"no healthy server at {url} after {timeout:.0f} s")
 
 
+def first_model(url: str) -> str:
+    """The first model the server lists at /v1/models (OpenAI's {"data": [{"id": ...}]}); a server
+    that answers otherwise is one error saying what it answered."""
+    import httpx
+    response = httpx.get(url + "/v1/models", timeout=10)
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        raise ValueError(f"{url}/v1/models named no model (HTTP {response.status_code}: "
+                         f"{error_message(response.content)}); give --served-model") from None
+
+
 def rate_prompts(args, index: int, tokenizer=None) -> list[Prompt]:
     """The prompts of the index-th request rate, drawn with seed dataset_seed + index: the same
     prompts again would come from a prefix-caching server's cache, and every rate after the first
@@ -234,8 +259,11 @@ def rate_prompts(args, index: int, tokenizer=None) -> list[Prompt]:
 def bench_serve(args) -> dict:
     import socket
 
-    import httpx
-
+    tokenizer = None
+    if args.text_prompts:  # before a server starts: a bad --tokenizer is said at once
+        from tokenmill.models.loader import load_tokenizer, resolve_model_path
+        tokenizer = load_tokenizer(resolve_model_path(args.model), args.tokenizer)
+    slo = args.slo or {}
     proc = None
     url = args.base_url
     if url is None:
@@ -247,12 +275,7 @@ def bench_serve(args) -> dict:
     url = url.rstrip("/").removesuffix("/v1")
     try:
         wait_healthy(url, proc, timeout=300 if proc is not None else 30)
-        model = args.served_model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        tokenizer = None
-        if args.text_prompts:
-            from tokenmill.models.loader import load_tokenizer, resolve_model_path
-            tokenizer = load_tokenizer(resolve_model_path(args.model), args.tokenizer)
-        slo = parse_slo(args.slo)
+        model = args.served_model or first_model(url)
         rows = []
         for i, rate in enumerate(args.request_rate):
             workload = rate_prompts(args, i, tokenizer)

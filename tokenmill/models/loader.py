@@ -417,8 +417,11 @@ def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = D
     next time."""
     from transformers import AutoTokenizer
 
-    if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(tokenizer)
+    if tokenizer is not None:  # a directory: a missing one went on to the hub as a repo id (a message about those)
+        if not Path(tokenizer).expanduser().exists():
+            raise FileNotFoundError(f"tokenizer path {tokenizer!r} does not exist (give a directory holding a "
+                                    "Hugging Face tokenizer)")
+        return AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()))
     if path.suffix != ".gguf":
         return AutoTokenizer.from_pretrained(str(path))
     stat = path.stat()

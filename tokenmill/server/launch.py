@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import socket
 
 from tokenmill.bench import at_least_one
 from tokenmill.server.api import create_app
@@ -24,6 +25,25 @@ def port_number(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
     return int(text)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is one line at once, not
+    uvicorn's error after the load, and the address logged is the one bound (port 0: the port
+    the system chose)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:  # a host name that does not resolve
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:  # in use, or a port below 1024 without the right
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -46,12 +66,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_server(args: argparse.Namespace, config) -> int:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(PARSERS) + ")")
+    with bind(args.host, args.port) as sock:
+        return _serve(args, config, sock)
+
+
+def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
+    """Load the engine and serve on `sock` until a signal ends the server."""
     import uvicorn
 
     from tokenmill.engine import LLMEngine
 
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(PARSERS) + ")")
     engine = LLMEngine(dataclasses.replace(config, model=args.model))
     name = args.served_model_name or engine.model_path.stem
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
@@ -69,6 +95,6 @@ def run_server(args: argparse.Namespace, config) -> int:
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
                                    log_level=logging.getLevelName(logging.getLogger().level).lower(),
                                    timeout_graceful_shutdown=10))
-    logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, args.port)
-    server.run()
+    logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, sock.getsockname()[1])
+    server.run(sockets=[sock])
     return 0

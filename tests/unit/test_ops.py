@@ -118,9 +118,10 @@ def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
     raw, w = _gguf_rows(kind, n, k)
     blocks = fused.kernels.pack_block_panels(raw, BLOCK_FORMATS[kind], k)
     panels, b = fused.kernels.pack_panels(w), torch.randn(n)
-    # 7, 13: two and three tiles of up to six rows; 513, 517: a one-row tile after the first 512
+    # 7, 13: two and three tiles of up to six rows (one and two of up to 12 with AVX-512VL); 20,
+    # 21, 25: around the widest tiles' limit; 513, 517, 525: a one-row tile after the first 512
     # rows in one path and not the other, if they cut the rows differently
-    for rows in (1, 2, 3, 5, 6, 7, 13, 513, 517):
+    for rows in (1, 2, 3, 5, 6, 7, 13, 20, 21, 25, 513, 517, 525):
         x = torch.randn(rows, k)
         assert torch.equal(fused.kernels.panel_linear(x, blocks, b, n, BLOCK_FORMATS[kind]),
                            fused.kernels.panel_linear(x, panels, b, n))
@@ -260,7 +261,7 @@ def test_packed_linear_with_blocks_gives_the_float32_panels_result(fused):
     with_blocks, with_floats = PackedLinear(w, None, fused.kernels, ("Q4_1", raw)), PackedLinear(w, None, fused.kernels)
     assert with_blocks.format == 2 and with_blocks.panels.dtype == torch.uint8 and "Q4_1 blocks" in repr(with_blocks)
     assert with_floats.format == 0 and with_floats.panels.dtype == torch.float32
-    for rows in (1, 12, 13, 64, 600):  # registers up to 12 rows, a decoded buffer above
+    for rows in (1, 12, 13, 20, 21, 64, 600):  # registers up to 12 rows (20 in AVX-512VL's tiles), a buffer above
         x = torch.randn(rows, 64)
         assert torch.equal(with_blocks(x), with_floats(x))
 

@@ -4,7 +4,8 @@
 // 60-110 GFLOP/s on this model's matrices against 150 at M = 512, and at M = 1 it left
 // bandwidth unused. This kernel keeps W in panels of 16 output features, (ceil(N / 16), K, 16):
 // a panel is one contiguous run that streams from memory once per block of rows, and the inner
-// loop (tile_gemm.h) holds a 6 x 16 tile of y in twelve registers, loading two vectors of W and
+// loop (tile_gemm.h) holds a 6 x 16 tile of y in twelve registers (small steps: up to 12 x 16 where
+// AVX-512VL gives 32 registers), loading two vectors of W and
 // broadcasting six scalars of x per k. Measured against oneDNN on the default model's matrices
 // (2 threads): 1.5x at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512. Panels are split
 // across threads (with stealing, parallel.h); rows go in blocks of 512 so that a block of x
@@ -24,7 +25,7 @@
 // 16 features' scales, then each k's 16 codes side by side. A tile decodes each k's 16 weights into two registers with exactly
 // the arithmetic of gguf's own dequantization (d * q, + m for Q4_1, rounded the same way) and
 // runs the same FMAs in the same order as over float32 panels, so the product is bit for bit the
-// same while a fifth of the bytes (Q4_1) stream from memory. Each pass of up to six rows decodes everything again,
+// same while a fifth of the bytes (Q4_1) stream from memory. Each pass (a tile of rows) decodes everything again,
 // so from 13 rows a panel is decoded once into a 64-byte aligned buffer that the float32 tiles
 // then run over. Measured over the default model's matrices against float32 panels (paired):
 // 0.31x the time at 1 row, 0.43x at 4, 0.70x at 8, 0.83-0.89x at 12, 0.85x at 16, 0.90x at 32,
@@ -45,12 +46,25 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kRows = 6;    // rows of x per tile
+#ifdef TOKENMILL_AVX2
+constexpr int64_t kWideRows = tokenmill::kWideTileRows;  // most rows per tile (12 with AVX-512VL, else 6)
+#else
+constexpr int64_t kWideRows = kRows;
+#endif
 constexpr int64_t kRowBlock = 512;  // rows of x per pass over the panels (a default prefill chunk)
 constexpr int64_t kPrefetchRows = 4;  // prefetch the next panel from this many rows of x up
-constexpr int64_t kDecodeRows = 12;  // block panels: steps of up to this many rows decode in registers
+// Block panels: steps of up to this many rows decode in registers, once per tile; bigger ones
+// decode each panel once into a buffer. With tiles of 12, two passes of decoding up to 20 rows
+// took 0.87x the time of the buffer at 16 rows and 0.93x at 20, and were even at 24.
+constexpr int64_t kDecodeRows = kWideRows > kRows ? 20 : 12;
 // Panels go to the threads with stealing (parallel.h): one at a time where a panel is much work
 // (more rows than kDecodeRows), else in chunks of a size the stealing picks (0).
 constexpr int64_t panel_chunk(int64_t rows) { return rows > kDecodeRows ? 1 : 0; }
+// Rows per tile in a block of rows: small steps in the widest tiles, where streaming (or
+// decoding) the panels once per tile bounds them, big ones in tiles of 6. The float32 and block
+// paths cut alike: a row alone in its tile is summed in another order (tile_gemm.h).
+constexpr int64_t tile_rows(int64_t block_rows) { return block_rows <= kDecodeRows ? kWideRows : kRows; }
+static_assert(kWideRows <= kDecodeRows, "a block of rows that decodes in registers fits the widest tiles");
 #ifdef TOKENMILL_AVX2
 static_assert(kPanel == tokenmill::kTileWidth && kRows == tokenmill::kTileRows, "panels are the tile's shape");
 #endif
@@ -237,12 +251,14 @@ inline void prefetch_block(const uint8_t* pf, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + line), _MM_HINT_T0);
 }
 
-// Up to 6 rows of x times a whole panel of blocks, decoding into registers: the tile of
+// Up to 6 rows of x (12 with AVX-512VL) times a whole panel of blocks, decoding into registers: the tile of
 // tile_gemm.h with its sums in its order, without a decoded buffer to write and read back.
 template <int64_t F, int R>
 void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
   __m256 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+  __m256 a12 = a0, a13 = a0, a14 = a0, a15 = a0, a16 = a0, a17 = a0;
+  __m256 a18 = a0, a19 = a0, a20 = a0, a21 = a0, a22 = a0, a23 = a0;
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
     BlockScales s = scales_of<F>(src, b);
@@ -266,6 +282,12 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blo
           if constexpr (R > 3) row_fma(xk + 3 * ldx, lo, hi, a6, a7);
           if constexpr (R > 4) row_fma(xk + 4 * ldx, lo, hi, a8, a9);
           if constexpr (R > 5) row_fma(xk + 5 * ldx, lo, hi, a10, a11);
+          if constexpr (R > 6) row_fma(xk + 6 * ldx, lo, hi, a12, a13);
+          if constexpr (R > 7) row_fma(xk + 7 * ldx, lo, hi, a14, a15);
+          if constexpr (R > 8) row_fma(xk + 8 * ldx, lo, hi, a16, a17);
+          if constexpr (R > 9) row_fma(xk + 9 * ldx, lo, hi, a18, a19);
+          if constexpr (R > 10) row_fma(xk + 10 * ldx, lo, hi, a20, a21);
+          if constexpr (R > 11) row_fma(xk + 11 * ldx, lo, hi, a22, a23);
         }
       }
     }
@@ -274,7 +296,8 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blo
     a0 = _mm256_add_ps(a0, a2);
     a1 = _mm256_add_ps(a1, a3);
   }
-  const __m256 acc[12] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
+  const __m256 acc[24] = {a0,  a1,  a2,  a3,  a4,  a5,  a6,  a7,  a8,  a9,  a10, a11,
+                          a12, a13, a14, a15, a16, a17, a18, a19, a20, a21, a22, a23};
   for (int r = 0; r < R; ++r) {
     _mm256_storeu_ps(out + r * kPanel, acc[2 * r]);
     _mm256_storeu_ps(out + r * kPanel + 8, acc[2 * r + 1]);
@@ -306,22 +329,29 @@ constexpr DecodeFn kDecoders[kLastFormat + 1] = {nullptr,           decode_panel
 
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
 template <int64_t F>
+#ifdef __AVX512VL__
+constexpr BlockTileFn kBlockTilesOf[kWideRows + 1] = {
+    nullptr,          block_tile<F, 1>, block_tile<F, 2>, block_tile<F, 3>,  block_tile<F, 4>,
+    block_tile<F, 5>, block_tile<F, 6>, block_tile<F, 7>, block_tile<F, 8>,  block_tile<F, 9>,
+    block_tile<F, 10>, block_tile<F, 11>, block_tile<F, 12>};
+#else
 constexpr BlockTileFn kBlockTilesOf[kRows + 1] = {nullptr,           block_tile<F, 1>, block_tile<F, 2>, block_tile<F, 3>,
                                                   block_tile<F, 4>, block_tile<F, 5>, block_tile<F, 6>};
+#endif
 constexpr const BlockTileFn* kBlockTiles[kLastFormat + 1] = {
     nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>, kBlockTilesOf<kQ4F>, kBlockTilesOf<kQ5F>,
     kBlockTilesOf<kQ6F>, kBlockTilesOf<kQ5K>};
 
 // x (M, K) times block panels. The first block of rows with more than kDecodeRows rows decodes
 // a panel once into a buffer that the float32 path's tiles run over, for it and every block after
-// it; until then (small decode steps: one or two passes) each tile of up to 6 rows decodes the
+// it; until then (small decode steps: one or two passes) each tile of rows decodes the
 // panel anew into registers. Either way each row's sum
 // is the float32 panels' own. store(tile, p, m0, rows) writes a finished tile.
 template <class Store>
 void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t* wp, int64_t format, Store store) {
   const int64_t panel_bytes = K / unit_k(format) * unit_bytes(format);
   tokenmill::parallel_chunks(P, panel_chunk(M), [&](tokenmill::ThreadChunks& chunks) {
-    float tile[kRows * kPanel];
+    float tile[kWideRows * kPanel];
     // 64-byte aligned, as the float32 panels are: a panel row is one cache line, not two
     std::vector<float> buffer(M > kDecodeRows ? K * kPanel + kPanel : 0);
     float* decoded = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
@@ -339,8 +369,9 @@ void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_
           kDecoders[format](src, K / kBlock, decoded, next);
           buffered = true;
         }
-        for (int64_t m0 = block; m0 < block_end; m0 += kRows) {
-          const int64_t rows = std::min(kRows, block_end - m0);
+        const int64_t per_tile = tile_rows(block_end - block);
+        for (int64_t m0 = block; m0 < block_end; m0 += per_tile) {
+          const int64_t rows = std::min(per_tile, block_end - m0);
           if (buffered) {
             tokenmill::kTiles[rows](xp + m0 * K, K, decoded, K, tile, kPanel, nullptr, 0);
           } else {
@@ -855,14 +886,14 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   for (int64_t block = 0; block < M; block += kRowBlock) {
     const int64_t block_end = std::min(M, block + kRowBlock);
     tokenmill::parallel_chunks(P, panel_chunk(block_end - block), [&](tokenmill::ThreadChunks& chunks) {
-      float tile[kRows * kPanel];
+      float tile[kWideRows * kPanel];
       for (int64_t begin, end; chunks.next(begin, end);)
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = wp + p * K * kPanel;
-        const int64_t block_rows = block_end - block;
+        const int64_t block_rows = block_end - block, per_tile = tile_rows(block_rows);
         const bool prefetch = chunks.comes_next(p + 1, end) && block_rows >= kPrefetchRows;
-        for (int64_t m0 = block; m0 < block_end; m0 += kRows) {
-          const int64_t rows = std::min(kRows, block_end - m0);
+        for (int64_t m0 = block; m0 < block_end; m0 += per_tile) {
+          const int64_t rows = std::min(per_tile, block_end - m0);
 #ifdef TOKENMILL_AVX2
           // this pass's share of the next panel's K lines
           const int64_t first = K * (m0 - block) / block_rows, last = K * (m0 - block + rows) / block_rows;

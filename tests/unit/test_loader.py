@@ -286,3 +286,12 @@ def test_a_truncated_gguf_is_a_value_error_naming_the_file(tmp_path, keep):
         cut.write_bytes(f.read(keep))
     with pytest.raises((ValueError, OSError), match="cut.gguf"):
         LLMEngine(EngineConfig(model=str(cut)))
+
+
+def test_an_activation_other_than_silu_is_refused(tiny_llama, tmp_path):
+    """The MLP is SwiGLU: a config.json with another hidden_act ran as SiLU, logits off by 0.6."""
+    from tokenmill.models.loader import hf_model_config
+    assert hf_model_config(copy_model(tiny_llama, tmp_path / "swish", hidden_act="swish")).architecture == "llama"
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        hf_model_config(copy_model(tiny_llama, tmp_path / "gelu", hidden_act="gelu"))
+

@@ -77,6 +77,8 @@ def hf_model_config(path: Path) -> ModelConfig:
     arch = cfg.get("model_type", "")
     if arch not in SUPPORTED:
         raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED)})")
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
+        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
     eos = cfg.get("eos_token_id")
     gen = path / "generation_config.json"
     if gen.exists():

@@ -129,6 +129,80 @@ def copy_model(src: Path, dst: Path, **config_changes) -> Path:
     return dst
 
 
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf_from_hf(model, path: Path, qtype: str = "F32") -> None:
+    """Write a transformers model as llama.cpp's convert_hf_to_gguf.py does (its metadata, llama's
+    q/k rows and biases permuted for interleaved rotary pairs), matrices in
+    `qtype` (F32, F16 or a type gguf quantizes to); then put the dequantized values back into
+    `model`, which becomes the oracle for the file."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    c = model.config
+    arch, heads, kv_heads = c.model_type, c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    rope = c.rope_parameters
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+
+    def permute(a, n: int, inverse: bool = False):
+        if arch != "llama":
+            return a
+        shape = (n, a.shape[0] // n // 2, 2) if inverse else (n, 2, a.shape[0] // n // 2)
+        return a.reshape(*shape, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+    state = model.state_dict()
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}.get(name)
+        if gguf_name is None:
+            gguf_name = f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+        heads_of = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else 0
+        data = tensor.numpy()
+        if heads_of:
+            data = permute(data, heads_of)
+        if data.ndim == 1 or qtype == "F32":
+            w.add_tensor(gguf_name, data)
+            values = data
+        elif qtype == "F16":
+            w.add_tensor(gguf_name, data.astype(np.float16))
+            values = data.astype(np.float16).astype(np.float32)
+        else:
+            raw = quantize(data, GGMLQuantizationType[qtype])
+            w.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[qtype])
+            values = dequantize(raw, GGMLQuantizationType[qtype])
+        if heads_of:
+            values = permute(values, heads_of, inverse=True)
+        with torch.no_grad():
+            tensor.copy_(torch.from_numpy(np.ascontiguousarray(values)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def engine_device():
     """With TOKENMILL_TEST_DEVICE=cuda every engine a test builds without naming a device (nor a

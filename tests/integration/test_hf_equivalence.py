@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from conftest import needs_triton
+from conftest import needs_triton, write_gguf_from_hf
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -214,3 +214,57 @@ def test_prompt_logprobs_equal_hf_under_chunking_prefix_caching_and_preemption(t
             assert set(entry) == {prompt[j]} | set(top.indices.tolist()), f"token {j} of {len(prompt)}"
             for token, lp in entry.items():
                 assert lp == pytest.approx(row[token].item(), abs=1e-4)
+
+
+def prompt_logits(path, prompt: list[int], kernels: str) -> torch.Tensor:
+    """Our logits at every position of `prompt`, computed in one step from an empty cache."""
+    checkpoint = open_checkpoint(path)
+    model = load_model(checkpoint, 256, torch.float32, torch.device("cpu"), kernels=kernels)
+    backend = make_backend("cpu" if kernels == "auto" else "reference", torch.device("cpu"))
+    runner = ModelRunner(model, checkpoint.config, CacheConfig(32, 16), backend, torch.device("cpu"), torch.float32,
+                         seed=0)
+    request = Request(request_id="a", prompt_token_ids=prompt, params=SamplingParams(), max_tokens=1)
+    assert KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=False).allocate(request, len(prompt))
+    inputs = runner.prepare([request], [len(prompt)])
+    with torch.inference_mode():
+        return model.compute_logits(model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, backend))
+
+
+GGUF_MODELS = {  # llama: biases on q and k, which llama.cpp permutes as it does their weights
+    "llama_qk_bias": dict(model_type="llama", attention_bias=True, rope_theta=500000.0),
+    "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3_head_dim": dict(model_type="qwen3", head_dim=32, rope_theta=1e6),
+}
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("case", list(GGUF_MODELS))
+def test_gguf_written_as_llama_cpp_does_gives_hfs_logits(tmp_path, case, qtype):
+    """A tiny transformers model written to GGUF as llama.cpp's converter writes it (its metadata,
+    llama's permuted q/k rows and biases) gives, with float32 and with block panels,
+    the logits of the same model holding the file's dequantized weights."""
+    from transformers import AutoConfig
+    options = dict(GGUF_MODELS[case])
+    config = AutoConfig.for_model(options.pop("model_type"), vocab_size=96, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, initializer_range=0.2, **options)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for bias in ("q_proj", "k_proj", "v_proj"):  # transformers starts them at zero
+                if getattr(layer.self_attn, bias).bias is not None:
+                    getattr(layer.self_attn, bias).bias.normal_(0, 0.5)
+            if case == "llama_qk_bias":  # transformers' llama puts a bias on o too: none in the file
+                layer.self_attn.o_proj.bias = None
+    path = tmp_path / f"{case}.gguf"
+    write_gguf_from_hf(hf, path, qtype)
+    rng = random.Random(0)
+    prompt = [rng.randrange(96) for _ in range(80)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    for kernels in ("torch", "auto"):
+        got = prompt_logits(path, prompt, kernels)
+        assert rel_err(got, ref) <= 1e-5, f"{kernels}: {rel_err(got, ref):.2e}"
+        assert torch.equal(got.argmax(-1), ref.argmax(-1)), kernels
+

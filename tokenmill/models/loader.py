@@ -182,7 +182,7 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
                 "output.weight": "lm_head.weight"}.get(gguf_name), 0
     layer, kind, suffix = parts[1], parts[2], parts[3]
     heads = 0
-    if cfg.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k") and suffix == "weight":
+    if cfg.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
         heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
     return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
 

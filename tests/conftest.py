@@ -138,12 +138,12 @@ _GGUF_LAYER_NAMES = {
 
 def write_gguf_from_hf(model, path: Path, qtype: str = "F32") -> None:
     """Write a transformers model as llama.cpp's convert_hf_to_gguf.py does (its metadata, llama's
-    q/k rows and biases permuted for interleaved rotary pairs), matrices in
+    q/k rows and biases permuted for interleaved rotary pairs, YaRN rope scaling), matrices in
     `qtype` (F32, F16 or a type gguf quantizes to); then put the dequantized values back into
     `model`, which becomes the oracle for the file."""
     import numpy as np
     import torch
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
     from gguf.quants import dequantize, quantize
 
     c = model.config
@@ -163,6 +163,10 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32") -> None:
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
     def permute(a, n: int, inverse: bool = False):
         if arch != "llama":

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from conftest import needs_triton, write_gguf_from_hf
+from conftest import build_tiny_model, needs_triton, write_gguf_from_hf
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -230,9 +230,10 @@ def prompt_logits(path, prompt: list[int], kernels: str) -> torch.Tensor:
         return model.compute_logits(model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, backend))
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 GGUF_MODELS = {  # llama: biases on q and k, which llama.cpp permutes as it does their weights
     "llama_qk_bias": dict(model_type="llama", attention_bias=True, rope_theta=500000.0),
-    "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2_yarn": dict(model_type="qwen2", tie_word_embeddings=True, rope_scaling=YARN, rope_theta=1e6),
     "qwen3_head_dim": dict(model_type="qwen3", head_dim=32, rope_theta=1e6),
 }
 
@@ -241,7 +242,7 @@ GGUF_MODELS = {  # llama: biases on q and k, which llama.cpp permutes as it does
 @pytest.mark.parametrize("case", list(GGUF_MODELS))
 def test_gguf_written_as_llama_cpp_does_gives_hfs_logits(tmp_path, case, qtype):
     """A tiny transformers model written to GGUF as llama.cpp's converter writes it (its metadata,
-    llama's permuted q/k rows and biases) gives, with float32 and with block panels,
+    llama's permuted q/k rows and biases, YaRN scaling) gives, with float32 and with block panels,
     the logits of the same model holding the file's dequantized weights."""
     from transformers import AutoConfig
     options = dict(GGUF_MODELS[case])
@@ -260,7 +261,7 @@ def test_gguf_written_as_llama_cpp_does_gives_hfs_logits(tmp_path, case, qtype):
     path = tmp_path / f"{case}.gguf"
     write_gguf_from_hf(hf, path, qtype)
     rng = random.Random(0)
-    prompt = [rng.randrange(96) for _ in range(80)]
+    prompt = [rng.randrange(96) for _ in range(80)]  # past YaRN's original 32 positions
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     for kernels in ("torch", "auto"):
@@ -268,3 +269,16 @@ def test_gguf_written_as_llama_cpp_does_gives_hfs_logits(tmp_path, case, qtype):
         assert rel_err(got, ref) <= 1e-5, f"{kernels}: {rel_err(got, ref):.2e}"
         assert torch.equal(got.argmax(-1), ref.argmax(-1)), kernels
 
+
+def test_yarn_rope_scaling_gives_hfs_logits(tmp_path):
+    """Qwen's long-context YaRN scaling (rope_scaling in config.json): frequencies and the
+    attention factor as transformers computes them, inside and past the original context."""
+    path = build_tiny_model(tmp_path / "qwen3_yarn", "qwen3", max_position_embeddings=128,
+                            rope_scaling={**YARN, "beta_fast": 16.0}, rope_theta=1e6)
+    rng = random.Random(1)
+    prompt = [rng.randrange(2, 384) for _ in range(100)]
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
+    for kernels in ("torch", "auto"):
+        got = prompt_logits(path, prompt, kernels)
+        assert rel_err(got, ref) <= 1e-5, f"{kernels}: {rel_err(got, ref):.2e}"

@@ -18,10 +18,11 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 2, 64, 512, 80  # K-quan
 
 
 def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool,
-               extra: dict[str, np.ndarray] | None = None) -> None:
+               extra: dict[str, np.ndarray] | None = None, rope_scaling: str | None = None) -> None:
     """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, a type gguf quantizes to
-    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ2_0) or a K-quant; extra: more tensors, as they are."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ2_0) or a K-quant; extra: more tensors, as they are;
+    rope_scaling: a rope.scaling.type, with a factor of 4 over an original context of 32."""
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
     from gguf.quants import quantize
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), arch)
@@ -33,6 +34,10 @@ def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool,
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_context_length(64)
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(RopeScalingType(rope_scaling))
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(32)
 
     def matrix(name: str, rows: int, cols: int, kind: str) -> None:
         data = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
@@ -295,3 +300,31 @@ def test_an_activation_other_than_silu_is_refused(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
         hf_model_config(copy_model(tiny_llama, tmp_path / "gelu", hidden_act="gelu"))
 
+
+@pytest.mark.parametrize("kind", ["none", "linear", "yarn", "longrope"])
+def test_gguf_rope_scaling_is_applied_as_transformers_does_or_refused(tmp_path, kind):
+    """llama.cpp applies the file's rope.scaling.type (converted Qwen long-context models carry
+    YaRN's): cos and sin are transformers' for the same scaling, or the model refuses the type by
+    name. All but linear were read as no scaling at all."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    path = tmp_path / f"{kind}.gguf"
+    write_gguf(path, "qwen2", dict.fromkeys(KINDS, "F32"), True, True, rope_scaling=kind)
+    checkpoint = open_checkpoint(path)
+    if kind == "longrope":
+        with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope'"):
+            load_model(checkpoint, 64, torch.float32, torch.device("cpu"), kernels="torch")
+        return
+    model = load_model(checkpoint, 64, torch.float32, torch.device("cpu"), kernels="torch")
+    rope = {"rope_type": "default"} if kind == "none" else {"rope_type": kind, "factor": 4.0}
+    if kind == "yarn":
+        rope["original_max_position_embeddings"] = 32
+    hf = AutoConfig.for_model("qwen2", hidden_size=HIDDEN, num_attention_heads=HEADS, max_position_embeddings=64,
+                              rope_theta=10000.0, rope_scaling=rope)
+    inv_freq, attention_factor = (ROPE_INIT_FUNCTIONS[kind](hf, "cpu") if kind != "none" else
+                                  (1 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2) / HEAD_DIM), 1.0))
+    positions = torch.arange(64)
+    cos, sin = model.rotary(positions, torch.float32)
+    angles = positions[:, None].double() * inv_freq.double()
+    assert torch.allclose(cos.double(), angles.cos() * attention_factor, atol=1e-5)
+    assert torch.allclose(sin.double(), angles.sin() * attention_factor, atol=1e-5)

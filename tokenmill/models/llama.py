@@ -43,8 +43,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Rotary inverse frequencies (head_dim / 2,), with Llama-3 or linear scaling when configured,
-    or divided by a factor each (a GGUF file's rope_freqs, which is how llama.cpp stores Llama 3's)."""
+    """Rotary inverse frequencies (head_dim / 2,), with Llama-3, linear or YaRN scaling when
+    configured, or divided by a factor each (a GGUF file's rope_freqs, which is how llama.cpp stores
+    Llama 3's)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -66,7 +67,35 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, freq_factors)")
+    if kind == "yarn":  # Qwen2.5/Qwen3 long context: as transformers' _compute_yarn_parameters
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+
+        def dim_at(rotations: float) -> float:
+            """The frequency index that turns `rotations` times over the original context."""
+            return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = dim_at(scaling.get("beta_fast") or 32), dim_at(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        index = torch.arange(head_dim // 2, dtype=torch.float64, device="cpu")
+        ramp = ((index - low) / (high - low or 0.001)).clamp(0, 1)
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp)  # high frequencies kept, low ones interpolated
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
+                     "freq_factors)")
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN scales cos and sin by (so q.k by its square): 1 + 0.1 ln(factor), or the config's
+    own attention_factor; 1 for every other scaling."""
+    if (scaling or {}).get("rope_type", (scaling or {}).get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get_mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    return get_mscale(mscale) / get_mscale(mscale_all_dim) if mscale and mscale_all_dim else get_mscale(1.0)
 
 
 class Rotary(nn.Module):
@@ -83,8 +112,9 @@ class Rotary(nn.Module):
         torch's Python reference ops, whose first use imports torch._dynamo (a second of startup)."""
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
         angles = torch.outer(torch.arange(self.max_len, dtype=torch.float64, device="cpu"), inv_freq)  # (max_len, D/2)
-        self.register_buffer("cos", angles.cos().float().to(device), persistent=False)
-        self.register_buffer("sin", angles.sin().float().to(device), persistent=False)
+        scale = rope_attention_factor(self.scaling)
+        self.register_buffer("cos", (angles.cos() * scale).float().to(device), persistent=False)
+        self.register_buffer("sin", (angles.sin() * scale).float().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at each position, (T, D/2), cast once per step to the model's dtype."""

@@ -137,6 +137,20 @@ def _gguf_field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def _gguf_rope_scaling(meta) -> dict | None:
+    """The rope scaling llama.cpp would apply, in transformers' terms: linear, YaRN (converted Qwen
+    long-context models) or, for any other type, one the model refuses by name rather than runs
+    without."""
+    kind = meta("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": meta("rope.scaling.factor")}
+    if kind == "yarn":
+        scaling.update(original_max_position_embeddings=meta("rope.scaling.original_context_length"),
+                       beta_fast=meta("rope.scaling.yarn_beta_fast"), beta_slow=meta("rope.scaling.yarn_beta_slow"))
+    return scaling
+
+
 def gguf_model_config(reader) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED:
@@ -145,9 +159,7 @@ def gguf_model_config(reader) -> ModelConfig:
     def meta(key, default=None):
         return _gguf_field(reader, f"{arch}.{key}", default)
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
-    scaling = None
-    if meta("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    scaling = _gguf_rope_scaling(meta)
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp keeps its rope scaling as a divisor per frequency
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")

@@ -135,7 +135,7 @@ class Scheduler:
                 return len(decoders)
             return sum(1 for p in decoders if p <= request.priority)
 
-        # 1 + 2: running requests, decodes before prompt chunks.
+        # 1 + 2: running requests, decodes before prompt chunks (by priority first under priority).
         for request in self._running_order():
             if budget <= 0:
                 break

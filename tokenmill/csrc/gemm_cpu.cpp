@@ -118,9 +118,13 @@ constexpr int64_t offset_bytes(int64_t format) {  // a block's own offsets (Q4_1
   return has_offset(format) && !super_blocks(format) ? scale_bytes(format) : 0;
 }
 constexpr int64_t code_bytes(int64_t format) { return byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2; }
+// A super-block's header: the 16 features' fp16 d, for Q4F and Q5K their fp16 dmin, then its
+// 8-bit scales (Q4F, Q5K: a block's 16, block by block, then its 16 mins the same way; Q6F: per
+// 16 k, 16 int8 scales).
+constexpr int64_t kDminAt = 2 * kPanel;
+constexpr int64_t super_scales_at(int64_t format) { return format == kQ6F ? 2 * kPanel : 4 * kPanel; }
 constexpr int64_t codes_at(int64_t format) {  // where a panel unit's codes start
-  if (format == kQ4F || format == kQ5K) return 2 * 2 * kPanel + 2 * kSuper * kPanel;
-  if (format == kQ6F) return 2 * kPanel + 2 * kSuper * kPanel;
+  if (super_blocks(format)) return super_scales_at(format) + 2 * kSuper * kPanel;
   return scale_bytes(format) + offset_bytes(format);
 }
 constexpr int64_t unit_bytes(int64_t format) { return codes_at(format) + unit_blocks(format) * code_bytes(format); }
@@ -194,13 +198,13 @@ inline BlockScales super_block_scales(const uint8_t* unit, int64_t j) {
   const __m256 d0 = halves8(unit), d1 = halves8(unit + 16);
   BlockScales s;
   if constexpr (F == kQ4F || F == kQ5K) {
-    const uint8_t *sc = unit + 4 * kPanel + j * kPanel, *m = sc + kSuper * kPanel;
+    const uint8_t *sc = unit + super_scales_at(F) + j * kPanel, *m = sc + kSuper * kPanel;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     s.d0 = _mm256_mul_ps(d0, bytes8<false>(sc)), s.d1 = _mm256_mul_ps(d1, bytes8<false>(sc + 8));
-    s.m0 = _mm256_xor_ps(_mm256_mul_ps(halves8(unit + 32), bytes8<false>(m)), sign);
-    s.m1 = _mm256_xor_ps(_mm256_mul_ps(halves8(unit + 48), bytes8<false>(m + 8)), sign);
+    s.m0 = _mm256_xor_ps(_mm256_mul_ps(halves8(unit + kDminAt), bytes8<false>(m)), sign);
+    s.m1 = _mm256_xor_ps(_mm256_mul_ps(halves8(unit + kDminAt + 16), bytes8<false>(m + 8)), sign);
   } else {
-    const uint8_t* sc = unit + 2 * kPanel + 2 * j * kPanel;
+    const uint8_t* sc = unit + super_scales_at(F) + 2 * j * kPanel;
     s.d0 = _mm256_mul_ps(d0, bytes8<true>(sc)), s.d1 = _mm256_mul_ps(d1, bytes8<true>(sc + 8));
     s.m0 = _mm256_mul_ps(d0, bytes8<true>(sc + kPanel)), s.m1 = _mm256_mul_ps(d1, bytes8<true>(sc + kPanel + 8));
   }
@@ -651,11 +655,11 @@ constexpr int64_t row_block_codes(int64_t format) { return code_bytes(format) / 
 void put_scales(int64_t format, const uint8_t* row, int64_t j, uint8_t* out) {
   if (format == kQ4F || format == kQ5K) {  // d and dmin, then per block its scale, then per block its min
     std::memcpy(out + 2 * j, row, 2);
-    std::memcpy(out + 2 * (kPanel + j), row + 2, 2);
-    for (int64_t b = 0; b < 2 * kSuper; ++b) out[4 * kPanel + b * kPanel + j] = row[4 + b];
+    std::memcpy(out + kDminAt + 2 * j, row + 2, 2);
+    for (int64_t b = 0; b < 2 * kSuper; ++b) out[super_scales_at(format) + b * kPanel + j] = row[4 + b];
   } else if (format == kQ6F) {  // d, then per 16 k its scale
     std::memcpy(out + 2 * j, row, 2);
-    for (int64_t t = 0; t < 2 * kSuper; ++t) out[2 * kPanel + t * kPanel + j] = row[2 + t];
+    for (int64_t t = 0; t < 2 * kSuper; ++t) out[super_scales_at(format) + t * kPanel + j] = row[2 + t];
   } else {  // scale d, and offset m
     const int64_t sb = scale_bytes(format) / kPanel;
     std::memcpy(out + sb * j, row, sb);

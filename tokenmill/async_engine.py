@@ -54,6 +54,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._closing = False  # abort_all was called: requests added from then on end at once
         self.error: BaseException | None = None  # set when the loop died
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -77,7 +78,10 @@ class AsyncLLMEngine:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     def abort_all(self) -> None:
-        """End every request (shutdown): each stream gets a final output with finish_reason "abort"."""
+        """End every request (shutdown): each stream gets a final output with finish_reason "abort".
+        So does each request added from now on: one still being tokenized when the signal came
+        would otherwise run in full, past uvicorn's graceful timeout, and have its connection cut."""
+        self._closing = True
         self._commands.put(("abort_all", None))
         self._wake.set()
 
@@ -151,7 +155,9 @@ class AsyncLLMEngine:
                 return
             if kind == "add":
                 self.engine.add(arg)
-                continue
+                if not self._closing:
+                    continue
+                kind, arg = "abort", arg.request_id
             ids = self.engine.unfinished_request_ids() if kind == "abort_all" else [arg]
             outputs = [out for out in map(self.engine.abort, ids) if out is not None]
             if outputs:

@@ -71,3 +71,23 @@ def test_stop_alone_ends_every_stream(tiny_llama, ahead):
 
     finals = asyncio.run(main())
     assert {out.outputs[0].finish_reason for out in finals.values()} == {"abort"} and len(finals) == 2
+
+
+def test_a_request_added_after_abort_all_ends_at_once(tiny_llama):
+    """Shutdown: a request still being tokenized when abort_all came (SIGTERM) is added after it.
+    It ends at once with an abort, as the open ones did; it used to run in full, past uvicorn's
+    graceful timeout, which then cut its connection (a stream without its end, a whole one a 500)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=4))
+
+    async def main():
+        front = AsyncLLMEngine(engine)
+        front.start()
+        front.abort_all()
+        request = front.make_request("late", [5, 6, 7], SamplingParams(max_tokens=300, ignore_eos=True))
+        outputs = [out async for out in front.generate(request)]
+        front.stop()
+        return outputs
+
+    outputs = asyncio.run(asyncio.wait_for(main(), timeout=30))
+    final = outputs[-1].outputs[0]
+    assert outputs[-1].finished and final.finish_reason == "abort" and final.token_ids == []

@@ -63,9 +63,16 @@ class GrammarCompiler:
         grammar = Grammar(matcher, mask_width(tokenizer.vocab_size))   # grammar leaves it failed)
         if matcher.is_error():
             raise ValueError(f"invalid structured output: {matcher.get_error().strip()}")
-        grammar.fill_mask(np.zeros((1, grammar.num_words), np.int32), 0)
+        mask = np.zeros((1, grammar.num_words), np.int32)
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
         if matcher.is_error():  # one that no text satisfies ([^\s\S]) fails on its first mask
             raise ValueError(f"invalid structured output: no text satisfies it ({grammar.error})")
+        # llguidance builds its lexer as tokens come: one too big to build (a{1000000}) fails only
+        # at the first token, mid-generation. A copy takes the first token the mask allows now.
+        probe = matcher.deep_copy()
+        first = int(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0])
+        if not probe.consume_token(first) or probe.is_error():
+            raise ValueError(f"invalid structured output: {Grammar(probe, grammar.num_words).error}")
         return grammar
 
 

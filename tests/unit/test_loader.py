@@ -18,10 +18,12 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 256, 4, 2, 64, 512, 80  # K-quan
 
 
 def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool,
-               extra: dict[str, np.ndarray] | None = None, rope_scaling: str | None = None) -> None:
+               extra: dict[str, np.ndarray] | None = None, rope_scaling: str | None = None,
+               token_ids: dict[str, int] | None = None) -> None:
     """One layer; kinds maps GGUF tensor names (without "blk.0.") to F32, a type gguf quantizes to
     (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ2_0) or a K-quant; extra: more tensors, as they are;
-    rope_scaling: a rope.scaling.type, with a factor of 4 over an original context of 32."""
+    rope_scaling: a rope.scaling.type, with a factor of 4 over an original context of 32;
+    token_ids: tokenizer.ggml.<name>_token_id fields (eos, eot, eom, ...)."""
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
     from gguf.quants import quantize
     rng = np.random.default_rng(0)
@@ -34,6 +36,8 @@ def write_gguf(path, arch: str, kinds: dict[str, str], tied: bool, bias: bool,
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_context_length(64)
+    for name, token in (token_ids or {}).items():
+        getattr(w, f"add_{name}_token_id")(token)
     if rope_scaling is not None:
         w.add_rope_scaling_type(RopeScalingType(rope_scaling))
         w.add_rope_scaling_factor(4.0)
@@ -328,3 +332,14 @@ def test_gguf_rope_scaling_is_applied_as_transformers_does_or_refused(tmp_path, 
     angles = positions[:, None].double() * inv_freq.double()
     assert torch.allclose(cos.double(), angles.cos() * attention_factor, atol=1e-5)
     assert torch.allclose(sin.double(), angles.sin() * attention_factor, atol=1e-5)
+
+
+@pytest.mark.parametrize("ids, expected", [({"eos": 7}, (7,)), ({"eos": 7, "eot": 9, "eom": 11}, (7, 9, 11)),
+                                           ({"eos": 7, "eot": 7}, (7,)), ({}, ())])
+def test_gguf_end_of_turn_and_message_tokens_end_generation(tmp_path, ids, expected):
+    """A Llama 3 GGUF may name <|end_of_text|> its eos and <|eot_id|> (<|eom_id|>) its eot (eom):
+    llama.cpp stops on each of them, and so must a chat answer here, not run past its turn."""
+    from tokenmill.models.loader import gguf_model_config, open_gguf
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", dict.fromkeys(KINDS, "F32"), True, False, token_ids=ids)
+    assert tuple(gguf_model_config(open_gguf(path)).eos_token_ids) == expected

@@ -166,7 +166,10 @@ def gguf_model_config(reader) -> ModelConfig:
         scaling = {"rope_type": "freq_factors",
                    "factors": np.asarray(factors.data, dtype=np.float64).reshape(-1).tolist()}
     vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    # end of generation, as llama.cpp has it: <|eot_id|> and <|eom_id|> end a Llama 3 turn even
+    # where the file's eos is <|end_of_text|>
+    ends = (_gguf_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom"))
+    eos_ids = tuple(dict.fromkeys(int(t) for t in ends if t is not None))
     return ModelConfig(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"), num_layers=meta("block_count"),
@@ -178,7 +181,7 @@ def gguf_model_config(reader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (eos,))
+        eos_token_ids=eos_ids)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

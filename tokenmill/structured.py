@@ -69,9 +69,8 @@ class GrammarCompiler:
             raise ValueError(f"invalid structured output: no text satisfies it ({grammar.error})")
         # llguidance builds its lexer as tokens come: one too big to build (a{1000000}) fails only
         # at the first token, mid-generation. A copy takes the first token the mask allows now.
-        probe = matcher.deep_copy()
-        first = int(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0])
-        if not probe.consume_token(first) or probe.is_error():
+        probe, allowed = matcher.deep_copy(), np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        if allowed.size and (not probe.consume_token(int(allowed[0])) or probe.is_error()):
             raise ValueError(f"invalid structured output: {Grammar(probe, grammar.num_words).error}")
         return grammar
 

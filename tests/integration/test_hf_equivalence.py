@@ -270,11 +270,13 @@ def test_gguf_written_as_llama_cpp_does_gives_hfs_logits(tmp_path, case, qtype):
         assert torch.equal(got.argmax(-1), ref.argmax(-1)), kernels
 
 
-def test_yarn_rope_scaling_gives_hfs_logits(tmp_path):
+@pytest.mark.parametrize("extra", [{"beta_fast": 16.0}, {"factor": None}], ids=["factor", "factor_from_lengths"])
+def test_yarn_rope_scaling_gives_hfs_logits(tmp_path, extra):
     """Qwen's long-context YaRN scaling (rope_scaling in config.json): frequencies and the
-    attention factor as transformers computes them, inside and past the original context."""
+    attention factor as transformers computes them, inside and past the original context; with no
+    factor, transformers takes the ratio of max_position_embeddings to the original context."""
     path = build_tiny_model(tmp_path / "qwen3_yarn", "qwen3", max_position_embeddings=128,
-                            rope_scaling={**YARN, "beta_fast": 16.0}, rope_theta=1e6)
+                            rope_scaling={**YARN, **extra}, rope_theta=1e6)
     rng = random.Random(1)
     prompt = [rng.randrange(2, 384) for _ in range(100)]
     with torch.no_grad():

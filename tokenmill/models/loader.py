@@ -69,6 +69,12 @@ def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
     params = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":  # transformers' defaults for YaRN
+        scaling = dict(scaling)
+        old_len = scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
+        scaling["original_max_position_embeddings"] = old_len
+        if scaling.get("factor") is None:  # DeepSeek-V3 style: the ratio of the two context lengths
+            scaling["factor"] = cfg.get("max_position_embeddings", old_len) / old_len
     return float(theta), scaling
 
 

@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     from tokenmill.bench import add_bench_args
-    p = sub.add_parser("bench", help="throughput, serving and roofline benchmarks")
+    p = sub.add_parser("bench", help="throughput, serving, speculation and roofline benchmarks")
     add_bench_args(p, add_engine_args)
     p.set_defaults(func=cmd_bench)
     return parser

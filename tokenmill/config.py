@@ -103,7 +103,7 @@ class EngineConfig:
     kernels: str = "auto"                    # "auto": packed projections (C++ panel GEMM) and fused C++
                                              # ops on CPU float32, Triton element-wise kernels on CUDA;
                                              # "torch": plain torch ops (the reference)
-    gguf_blocks: bool = True                 # CPU: GGUF Q4_0/Q4_1/Q8_0/Q4-6_K projections stay in blocks,
+    gguf_blocks: bool = True                 # CPU: GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q3-6_K projections stay in blocks,
                                              # decoded in the kernel (bit-identical results, a fifth of
                                              # the memory); False: dequantized to float32 panels
     gguf_int8_rows: int = 0                  # CPU, GGUF blocks: the layers' products in steps of up to

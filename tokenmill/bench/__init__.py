@@ -1,5 +1,5 @@
-"""`tokenmill bench`: throughput | serve | roofline. Each prints a table of figures measured
-side by side in one run, and can save JSON (--json) and plots (--plot DIR)."""
+"""`tokenmill bench`: throughput | serve | spec | roofline. Each prints a table of figures measured
+side by side in one run, and can save JSON (--json); throughput and serve also plots (--plot DIR)."""
 
 from __future__ import annotations
 

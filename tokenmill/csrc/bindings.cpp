@@ -27,11 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "W (N, K) -> panels (ceil(N/16), K, 16) for panel_linear",
         py::arg("weight"), py::arg("out") = py::none());
   m.def("pack_block_panels", &pack_block_panels,
-        "GGUF Q4_0/Q4_1/Q8_0 (or re-cut K-quant) rows (N, bytes) -> block panels for panel_linear", py::arg("rows"),
+        "GGUF Q4_0/Q4_1/Q8_0 (or re-cut Q5_0/Q5_1/K-quant) rows (N, bytes) -> block panels for panel_linear", py::arg("rows"),
         py::arg("format"), py::arg("K"), py::arg("out") = py::none());
-  m.def("recut_k_quant", &recut_k_quant, "Q4_K/Q5_K/Q6_K rows -> rows of 32-weight blocks in format Q4F/Q5F/Q6F");
+  m.def("recut_k_quant", &recut_k_quant, "Q4_K/Q5_K/Q6_K rows -> rows of super-blocks of 256 in format Q4F/Q5K/Q6F");
   m.def("embed_rows", &embed_rows, "GGUF Q4_0/Q4_1/Q8_0 rows at ids -> float32 (T, K), as gguf dequantizes them");
-  m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-6: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F)",
+  m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-7: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F, Q5K)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0,
         py::arg("out") = py::none(), py::arg("int8_rows") = 0);
   // libgomp gives each thread that starts a parallel region a team of workers of its own, kept

@@ -343,3 +343,23 @@ def test_gguf_end_of_turn_and_message_tokens_end_generation(tmp_path, ids, expec
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", dict.fromkeys(KINDS, "F32"), True, False, token_ids=ids)
     assert tuple(gguf_model_config(open_gguf(path)).eos_token_ids) == expected
+
+
+def test_a_missing_weight_is_named_as_the_checkpoint_names_it():
+    """k_proj and up_proj are loaded into fused parameters (qkv_proj, gate_up_proj); the error
+    names the tensors the checkpoint lacks, not the fused parameters."""
+    from tokenmill.config import ModelConfig
+    from tokenmill.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(architecture="llama", vocab_size=80, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    shapes = {"self_attn.q_proj": (64, 64), "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
+              "mlp.gate_proj": (96, 64), "mlp.down_proj": (64, 96)}  # no k_proj, no up_proj
+    weights = [(f"model.layers.0.{name}.weight", torch.randn(shape)) for name, shape in shapes.items()]
+    weights += [("model.embed_tokens.weight", torch.randn(80, 64))]
+    weights += [(f"model.{n}.weight", torch.ones(64))
+                for n in ("layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm")]
+    with pytest.raises(ValueError, match="missing") as error:
+        LlamaForCausalLM(cfg, max_len=64).load_weights(weights)
+    message = str(error.value)
+    assert "layers.0.self_attn.k_proj.weight" in message and "layers.0.mlp.up_proj.weight" in message
+    assert "qkv_proj" not in message and "gate_up_proj" not in message

@@ -171,6 +171,15 @@ class DecoderLayer(nn.Module):
 
 
 # Hugging Face checkpoint names that map into a fused parameter: (our name, shard index).
+def _checkpoint_name(name: str, shard: int) -> str:
+    """A parameter shard by the checkpoint's own name (layers.0.self_attn.k_proj.weight, not the
+    fused qkv_proj it is loaded into)."""
+    for hf_name, (ours, index) in _FUSED.items():
+        if f".{ours}." in f".{name}" and index == shard:
+            return name.replace(ours, hf_name)
+    return name
+
+
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -373,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add((target, shard if shard is not None else 0))
         expected = {(n, i) for n, p in params.items() for i in range(self._num_shards(n))}
         if missing := sorted(expected - loaded):
-            raise ValueError(f"checkpoint is missing weights: {[n for n, _ in missing][:8]}")
+            raise ValueError(f"checkpoint is missing weights: {[_checkpoint_name(*m) for m in missing][:8]}")
 
     def _num_shards(self, name: str) -> int:
         return 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1

@@ -42,12 +42,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+def rope_kind(scaling: dict | None) -> str:
+    """A rope scaling's type, in transformers 5's key (rope_type) or 4's (type)."""
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Rotary inverse frequencies (head_dim / 2,), with Llama-3, linear or YaRN scaling when
     configured, or divided by a factor each (a GGUF file's rope_freqs, which is how llama.cpp stores
     Llama 3's)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -87,7 +92,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 def rope_attention_factor(scaling: dict | None) -> float:
     """What YaRN scales cos and sin by (so q.k by its square): 1 + 0.1 ln(factor), or the config's
     own attention_factor; 1 for every other scaling."""
-    if (scaling or {}).get("rope_type", (scaling or {}).get("type")) != "yarn":
+    if rope_kind(scaling) != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -171,15 +176,6 @@ class DecoderLayer(nn.Module):
 
 
 # Hugging Face checkpoint names that map into a fused parameter: (our name, shard index).
-def _checkpoint_name(name: str, shard: int) -> str:
-    """A parameter shard by the checkpoint's own name (layers.0.self_attn.k_proj.weight, not the
-    fused qkv_proj it is loaded into)."""
-    for hf_name, (ours, index) in _FUSED.items():
-        if f".{ours}." in f".{name}" and index == shard:
-            return name.replace(ours, hf_name)
-    return name
-
-
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -187,6 +183,15 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+
+
+def _checkpoint_name(name: str, shard: int) -> str:
+    """A parameter shard by the checkpoint's own name (layers.0.self_attn.k_proj.weight, not the
+    fused qkv_proj it is loaded into)."""
+    for hf_name, (ours, index) in _FUSED.items():
+        if f".{ours}." in f".{name}" and index == shard:
+            return name.replace(ours, hf_name)
+    return name
 
 
 def projection_blocks(name: str, blocks: dict[str, GGUFMatrix]

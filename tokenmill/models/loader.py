@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from tokenmill.config import ModelConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.host_memory import read_only_tensor
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.llama import LlamaForCausalLM, rope_kind
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix, onednn_available
 
@@ -69,7 +69,7 @@ def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
     params = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":  # transformers' defaults for YaRN
+    if rope_kind(scaling) == "yarn":  # transformers' defaults for YaRN
         scaling = dict(scaling)
         old_len = scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
         scaling["original_max_position_embeddings"] = old_len

@@ -1,18 +1,27 @@
 """The C++ CPU kernels (tokenmill/csrc): paged attention, fused element-wise ops, and the
 panel GEMM behind every projection.
 
-Compiled with torch's extension tooling on first use and cached under torch's extension
-directory (~/.cache/torch_extensions), so later runs load them in milliseconds. Callers
-fall back to plain torch when no compiler is available.
+Compiled with torch's extension tooling on first use, with -march=native held to the
+instruction-set level cpu_info.py names. Each build is cached in a directory of its own under
+torch's extension directory (~/.cache/torch_extensions), named by the level and a hash of what
+decides the binary: the sources, the compiler flags, the CPU's flags and torch's version. So two
+installs of different versions keep a build each instead of rebuilding over one another, a cache
+copied to another CPU is never loaded there, and a build is announced exactly when one will run.
+The sources are copied into that directory and compiled from there, so identical sources in
+two checkouts share one build. Callers fall back to plain torch when no compiler is available.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
+
+from tokenmill.cpu_info import ISA_ENV, CpuInfo, cpu_info
 
 logger = logging.getLogger(__name__)
 
@@ -20,25 +29,50 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "gemm_cpu.cpp", "decoder_layer_cpu.cpp",
             "sampler_cpu.cpp"]
 
-
 _NAME = "tokenmill_cpu_ops"
 STALE_LOCK_SECONDS = 600  # a build takes 2-4 minutes on 2 cores
 
 
-def _build_directory() -> Path | None:
-    """Where torch builds the kernels; None where it cannot be read (a private torch function:
-    what uses it is best effort)."""
+@functools.lru_cache(maxsize=1)
+def this_cpu() -> CpuInfo:
+    """This machine's CPU, its kernels held to TOKENMILL_CPU_ISA where that is set; logged once."""
+    info = cpu_info(os.environ.get(ISA_ENV))
+    logger.info("CPU: %s", info.describe())
+    return info
+
+
+def compile_flags(cpu: CpuInfo) -> list[str]:
+    # -fopenmp: at::parallel_for is inlined from ATen's headers and only threads under OpenMP.
+    return ["-O3", *cpu.compile_flags, "-fopenmp"]
+
+
+def build_name(cpu: CpuInfo, csrc: Path = _CSRC) -> str:
+    """The build's name: the level and a hash of the files in `csrc`, the flags, the CPU's flags
+    and torch's version (see the module docstring)."""
+    import torch
+    digest = hashlib.sha256()
+    for path in sorted(csrc.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for part in (compile_flags(cpu), sorted(cpu.flags), [torch.__version__]):
+        digest.update(" ".join(part).encode() + b"\0")
+    return f"{_NAME}_{cpu.level}_{digest.hexdigest()[:16]}"
+
+
+def _build_directory(name: str) -> Path | None:
+    """Where torch builds `name`; None where it cannot be read (a private torch function: what
+    uses it is best effort)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
-        return Path(_get_build_directory(_NAME, verbose=False))
+        return Path(_get_build_directory(name, verbose=False))
     except (ImportError, AttributeError, TypeError, OSError):
         return None
 
 
 def _clear_stale_lock(build_dir: Path) -> None:
     """torch's build waits, without a word and without end, while another build's lock file
-    exists; a first run interrupted mid-build (Ctrl-C) leaves one behind, so every later start
-    hung. A lock older than any build is removed; a younger one is announced."""
+    exists; a first run interrupted mid-build (Ctrl-C) leaves one behind. A lock older than any
+    build is removed; a younger one is announced."""
     lock = build_dir / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
@@ -51,38 +85,50 @@ def _clear_stale_lock(build_dir: Path) -> None:
         logger.warning("waiting for another process's kernel build to finish (or delete %s if none runs)", lock)
 
 
-def _announce_build(build_dir: Path) -> None:
-    """Say so when the kernels are about to compile (minutes of silence otherwise)."""
-    built = build_dir / f"{_NAME}.so"
-    try:
-        newest = max(f.stat().st_mtime for f in _CSRC.iterdir())
-        stale = not built.exists() or built.stat().st_mtime < newest
-    except OSError:
-        return
-    if stale:
-        logger.warning("compiling tokenmill's CPU kernels (after an install or update; about 2 minutes "
-                       "on 2 cores; cached in %s)", build_dir)
+def _stage_sources(build_dir: Path) -> list[str]:
+    """Copy the sources into build_dir/src (once: the directory's name is their hash) and return
+    the paths to compile, the same for every checkout with these sources."""
+    src = build_dir / "src"
+    if not src.is_dir():
+        staging = build_dir / f"src.{os.getpid()}"
+        shutil.copytree(_CSRC, staging, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+        try:
+            staging.rename(src)
+        except OSError:  # another process staged them first
+            shutil.rmtree(staging, ignore_errors=True)
+    return [str(src / s) for s in _SOURCES]
 
 
 @functools.lru_cache(maxsize=1)
 def _build():
     from torch.utils.cpp_extension import load
+    cpu = this_cpu()
+    if not cpu.has("avx2"):
+        raise RuntimeError(f"the kernels need AVX2, FMA and F16C, and the build is held to {cpu.level}"
+                           if cpu.native_level != "generic" else "the kernels need AVX2, FMA and F16C")
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    build_dir = _build_directory()
-    if build_dir is not None:
+    name = build_name(cpu)
+    build_dir = _build_directory(name)
+    if build_dir is None:
+        sources = [str(_CSRC / s) for s in _SOURCES]
+    else:
+        build_dir.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(build_dir)
-        _announce_build(build_dir)
-    # -fopenmp: at::parallel_for is inlined from ATen's headers and only threads under OpenMP.
-    return load(name=_NAME, sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_include_paths=[str(_CSRC)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+        sources = _stage_sources(build_dir)
+        if not (build_dir / f"{name}.so").exists():
+            logger.warning("compiling tokenmill's CPU kernels for %s (about 2 minutes on 2 cores, once per "
+                           "version and CPU; cached in %s)", cpu.level, build_dir)
+    return load(name=name, sources=sources, extra_cflags=compile_flags(cpu), extra_ldflags=["-fopenmp"],
+                verbose=False)
 
 
 def load_cpu_kernels(required: bool):
-    """The compiled module, or None when it cannot be built and `required` is False."""
+    """The compiled module, or None when it cannot be built and `required` is False. A
+    TOKENMILL_CPU_ISA that names no level, or one above this CPU's, is a ValueError either way."""
+    this_cpu()
     try:
         return _build()
-    except Exception as exc:  # a missing compiler or headers: fall back rather than fail
+    except Exception as exc:  # a missing compiler or headers, or no AVX2: fall back rather than fail
         if required:
             raise RuntimeError(f"cannot build tokenmill's CPU kernels: {exc}") from exc
         logger.warning("CPU kernels unavailable (%s); using plain torch", exc)

@@ -181,27 +181,6 @@ def test_cli_refuses_a_bad_port_and_a_missing_gpu_before_loading(capsys):
         assert err.startswith("tokenmill: device 'cuda'") and "Traceback" not in err
 
 
-def test_a_kernel_build_is_announced(monkeypatch, tmp_path, caplog):
-    """Compiling the kernels takes minutes on a fresh install: say so, and only then."""
-    import torch.utils.cpp_extension as extension
-
-    import tokenmill.cpu_kernels as kernels
-    monkeypatch.setattr(extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    monkeypatch.setattr(extension, "load", lambda **options: "module")
-    kernels._build.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="tokenmill.cpu_kernels"):
-            assert kernels._build() == "module"
-            assert "compiling tokenmill's CPU kernels" in caplog.text
-            caplog.clear()
-            (tmp_path / "tokenmill_cpu_ops.so").touch()  # built after the sources changed last
-            kernels._build.cache_clear()
-            kernels._build()
-            assert "compiling" not in caplog.text
-    finally:
-        kernels._build.cache_clear()
-
-
 @pytest.mark.parametrize("argv", [
     ["bench", "spec", "--concurrency", "1", "0"],     # 0 concurrent requests never ended
     ["bench", "spec", "--num-passages", "0"],

@@ -405,21 +405,3 @@ def test_triton_rotary_qkv(triton_ops, heads, kv_heads, dim, qk_norm):
 def test_triton_silu_mul(triton_ops, n):
     gate_up = torch.randn(5, 2 * n, device=DEVICE) * 5
     assert torch.allclose(triton_ops.silu_mul(gate_up), TorchOps().silu_mul(gate_up), rtol=1e-5, atol=1e-5)
-
-
-def test_an_interrupted_builds_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch):
-    """A lock left by a build interrupted long ago would make every later start wait forever."""
-    import os
-    import time
-
-    from tokenmill import cpu_kernels
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    from torch.utils.cpp_extension import _get_build_directory
-    lock = tmp_path.joinpath(_get_build_directory(cpu_kernels._NAME, verbose=False), "lock")
-    lock.touch()
-    cpu_kernels._clear_stale_lock(cpu_kernels._build_directory())
-    assert lock.exists()                                   # maybe a build running now
-    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    cpu_kernels._clear_stale_lock(cpu_kernels._build_directory())
-    assert not lock.exists()

@@ -153,6 +153,9 @@ def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from tokenmill.cpu_kernels import this_cpu
+    cpu = this_cpu()
+    print(f"CPU: {cpu.describe()}")
     if args.bench == "throughput":
         from tokenmill.bench.cli import bench_throughput
         results = bench_throughput(args)
@@ -169,6 +172,7 @@ def main(args: argparse.Namespace) -> int:
         results = bench_roofline(args)
     else:
         raise ValueError(f"unknown benchmark {args.bench!r}")
+    results["cpu"] = cpu.as_dict()
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2, default=_jsonable))

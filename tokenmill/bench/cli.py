@@ -17,12 +17,15 @@ def _engine(args, **overrides):
     return LLMEngine(config)
 
 
-def _workload(args):
+def _workload(args, vocab_size: int):
+    """The workload's requests, token ids below 10000 (or the model's vocabulary, if smaller)."""
+    vocab = min(10000, vocab_size)
     if args.workload == "random":
-        return random_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.dataset_seed)
+        return random_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.dataset_seed,
+                               vocab=vocab)
     if args.workload == "prefix":
-        return prefix_workload(args.num_requests, seed=args.dataset_seed)
-    return long_workload(seed=args.dataset_seed)
+        return prefix_workload(args.num_requests, seed=args.dataset_seed, vocab=vocab)
+    return long_workload(seed=args.dataset_seed, vocab=vocab)
 
 
 def _sampling(args) -> dict:
@@ -36,8 +39,8 @@ def bench_throughput(args) -> dict:
     if args.compare and (args.temperature != 0.0 or args.top_p != 1.0):
         raise ValueError("--compare runs greedy (static batching and transformers' generate are greedy here): "
                          "leave --temperature and --top-p at their defaults")
-    workload = _workload(args)
     engine = _engine(args)
+    workload = _workload(args, engine.model_config.vocab_size)
     print(f"workload {args.workload}: {len(workload)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in workload)} prompt and "
           f"{sum(r.max_tokens for r in workload)} output tokens; attention backend {engine.runner.backend.name}")
@@ -51,11 +54,7 @@ def bench_throughput(args) -> dict:
     if args.pressure:
         summary["pressure"] = _bench_pressure(args, results[0], workload, engine.kv.block_size)
     if args.compare:
-        batch = args.max_num_seqs
-        static_engine = _engine(args, static_batching=True, enable_prefix_caching=False)
-        results.append(run_static(static_engine, workload, batch, pad_token_id=0))
-        del static_engine
-        results.append(run_hf_generate(engine.model_path, workload, batch, args.device))
+        results += _compare(args, engine.model_path, workload)
     print()
     print(format_table(results))
     print(format_split(results[0]))
@@ -64,6 +63,25 @@ def bench_throughput(args) -> dict:
         print(f"plot: {plot_occupancy(results, args.plot)}")
     print(_waste_line(results[0], engine.kv.block_size))
     return {"workload": args.workload, "results": [r.summary() for r in results], **summary}
+
+
+def _compare(args, model_path, workload) -> list[RunResult]:
+    """The baselines beside tokenmill: its static batching, then transformers' generate. One that
+    fails is reported and skipped, so the tables already measured are still printed."""
+    batch = args.max_num_seqs
+
+    def static() -> RunResult:
+        return run_static(_engine(args, static_batching=True, enable_prefix_caching=False), workload, batch,
+                          pad_token_id=0)
+
+    results = []
+    for name, run in (("static batching", static),
+                      ("transformers generate", lambda: run_hf_generate(model_path, workload, batch, args.device))):
+        try:
+            results.append(run())
+        except Exception as exc:  # a baseline's failure is not the engine's: keep what was measured
+            print(f"--compare: {name} failed ({type(exc).__name__}: {exc}); left out of the table")
+    return results
 
 
 def kv_waste(result: RunResult, block_size: int) -> tuple[float, float]:

@@ -1,0 +1,32 @@
+"""`tokenmill bench throughput` end to end on a tiny model: the tables, the CPU line, --compare."""
+
+import json
+
+from tokenmill.cli import main
+from tokenmill.cpu_kernels import this_cpu
+
+SMALL = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8", "--max-num-seqs", "4"]
+
+
+def test_bench_throughput_compare_runs_every_baseline_and_records_the_cpu(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--compare", *SMALL, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"CPU: {this_cpu().describe()}\n")
+    results = json.loads(out.read_text())
+    assert [r["name"] for r in results["results"]] == ["tokenmill", "static", "hf-generate"]
+    assert results["cpu"] == this_cpu().as_dict()
+
+
+def test_a_baseline_that_fails_is_named_and_the_tables_still_printed(tiny_llama, monkeypatch, capsys):
+    import tokenmill.bench.cli as bench_cli
+
+    def fails(*args, **kwargs):
+        raise ValueError("accelerate is required when loading a GGUF file")
+    monkeypatch.setattr(bench_cli, "run_hf_generate", fails)
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--compare", *SMALL]) == 0
+    printed = capsys.readouterr().out
+    assert ("--compare: transformers generate failed (ValueError: accelerate is required when loading a GGUF "
+            "file); left out of the table") in printed
+    table = printed[printed.index("engine "):].splitlines()
+    assert [line.split()[0] for line in table[1:3]] == ["tokenmill", "static"]

@@ -1,0 +1,81 @@
+"""cpu_kernels: the build's cache key, its announcement, and a lock left by an interrupted build."""
+
+import os
+import shutil
+import time
+
+import pytest
+
+from tokenmill import cpu_kernels
+from tokenmill.cpu_info import cpu_info
+
+FLAGS = "model name\t: x\nflags\t\t: avx avx2 fma f16c avx512f avx512dq avx512bw avx512vl\n"
+
+
+def test_the_cache_key_follows_the_sources_content_not_their_path(tmp_path):
+    """Two checkouts of one version share a build; a changed source gets a build of its own."""
+    cpu = cpu_info(cpuinfo=FLAGS)
+    one, two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(cpu_kernels._CSRC, one)
+    shutil.copytree(cpu_kernels._CSRC, two)
+    assert cpu_kernels.build_name(cpu, one) == cpu_kernels.build_name(cpu, two) == cpu_kernels.build_name(cpu)
+    with open(two / "gemm_cpu.cpp", "a") as f:
+        f.write("// another version\n")
+    assert cpu_kernels.build_name(cpu, one) != cpu_kernels.build_name(cpu, two)
+
+
+def test_the_cache_key_follows_the_level_and_the_cpus_flags():
+    """A build copied to another CPU, or held to another level, is never loaded in its place."""
+    avx512 = cpu_info(cpuinfo=FLAGS)
+    avx2 = cpu_info(cpuinfo=FLAGS, forced="avx2")
+    other_cpu = cpu_info(cpuinfo=FLAGS.replace("avx2", "avx2 vaes"))
+    names = {cpu_kernels.build_name(c) for c in (avx512, avx2, other_cpu)}
+    assert len(names) == 3
+    assert cpu_kernels.build_name(avx512).startswith("tokenmill_cpu_ops_avx512_")
+    assert cpu_kernels.build_name(avx2).startswith("tokenmill_cpu_ops_avx2_")
+
+
+def test_a_build_is_announced_exactly_when_its_library_is_missing(monkeypatch, tmp_path, caplog):
+    """Compiling takes minutes on a fresh install: say so then, and only then."""
+    import torch.utils.cpp_extension as extension
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    loaded = []
+    monkeypatch.setattr(extension, "load", lambda **options: loaded.append(options) or "module")
+    cpu_kernels._build.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="tokenmill.cpu_kernels"):
+            assert cpu_kernels._build() == "module"
+            assert "compiling tokenmill's CPU kernels" in caplog.text
+            name = loaded[0]["name"]
+            staged = tmp_path / name / "src"
+            assert loaded[0]["sources"][0] == str(staged / "bindings.cpp") and (staged / "gemm_cpu.cpp").exists()
+            assert "-march=native" in loaded[0]["extra_cflags"]
+            caplog.clear()
+            (tmp_path / name / f"{name}.so").touch()
+            cpu_kernels._build.cache_clear()
+            cpu_kernels._build()
+            assert "compiling" not in caplog.text
+    finally:
+        cpu_kernels._build.cache_clear()
+
+
+def test_an_unknown_or_too_high_isa_is_an_error_even_when_kernels_are_optional(monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "sse9")
+    cpu_kernels.this_cpu.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="TOKENMILL_CPU_ISA must be one of"):
+            cpu_kernels.load_cpu_kernels(required=False)
+    finally:
+        cpu_kernels.this_cpu.cache_clear()
+
+
+def test_an_interrupted_builds_lock_is_cleared_and_a_fresh_one_kept(tmp_path):
+    """A lock left by a build interrupted long ago would make every later start wait forever."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_kernels._clear_stale_lock(tmp_path)
+    assert lock.exists()                                   # maybe a build running now
+    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    cpu_kernels._clear_stale_lock(tmp_path)
+    assert not lock.exists()

@@ -65,7 +65,7 @@ def decode_log_probs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Next-token log-probabilities after each token of `ids`, fed one decode step at a time."""
     model, runner = engine.runner.model, engine.runner
     r = Request(request_id="quality", prompt_token_ids=ids, params=SamplingParams(), max_tokens=1)
-    assert engine.kv.allocate(r, len(ids))
+    assert engine.scheduler.kv.allocate(r, len(ids))
     out = []
     for t in range(len(ids)):
         r.num_computed_tokens = t
@@ -73,7 +73,7 @@ def decode_log_probs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             hidden = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
             out.append(model.compute_logits(hidden)[0].log_softmax(-1))
-    engine.kv.free(r)
+    engine.scheduler.kv.free(r)
     return torch.stack(out)
 
 

@@ -21,7 +21,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from tokenmill.engine import LLMEngine, Prompt
+from tokenmill.engine import LLMEngine
+from tokenmill.input_processor import Prompt
 from tokenmill.outputs import RequestOutput, StepStats
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams

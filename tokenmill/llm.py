@@ -14,7 +14,8 @@ from tqdm.auto import tqdm
 
 from tokenmill.chat import render_chat
 from tokenmill.config import EngineConfig
-from tokenmill.engine import LLMEngine, Prompt
+from tokenmill.engine import LLMEngine
+from tokenmill.input_processor import Prompt
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, parse_size
 from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.host_memory import huge_page_zeros, to_device
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
@@ -39,6 +39,7 @@ from tokenmill.request import Request
 from tokenmill.sampler import HostTokens, Sampler, SamplingMetadata
 from tokenmill.spec_decode import verify
 
+DEFAULT_CPU_KV_MEMORY = 4 * 1024**3
 PROMPT_LOGPROB_ROWS = 128  # prompt positions scored at once: 128 rows of logits (25 MB at vocab 49,152)
 
 
@@ -297,6 +298,42 @@ class ModelRunner:
         return StepInputs(input_ids=to_dev([r.token_ids[p] for r, p in zip(requests, positions)]),
                           positions=to_dev(positions), meta=meta, logits_indices=to_dev(cu[:-1]),
                           sampling_requests=list(requests), num_rows=[1] * n)
+
+
+def kv_pool_blocks(config: EngineConfig, device: torch.device, bytes_per_token: int, max_len: int) -> int:
+    """Blocks in the KV pool: config.num_kv_blocks, or as many as the memory for it holds
+    (kv_cache_memory; 85% of the GPU's free memory; on the CPU enough for every sequence at full
+    length, up to 4 GiB, since pages never touched cost nothing). bytes_per_token: K and V of one
+    token in every layer, the draft model's included."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    bytes_per_block = config.block_size * bytes_per_token
+    if config.kv_cache_memory is not None:
+        budget = parse_size(config.kv_cache_memory)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * 0.85)
+    else:
+        budget = min(DEFAULT_CPU_KV_MEMORY, config.max_num_seqs * max_len * bytes_per_token)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds no block of {bytes_per_block} bytes")
+    return num_blocks
+
+
+def pool_too_big(config: EngineConfig, device: torch.device, num_blocks: int, num_host_blocks: int,
+                 bytes_per_block: int, exc: Exception) -> str:
+    """The pools asked for, in blocks and bytes, and the options that sized them: "Cannot allocate
+    memory" alone named neither."""
+    reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    pools = (f"the pool of {num_blocks} blocks x {bytes_per_block} bytes "
+             f"({num_blocks * bytes_per_block / 1024**3:.2f} GiB) on {device}")
+    flags = "--num-kv-blocks" if config.num_kv_blocks is not None else "--kv-cache-memory"
+    if num_host_blocks:
+        pools += (f" and the swap pool of {num_host_blocks} blocks "
+                  f"({num_host_blocks * bytes_per_block / 1024**3:.2f} GiB) in host memory")
+        flags += " or --swap-space"
+    return f"cannot allocate the KV cache ({reason}): {pools}; lower {flags}"
 
 
 def seed_bits(seed: int, device: torch.device) -> int:

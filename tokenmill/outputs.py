@@ -53,6 +53,22 @@ class RunnerOutput:
 
 
 @dataclass
+class SchedulerStats:
+    """The scheduler's queues and its KV pool, as of now (Scheduler.stats)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int               # referenced by live requests
+    kv_blocks_free: int               # free or evictable (cached)
+    kv_blocks_total: int
+    kv_slots_used: int                # allocated slots that hold a computed token
+    prefix_tokens_queried: int        # cumulative: tokens looked up in the prefix cache at admission
+    prefix_tokens_hit: int            # cumulative: of which served from the cache
+    num_evictions: int                # cumulative: cached blocks evicted to make room
+    num_preemptions: int              # cumulative
+
+
+@dataclass
 class StepStats:
     """Per-step figures for benchmarks, metrics and the step-time split."""
 

@@ -53,7 +53,7 @@ from collections.abc import Callable
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache import KVCacheManager
-from tokenmill.outputs import RunnerOutput, SchedulerOutput
+from tokenmill.outputs import RunnerOutput, SchedulerOutput, SchedulerStats
 from tokenmill.request import Request, RequestStatus
 
 # A request's rank under each policy: smaller is served first and preempted last.
@@ -110,6 +110,41 @@ class Scheduler:
             self.missed_deadlines.append(request_id)
         self._finished_ids.append(request_id)
         return request
+
+    def prompt_tokens_waiting(self) -> int:
+        """Prompt tokens still to compute: the waiting requests' and the running ones' mid-prompt."""
+        return (sum(r.num_remaining_prefill for r in self.waiting)
+                + sum(r.num_remaining_prefill for r in self.running if r.num_remaining_prefill > 1))
+
+    def end_on_stop_string(self, request: Request, num_dropped: int, stop: str) -> None:
+        """End a request on a stop string found in its text (the output processor finds them),
+        taking back its last `num_dropped` output tokens: accepted drafts past the one that
+        completed the string. A stop string outranks a length limit the same token reached."""
+        if num_dropped:
+            request.drop_output_tokens(num_dropped)
+        if not request.is_finished:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = stop
+
+    def distrust_step(self, sched: SchedulerOutput) -> None:
+        """After a step that failed: forget every cached prefix (the step may have left blocks half
+        written; a request a late stop string ended meanwhile is not among the step's), and
+        recompute the requests it swapped out (their host copies may never have been written)."""
+        self.kv.forget_cached(self.running)
+        for request_id in sched.preempted_request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.swapped_block_ids:
+                self.kv.free(request)
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_free=pool.num_free_blocks, kv_blocks_total=pool.num_blocks,
+            kv_slots_used=self.kv.slots_filled(self.running), prefix_tokens_queried=self.kv.prompt_tokens_queried,
+            prefix_tokens_hit=self.kv.prompt_tokens_hit, num_evictions=pool.num_evictions,
+            num_preemptions=self.num_preemptions)
 
     # ---- schedule ---------------------------------------------------------------------
 

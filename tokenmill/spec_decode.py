@@ -183,6 +183,11 @@ class Speculator:
         self.proposer.propose(candidates, ks)
         self.num_steps_speculated += 1
 
+    def release(self, request_ids: list[str]) -> None:
+        """Drop the draft state of these requests (a failed step's, and those that ended before it)."""
+        for request_id in request_ids:
+            self.proposer.release(request_id)
+
     def observe(self, stats, finished_ids: list[str], changed: list[Request]) -> None:
         """After a step: learn its cost and acceptance, trim draft caches, drop finished sequences.
 

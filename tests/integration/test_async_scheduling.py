@@ -26,7 +26,7 @@ def run(engine: LLMEngine, per_step=None) -> dict:
         for out in outputs:
             if out.finished:
                 finals[out.request_id] = out
-    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.scheduler.stats().kv_blocks_used == 0
     return finals
 
 

@@ -38,13 +38,13 @@ def _logits(engine, ids):
     from tokenmill.request import Request
     from tokenmill.sampling_params import SamplingParams
     r = Request(request_id="x", prompt_token_ids=ids, params=SamplingParams(), max_tokens=1)
-    assert engine.kv.allocate(r, len(ids))
+    assert engine.scheduler.kv.allocate(r, len(ids))
     inputs = engine.runner.prepare([r], [len(ids)])
     model = engine.runner.model
     with torch.inference_mode():
         hidden = model(inputs.input_ids, inputs.positions, inputs.meta, engine.runner.kv_caches, engine.runner.backend)
         logits = model.compute_logits(hidden)
-    engine.kv.free(r)
+    engine.scheduler.kv.free(r)
     return logits
 
 

@@ -47,7 +47,7 @@ def test_late_modes_give_the_same_outputs_one_step_later(tiny_models, mode):
                 streamed[out.request_id] += out.new_text
                 if out.finished:
                     finals[out.request_id] = out.outputs[0]
-        assert engine.kv.pool.num_used_blocks == 0
+        assert engine.scheduler.stats().kv_blocks_used == 0
         assert all(streamed[rid] == finals[rid].text for rid in streamed)
         return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in finals.items()}, first_output_step
 
@@ -114,7 +114,7 @@ def test_step_api_streams_deltas_and_abort_frees_blocks(llm):
     assert engine.last_stats.num_tokens >= 1 and engine.last_stats.kv_blocks_used > 0
     assert engine.abort("s2") and not engine.abort("s2")
     assert not engine.has_unfinished_requests()
-    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.scheduler.stats().kv_blocks_used == 0
 
 
 def test_final_only_outputs_report_a_request_once_it_ended(llm):
@@ -211,7 +211,7 @@ def test_offline_generate_as_a_vllm_user_expects(llm):
                                                          for n in (2, 3, 50, 50)], use_tqdm=False)
     finally:
         del scheduler.update
-    assert not engine.has_unfinished_requests() and engine.kv.pool.num_used_blocks == 0
+    assert not engine.has_unfinished_requests() and engine.scheduler.stats().kv_blocks_used == 0
     assert not engine.unfinished_request_ids()  # no detokenizer left behind
 
 
@@ -236,7 +236,7 @@ def test_a_failed_step_fails_its_requests_and_loses_no_output(llm, where):
     while "short" in engine.scheduler.requests:  # until it ends by length
         take(engine.step())
     assert ("short" in finals) != engine.async_output  # async_output: the failing step must report it
-    assert engine.kv.pool.cached
+    assert engine.scheduler.kv.pool.cached
     original = getattr(runner, where)
 
     def broken(arg):
@@ -252,8 +252,8 @@ def test_a_failed_step_fails_its_requests_and_loses_no_output(llm, where):
     short = finals["short"].outputs[0]
     assert short.finish_reason == "length" and streamed["short"] == short.token_ids
     assert finals["long"].outputs[0].finish_reason == "error" and "injected fault" in finals["long"].error
-    assert not engine.kv.pool.cached  # the failed step may have left blocks half written
-    assert engine.unfinished_request_ids() == [] and engine.kv.pool.num_used_blocks == 0
+    assert not engine.scheduler.kv.pool.cached  # the failed step may have left blocks half written
+    assert engine.unfinished_request_ids() == [] and engine.scheduler.stats().kv_blocks_used == 0
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
 

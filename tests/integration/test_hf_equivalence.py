@@ -134,7 +134,7 @@ def test_greedy_generation_equals_hf_under_chunking_and_preemption(tiny_models, 
                         SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
     assert chunked, "no prompt was split into chunks"
     assert threshold is None or engine.scheduler.num_preemptions > 0, "no request was preempted"
-    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.scheduler.stats().kv_blocks_used == 0
 
     hf = hf_model(path)
     for prompt, out in zip(prompts, outs):

@@ -23,7 +23,7 @@ def run(model_dir, **options):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
                         SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
     engine = llm.engine
-    assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    assert engine.scheduler.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
     return [o.outputs[0].token_ids for o in outs], engine
 
 
@@ -44,7 +44,7 @@ def test_outputs_equal_under_pressure_with_caching_on_and_off(tiny_llama, roomy,
     assert engine.scheduler.num_preemptions > 0, "the small pool should force preemption"
     assert (engine.scheduler.num_swapped_out > 0) == (mode == "swap")
     if caching:
-        assert engine.kv.prompt_tokens_hit > 0, "the shared prefix should be served from the cache"
+        assert engine.scheduler.stats().prefix_tokens_hit > 0, "the shared prefix should be served from the cache"
     assert tokens == roomy
 
 
@@ -74,7 +74,7 @@ def test_a_step_failing_before_its_swap_copies_recomputes_the_swapped(tiny_llama
     survivors = [i for i in range(len(prompts())) if str(i) not in failed]
     assert all(finals[str(i)].finish_reason == "error" for i in map(int, failed))
     assert [finals[str(i)].token_ids for i in survivors] == [roomy[i] for i in survivors]
-    assert engine.kv.pool.num_used_blocks == 0 and engine.kv.host_pool.num_used_blocks == 0
+    assert engine.scheduler.stats().kv_blocks_used == 0 and engine.scheduler.kv.host_pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async_scheduling"])
@@ -98,4 +98,4 @@ def test_priority_preemption_to_admit_keeps_every_output(tiny_llama, roomy, mode
     assert engine.scheduler.num_preemptions > 0
     assert (engine.scheduler.num_swapped_out > 0) == (mode == "swap")
     assert [finals[i] for i in range(len(prompts()))] == roomy
-    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.scheduler.stats().kv_blocks_used == 0

@@ -35,7 +35,7 @@ def generate(model_dir, params, **options):
     llm = LLM(str(model_dir), max_num_seqs=4, max_num_batched_tokens=48, num_kv_blocks=36, block_size=16,
               **options)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-    assert llm.engine.kv.pool.num_used_blocks == 0
+    assert llm.engine.scheduler.stats().kv_blocks_used == 0
     return [o.outputs[0].token_ids for o in outs], llm.engine
 
 

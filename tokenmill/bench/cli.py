@@ -52,7 +52,7 @@ def bench_throughput(args) -> dict:
     results = [run_engine(engine, workload, "tokenmill", **_sampling(args))]
     summary = {}
     if args.pressure:
-        summary["pressure"] = _bench_pressure(args, results[0], workload, engine.kv.block_size)
+        summary["pressure"] = _bench_pressure(args, results[0], workload, engine.cache_config.block_size)
     if args.compare:
         results += _compare(args, engine.model_path, workload)
     print()
@@ -61,7 +61,7 @@ def bench_throughput(args) -> dict:
     if args.plot is not None:
         from tokenmill.bench.plots import plot_occupancy
         print(f"plot: {plot_occupancy(results, args.plot)}")
-    print(_waste_line(results[0], engine.kv.block_size))
+    print(_waste_line(results[0], engine.cache_config.block_size))
     return {"workload": args.workload, "results": [r.summary() for r in results], **summary}
 
 
@@ -122,12 +122,13 @@ def _bench_prefix(args, engine, workload) -> dict:
     on = run_engine(engine, workload, "prefix-cache-on", **_sampling(args))
     off_engine = _engine(args, enable_prefix_caching=False)
     off = run_engine(off_engine, workload, "prefix-cache-off", **_sampling(args))
-    hit = engine.kv.prompt_tokens_hit / max(engine.kv.prompt_tokens_queried, 1)
+    stats = engine.scheduler.stats()
+    hit = stats.prefix_tokens_hit / max(stats.prefix_tokens_queried, 1)
     print()
     print(format_table([on, off], reference="prefix-cache-on"))
     print(f"mean TTFT: on {np.mean(on.ttft) * 1e3:.0f} ms, off {np.mean(off.ttft) * 1e3:.0f} ms; "
           f"prefix-cache hit rate {hit:.1%}; outputs equal: {on.outputs == off.outputs}")
-    print(_waste_line(on, engine.kv.block_size))
+    print(_waste_line(on, engine.cache_config.block_size))
     return {"workload": "prefix", "results": [on.summary(), off.summary()], "hit_rate": hit}
 
 

@@ -45,13 +45,13 @@ class ServerMetrics:
         self.observe_pool()
 
     def observe_pool(self) -> None:
-        sched, kv = self.engine.scheduler, self.engine.kv
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_used.set(kv.pool.num_used_blocks)
-        self.kv_free.set(kv.pool.num_free_blocks)
-        self.kv_total.set(kv.pool.num_blocks)
-        self.hit_rate.set(kv.prompt_tokens_hit / kv.prompt_tokens_queried if kv.prompt_tokens_queried else 0.0)
+        s = self.engine.scheduler.stats()
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_used.set(s.kv_blocks_used)
+        self.kv_free.set(s.kv_blocks_free)
+        self.kv_total.set(s.kv_blocks_total)
+        self.hit_rate.set(s.prefix_tokens_hit / s.prefix_tokens_queried if s.prefix_tokens_queried else 0.0)
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step (stats None: outputs of aborted requests)."""

@@ -1,0 +1,99 @@
+"""Prompts and sampling parameters -> a validated Request, or a ValueError for anything the
+engine could never serve.
+
+It touches no engine state (only the tokenizer, the model's limits and the grammar compiler),
+so the server calls it on a thread of its own and answers 400s without waiting for a step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tokenmill.request import Request
+from tokenmill.sampler import bad_words_token_ids
+from tokenmill.sampling_params import SamplingParams, is_unicode
+from tokenmill.structured import GrammarCompiler
+
+Prompt = str | list[int] | dict
+
+
+@dataclass
+class InputProcessor:
+    tokenizer: object
+    vocab_size: int                  # the logits' width: every token id must lie below it
+    eos_token_ids: frozenset[int]
+    max_model_len: int               # prompt + output
+    scheduling_policy: str
+    grammars: GrammarCompiler
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) from a string, a list of token ids, or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not is_unicode(prompt):  # bytes that were no UTF-8 (a shell argument, stdin)
+                raise ValueError("prompt is not valid UTF-8 text")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                     arrival_time: float | None = None, priority: int = 0,
+                     deadline: float | None = None, fit_to_context: bool = False) -> Request:
+        """Tokenize and validate. fit_to_context: a max_tokens past the context ends the output
+        there instead (the offline API's choice, as vLLM's; the server answers 400, as vLLM's and
+        OpenAI's do)."""
+        params = params or SamplingParams()
+        if priority and self.scheduling_policy != "priority":  # as vLLM: not silently ignored
+            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' "
+                             f"(this engine runs '{self.scheduling_policy}')")
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            text, ids = None, ids[-params.truncate_prompt_tokens:]  # the text no longer matches the ids
+        self._check_token_ids(ids, params)
+        bad_words = [seq for seq in bad_words_token_ids(self.tokenizer, params.bad_words or [])
+                     if all(t < self.vocab_size for t in seq)]  # (a word with a token past the logits is never sampled)
+        self._check_allowed_tokens(params, {seq[0] for seq in bad_words if len(seq) == 1})
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "
+                             f"{self.max_model_len}: no room for any output")
+        if params.max_tokens is not None and params.max_tokens > room and not fit_to_context:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context length ({self.max_model_len})")
+        grammar = (self.grammars.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
+        return Request(request_id=request_id, prompt_token_ids=ids, params=params,
+                       max_tokens=min(params.max_tokens or room, room), eos_token_ids=self.eos_token_ids,
+                       prompt=text, priority=priority, deadline=deadline,
+                       arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                       grammar=grammar, bad_words_token_ids=bad_words)
+
+    def _check_token_ids(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.vocab_size
+        for name, tokens in (("prompt token ids", ids), ("stop_token_ids", params.stop_token_ids),
+                             ("logit_bias token ids", params.logit_bias or ()),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+                raise ValueError(f"{name} must be integers in [0, {vocab})")
+
+    def _check_allowed_tokens(self, params: SamplingParams, banned_always: set[int]) -> None:
+        """allowed_token_ids must leave a token that the sampler does not ban."""
+        if params.allowed_token_ids is None:
+            return
+        allowed = set(params.allowed_token_ids)
+        if allowed <= banned_always:
+            raise ValueError("allowed_token_ids holds only tokens that bad_words bans")
+        # under min_tokens the sampler also bans EOS (ignore_eos too, as vLLM) and the stop tokens
+        if params.min_tokens and allowed <= banned_always | set(params.stop_token_ids) | set(self.eos_token_ids):
+            raise ValueError("allowed_token_ids holds only stop tokens and tokens that bad_words bans, "
+                             "which min_tokens forbids at first")

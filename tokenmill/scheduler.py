@@ -5,33 +5,33 @@ each request is granted `min(num_tokens - num_computed_tokens, budget)` tokens.
 
   1. Running requests that are decoding get their one token each, first.
   2. Running requests still inside their prompt get the next chunk of it.
-     (Both in admission order under fcfs, else in the policy's order. Under priority, the
-     priorities go in order, each one's decodes before its prompt chunks: a more urgent prompt
-     takes the budget before less urgent decodes, and is held back only for decoders at least
-     as urgent as it, below.)
-  3. Waiting requests are admitted in policy order while the budget, `max_num_seqs` and the
-     KV pool (less a watermark) allow; each gets a chunk of its prompt.
+     (Both in the policy's running order: under priority, the priorities go in order, each
+     one's decodes before its prompt chunks.)
+  3. Waiting requests are admitted in the policy's order while the budget, `max_num_seqs` and
+     the KV pool (less a watermark) allow; each gets a chunk of its prompt.
 
-Under the priority policy a waiting request that finds no room (`max_num_seqs` reached, or the
-pool short) first preempts running requests of lower priority, lowest first, as many as it takes
-and only if that makes room; the victims wait behind it. This happens before step 1, while no
-running request holds blocks for this step yet, so nothing has to be unscheduled.
+A policy that preempts at admission (priority) lets a waiting request that finds no room
+(`max_num_seqs` reached, or the pool short) first preempt the running requests the policy
+offers, in its order, as many as it takes and only if that makes room; the victims wait
+behind it. This happens before step 1, while no running request holds blocks for this step
+yet, so nothing has to be unscheduled. The policies live in `policies.py`.
 
 A step that carries decodes gives long prompts (more tokens than `long_prefill_token_threshold`,
 by default one step's budget; prompt and output for a request replayed after preemption) only
-max(`long_prefill_min_chunk`, decodes / 2) tokens, all of them together: a step's
-cost grows with its tokens, so that keeps the step every decoding user waits on to about 1.5x
-its projections' cost without the prompt (the chunk's attention over a long context adds to
-that: 1.6-1.9x in all, measured in BENCHMARKS.md), and one huge prompt cannot stretch it
-(Sarathi-style stall-free batching). A step without decodes gives it the whole budget.
+max(`long_prefill_min_chunk`, decodes / 2) tokens, all of them together, counting the decodes
+the policy says a prompt is held back for. A step's cost grows with its tokens, so that keeps
+the step every decoding user waits on close to its cost without the prompt, and one huge
+prompt cannot stretch it (Sarathi-style stall-free batching). A step without decodes gives
+it the whole budget.
 
 When a running request needs a block and the pool is empty, the running request the
-policy values least (among those not yet scheduled in this step) is preempted. By
-recompute (the default): its blocks are freed, its counter is reset and it waits again
-at the front; its prompt and output are replayed later, and prefix caching usually hands
-most of them back. By swap: its blocks are copied to a host pool and back when it is
-readmitted, counter kept. A request never fails for lack of memory: the engine only
-accepts requests whose full length fits the pool alone.
+policy picks (among those not yet scheduled in this step) is preempted. By recompute
+(the default): its blocks are freed, its counter is reset and it waits again, at the
+front of the queue (under priority, of its own priority's); its prompt and output are
+replayed later, and prefix caching usually hands most of them back. By swap: its blocks
+are copied to a host pool and back when it is readmitted, counter kept. A request never
+fails for lack of memory: the engine only accepts requests whose full length fits the
+pool alone.
 
 `update()` advances the counters with what the runner computed, appends sampled
 tokens, and finishes requests on EOS, stop tokens, max_tokens or max_model_len.
@@ -50,20 +50,34 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.outputs import RunnerOutput, SchedulerOutput, SchedulerStats
+from tokenmill.policies import make_policy
 from tokenmill.request import Request, RequestStatus
 
-# A request's rank under each policy: smaller is served first and preempted last.
-PolicyKey = Callable[[Request], tuple]
-POLICY_KEYS: dict[str, PolicyKey] = {
-    "fcfs": lambda r: (r.arrival_time,),
-    "priority": lambda r: (r.priority, r.arrival_time),
-    "srpf": lambda r: (r.num_remaining_prefill, r.arrival_time),
-    "edf": lambda r: (r.deadline if r.deadline is not None else float("inf"), r.arrival_time),
-}
+
+@dataclass
+class _StepPlan:
+    """The step `schedule()` is building: what it has granted so far and what is left."""
+
+    budget: int                                                        # tokens left in the step
+    scheduled: dict[Request, int] = field(default_factory=dict)        # tokens per request, batch order
+    drafts: dict[Request, int] = field(default_factory=dict)           # draft tokens among them
+    preempted: list[Request] = field(default_factory=list)             # in the order they were preempted
+    admission_victims: set[Request] = field(default_factory=set)       # not readmitted in this step
+    short: bool = False              # a running request found the pool empty: admit nobody this step
+    decodes: list[Request] = field(default_factory=list)  # running decodes granted so far
+    long_tokens: int = 0             # tokens granted so far to long prompts held back beside decodes
+    swap_in: list[tuple[int, int]] = field(default_factory=list)       # (host block, device block) copies
+
+    def grant(self, request: Request, num_new: int, num_draft: int, held: bool) -> None:
+        self.scheduled[request] = num_new
+        self.drafts[request] = num_draft
+        self.budget -= num_new
+        self.long_tokens += num_new if held else 0
 
 
 class Scheduler:
@@ -72,7 +86,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.clock = clock
-        self.policy_key = POLICY_KEYS[config.policy]
+        self.policy = make_policy(config.policy, config.starvation_seconds)
         self.waiting: list[Request] = []
         self.running: list[Request] = []         # admission order
         self.requests: dict[str, Request] = {}   # every unfinished request
@@ -149,183 +163,163 @@ class Scheduler:
     # ---- schedule ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Build the next step: room made at admission (if the policy preempts there), then
+        running requests, then waiting ones, as the module's docstring describes."""
         static = self.config.static_batching
-        budget = self.config.max_num_batched_tokens if not static else 1 << 62
-        scheduled: dict[Request, int] = {}
-        drafts: dict[Request, int] = {}
-        preempted: list[Request] = []
-        self._swap_out, swap_in = [], []
-        admit_new = not static or not self.running
-        if admit_new and self.config.policy == "priority":
-            preempted += self._make_room_by_priority(budget)
-        victims = set(preempted)  # not readmitted in this step (async: a token of theirs may be in flight)
-        short = False  # a running request found the pool empty: admit nobody this step
-        decoders: list[int] = []  # priorities of this step's decodes so far (they set long prompts' allowance)
-        long_tokens = 0  # tokens granted so far to long prompts held back beside them
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens if not static else 1 << 62)
+        self._swap_out = []
+        admit = not static or not self.running
+        if admit and self.policy.preempts_at_admission:
+            plan.preempted += self._make_room_at_admission(plan.budget)
+            plan.admission_victims = set(plan.preempted)  # (async: a token of theirs may be in flight)
+        self._schedule_running(plan)
+        if admit and not plan.short:  # a step where a running request had to preempt is short of memory
+            self._admit_waiting(plan)
+        return self._output(plan)
 
-        def decodes_ahead_of(request: Request) -> int:
-            """The decodes a waiting long prompt is held back for: under priority, those at least
-            as urgent (running requests come in priority order: all of them so far)."""
-            if self.config.policy != "priority":
-                return len(decoders)
-            return sum(1 for p in decoders if p <= request.priority)
-
-        # 1 + 2: running requests, decodes before prompt chunks (by priority first under priority).
-        for request in self._running_order():
-            if budget <= 0:
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Steps 1 and 2: running requests in the policy's order, each its next token or chunk,
+        preempting the policy's victim when the pool is empty."""
+        for request in self.policy.running_order(self.running):
+            if plan.budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if self._ends_in_flight(request):
                 continue  # async scheduling: it ends with the token in flight, by length
-            num_new, held = self._chunk(request, request.num_remaining_prefill, budget, len(decoders), long_tokens)
+            num_new, held = self._chunk(request, request.num_remaining_prefill, plan)
             if num_new == 0:
                 continue  # a long prompt whose share of this step went to an earlier one
             if request.draft_token_ids and request.num_remaining_prefill == 1:
                 # Speculation: the last sampled token plus the drafts to verify, within the budget.
-                request.draft_token_ids = request.draft_token_ids[:budget - 1]
+                request.draft_token_ids = request.draft_token_ids[:plan.budget - 1]
                 num_new = 1 + len(request.draft_token_ids)
-            while not self.kv.allocate(request, num_new):
-                if request.draft_token_ids:  # drafts are a bet: dropped before anyone is preempted for them
-                    request.draft_token_ids, request.draft_probs = [], None
-                    num_new = 1
-                    continue
-                if any(self._ends_in_flight(r) for r in self.running):
-                    break  # async scheduling: blocks come back at the in-flight step's update; wait a step
-                victim = self._pick_victim(exclude=scheduled) or request
-                self._preempt(victim)
-                preempted.append(victim)
-                short = True
-                if victim is request:
-                    break
-            else:
-                scheduled[request] = num_new
-                drafts[request] = len(request.draft_token_ids)
-                budget -= num_new
-                if request.num_remaining_prefill == 1:
-                    decoders.append(request.priority)
-                long_tokens += num_new if held else 0
+            num_new = self._allocate_running(request, num_new, plan)
+            if num_new == 0:
+                continue
+            plan.grant(request, num_new, len(request.draft_token_ids), held)
+            if request.num_remaining_prefill == 1:
+                plan.decodes.append(request)
 
-        # 3: admit waiting requests (none in a step where a running one had to preempt: memory is short).
-        while (admit_new and not short and len(self.waiting) > len(victims) and budget > 0
+    def _allocate_running(self, request: Request, num_new: int, plan: _StepPlan) -> int:
+        """Blocks for `num_new` tokens of a running request; returns how many tokens got them.
+
+        While the pool is short: its drafts go first (1 token left), then the policy's victim
+        among those not yet scheduled (or the request itself, then 0). 0 without preempting
+        anyone while a request ends with its token in flight: its blocks come back at that
+        step's update, so the request waits a step instead."""
+        while not self.kv.allocate(request, num_new):
+            if request.draft_token_ids:  # drafts are a bet: dropped before anyone is preempted for them
+                request.draft_token_ids, request.draft_probs = [], None
+                num_new = 1
+                continue
+            if any(self._ends_in_flight(r) for r in self.running):
+                return 0
+            victim = self._pick_victim(exclude=plan.scheduled) or request
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            plan.short = True
+            if victim is request:
+                return 0
+        return num_new
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        """Step 3: waiting requests in the policy's order while the budget, `max_num_seqs` and
+        the pool allow (not those preempted at admission in this step)."""
+        while (len(self.waiting) > len(plan.admission_victims) and plan.budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            request = self._next_waiting(exclude=victims)
-            reserve = self._watermark_blocks if self.running else 0
-            if request.swapped_block_ids:  # swapped out: copy its blocks back, counter kept
-                num_new, held = self._chunk(request, request.num_remaining_prefill, budget, decodes_ahead_of(request),
-                                            long_tokens)
-                if num_new == 0 or not self.kv.can_swap_in(request, num_new, reserve=reserve):
-                    break
-                swap_in.extend(self.kv.swap_in(request, num_new))
-            else:
-                hit = self.kv.find_prefix(request)
-                num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens, budget,
-                                            decodes_ahead_of(request), long_tokens)
-                if num_new == 0 or not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
-                    break
-                self.kv.allocate(request, num_new, hit)
+            request = self._next_waiting(exclude=plan.admission_victims)
+            num_new, held = self._allocate_waiting(request, plan)
+            if num_new == 0:
+                break
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = self.clock()
-            scheduled[request] = num_new
-            drafts[request] = 0
-            budget -= num_new
-            long_tokens += num_new if held else 0
+            plan.grant(request, num_new, 0, held)
 
+    def _allocate_waiting(self, request: Request, plan: _StepPlan) -> tuple[int, bool]:
+        """Blocks for the first chunk of a waiting request, keeping the watermark free unless
+        the batch is empty: a swapped-out request's blocks are copied back (counter kept), any
+        other starts after its prefix-cache hit. Returns (tokens, held back), (0, False) if the
+        chunk is empty or does not fit."""
+        reserve = self._watermark_blocks if self.running else 0
+        if request.swapped_block_ids:
+            num_new, held = self._chunk(request, request.num_remaining_prefill, plan)
+            if num_new == 0 or not self.kv.can_swap_in(request, num_new, reserve=reserve):
+                return 0, False
+            plan.swap_in.extend(self.kv.swap_in(request, num_new))
+            return num_new, held
+        hit = self.kv.find_prefix(request)
+        num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens, plan)
+        if num_new == 0 or not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
+            return 0, False
+        self.kv.allocate(request, num_new, hit)
+        return num_new, held
+
+    def _output(self, plan: _StepPlan) -> SchedulerOutput:
+        """The step as the runner sees it; hands over the requests finished since the last one."""
         finished, self._finished_ids = self._finished_ids, []
+        scheduled, drafts = plan.scheduled, plan.drafts
         return SchedulerOutput(
             requests=list(scheduled), num_scheduled_tokens=list(scheduled.values()),
             num_draft_tokens=list(drafts.values()),
             num_decode_tokens=sum(1 + drafts[r] for r in scheduled if r.num_output_tokens + r.num_pending_tokens > 0
                                   and r.num_remaining_prefill == 1),
-            preempted_request_ids=[r.request_id for r in preempted], finished_request_ids=finished,
-            swap_out=self._swap_out, swap_in=swap_in)
+            preempted_request_ids=[r.request_id for r in plan.preempted], finished_request_ids=finished,
+            swap_out=self._swap_out, swap_in=plan.swap_in)
 
-    def _chunk(self, request: Request, remaining: int, budget: int, num_decodes: int,
-               long_tokens: int) -> tuple[int, bool]:
+    def _chunk(self, request: Request, remaining: int, plan: _StepPlan) -> tuple[int, bool]:
         """Tokens to compute for a request with `remaining` to go, within the budget, and whether
         it is held back: a long request (by its whole length, so its last chunks stay small too)
-        in a step with decodes gets what is left of the step's one allowance for long prompts."""
+        in a step with decodes it is held back for (the policy says which) gets what is left of
+        the step's one allowance for long prompts."""
         threshold = self.config.long_prefill_token_threshold
-        if num_decodes and threshold and remaining > 1 and request.num_tokens > threshold:
-            allowance = max(self.config.long_prefill_min_chunk, num_decodes // 2) - long_tokens
-            return min(remaining, allowance, budget), True
-        return min(remaining, budget), False
+        if plan.decodes and threshold and remaining > 1 and request.num_tokens > threshold:
+            num_decodes = self.policy.decodes_ahead_of(request, plan.decodes)
+            if num_decodes:
+                allowance = max(self.config.long_prefill_min_chunk, num_decodes // 2) - plan.long_tokens
+                return min(remaining, allowance, plan.budget), True
+        return min(remaining, plan.budget), False
 
     def _next_waiting(self, exclude: set[Request] = frozenset()) -> Request:
-        """The waiting request the policy serves next; preempted ones first (under the priority
-        policy, first among their priority: a request that preempted one for its priority must
-        not see it come back ahead of it), then any request that has waited
-        `starvation_seconds` (oldest first), then the policy's order."""
-        now = self.clock()
-        starve = self.config.starvation_seconds
-        by_priority = self.config.policy == "priority"
+        """The waiting request the policy admits next, leaving out `exclude`."""
+        return self.policy.next_waiting((r for r in self.waiting if r not in exclude), self.clock())
 
-        def rank(r: Request) -> tuple:
-            preempted = r.status == RequestStatus.PREEMPTED
-            if preempted and not by_priority:
-                return (0, r.arrival_time)
-            if now - r.arrival_time >= starve:
-                return (1, r.arrival_time)
-            if by_priority:
-                return (2, r.priority, not preempted, r.arrival_time)
-            return (2, *self.policy_key(r))
-        return min((r for r in self.waiting if r not in exclude), key=rank)
-
-    def _make_room_by_priority(self, budget: int) -> list[Request]:
-        """Preempt running requests of lower priority than the next waiting one until it has a
-        seat under `max_num_seqs` and blocks for its first chunk (estimated with the step's
-        budget less one token per request left running); none at all if even every such request
-        would not make room. Lowest priority first, ties latest admitted (as `_pick_victim`)."""
+    def _make_room_at_admission(self, budget: int) -> list[Request]:
+        """Preempt the running requests the policy lets the next waiting one preempt, in the
+        policy's order, until it has a seat under `max_num_seqs` and blocks for its first chunk
+        (estimated with the step's budget less one token per request left running); none at
+        all if even every such request would not make room. Returns the victims."""
         if not self.waiting or any(self._ends_in_flight(r) for r in self.running):
             return []  # (async scheduling: blocks come back at the in-flight step's update)
         request = self._next_waiting()
-        lower = [(i, r) for i, r in enumerate(self.running) if r.priority > request.priority]
-        if not lower:
+        candidates = self.policy.admission_victims(request, self.running)
+        if not candidates:
             return []
-        lower = [r for _, r in sorted(lower, key=lambda ir: (ir[1].priority, ir[0]), reverse=True)]
         hit = None if request.swapped_block_ids else self.kv.find_prefix(request)
         remaining = request.num_remaining_prefill if hit is None else request.num_tokens - hit.num_tokens
         refs = self.kv.pool.ref_counts
         keep = set(hit.block_ids) if hit is not None else set()
         freed = 0  # blocks the first n victims hold alone (those of the hit would be revived anyway)
-        for n in range(len(lower) + 1):
+        for n in range(len(candidates) + 1):
             if n:
-                freed += sum(1 for b in lower[n - 1].block_ids if refs[b] == 1 and b not in keep)
+                freed += sum(1 for b in candidates[n - 1].block_ids if refs[b] == 1 and b not in keep)
             left = len(self.running) - n
             tokens = min(remaining, max(1, budget - left))
             reserve = self._watermark_blocks if left else 0
             if left < self.config.max_num_seqs and self.kv.admission_shortfall(request, tokens, hit) + reserve <= freed:
-                for victim in lower[:n]:
+                for victim in candidates[:n]:
                     self._preempt(victim)
-                return lower[:n]
+                return candidates[:n]
         return []
 
-    def _running_order(self) -> list[Request]:
-        """Decodes before prompt chunks; within each, admission order under fcfs, else the
-        policy's (under priority, by priority first: see the module's docstring). Those first in
-        line take the last free blocks, and a victim is picked only among those not yet
-        scheduled: in admission order, a low-priority request admitted earlier took the last
-        block and the high-priority one behind it had to preempt itself."""
-        if self.config.policy == "fcfs":
-            return sorted(self.running, key=lambda r: r.num_remaining_prefill > 1)  # stable: admission order
-        if self.config.policy == "priority":
-            return sorted(self.running, key=lambda r: (r.priority, r.num_remaining_prefill > 1, r.arrival_time))
-        return sorted(self.running, key=lambda r: (r.num_remaining_prefill > 1, *self.policy_key(r)))
-
     def _pick_victim(self, exclude: dict[Request, int]) -> Request | None:
-        """The running request to preempt, among those not yet scheduled in this step (their
-        blocks may already be registered for this step's tokens): under fcfs the latest
-        admitted, otherwise the one the policy ranks last (ties: latest admitted). Never called
-        while a request ends with its token in flight: schedule() waits for its blocks instead."""
-        candidates = [(i, r) for i, r in enumerate(self.running) if r not in exclude]
-        if not candidates:
-            return None
-        if self.config.policy == "fcfs":
-            return candidates[-1][1]
-        return max(candidates, key=lambda ir: (*self.policy_key(ir[1]), ir[0]))[1]
+        """The running request the policy preempts, among those not yet scheduled in this step
+        (their blocks may already be registered for this step's tokens). Never called while a
+        request ends with its token in flight: schedule() waits for its blocks instead."""
+        return self.policy.pick_victim([r for r in self.running if r not in exclude])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -245,35 +245,44 @@ class KVCacheManager:
         return self._num_new_blocks(request, num_new_tokens, hit) - self._available(hit)
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
-        """Make the request's blocks cover `num_computed_tokens + num_new_tokens` tokens, and
-        register the blocks this step will fill in the prefix cache.
+        """Make the request's blocks cover `num_computed_tokens + num_new_tokens` tokens (after
+        the hit's), and register the blocks this step will fill in the prefix cache.
 
-        `hit` (admission only) first takes shared references on cached prefix blocks and moves
-        `num_computed_tokens` past them. Returns False, changing nothing, if the pool is short.
+        `hit` (admission only) first takes shared references on cached prefix blocks; the
+        scheduler then moves the request's counter past them. Returns False, changing nothing,
+        if the pool is short.
+
+            block_ids   [hit 0][hit 1][new 2][new 3]
+            tokens      |<- hit.num_tokens ->|<- num_new_tokens ->|
         """
         if not self.can_allocate(request, num_new_tokens, hit):
             return False
+        skipped = 0
         if hit is not None:
             self.pool.share(hit.block_ids)
             request.block_ids.extend(hit.block_ids)
-            request.num_computed_tokens += hit.num_tokens
-            request.num_cached_tokens = hit.num_tokens
             self.prompt_tokens_queried += request.num_tokens
             self.prompt_tokens_hit += hit.num_tokens
-        request.block_ids.extend(self.pool.allocate(self._num_new_blocks(request, num_new_tokens)))
-        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+            skipped = hit.num_tokens
+        request.block_ids.extend(self.pool.allocate(self._num_new_blocks(request, skipped + num_new_tokens)))
+        self._cache_full_blocks(request, request.num_computed_tokens + skipped + num_new_tokens)
         return True
 
     def free(self, request: Request) -> None:
         """Return all of a request's blocks (and host blocks, if swapped); tail blocks first in
-        eviction order (least shareable)."""
+        eviction order (least shareable). Its counter is the scheduler's to reset."""
         self.pool.free(list(reversed(request.block_ids)))
         if request.swapped_block_ids:
             self.host_pool.free(request.swapped_block_ids)
             request.swapped_block_ids = []
         request.block_ids.clear()
         request.num_registered_blocks = 0
-        request.num_computed_tokens = 0
+
+    def blocks_held_alone(self, request: Request, keep: set[int] = frozenset()) -> int:
+        """Blocks that freeing `request` would return to the pool (no other request shares them),
+        not counting those in `keep`."""
+        refs = self.pool.ref_counts
+        return sum(1 for b in request.block_ids if refs[b] == 1 and b not in keep)
 
     def forget_cached(self, holders: list[Request]) -> None:
         """Forget every cached hash (a failed step may have left blocks half written); `holders`,

@@ -117,7 +117,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)  # (a failed step has already made the whole pool forget its hashes)
+        self._free(request)  # (a failed step has already made the whole pool forget its hashes)
         request.status = status
         request.times.finished = self.clock()
         if request.deadline is not None and request.times.finished > request.deadline:
@@ -149,7 +149,7 @@ class Scheduler:
         for request_id in sched.preempted_request_ids:
             request = self.requests.get(request_id)
             if request is not None and request.swapped_block_ids:
-                self.kv.free(request)
+                self._free(request)
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
@@ -256,6 +256,8 @@ class Scheduler:
         if num_new == 0 or not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
             return 0, False
         self.kv.allocate(request, num_new, hit)
+        request.num_computed_tokens += hit.num_tokens
+        request.num_cached_tokens = hit.num_tokens
         return num_new, held
 
     def _output(self, plan: _StepPlan) -> SchedulerOutput:
@@ -300,12 +302,11 @@ class Scheduler:
             return []
         hit = None if request.swapped_block_ids else self.kv.find_prefix(request)
         remaining = request.num_remaining_prefill if hit is None else request.num_tokens - hit.num_tokens
-        refs = self.kv.pool.ref_counts
         keep = set(hit.block_ids) if hit is not None else set()
         freed = 0  # blocks the first n victims hold alone (those of the hit would be revived anyway)
         for n in range(len(candidates) + 1):
             if n:
-                freed += sum(1 for b in candidates[n - 1].block_ids if refs[b] == 1 and b not in keep)
+                freed += self.kv.blocks_held_alone(candidates[n - 1], keep)
             left = len(self.running) - n
             tokens = min(remaining, max(1, budget - left))
             reserve = self._watermark_blocks if left else 0
@@ -321,6 +322,11 @@ class Scheduler:
         request ends with its token in flight: schedule() waits for its blocks instead."""
         return self.policy.pick_victim([r for r in self.running if r not in exclude])
 
+    def _free(self, request: Request) -> None:
+        """Return a request's blocks; it computes its tokens again from the start if it runs again."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         request.draft_token_ids, request.draft_probs = [], None
@@ -328,7 +334,7 @@ class Scheduler:
             self._swap_out.extend(self.kv.swap_out(request))
             self.num_swapped_out += 1
         else:  # recompute (or swap with a full host pool)
-            self.kv.free(request)
+            self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.reference import attend_sequences
 
 

@@ -116,7 +116,7 @@ def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm):
 def test_token_bytes_rebuild_characters_split_across_tokens(default_llm):
     """Chat logprobs' `bytes`: byte-level pieces of an emoji or a CJK character each decode to
     "\\ufffd", whose bytes are not theirs; from the vocabulary entries they add up to the text."""
-    from tokenmill.server.api import token_bytes
+    from tokenmill.server.logprobs import token_bytes
     tokenizer = default_llm.engine.tokenizer
     text = "😀 日本 café"
     ids = tokenizer.encode(text, add_special_tokens=False)

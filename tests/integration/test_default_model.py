@@ -9,6 +9,7 @@ import contextlib
 import pytest
 import torch
 
+from tokenmill.models.cpu_packing import set_int8_rows
 from tokenmill.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
@@ -27,11 +28,11 @@ def default_llm():
 @contextlib.contextmanager
 def int8_rows(engine, rows: int):
     """Products with x in 8-bit blocks for steps of up to `rows` rows, for the duration."""
-    engine.runner.model.set_int8_rows(rows)
+    set_int8_rows(engine.runner.model, rows)
     try:
         yield
     finally:
-        engine.runner.model.set_int8_rows(engine.config.gguf_int8_rows)
+        set_int8_rows(engine.runner.model, engine.config.gguf_int8_rows)
 
 
 def _logits(engine, ids):

@@ -46,7 +46,7 @@ class GGUFEmbedding(nn.Module):
     row dequantized when a token needs it: the float32 values dequantizing the whole table at
     load gives, bit for bit, without holding that table (113 MB for the default model, 2.1 GB
     for Llama 3's vocabulary). Q4_0, Q4_1 and Q8_0 rows by the CPU kernels' embed_rows when
-    given (a few microseconds a step), other types by gguf's numpy (150 at batch 1)."""
+    given, other types by gguf's numpy, an order of magnitude slower a step (BENCHMARKS.md)."""
 
     def __init__(self, rows, qtype, dim: int, kernels=None) -> None:
         super().__init__()
@@ -135,9 +135,9 @@ def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
     (csrc/decoder_layer_cpu.cpp: the same kernels in the same order as the layer with
     CpuFusedOps, set with it by the loader) and `fused_stack`, which runs them all and the
     final norm in one call. forward() takes it when the step's attention is all in the CPU
-    kernel, without the Python between the kernels (a fifth of a batch-1 decode step with a
-    call per layer, 2% more with one call for all). Setting fused_stack to None goes back to
-    the Python layers (tests and benchmarks compare the two)."""
+    kernel, without the Python between the kernels, which costs small steps a sizeable part of
+    their time (BENCHMARKS.md). Setting fused_stack to None goes back to the Python layers
+    (tests and benchmarks compare the two)."""
     fused = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -158,7 +158,7 @@ def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:
     """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit
     blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to float32 panels'.
     The output head keeps float32 x: its Q8_0 blocks stream at memory speed either way, and its
-    logits pick the token (the rounding flipped a near-tie in the default model's first answer)."""
+    logits pick the token, where 8-bit rounding of x can flip a near-tie (BENCHMARKS.md)."""
     for layer in model.layers:
         for m in layer.modules():
             if isinstance(m, PackedLinear):

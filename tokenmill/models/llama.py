@@ -6,12 +6,12 @@ to back) and never a (batch, seq) grid: only attention needs to know where one
 sequence ends, and it reads that from AttentionMetadata. q/k/v and gate/up are fused
 into one matrix each at load time, so a layer runs four matrix products.
 
-Inside a step the layers call their submodules' `.forward` directly: nn.Module.__call__'s hook
-handling cost 0.56 ms a step over 30 layers (measured on a 30-layer model with tiny matrices),
-2% of a batch-1 decode step of the default model. No hooks are used on these modules. With the
-C++ CPU kernels, a step whose attention is all in the kernel goes further and runs all the layers
-in one C++ call (`fused_stack`): DecoderLayer.forward below stays the readable version of it, and
-the reference it is tested against bit for bit.
+Inside a step the layers call their submodules' `.forward` directly, skipping nn.Module.__call__'s
+hook handling, a cost paid on every call of every layer for nothing: no hooks are used on these
+modules (BENCHMARKS.md has its measure). With the C++ CPU kernels, a step whose attention is all
+in the kernel goes further and runs all the layers in one C++ call (`fused_stack`):
+DecoderLayer.forward below stays the readable version of it, and the reference it is tested
+against bit for bit.
 
 This module is the model alone. How an instance stores its weights on a CPU (projections in
 panels or GGUF blocks, embeddings in a GGUF file's rows, the one-call layers) is set up by

@@ -25,6 +25,7 @@ from cpu_gguf_blocks import median_step  # noqa: E402
 
 from tokenmill.config import EngineConfig  # noqa: E402
 from tokenmill.engine import LLMEngine  # noqa: E402
+from tokenmill.models.cpu_packing import set_int8_rows  # noqa: E402
 from tokenmill.request import Request  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
@@ -35,7 +36,7 @@ PATHS = ("python layers", "one-call layers", "one-call, 8-bit x")
 def use_path(engine: LLMEngine, stack, path: str, rows: int) -> None:
     model = engine.runner.model
     model.fused_stack = None if path == "python layers" else stack
-    model.set_int8_rows(rows if path == "one-call, 8-bit x" else 0)
+    set_int8_rows(model, rows if path == "one-call, 8-bit x" else 0)
 
 
 def steps(engine: LLMEngine, stack, batches: list[int]) -> None:
@@ -81,11 +82,11 @@ def quality(engine: LLMEngine) -> None:
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     ids = engine.tokenizer.encode(text)[:300]
     model = engine.runner.model
-    model.set_int8_rows(0)
+    set_int8_rows(model, 0)
     exact = decode_log_probs(engine, ids)
-    model.set_int8_rows(1)
+    set_int8_rows(model, 1)
     int8 = decode_log_probs(engine, ids)
-    model.set_int8_rows(0)
+    set_int8_rows(model, 0)
     target = torch.tensor(ids[1:])[:, None]
     ppl = [math.exp(-float(lp[:-1].gather(1, target).mean())) for lp in (exact, int8)]
     kl = (exact.exp() * (exact - int8)).sum(-1)

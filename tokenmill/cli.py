@@ -1,6 +1,6 @@
 """tokenmill command line: generate | chat | serve | bench.
 
-Engine options are generated from EngineConfig's fields, so every option the Python API
+Engine options are generated from EngineConfig's fields (cli_args.py), so every option the Python API
 takes is also a flag (`--max-num-seqs 64`, `--kv-cache-memory 2GiB`, ...).
 """
 
@@ -12,73 +12,10 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from tokenmill.config import EngineConfig
+from tokenmill.cli_args import add_engine_args, engine_config_from_args, explicit_bool_values
 
 if TYPE_CHECKING:
     from tokenmill.outputs import RequestOutput
-
-_ENGINE_HELP = {
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "per-step token budget (decodes + prompt chunks)",
-    "max_model_len": "context length (prompt + output)",
-    "kv_cache_memory": "KV pool size, bytes or a string like 2GiB",
-    "num_kv_blocks": "exact KV pool size in blocks",
-    "gguf_blocks": "CPU: keep GGUF projections in their blocks (bit-identical to float32)",
-    "gguf_int8_rows": "CPU, GGUF blocks: steps of up to N rows take x in 8-bit blocks, as llama.cpp "
-                      "(faster at batch 1-8, perplexity +0.75%%, results then depend on the step's size; 0: off)",
-    "enforce_eager": "CUDA: launch every step from Python, no decode graphs",
-    "async_output": "build a step's outputs while the next step runs (default: on for CUDA)",
-    "async_scheduling": "schedule and launch the next step before this one's tokens reach the host "
-                        "(default: on for CUDA without speculation)",
-}
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _parse_bool(text: str) -> bool:
-    if text.lower() in _TRUE:
-        return True
-    if text.lower() in _FALSE:
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def explicit_bool_values(argv: list[str]) -> list[str]:
-    """A bare boolean flag before a positional argument (`--enforce-eager "Hello"`) would take it as
-    its value and fail: there the flag becomes `--enforce-eager=true`."""
-    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineConfig)
-             if str(f.type).startswith("bool")}
-    out = []
-    for arg, following in zip(argv, [*argv[1:], None]):
-        if (arg in flags and following is not None and not following.startswith("-")
-                and following.lower() not in _TRUE + _FALSE):
-            arg += "=true"
-        out.append(arg)
-    return out
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default
-        annotation = str(f.type)  # e.g. "int | None", "int | str | None", "bool"
-        help_text = f"{_ENGINE_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})"
-        if annotation.startswith("bool"):  # --flag, --flag true|false, or vLLM's --no-flag
-            group.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default, dest=f.name,
-                               help=help_text)
-            group.add_argument("--no-" + flag[2:], action="store_false", dest=f.name, help=argparse.SUPPRESS)
-            continue
-        kind = str if "str" in annotation else int if "int" in annotation else float if "float" in annotation else str
-        group.add_argument(flag, type=kind, default=default, dest=f.name, help=help_text)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
-    return EngineConfig(**values)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -213,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tokenmill.bench import add_bench_args
     p = sub.add_parser("bench", help="throughput, serving, speculation and roofline benchmarks")
-    add_bench_args(p, add_engine_args)
+    add_bench_args(p)
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -9,6 +9,7 @@ import contextlib
 import pytest
 import torch
 
+from tokenmill.models.cpu_packing import set_int8_rows
 from tokenmill.models.loader import default_model_path
 
 pytestmark = pytest.mark.slow
@@ -27,11 +28,11 @@ def default_llm():
 @contextlib.contextmanager
 def int8_rows(engine, rows: int):
     """Products with x in 8-bit blocks for steps of up to `rows` rows, for the duration."""
-    engine.runner.model.set_int8_rows(rows)
+    set_int8_rows(engine.runner.model, rows)
     try:
         yield
     finally:
-        engine.runner.model.set_int8_rows(engine.config.gguf_int8_rows)
+        set_int8_rows(engine.runner.model, engine.config.gguf_int8_rows)
 
 
 def _logits(engine, ids):
@@ -116,7 +117,7 @@ def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm):
 def test_token_bytes_rebuild_characters_split_across_tokens(default_llm):
     """Chat logprobs' `bytes`: byte-level pieces of an emoji or a CJK character each decode to
     "\\ufffd", whose bytes are not theirs; from the vocabulary entries they add up to the text."""
-    from tokenmill.server.api import token_bytes
+    from tokenmill.server.logprobs import token_bytes
     tokenizer = default_llm.engine.tokenizer
     text = "😀 日本 café"
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -447,7 +447,7 @@ def test_prompts_are_tokenized_off_the_event_loop(server, client, monkeypatch):
 
 
 def test_top_logprobs_of_tokens_with_the_same_text_keep_the_first():
-    from tokenmill.server.api import _by_text
+    from tokenmill.server.logprobs import _by_text
     text = {5: "a", 7: "\ufffd", 9: "\ufffd"}.get
     assert _by_text({7: -1.5, 5: -0.5, 9: -3.0}, text) == {"\ufffd": -1.5, "a": -0.5}
 

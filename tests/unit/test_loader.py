@@ -10,7 +10,7 @@ import torch
 from conftest import copy_model, random_k_quant_rows
 
 from tokenmill.cpu_kernels import load_cpu_kernels
-from tokenmill.models.llama import GGUFEmbedding
+from tokenmill.models.cpu_packing import GGUFEmbedding, use_gguf_embedding
 from tokenmill.models.loader import load_model, open_checkpoint
 from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, PackedLinear
 
@@ -155,8 +155,8 @@ def test_gguf_embedding_checks_its_shape_at_load_and_takes_no_ids():
         model = LlamaForCausalLM(cfg, max_len=64)
     for bad in (rows[:79], quantize(table[:, :32], GGMLQuantizationType.Q8_0)):  # vocab, width
         with pytest.raises(ValueError, match="token embeddings of"):
-            model.use_gguf_embedding(bad, GGMLQuantizationType.Q8_0)
-    assert model.use_gguf_embedding(rows, GGMLQuantizationType.Q8_0) == "model.embed_tokens.weight"
+            use_gguf_embedding(model, bad, GGMLQuantizationType.Q8_0)
+    assert use_gguf_embedding(model, rows, GGMLQuantizationType.Q8_0) == "model.embed_tokens.weight"
     full = dequantize(rows, GGMLQuantizationType.Q8_0)
     assert torch.equal(model.embed_tokens(torch.tensor([3, 79])), torch.from_numpy(full[[3, 79]]))
     assert model.embed_tokens(torch.tensor([], dtype=torch.long)).shape == (0, 64)

@@ -273,6 +273,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
     if not fused.kernels.block_formats:
         pytest.skip("block formats need AVX2")
     from tokenmill.config import ModelConfig
+    from tokenmill.models.cpu_packing import drop_block_weights, fuse_layers, pack_for_cpu
     from tokenmill.models.llama import LlamaForCausalLM
     from tokenmill.models.packed_linear import ConcatLinear, GGUFMatrix
     cfg = ModelConfig(architecture="llama", vocab_size=80, hidden_size=64, intermediate_size=96, num_layers=1,
@@ -295,7 +296,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
     for norm in ("layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"):
         weights.append((f"model.{norm}.weight", torch.rand(64) + 0.5))
     model.load_weights(weights)
-    model.pack_for_cpu(fused.kernels, blocks)
+    pack_for_cpu(model, fused.kernels, blocks)
     layer = model.layers[0]
     qkv = layer.self_attn.qkv_proj                                 # Q4_1, Q4_1, Q8_0: two runs
     assert isinstance(qkv, ConcatLinear) and [part.format for part in qkv.parts] == [2, 3]
@@ -315,12 +316,12 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
     # the loader's way: the float32 weights of projections packed from blocks are never loaded
     with torch.device("meta"):
         lean = LlamaForCausalLM(cfg, max_len=64)
-    skip = lean.drop_block_weights(blocks)
+    skip = drop_block_weights(lean, blocks)
     assert skip == {f"model.layers.0.{hf[p]}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")}
     lean = lean.to_empty(device="cpu")
     lean.rotary.build()
     lean.load_weights([(name, w) for name, w in weights if name not in skip])
-    lean.pack_for_cpu(fused.kernels, blocks)
+    pack_for_cpu(lean, fused.kernels, blocks)
     for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         ours, theirs = lean.layers[0].get_submodule(proj), layer.get_submodule(proj)
         x = torch.randn(5, ours.in_features)
@@ -333,7 +334,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
     from tokenmill.request import Request
     from tokenmill.sampling_params import SamplingParams
     model.ops = fused
-    model.fuse_layers(fused.kernels)
+    fuse_layers(model, fused.kernels)
     assert model.fused_stack is not None
     runner = ModelRunner(model, cfg, CacheConfig(8, 16), make_backend("cpu", torch.device("cpu")), torch.device("cpu"),
                          torch.float32, seed=0)

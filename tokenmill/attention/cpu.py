@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.reference import attend_sequences
 
 
@@ -24,7 +24,7 @@ class CpuPagedAttention:
     @staticmethod
     def all_in_kernel(meta: AttentionMetadata) -> bool:
         """Whether the kernel takes every sequence of the step (then a model can run all its
-        layers in one C++ call, LlamaForCausalLM.fuse_layers)."""
+        layers in one C++ call, models/cpu_packing.fuse_layers)."""
         return meta.num_short == meta.num_seqs
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention import AttentionMetadata, write_kv
+from tokenmill.attention.metadata import AttentionMetadata, write_kv
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention import AttentionMetadata, write_kv
+from tokenmill.attention.metadata import AttentionMetadata, write_kv
 from tokenmill.attention.reference import attend_sequences
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention import AttentionMetadata, write_kv
+from tokenmill.attention.metadata import AttentionMetadata, write_kv
 
 
 # Triton compiles a kernel again for each new pattern of integer arguments equal to 1 or divisible

@@ -10,14 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-
-def at_least_one(text: str) -> int:
-    """A count of requests, prompts, passages or concurrent requests: 0 would measure nothing (or
-    never end), so it is a usage error, said before anything loads."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+from tokenmill.cli_args import add_engine_args, at_least_one
 
 
 def positive(text: str) -> float:
@@ -86,7 +79,7 @@ def plot_dir(text: str) -> Path:
     return Path(text)
 
 
-def add_bench_args(parser: argparse.ArgumentParser, add_engine_args) -> None:
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
 
     p = sub.add_parser("throughput", help="offline throughput through the engine API")

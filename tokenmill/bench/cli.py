@@ -8,7 +8,7 @@ import numpy as np
 
 from tokenmill.bench.throughput import RunResult, format_split, format_table, run_engine, run_hf_generate, run_static
 from tokenmill.bench.workloads import long_workload, prefix_workload, random_workload
-from tokenmill.cli import engine_config_from_args
+from tokenmill.cli_args import engine_config_from_args
 
 
 def _engine(args, **overrides):

@@ -124,7 +124,7 @@ def bench_roofline(args) -> dict:
     import dataclasses
 
     from tokenmill.bench.throughput import run_engine
-    from tokenmill.cli import engine_config_from_args
+    from tokenmill.cli_args import engine_config_from_args
     from tokenmill.engine import LLMEngine
 
     config = dataclasses.replace(engine_config_from_args(args), model=args.model)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from tokenmill.cli import engine_config_from_args
+from tokenmill.cli_args import engine_config_from_args
 from tokenmill.sampling_params import SamplingParams
 
 TOPICS = ["the history of the bicycle", "how bees make honey", "the life of a lighthouse keeper",

@@ -6,30 +6,30 @@ to back) and never a (batch, seq) grid: only attention needs to know where one
 sequence ends, and it reads that from AttentionMetadata. q/k/v and gate/up are fused
 into one matrix each at load time, so a layer runs four matrix products.
 
-Inside a step the layers call their submodules' `.forward` directly: nn.Module.__call__'s hook
-handling cost 0.56 ms a step over 30 layers (measured on a 30-layer model with tiny matrices),
-2% of a batch-1 decode step of the default model. No hooks are used on these modules. With the
-C++ CPU kernels, a step whose attention is all in the kernel goes further and runs all the layers
-in one C++ call (`fuse_layers`): DecoderLayer.forward below stays the readable version of it, and
-the reference it is tested against bit for bit.
+Inside a step the layers call their submodules' `.forward` directly, skipping nn.Module.__call__'s
+hook handling, a cost paid on every call of every layer for nothing: no hooks are used on these
+modules (BENCHMARKS.md has its measure). With the C++ CPU kernels, a step whose attention is all
+in the kernel goes further and runs all the layers in one C++ call (`fused_stack`):
+DecoderLayer.forward below stays the readable version of it, and the reference it is tested
+against bit for bit.
+
+This module is the model alone. How an instance stores its weights on a CPU (projections in
+panels or GGUF blocks, embeddings in a GGUF file's rows, the one-call layers) is set up by
+cpu_packing.py, through the attributes forward() reads: packed_lm_head, ops, fused_stack.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
-from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.ops import TorchOps
-from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, GGUFMatrix, PackedLinear, ToPack, pack_all
 
 
 class RMSNorm(nn.Module):
@@ -176,7 +176,7 @@ class DecoderLayer(nn.Module):
 
 
 # Hugging Face checkpoint names that map into a fused parameter: (our name, shard index).
-_FUSED = {
+FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
@@ -188,50 +188,10 @@ _FUSED = {
 def _checkpoint_name(name: str, shard: int) -> str:
     """A parameter shard by the checkpoint's own name (layers.0.self_attn.k_proj.weight, not the
     fused qkv_proj it is loaded into)."""
-    for hf_name, (ours, index) in _FUSED.items():
+    for hf_name, (ours, index) in FUSED.items():
         if f".{ours}." in f".{name}" and index == shard:
             return name.replace(ours, hf_name)
     return name
-
-
-def projection_blocks(name: str, blocks: dict[str, GGUFMatrix]
-                      ) -> tuple[list[tuple[str, list[GGUFMatrix]]] | None, list[str]]:
-    """GGUF matrices of our projection `name` ("layers.3.self_attn.qkv_proj", "lm_head") as runs
-    of parts of one block type, in the order load_weights stacks the weights (Q4_K_M files keep v
-    in Q6_K in some layers: two runs), and its parts' checkpoint names; None for the runs unless
-    every part has blocks."""
-    parts = sorted((i, name.replace(ours, hf)) for hf, (ours, i) in _FUSED.items() if name.endswith(ours))
-    names = [("" if name == "lm_head" else "model.") + f"{part}.weight" for _, part in parts or [(0, name)]]
-    found = [blocks.get(n) for n in names]
-    if any(f is None for f in found):
-        return None, names
-    return [(kind, list(run)) for kind, run in itertools.groupby(found, key=lambda m: m.kind)], names
-
-
-class GGUFEmbedding(nn.Module):
-    """Token embeddings looked up in a GGUF file's own quantized rows (the file's mapping), each
-    row dequantized when a token needs it: the float32 values dequantizing the whole table at
-    load gives, bit for bit, without holding that table (113 MB for the default model, 2.1 GB
-    for Llama 3's vocabulary). Q4_0, Q4_1 and Q8_0 rows by the CPU kernels' embed_rows when
-    given (a few microseconds a step), other types by gguf's numpy (150 at batch 1)."""
-
-    def __init__(self, rows, qtype, dim: int, kernels=None) -> None:
-        super().__init__()
-        self.rows, self.qtype = rows, qtype   # rows: (vocab, bytes) uint8, numpy
-        self.num_embeddings, self.embedding_dim = rows.shape[0], dim
-        self.kernels = kernels if qtype.name in ("Q4_0", "Q4_1", "Q8_0") else None  # what embed_rows reads
-        self.format = BLOCK_FORMATS.get(qtype.name)
-        if self.kernels is not None:
-            self.table = read_only_tensor(rows)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            return self.kernels.embed_rows(self.table, ids, self.format)
-        from gguf.quants import dequantize
-        if ids.numel() == 0:
-            return torch.empty(0, self.embedding_dim)
-        values = dequantize(self.rows[ids.numpy()], self.qtype).astype(np.float32, copy=False)
-        return torch.from_numpy(values.reshape(-1, self.embedding_dim))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -246,9 +206,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
-        self.packed_lm_head: nn.Module | None = None  # set by pack_for_cpu()
+        self.packed_lm_head: nn.Module | None = None  # set by cpu_packing.pack_for_cpu
         self.ops = TorchOps()                         # element-wise steps; fused ones set by the loader
-        self.fused_layers: list | None = None         # each layer as one C++ object (fuse_layers)
+        self.fused_layers: list | None = None         # each layer as one C++ object (cpu_packing.fuse_layers)
         self.fused_stack = None                       # and all of them, run in one call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -272,96 +232,6 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def pack_for_cpu(self, kernels=None, weight_blocks: dict[str, GGUFMatrix] | None = None) -> None:
-        """Pack every projection (and the output head, tied or not) in panels for the C++ kernel
-        when `kernels` is given, else for oneDNN. See packed_linear.py.
-
-        `weight_blocks` maps Hugging Face weight names to their GGUF matrices: a projection whose
-        parts all have blocks is packed from those instead.
-        Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
-        blocks = weight_blocks or {}
-        head = getattr(self.embed_tokens, "weight", None) if self.lm_head is None else self.lm_head.weight
-        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        head_blocks = blocks.get(head_name)
-        items = [ToPack(self, "packed_lm_head", head, None, (self.config.vocab_size, self.config.hidden_size),
-                        None if head_blocks is None else [(head_blocks.kind, [head_blocks])])]
-        items += [ToPack(self.layers.get_submodule(parent), attr, m.weight, m.bias, (m.out_features, m.in_features),
-                         projection_blocks(f"layers.{parent}.{attr}", blocks)[0])
-                  for name, m in self.layers.named_modules() if isinstance(m, nn.Linear)
-                  for parent, _, attr in [name.rpartition(".")]]
-        self.lm_head, head = None, None  # pack_all frees each float32 weight once packed: no other holder
-        pack_all(items, kernels)
-
-    def fuse_layers(self, kernels) -> None:
-        """When every layer's projections are panel products (PackedLinear or ConcatLinear on the
-        C++ kernel, not oneDNN) and its norms share one eps, build each layer as one C++ object
-        (csrc/decoder_layer_cpu.cpp: the same kernels in the same order as the layer with
-        CpuFusedOps, set with it by the loader) and `fused_stack`, which runs them all and the
-        final norm in one call. forward() takes it when the step's attention is all in the CPU
-        kernel, without the Python between the kernels (a fifth of a batch-1 decode step with a
-        call per layer, 2% more with one call for all). Setting fused_stack to None goes back to
-        the Python layers (tests and benchmarks compare the two)."""
-        def parts(p: nn.Module) -> list[tuple] | None:
-            linears = list(p.parts) if isinstance(p, ConcatLinear) else [p]
-            if not all(isinstance(m, PackedLinear) and m.panels is not None for m in linears):
-                return None
-            return [(m.panels, m.bias, m.out_features, m.format) for m in linears]
-
-        fused = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = [parts(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
-            if any(p is None for p in projections) or len({n.eps for n in norms if n is not None}) > 1:
-                return  # the C++ layer takes one eps for all its norms
-            norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
-            fused.append(kernels.DecoderLayer(
-                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                layer.input_layernorm.eps, projections, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                *norms))
-        self.fused_layers = fused
-        self.fused_stack = kernels.DecoderStack(fused, self.norm.weight.detach(), self.norm.eps)
-
-    def set_int8_rows(self, rows: int) -> None:
-        """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit
-        blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to float32 panels'.
-        The output head keeps float32 x: its Q8_0 blocks stream at memory speed either way, and its
-        logits pick the token (the rounding flipped a near-tie in the default model's first answer)."""
-        for layer in self.layers:
-            for m in layer.modules():
-                if isinstance(m, PackedLinear):
-                    m.int8_rows = rows
-        for fused in self.fused_layers or []:
-            fused.int8_rows = rows
-
-    def drop_block_weights(self, weight_blocks: dict[str, GGUFMatrix]) -> set[str]:
-        """Before loading: drop the float32 weight of every projection that pack_for_cpu will pack
-        from GGUF blocks, so it is never allocated nor dequantized. Returns the checkpoint names
-        not to load. (The tied head keeps the embeddings, which the lookup needs.)"""
-        skip = set()
-        linears = [(f"layers.{name}", m) for name, m in self.layers.named_modules() if isinstance(m, nn.Linear)]
-        if self.lm_head is not None:
-            linears.append(("lm_head", self.lm_head))
-        for name, linear in linears:
-            found, names = projection_blocks(name, weight_blocks)
-            if found is not None:
-                linear.weight = None
-                skip.update(names)
-        return skip
-
-    def use_gguf_embedding(self, rows, qtype, kernels=None) -> str:
-        """Before loading: look tokens up in a GGUF file's quantized rows (GGUFEmbedding, with the
-        CPU `kernels` where they read the type) instead of a float32 table; returns the checkpoint
-        name not to load. A tied head needs its own blocks then (pack_for_cpu), as the table is
-        gone. The file is read while serving: replace it by renaming, never in place."""
-        from gguf.quants import dequantize
-        width = dequantize(rows[:1], qtype).size  # here rather than at the first step: a type gguf cannot read
-        if rows.shape[0] != self.config.vocab_size or width != self.config.hidden_size:
-            raise ValueError(f"token embeddings of {rows.shape[0]} x {width}, the model expects "
-                             f"{self.config.vocab_size} x {self.config.hidden_size}")
-        self.embed_tokens = GGUFEmbedding(rows, qtype, self.config.hidden_size, kernels)
-        return "model.embed_tokens.weight"
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; raise on anything missing."""
@@ -372,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             target, shard = name, None
-            for hf_name, (ours, index) in _FUSED.items():
+            for hf_name, (ours, index) in FUSED.items():
                 if f".{hf_name}." in f".{name}":
                     target, shard = name.replace(hf_name, ours), index
                     break

@@ -25,6 +25,13 @@ from tqdm.auto import tqdm
 from tokenmill.config import ModelConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.host_memory import read_only_tensor
+from tokenmill.models.cpu_packing import (
+    drop_block_weights,
+    fuse_layers,
+    pack_for_cpu,
+    set_int8_rows,
+    use_gguf_embedding,
+)
 from tokenmill.models.llama import LlamaForCausalLM, rope_kind
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix, onednn_available
@@ -407,10 +414,10 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     blocks = ckpt.weight_blocks(cpu_kernels) if use_blocks else {}
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(ckpt.config, max_len)
-    skip = model.drop_block_weights(blocks)  # never allocated in float32: packed from the blocks
+    skip = drop_block_weights(model, blocks)  # never allocated in float32: packed from the blocks
     embedding = ckpt.quantized_embedding() if use_blocks else None
     if embedding is not None and (not ckpt.config.tie_word_embeddings or "model.embed_tokens.weight" in blocks):
-        skip.add(model.use_gguf_embedding(*embedding, kernels=cpu_kernels))  # looked up in the file's rows
+        skip.add(use_gguf_embedding(model, *embedding, kernels=cpu_kernels))  # looked up in the file's rows
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)  # cos/sin tables in float32, cast per use
     weights = tqdm(ckpt.weights(frozenset(skip)), desc="loading weights", unit="tensor", delay=2, leave=False,
@@ -418,11 +425,11 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     model.load_weights(weights)
     if packing:
         if cpu_kernels is not None or onednn_available(device, dtype):
-            model.pack_for_cpu(cpu_kernels, blocks)
+            pack_for_cpu(model, cpu_kernels, blocks)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
-            model.fuse_layers(cpu_kernels)
-            model.set_int8_rows(int8_rows)
+            fuse_layers(model, cpu_kernels)
+            set_int8_rows(model, int8_rows)
     elif kernels == "auto" and device.type == "cuda":
         try:
             from tokenmill.models.triton_ops import TritonFusedOps

@@ -53,7 +53,7 @@ class PackedLinear(nn.Module):
     `blocks` (GGUF type name, rows (N, bytes) uint8) are the same weights as a GGUF file stores
     them (K-quants re-cut into blocks of 32, loader.py): with the panel kernel, the panels hold
     those blocks rather than float32 (`format`), and
-    `weight` may be None (never loaded, see LlamaForCausalLM.drop_block_weights) with its
+    `weight` may be None (never loaded, see cpu_packing.drop_block_weights) with its
     (out, in) `shape` given instead. `panels_out` (of the panels' shape and dtype) is where to pack
     them, a slot of pack_all's arena."""
 

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import socket
 
-from tokenmill.bench import at_least_one
+from tokenmill.cli_args import at_least_one
 from tokenmill.server.api import create_app
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools import PARSERS

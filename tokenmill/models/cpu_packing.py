@@ -1,0 +1,167 @@
+"""CPU layouts of a LlamaForCausalLM's weights: projections packed in panels (or kept in their
+GGUF blocks), token embeddings looked up in a GGUF file's quantized rows, and each layer built
+as one C++ object.
+
+llama.py is the model definition; this module changes how an instance stores and runs its
+weights on a CPU, through the hooks the model's forward reads (`packed_lm_head`, `ops`,
+`fused_stack`). The loader calls, in order:
+
+    before loading   drop_block_weights, use_gguf_embedding   (float32 copies never allocated)
+    after loading    pack_for_cpu, fuse_layers, set_int8_rows
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.host_memory import read_only_tensor
+from tokenmill.models.llama import FUSED
+from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, GGUFMatrix, PackedLinear, ToPack, pack_all
+
+if TYPE_CHECKING:
+    from tokenmill.models.llama import LlamaForCausalLM
+
+
+def projection_blocks(name: str, blocks: dict[str, GGUFMatrix]
+                      ) -> tuple[list[tuple[str, list[GGUFMatrix]]] | None, list[str]]:
+    """GGUF matrices of our projection `name` ("layers.3.self_attn.qkv_proj", "lm_head") as runs
+    of parts of one block type, in the order load_weights stacks the weights (Q4_K_M files keep v
+    in Q6_K in some layers: two runs), and its parts' checkpoint names; None for the runs unless
+    every part has blocks."""
+    parts = sorted((i, name.replace(ours, hf)) for hf, (ours, i) in FUSED.items() if name.endswith(ours))
+    names = [("" if name == "lm_head" else "model.") + f"{part}.weight" for _, part in parts or [(0, name)]]
+    found = [blocks.get(n) for n in names]
+    if any(f is None for f in found):
+        return None, names
+    return [(kind, list(run)) for kind, run in itertools.groupby(found, key=lambda m: m.kind)], names
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings looked up in a GGUF file's own quantized rows (the file's mapping), each
+    row dequantized when a token needs it: the float32 values dequantizing the whole table at
+    load gives, bit for bit, without holding that table (113 MB for the default model, 2.1 GB
+    for Llama 3's vocabulary). Q4_0, Q4_1 and Q8_0 rows by the CPU kernels' embed_rows when
+    given, other types by gguf's numpy, an order of magnitude slower a step (BENCHMARKS.md)."""
+
+    def __init__(self, rows, qtype, dim: int, kernels=None) -> None:
+        super().__init__()
+        self.rows, self.qtype = rows, qtype   # rows: (vocab, bytes) uint8, numpy
+        self.num_embeddings, self.embedding_dim = rows.shape[0], dim
+        self.kernels = kernels if qtype.name in ("Q4_0", "Q4_1", "Q8_0") else None  # what embed_rows reads
+        self.format = BLOCK_FORMATS.get(qtype.name)
+        if self.kernels is not None:
+            self.table = read_only_tensor(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.embed_rows(self.table, ids, self.format)
+        from gguf.quants import dequantize
+        if ids.numel() == 0:
+            return torch.empty(0, self.embedding_dim)
+        values = dequantize(self.rows[ids.numpy()], self.qtype).astype(np.float32, copy=False)
+        return torch.from_numpy(values.reshape(-1, self.embedding_dim))
+
+
+def drop_block_weights(model: LlamaForCausalLM, weight_blocks: dict[str, GGUFMatrix]) -> set[str]:
+    """Before loading: drop the float32 weight of every projection that pack_for_cpu will pack
+    from GGUF blocks, so it is never allocated nor dequantized. Returns the checkpoint names
+    not to load. (The tied head keeps the embeddings, which the lookup needs.)"""
+    skip = set()
+    linears = [(f"layers.{name}", m) for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
+    if model.lm_head is not None:
+        linears.append(("lm_head", model.lm_head))
+    for name, linear in linears:
+        found, names = projection_blocks(name, weight_blocks)
+        if found is not None:
+            linear.weight = None
+            skip.update(names)
+    return skip
+
+
+def use_gguf_embedding(model: LlamaForCausalLM, rows, qtype, kernels=None) -> str:
+    """Before loading: look tokens up in a GGUF file's quantized rows (GGUFEmbedding, with the
+    CPU `kernels` where they read the type) instead of a float32 table; returns the checkpoint
+    name not to load. A tied head needs its own blocks then (pack_for_cpu), as the table is
+    gone. The file is read while serving: replace it by renaming, never in place."""
+    from gguf.quants import dequantize
+    cfg = model.config
+    width = dequantize(rows[:1], qtype).size  # here rather than at the first step: a type gguf cannot read
+    if rows.shape[0] != cfg.vocab_size or width != cfg.hidden_size:
+        raise ValueError(f"token embeddings of {rows.shape[0]} x {width}, the model expects "
+                         f"{cfg.vocab_size} x {cfg.hidden_size}")
+    model.embed_tokens = GGUFEmbedding(rows, qtype, cfg.hidden_size, kernels)
+    return "model.embed_tokens.weight"
+
+
+def pack_for_cpu(model: LlamaForCausalLM, kernels=None, weight_blocks: dict[str, GGUFMatrix] | None = None) -> None:
+    """Pack every projection (and the output head, tied or not) in panels for the C++ kernel
+    when `kernels` is given, else for oneDNN. See packed_linear.py.
+
+    `weight_blocks` maps Hugging Face weight names to their GGUF matrices: a projection whose
+    parts all have blocks is packed from those instead.
+    Runs after the weights are loaded: the packed copies replace the nn.Linear modules."""
+    blocks = weight_blocks or {}
+    cfg = model.config
+    head = getattr(model.embed_tokens, "weight", None) if model.lm_head is None else model.lm_head.weight
+    head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    head_blocks = blocks.get(head_name)
+    items = [ToPack(model, "packed_lm_head", head, None, (cfg.vocab_size, cfg.hidden_size),
+                    None if head_blocks is None else [(head_blocks.kind, [head_blocks])])]
+    items += [ToPack(model.layers.get_submodule(parent), attr, m.weight, m.bias, (m.out_features, m.in_features),
+                     projection_blocks(f"layers.{parent}.{attr}", blocks)[0])
+              for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)
+              for parent, _, attr in [name.rpartition(".")]]
+    model.lm_head, head = None, None  # pack_all frees each float32 weight once packed: no other holder
+    pack_all(items, kernels)
+
+
+def _panel_parts(projection: nn.Module) -> list[tuple] | None:
+    """(panels, bias, out_features, format) of each part of a projection packed for the C++
+    kernel; None if any part is not (oneDNN, or float32 left as it was)."""
+    linears = list(projection.parts) if isinstance(projection, ConcatLinear) else [projection]
+    if not all(isinstance(m, PackedLinear) and m.panels is not None for m in linears):
+        return None
+    return [(m.panels, m.bias, m.out_features, m.format) for m in linears]
+
+
+def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
+    """When every layer's projections are panel products (PackedLinear or ConcatLinear on the
+    C++ kernel, not oneDNN) and its norms share one eps, build each layer as one C++ object
+    (csrc/decoder_layer_cpu.cpp: the same kernels in the same order as the layer with
+    CpuFusedOps, set with it by the loader) and `fused_stack`, which runs them all and the
+    final norm in one call. forward() takes it when the step's attention is all in the CPU
+    kernel, without the Python between the kernels, which costs small steps a sizeable part of
+    their time (BENCHMARKS.md). Setting fused_stack to None goes back to the Python layers
+    (tests and benchmarks compare the two)."""
+    fused = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [_panel_parts(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+        if any(p is None for p in projections) or len({n.eps for n in norms if n is not None}) > 1:
+            return  # the C++ layer takes one eps for all its norms
+        norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
+        fused.append(kernels.DecoderLayer(
+            layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+            layer.input_layernorm.eps, projections, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+            *norms))
+    model.fused_layers = fused
+    model.fused_stack = kernels.DecoderStack(fused, model.norm.weight.detach(), model.norm.eps)
+
+
+def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:
+    """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit
+    blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to float32 panels'.
+    The output head keeps float32 x: its Q8_0 blocks stream at memory speed either way, and its
+    logits pick the token, where 8-bit rounding of x can flip a near-tie (BENCHMARKS.md)."""
+    for layer in model.layers:
+        for m in layer.modules():
+            if isinstance(m, PackedLinear):
+                m.int8_rows = rows
+    for fused in model.fused_layers or []:
+        fused.int8_rows = rows

@@ -1,0 +1,67 @@
+"""The server's errors, each answered with an OpenAI-style error body.
+
+Handlers raise APIError with the status and the body's fields; `add_error_handlers` turns it,
+the engine loop's death (503), pydantic's validation errors (400) and Starlette's own HTTP
+errors (404, 405, ...) into JSON responses of the same shape.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.async_engine import EngineDeadError
+from tokenmill.server.protocol import error_body
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """A request naming a model (None: names none) must name the one this server serves."""
+    if requested is not None and requested != served:
+        raise APIError(404, f"the model '{requested}' does not exist (this server serves '{served}')",
+                       "not_found_error", param="model", code="model_not_found")
+
+
+def _is_type_name(part) -> bool:
+    return part in ("str", "int", "float", "bool") or "[" in str(part)
+
+
+async def _api_error(_, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body, status_code=exc.status)
+
+
+async def _engine_dead(_, exc: EngineDeadError) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
+
+
+async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    # the location without "body" and the union members pydantic names ("prompt.str", "list[int]")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_name(p)]
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message = "request body is not valid JSON"
+        loc = []
+    elif loc:
+        message = f"{'.'.join(loc)}: {message}"
+    return JSONResponse(error_body(message, param=".".join(loc) or None), status_code=400)
+
+
+async def _http_error(_, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(error_body(str(exc.detail), "not_found_error" if exc.status_code == 404
+                                   else "invalid_request_error"), status_code=exc.status_code)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(EngineDeadError, _engine_dead)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)

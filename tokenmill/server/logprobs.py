@@ -1,0 +1,78 @@
+"""Log-probabilities in OpenAI's two shapes: the legacy one of /v1/completions (parallel lists
+of tokens, logprobs, top-logprob dicts and text offsets) and the one of /v1/chat/completions
+(an entry per token with its bytes and its top alternatives)."""
+
+from __future__ import annotations
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character that stands for each byte in a
+    byte-level BPE vocabulary -> that byte. Printable Latin-1 bytes stand for themselves; the
+    others, in order, for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_ALPHABET = _byte_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int) -> list[int]:
+    """A token's own bytes, as OpenAI's `bytes` field gives them: a piece of a character (an
+    emoji's first bytes) decodes to "\ufffd", so its bytes come from its vocabulary entry, in
+    GPT-2's byte alphabet or as sentencepiece's <0xNN>."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return [int(piece[3:5], 16)]
+    if all(c in BYTE_ALPHABET for c in piece):
+        return [BYTE_ALPHABET[c] for c in piece]
+    return list(text.encode())
+
+
+def _by_text(entry: dict[int, float], token_text) -> dict[str, float]:
+    """{token text: logprob} of a logprobs entry. Of tokens that decode to the same text (byte
+    pieces of one character all read "\ufffd") the first stays: the entry lists the chosen token,
+    then the top ones best first, so a shared text keeps the chosen token's logprob, or else the
+    best one's."""
+    out: dict[str, float] = {}
+    for token, lp in entry.items():
+        out.setdefault(token_text(token), lp)
+    return out
+
+
+def completion_logprobs(tokenizer, entries: list[dict[int, float] | None], token_ids: list[int],
+                        offset: int) -> dict:
+    """OpenAI's legacy logprobs of `token_ids`, whose text starts at character `offset`; an entry
+    of None (a prompt's first token) gives nulls."""
+    tokens, lps, tops, offsets = [], [], [], []
+    token_text = _token_text(tokenizer)
+    for token, entry in zip(token_ids, entries):
+        text = token_text(token)
+        tokens.append(text)
+        lps.append(entry.get(token) if entry is not None else None)
+        tops.append(_by_text(entry, token_text) if entry is not None else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, entries: list[dict[int, float]], token_ids: list[int], top_n: int) -> dict:
+    """Chat logprobs of `token_ids`: each token with its bytes and its `top_n` best alternatives."""
+    token_text = _token_text(tokenizer)
+    content = []
+    for token, entry in zip(token_ids, entries):
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({"token": token_text(token), "logprob": entry.get(token),
+                        "bytes": token_bytes(tokenizer, token),
+                        "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": token_bytes(tokenizer, t)}
+                                         for t, lp in top]})
+    return {"content": content}
+
+
+def _token_text(tokenizer):
+    """One token's text, decoded alone."""
+    return lambda token_id: tokenizer.decode([token_id])

@@ -1,0 +1,158 @@
+"""What the generating endpoints (completions, chat completions) share: engine requests built
+from an HTTP request's prompts, and their outputs answered either as an SSE stream or, once all
+are done, as one JSON body.
+
+Each endpoint describes its own answer with a `Response` (serving_completion.py,
+serving_chat.py): the chunks one output adds to the stream, and the choice a final output makes
+in the whole body. `ServingEngine.respond` runs the requests and uses whichever the client asked
+for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from tokenmill.async_engine import AsyncLLMEngine, EngineDeadError
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import error_body
+from tokenmill.server.streaming import merge_streams
+
+if TYPE_CHECKING:
+    from tokenmill.engine import LLMEngine
+    from tokenmill.request import Request as EngineRequest
+    from tokenmill.sampling_params import SamplingParams
+
+MAX_COMPLETIONS = 1024  # engine requests one HTTP request may make
+
+
+class Response(Protocol):
+    """One HTTP request's answer, built from its engine requests' outputs (index i: the i-th)."""
+
+    base: dict        # the fields of the whole response (id, object, created, model)
+    chunk_base: dict  # the same for each streamed chunk
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
+        """The chunks (maybe none) that output `out` of request i adds to the stream."""
+
+    def choice(self, i: int, out: RequestOutput) -> dict:
+        """Request i's choice in the whole response, from its final output."""
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's SamplingParams; an invalid value is an APIError(400) naming its field."""
+    try:
+        return req.sampling_params(max_tokens, logprobs, default_max_tokens=None, prompt_logprobs=prompt_logprobs)
+    except ValueError as exc:  # SamplingParams names the field first in its message
+        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+
+def raise_if_failed(outputs: list[RequestOutput]) -> None:
+    failed = next((o for o in outputs if o.error is not None), None)
+    if failed is not None:
+        raise APIError(500, failed.error, "server_error")
+
+
+def usage(outputs: list[RequestOutput], n: int, generated: bool = True) -> dict:
+    """Token counts; generated=False: the outputs' tokens are not returned (echo with max_tokens 0)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
+    completion = sum(len(o.outputs[0].token_ids) for o in outputs) if generated else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+@dataclass
+class ServingEngine:
+    """The engine as the generating endpoints use it: `engine` tokenizes prompts, `async_engine`
+    makes and runs the requests."""
+
+    engine: LLMEngine
+    async_engine: AsyncLLMEngine
+
+    async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
+                             prefix: str) -> list[EngineRequest]:
+        """One engine request per (prompt, sample); raises APIError(400) for any invalid one.
+        Tokenizing runs on a worker thread, so that a body of a few MB does not stall every open
+        stream for seconds; the number of requests is capped, as a body of a few MB could ask for
+        millions."""
+        if len(prompts) * params.n > MAX_COMPLETIONS:
+            raise APIError(400, f"at most {MAX_COMPLETIONS} completions per request (prompts x n), "
+                                f"got {len(prompts)} x {params.n}", param="prompt")
+        return await asyncio.to_thread(self._make_requests, prompts, params, priority, prefix)
+
+    def _make_requests(self, prompts: list, params: SamplingParams, priority: int,
+                       prefix: str) -> list[EngineRequest]:
+        requests = []
+        try:
+            for i, prompt in enumerate(prompts):
+                text, ids = self.engine.tokenize_prompt(prompt)  # once for its n samples
+                for j in range(params.n):
+                    sub = params.for_sample(j)
+                    requests.append(self.async_engine.make_request(f"{prefix}-{i}-{j}",
+                                                                   {"prompt": text, "prompt_token_ids": ids}, sub,
+                                                                   priority=priority))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="priority" if str(exc).startswith("priority") else None) from None
+        return requests
+
+    async def respond(self, req, requests: list[EngineRequest], n: int, raw: Request, response: Response,
+                      generated: bool = True):
+        """An SSE stream of `response.chunks` (plus the usage chunk when asked), or the whole
+        response with one `response.choice` per request once all are done. n: the completions
+        per prompt (usage counts each prompt once)."""
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            final = ((lambda outs: {**response.chunk_base, "choices": [], "usage": usage(outs, n, generated)})
+                     if include_usage else None)
+            return StreamingResponse(self._event_stream(requests, response, final), media_type="text/event-stream")
+        outputs = await self._collect(requests, raw)
+        raise_if_failed(outputs)
+        return {**response.base, "choices": [response.choice(i, out) for i, out in enumerate(outputs)],
+                "usage": usage(outputs, n, generated)}
+
+    async def _collect(self, requests: list[EngineRequest], raw: Request) -> list[RequestOutput]:
+        """Final outputs of every request; aborts them all if the client disconnects first."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def run():
+            async for i, out in merge_streams([self.async_engine.generate(r) for r in requests]):
+                if out.finished:
+                    finals[i] = out
+        task = asyncio.create_task(run())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+        task.result()
+        return [finals[i] for i in range(len(requests))]
+
+    async def _event_stream(self, requests: list[EngineRequest], response: Response,
+                            final_usage: Callable[[list[RequestOutput]], dict] | None) -> AsyncIterator[str]:
+        """SSE: chunks as outputs arrive, an error event if a step failed, optional usage, [DONE]."""
+        outputs: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merge_streams([self.async_engine.generate(r) for r in requests]):
+                if out.error is not None:
+                    yield sse(error_body(out.error, "server_error"))
+                    return
+                outputs[i] = out
+                for chunk in response.chunks(i, out):
+                    yield sse(chunk)
+        except EngineDeadError as exc:
+            yield sse(error_body(str(exc), "server_error"))
+            return
+        if final_usage is not None:
+            yield sse(final_usage([outputs[i] for i in range(len(requests))]))
+        yield sse("[DONE]")

@@ -1,0 +1,175 @@
+"""POST /v1/chat/completions: messages rendered through the model's chat template, answered
+streamed or whole, with tool calls (server/tools.py) and reasoning content
+(server/reasoning.py) split out of the text when the server was started with their parsers.
+
+A stream opens each choice with a delta holding only the role, then sends content (or
+reasoning, or tool-call) deltas, and closes the choice with an empty delta carrying the
+finish reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from tokenmill.chat import render_chat
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.errors import APIError, check_model
+from tokenmill.server.logprobs import chat_logprobs
+from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
+from tokenmill.server.serving import ServingEngine, sampling_params
+from tokenmill.server.tools import ToolPlan, ToolStream, plan_tools
+from tokenmill.server.tools import finish_reason as tool_finish_reason
+
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import SamplingParams
+
+
+def render_messages(tokenizer, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> dict:
+    """{"prompt": text, "prompt_token_ids": ids} of a request's messages; a template that
+    rejects them is an APIError(400) on `messages`."""
+    try:  # (with the messages' other fields: an assistant's tool_calls, a tool's tool_call_id)
+        return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+                           add_generation_prompt, tools, template_kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+
+
+def _chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    """The request's SamplingParams, after the checks of the fields only chat has."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+    if req.max_completion_tokens is not None and req.max_completion_tokens < 1:  # 0 is not "no limit"
+        raise APIError(400, f"max_completion_tokens must be >= 1, got {req.max_completion_tokens}",
+                       param="max_completion_tokens")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+
+
+def _with_tools(req: ChatCompletionRequest, params: SamplingParams,
+                tool_call_parser: str | None) -> tuple[ToolPlan | None, SamplingParams]:
+    """How the request's tools are called, and its params with the calls' constraint (tool_choice
+    'required' or a named function makes the calls a structured output)."""
+    try:
+        plan = plan_tools(req.tools, req.tool_choice, tool_call_parser, req.parallel_tool_calls is not False)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
+    calls_constraint = plan.constraint() if plan is not None else None
+    if calls_constraint is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, "tool_choice 'required' or a named function makes the output a structured "
+                           "output already: drop response_format or structured_outputs", param="tool_choice")
+        params = params.clone(structured_outputs=calls_constraint)
+    return plan, params
+
+
+@dataclass
+class ChatHandler:
+    serving: ServingEngine
+    tokenizer: object
+    model_name: str                      # the name clients send
+    tool_call_parser: str | None         # the model's tool-call format (tools.PARSERS), for tool_choice 'auto'
+    thinking: ReasoningParser | None     # splits <think> blocks off as reasoning_content
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        check_model(req.model, self.model_name)
+        params = _chat_sampling_params(req)
+        plan, params = _with_tools(req, params, self.tool_call_parser)
+        prompt = await asyncio.to_thread(render_messages, self.tokenizer, req.messages,  # tokenizes
+                                         req.add_generation_prompt, req.tools, req.chat_template_kwargs)
+        if plan is not None and plan.choice == "none":
+            plan = None
+        if plan is not None and plan.keeps_special_tokens:
+            params = params.clone(skip_special_tokens=False)
+        requests = await self.serving.build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")
+        base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
+                "created": int(time.time()), "model": self.model_name}
+        # a structured output constrains the output from its first token: thinking only where the
+        # grammar itself opens a block (deepseek_r1's rule would take all of it as thinking)
+        split = (self.thinking if self.thinking is None or params.structured_outputs is None
+                 else ReasoningParser("qwen3"))
+        response = ChatResponse(req, len(requests), self.tokenizer, base, plan, split)
+        return await self.serving.respond(req, requests, params.n, raw, response)
+
+
+@dataclass
+class ChatResponse:
+    """The chunks and choices of one chat completion request (a serving.Response)."""
+
+    req: ChatCompletionRequest
+    num_choices: int
+    tokenizer: object
+    base: dict
+    plan: ToolPlan | None            # how tool calls come out; None: the text is the content
+    split: ReasoningParser | None    # splits thinking off the answer; None: no reasoning content
+    chunk_base: dict = field(init=False)
+    started: list[bool] = field(init=False)  # per choice: whether its role delta went out
+    tool_streams: list[ToolStream | None] = field(init=False)
+    reasoning_streams: list[ReasoningStream | None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
+        self.started = [False] * self.num_choices
+        self.tool_streams = [ToolStream(self.plan) if self.plan is not None else None for _ in self.started]
+        self.reasoning_streams = [ReasoningStream(self.split) if self.split is not None else None
+                                  for _ in self.started]
+
+    @property
+    def top_n(self) -> int:
+        return self.req.top_logprobs or 0
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
+        result = []
+        if not self.started[i]:  # the role comes first, in a delta of its own
+            self.started[i] = True
+            result.append(self._chunk(i, {"role": "assistant", "content": ""}))
+        lp = None
+        if self.req.logprobs and out.new_token_ids:
+            lp = chat_logprobs(self.tokenizer, out.outputs[0].logprobs[-len(out.new_token_ids):],
+                               out.new_token_ids, self.top_n)
+        stream, reason = self.tool_streams[i], out.outputs[0].finish_reason
+        text, new_text, delta = out.outputs[0].text, out.new_text, {}
+        if self.reasoning_streams[i] is not None:  # the thinking first; what follows it is the answer
+            new_reasoning, text, new_text = self.reasoning_streams[i].step(text, out.finished)
+            if new_reasoning:
+                delta["reasoning_content"] = new_reasoning
+        if stream is None:
+            if new_text:
+                delta["content"] = new_text
+        else:
+            delta.update(stream.delta(text, new_text, out.finished) or {})
+            reason = stream.finish_reason(reason)
+        if delta or lp is not None:
+            result.append(self._chunk(i, delta or {"content": ""}, lp))
+        if out.finished:
+            result.append(self._chunk(i, {}, finish_reason=reason))
+        return result
+
+    def choice(self, i: int, out: RequestOutput) -> dict:
+        c = out.outputs[0]
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        if self.split is not None:
+            reasoning, message["content"] = self.split.split(c.text)
+            message["reasoning_content"] = reasoning or None
+        if self.plan is not None:
+            message["content"], calls = self.plan.parse(message["content"])
+            if calls:
+                message["tool_calls"] = [call.to_dict() for call in calls]
+            reason = tool_finish_reason(self.plan, calls, reason)
+        return {"index": i, "message": message,
+                "logprobs": chat_logprobs(self.tokenizer, c.logprobs, c.token_ids, self.top_n) if self.req.logprobs
+                else None,
+                "finish_reason": reason}
+
+    def _chunk(self, i: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
+        return {**self.chunk_base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                                "finish_reason": finish_reason}]}

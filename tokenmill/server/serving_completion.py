@@ -1,0 +1,112 @@
+"""POST /v1/completions: text completion of one or several prompts, n samples each, streamed
+or whole, with the prompt echoed and legacy logprobs when asked.
+
+Echo with max_tokens 0 returns the prompt alone, with its logprobs: that is how clients score a
+text. The engine still samples one token, which is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.errors import APIError, check_model
+from tokenmill.server.logprobs import completion_logprobs
+from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.serving import ServingEngine, sampling_params
+
+if TYPE_CHECKING:
+    from tokenmill.request import Request as EngineRequest
+
+
+@dataclass
+class CompletionHandler:
+    serving: ServingEngine
+    tokenizer: object
+    model_name: str  # the name clients send
+
+    async def create(self, req: CompletionRequest, raw: Request):
+        check_model(req.model, self.model_name)
+        echo_only = req.echo and req.max_tokens == 0
+        if echo_only and req.min_tokens > 0:  # (checked here: the engine is asked for 1 token)
+            raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens (0)", param="min_tokens")
+        params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
+                                 prompt_logprobs=req.logprobs if req.echo else None)
+        requests = await self.serving.build_requests(req.prompts(), params, req.priority,
+                                                     f"cmpl-{uuid.uuid4().hex}")
+        base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        response = CompletionResponse(req, requests, self.tokenizer, base, echo_only)
+        return await self.serving.respond(req, requests, params.n, raw, response, generated=not echo_only)
+
+
+@dataclass
+class CompletionResponse:
+    """The chunks and choices of one completion request (a serving.Response)."""
+
+    req: CompletionRequest
+    requests: list[EngineRequest]
+    tokenizer: object
+    base: dict
+    echo_only: bool  # echo with max_tokens 0: the prompt alone
+    # per choice: the next token's text_offset (the echo's and earlier tokens' characters: text
+    # held back for a stop string lags behind the tokens), and whether the prompt went out
+    offsets: list[int] = field(init=False)
+    echoed: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offsets = [0] * len(self.requests)
+        self.echoed = [not self.req.echo] * len(self.requests)
+
+    @property
+    def chunk_base(self) -> dict:
+        return self.base
+
+    def chunks(self, i: int, out: RequestOutput) -> list[dict]:
+        new_text, new_ids = ("", []) if self.echo_only else (out.new_text, out.new_token_ids)
+        echo = ""
+        if not self.echoed[i]:
+            echo, self.echoed[i] = self._prompt_text(i), True
+            self.offsets[i] = len(echo)
+        lp = None
+        if self.req.logprobs is not None and new_ids:  # offsets into the whole text, echo first
+            lp = completion_logprobs(self.tokenizer, out.outputs[0].logprobs[-len(new_ids):], new_ids,
+                                     self.offsets[i])
+            self.offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        if echo:
+            lp = self._with_prompt(lp, out)
+        text = echo + new_text
+        if not text and not out.finished and lp is None:
+            return []
+        return [{**self.base, "choices": [{"index": i, "text": text, "logprobs": lp,
+                                           "finish_reason": self._finish_reason(out)}]}]
+
+    def choice(self, i: int, out: RequestOutput) -> dict:
+        c = out.outputs[0]
+        text, ids, entries = ("", [], []) if self.echo_only else (c.text, c.token_ids, c.logprobs)
+        lp = (completion_logprobs(self.tokenizer, entries, ids, len(self._prompt_text(i)) if self.req.echo else 0)
+              if self.req.logprobs is not None else None)
+        if self.req.echo:
+            lp = self._with_prompt(lp, out)
+        return {"index": i, "text": (self._prompt_text(i) if self.req.echo else "") + text, "logprobs": lp,
+                "finish_reason": self._finish_reason(out)}
+
+    def _prompt_text(self, i: int) -> str:
+        r = self.requests[i]
+        return r.prompt if r.prompt is not None else self.tokenizer.decode(r.prompt_token_ids)
+
+    def _finish_reason(self, out: RequestOutput) -> str | None:
+        reason = out.outputs[0].finish_reason
+        return "length" if self.echo_only and reason == "stop" else reason  # the dropped token was EOS
+
+    def _with_prompt(self, lp: dict | None, out: RequestOutput) -> dict | None:
+        """The echoed prompt's logprobs (offsets from 0) before those of `lp`, which follow it."""
+        if self.req.logprobs is None:
+            return None
+        head = completion_logprobs(self.tokenizer, out.prompt_logprobs, out.prompt_token_ids, 0)
+        return {key: head[key] + (lp[key] if lp else []) for key in head}

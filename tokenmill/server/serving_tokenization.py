@@ -1,0 +1,38 @@
+"""POST /tokenize and /detokenize: the server's tokenizer, for clients that count or build
+token ids themselves."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from tokenmill.server.errors import APIError, check_model
+from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest
+from tokenmill.server.serving_chat import render_messages
+
+
+@dataclass
+class TokenizationHandler:
+    tokenizer: object
+    model_name: str      # the name clients send
+    max_model_len: int   # the engine's context length, returned with the count
+    vocab_size: int      # token ids to detokenize are below it
+
+    async def tokenize(self, req: TokenizeRequest):
+        # the ids of a prompt, or of messages rendered through the chat template (on a worker
+        # thread: a long prompt would stall every open stream)
+        check_model(req.model, self.model_name)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'")
+        if req.messages is not None:
+            ids = (await asyncio.to_thread(render_messages, self.tokenizer, req.messages))["prompt_token_ids"]
+        else:
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt,
+                                          add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    async def detokenize(self, req: DetokenizeRequest):
+        check_model(req.model, self.model_name)
+        if any(t < 0 or t >= self.vocab_size for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {self.vocab_size})", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}

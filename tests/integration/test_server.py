@@ -195,7 +195,9 @@ def test_models_tokenize_detokenize_version(server, client):
     assert httpx.post(server.url + "/detokenize", json={"tokens": [5, 6]}).json()["prompt"] == "w5 w6"
     chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "w7"}]}).json()
     assert chat["tokens"] == [2, 7, 3, 4]
-    assert "version" in httpx.get(server.url + "/version").json()
+    from tokenmill.cpu_kernels import this_cpu
+    version = httpx.get(server.url + "/version").json()
+    assert version["cpu"] == this_cpu().as_dict() and version["device"] == "cpu" and version["version"]
     assert httpx.get(server.url + "/health").status_code == 200
 
 

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from tokenmill import __version__
 from tokenmill.async_engine import AsyncLLMEngine
+from tokenmill.cpu_kernels import this_cpu
 from tokenmill.server.errors import add_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.reasoning import REASONING_PARSERS, ReasoningParser
@@ -62,7 +63,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     completion = CompletionHandler(serving, tokenizer, served_model_name)
     chat = ChatHandler(serving, tokenizer, served_model_name, tool_call_parser, thinking)
-    models = ModelsHandler(served_model_name, engine.max_model_len, async_engine, metrics)
+    machine = {"device": str(engine.device), "cpu": this_cpu().as_dict()}
+    models = ModelsHandler(served_model_name, engine.max_model_len, async_engine, metrics, machine)
     tokenization = TokenizationHandler(tokenizer, served_model_name, engine.max_model_len,
                                        engine.model_config.vocab_size)
     app.add_api_route("/v1/completions", completion.create, methods=["POST"], name="completions")

@@ -21,6 +21,7 @@ class ModelsHandler:
     max_model_len: int           # the engine's context length (prompt + output)
     async_engine: AsyncLLMEngine
     server_metrics: ServerMetrics
+    machine: dict                # /version's "device" and "cpu" (cpu_info.CpuInfo.as_dict)
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(time.time()),
@@ -40,4 +41,4 @@ class ModelsHandler:
         return Response(self.server_metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def version(self):
-        return {"version": __version__}
+        return {"version": __version__, **self.machine}

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.kv_connector import KVConnector
 from tokenmill.outputs import RunnerOutput, SchedulerOutput, SchedulerStats
 from tokenmill.policies import make_policy
 from tokenmill.request import Request, RequestStatus
@@ -82,9 +83,10 @@ class _StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, connector: KVConnector | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.connector = connector               # K/V from elsewhere (kv_connector.py); none by default
         self.clock = clock
         self.policy = make_policy(config.policy, config.starvation_seconds)
         self.waiting: list[Request] = []
@@ -117,9 +119,11 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._free(request)  # (a failed step has already made the whole pool forget its hashes)
         request.status = status
         request.times.finished = self.clock()
+        if self.connector is not None:
+            self.connector.on_finish(request, request.block_ids)
+        self._free(request)  # (a failed step has already made the whole pool forget its hashes)
         if request.deadline is not None and request.times.finished > request.deadline:
             self.missed_deadlines.append(request_id)
         self._finished_ids.append(request_id)
@@ -252,13 +256,23 @@ class Scheduler:
             plan.swap_in.extend(self.kv.swap_in(request, num_new))
             return num_new, held
         hit = self.kv.find_prefix(request)
-        num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens, plan)
-        if num_new == 0 or not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
+        external = self._external_tokens(request, hit.num_tokens)
+        num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens - external, plan)
+        if num_new == 0 or not self.kv.can_allocate(request, external + num_new, hit, reserve=reserve):
             return 0, False
-        self.kv.allocate(request, num_new, hit)
-        request.num_computed_tokens += hit.num_tokens
+        self.kv.allocate(request, external + num_new, hit)
+        request.num_computed_tokens += hit.num_tokens + external
         request.num_cached_tokens = hit.num_tokens
+        if self.connector is not None:
+            self.connector.after_allocate(request, request.block_ids, external)
         return num_new, held
+
+    def _external_tokens(self, request: Request, num_local: int) -> int:
+        """Prompt tokens the KV connector supplies past the local hit, leaving the last one to compute."""
+        if self.connector is None:
+            return 0
+        offered = self.connector.num_matched_tokens(request, num_local)
+        return max(0, min(offered, request.num_tokens - 1 - num_local))
 
     def _output(self, plan: _StepPlan) -> SchedulerOutput:
         """The step as the runner sees it; hands over the requests finished since the last one."""
@@ -301,7 +315,8 @@ class Scheduler:
         if not candidates:
             return []
         hit = None if request.swapped_block_ids else self.kv.find_prefix(request)
-        remaining = request.num_remaining_prefill if hit is None else request.num_tokens - hit.num_tokens
+        external = 0 if hit is None else self._external_tokens(request, hit.num_tokens)
+        remaining = request.num_remaining_prefill if hit is None else request.num_tokens - hit.num_tokens - external
         keep = set(hit.block_ids) if hit is not None else set()
         freed = 0  # blocks the first n victims hold alone (those of the hit would be revived anyway)
         for n in range(len(candidates) + 1):
@@ -310,7 +325,8 @@ class Scheduler:
             left = len(self.running) - n
             tokens = min(remaining, max(1, budget - left))
             reserve = self._watermark_blocks if left else 0
-            if left < self.config.max_num_seqs and self.kv.admission_shortfall(request, tokens, hit) + reserve <= freed:
+            short = self.kv.admission_shortfall(request, external + tokens, hit) + reserve
+            if left < self.config.max_num_seqs and short <= freed:
                 for victim in candidates[:n]:
                     self._preempt(victim)
                 return candidates[:n]

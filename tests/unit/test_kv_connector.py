@@ -1,0 +1,68 @@
+"""The scheduler's KV connector seam (kv_connector.py): where a connector is asked, what it is
+told, and how its tokens move the request's counter. A recording connector, no model."""
+
+from __future__ import annotations
+
+from fakes import fake_run, make_request, make_scheduler
+
+
+class Recorder:
+    """Offers `offer` tokens to every request and records each call."""
+
+    def __init__(self, offer: int) -> None:
+        self.offer = offer
+        self.calls: list[tuple] = []
+
+    def num_matched_tokens(self, request, num_local_tokens):
+        self.calls.append(("matched", request.request_id, num_local_tokens))
+        return self.offer
+
+    def after_allocate(self, request, block_ids, num_external_tokens):
+        self.calls.append(("allocated", request.request_id, list(block_ids), num_external_tokens))
+
+    def on_finish(self, request, block_ids):
+        self.calls.append(("finished", request.request_id, list(block_ids), request.status.name))
+
+
+def test_external_tokens_are_counted_computed_and_get_blocks_at_admission():
+    connector = Recorder(offer=8)
+    s = make_scheduler(budget=32, block_size=4, connector=connector)
+    s.add_request(make_request("a", prompt_len=20, max_tokens=2))
+    sched = s.schedule()
+    request = s.requests["a"]
+    assert list(zip([r.request_id for r in sched.requests], sched.num_scheduled_tokens)) == [("a", 12)]
+    assert request.num_computed_tokens == 8 and request.num_cached_tokens == 0
+    assert connector.calls == [("matched", "a", 0), ("allocated", "a", [0, 1, 2, 3, 4], 8)]
+
+
+def test_the_last_prompt_token_is_always_computed_here():
+    connector = Recorder(offer=100)
+    s = make_scheduler(budget=32, block_size=4, connector=connector)
+    s.add_request(make_request("a", prompt_len=10, max_tokens=2))
+    sched = s.schedule()
+    assert sched.num_scheduled_tokens == [1] and s.requests["a"].num_computed_tokens == 9
+
+
+def test_the_local_prefix_hit_comes_first_and_the_connector_supplies_what_follows():
+    connector = Recorder(offer=4)
+    s = make_scheduler(budget=32, block_size=4, prefix_caching=True, connector=connector)
+    s.add_request(make_request("a", prompt_len=16, max_tokens=1))
+    first = s.schedule()
+    s.update(first, fake_run(first))
+    s.add_request(make_request("b", prompt_len=16, max_tokens=1))  # the same tokens: 12 cached, 3 blocks
+    connector.calls.clear()
+    second = s.schedule()
+    b = s.requests["b"]
+    assert connector.calls[0] == ("matched", "b", 12)
+    assert b.num_cached_tokens == 12 and b.num_computed_tokens == 15  # 12 local + 3 (the last is computed)
+    assert second.num_scheduled_tokens[-1] == 1
+
+
+def test_a_finishing_request_shows_its_blocks_before_they_are_freed():
+    connector = Recorder(offer=0)
+    s = make_scheduler(budget=32, block_size=4, connector=connector)
+    s.add_request(make_request("a", prompt_len=6, max_tokens=1))
+    sched = s.schedule()
+    s.update(sched, fake_run(sched))
+    assert connector.calls[-1] == ("finished", "a", [0, 1], "FINISHED_LENGTH")
+    assert s.stats().kv_blocks_used == 0

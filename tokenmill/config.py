@@ -108,8 +108,8 @@ class EngineConfig:
                                              # the memory); False: dequantized to float32 panels
     gguf_int8_rows: int = 0                  # CPU, GGUF blocks: the layers' products in steps of up to
                                              # this many rows take x in 8 bits per 32 values, multiplied
-                                             # with the codes as integers, as llama.cpp does (0.73-0.87x
-                                             # their time at 1-8 rows; perplexity +0.75%); a request's
+                                             # with the codes as integers, as llama.cpp does (faster at
+                                             # small steps, slightly less exact: BENCHMARKS.md); a request's
                                              # tokens then depend on its step's size. 0: never, results
                                              # bit-identical to float32 panels and the same in any batch
     enforce_eager: bool = False              # CUDA: no decode graphs, every step launched from Python

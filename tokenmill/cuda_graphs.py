@@ -1,8 +1,7 @@
 """Decode steps replayed from captured CUDA graphs.
 
 A decode step of a 28-layer model issues about 600 kernel launches, and on a GPU issuing them
-from Python takes longer than running them: on an H100 a Qwen3-0.6B-shaped step took 15.5 ms
-at batch 1 and 28 ms at batch 256, of which the GPU was busy for about 10. A CUDA graph records
+from Python takes longer than running them (BENCHMARKS.md, GPU section). A CUDA graph records
 the launches of one step once and replays them with a single call.
 
 A graph fixes every shape and address, so captured steps run on static buffers, one graph per

@@ -159,9 +159,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 def sort_best(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Each row's logits with -inf outside its top_k best tokens and outside the smallest set of
     best tokens whose probability (after top-k) reaches top_p (top_p 1: every token); the best
-    token always stays. By sorting every whole row: fast on a GPU; on the CPU 2 ms a row of the
-    default model's 49,152 logits (127 ms for a batch of 64), where the kernels' sample_rows cuts
-    by values instead."""
+    token always stays. By sorting every whole row: fast on a GPU, slow on the CPU over a whole
+    vocabulary, where the kernels' sample_rows cuts by values instead."""
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
@@ -323,10 +322,10 @@ class Sampler:
         then a seeded row's own (as in uniforms).
 
         On a GPU: the exponential race, argmax(probs / Exp(1) noise), V random numbers a row,
-        generated in parallel there. On the CPU torch makes Exp(1) numbers one at a time: 1.1 ms a
-        row of the default model's 49,152 tokens, 82 ms for a batch of 64 (whose decode step takes
-        about 150). There a row takes one uniform number instead (draw_by_sums; the CPU kernels'
-        sample_rows, when loaded, do all of a row's sampling in one call)."""
+        generated in parallel there. On the CPU torch makes Exp(1) numbers one at a time, which over a
+        whole vocabulary costs a large share of a decode step; there a row takes one uniform
+        number instead (draw_by_sums; the CPU kernels' sample_rows, when loaded, do all of a row's
+        sampling in one call)."""
         if probs.is_cuda:
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             for row, gen in meta.generators.items():

@@ -2,20 +2,19 @@
 
 `F.linear` on the CPU calls MKL's sgemm, which re-packs the weight matrix into its blocked
 layout on every call; for the small M of decode steps that repacking costs as much as the
-product itself. Packing once at load avoids it. Two packed forms, measured on the default
-model's 121 matrices (2 threads, see BENCHMARKS.md):
+product itself. Packing once at load avoids it. Two packed forms (their figures against each
+other and against `F.linear` are in BENCHMARKS.md):
 
 - panels of 16 output features for tokenmill's own kernel (csrc/gemm_cpu.cpp), used whenever
-  the C++ kernels are built: 1.5x oneDNN at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512;
-- oneDNN's packed layout otherwise: against `F.linear`, M = 8 62 -> 34 ms, M = 64 148 -> 127 ms,
-  M = 1 35 -> 22 ms, M = 512 within a few percent.
+  the C++ kernels are built: faster than oneDNN for small steps, even with it at 512 rows;
+- oneDNN's packed layout otherwise, faster than `F.linear` but for the largest steps.
 
 `F.linear` stays the reference (kernels="torch"), and tests compare all three.
 
 Weights that came from a GGUF file in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a K-quant (Q3_K to Q6_K) stay
 in their blocks instead (a fifth of the float32 bytes for Q4_1), re-laid as panels the same
 kernel reads and decodes with gguf's own arithmetic, so results are bit-identical to the float32
-panels': 2.5x faster at batch-1 decode, which streams every weight once, and even with them on
+panels': faster at batch-1 decode, which streams every weight once, and even with them on
 the default workload (BENCHMARKS.md). As an option, small steps (up to `int8_rows` rows,
 EngineConfig.gguf_int8_rows) take x in 8-bit blocks and multiply the codes as integers instead,
 as llama.cpp does: faster, within about half a percent of the float32 product, not bit-identical.

@@ -2,10 +2,10 @@
 request-body size limit.
 
 The two middlewares are plain ASGI ones, not Starlette's BaseHTTPMiddleware (`@app.middleware`),
-which hands every chunk of a streamed response through a memory stream and a task of its own.
-With it, and with every request's stream read through merge_streams' task and queue (now only
-for several streams), a stream at concurrency 1 got a token every 7.07 ms against 6.62 without
-(a server A/B, BENCHMARKS.md), the engine's own step being about 6.3.
+which hands every chunk of a streamed response through a memory stream and a task of its own:
+per token, that work showed in a stream's inter-token time (BENCHMARKS.md, the server A/Bs). For
+the same reason a request's single stream is read directly; merge_streams' task and queue serve
+only requests with several streams.
 """
 
 from __future__ import annotations

@@ -18,6 +18,14 @@ from tokenmill.structured import GrammarCompiler
 Prompt = str | list[int] | dict
 
 
+class FieldError(ValueError):
+    """A value the engine refuses in one named field of the request (the API error's `param`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class InputProcessor:
     tokenizer: object
@@ -52,7 +60,7 @@ class InputProcessor:
         OpenAI's do)."""
         params = params or SamplingParams()
         if priority and self.scheduling_policy != "priority":  # as vLLM: not silently ignored
-            raise ValueError(f"priority {priority} needs scheduling_policy 'priority' "
+            raise FieldError("priority", f"priority {priority} needs scheduling_policy 'priority' "
                              f"(this engine runs '{self.scheduling_policy}')")
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
@@ -68,8 +76,8 @@ class InputProcessor:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "
                              f"{self.max_model_len}: no room for any output")
         if params.max_tokens is not None and params.max_tokens > room and not fit_to_context:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's context length ({self.max_model_len})")
+            raise FieldError("max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                             f"exceeds the model's context length ({self.max_model_len})")
         grammar = (self.grammars.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         return Request(request_id=request_id, prompt_token_ids=ids, params=params,

@@ -41,6 +41,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None     # the output is one of these strings
     grammar: str | None = None          # a Lark grammar (or llama.cpp's GBNF, with "::=")
     json_object: bool | None = None     # any JSON object (OpenAI's response_format json_object)
+    # vLLM's option of this name: True (tokenmill's default, as clients mean a schema and as vLLM's
+    # default backend reads it) gives an object schema no properties beyond those it declares unless
+    # it allows them itself; False follows JSON Schema's default, which admits any other key
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         kinds = {"json": ((dict, str), "a JSON schema"), "regex": (str, "a string"),
@@ -50,6 +54,9 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of {', '.join(kinds)}, got "
                              f"{', '.join(given) or 'none'}")
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError(f"structured_outputs.disable_additional_properties must be a boolean, "
+                             f"got {self.disable_additional_properties!r}")
         name = given[0]
         value = getattr(self, name)
         types, what = kinds[name]
@@ -59,7 +66,8 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_dict(cls, fields: dict) -> "StructuredOutputsParams":
-        unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object"})
+        unknown = sorted(set(fields) - {"json", "regex", "choice", "grammar", "json_object",
+                                        "disable_additional_properties"})
         if unknown:
             raise ValueError(f"structured_outputs has unknown fields: {', '.join(unknown)}")
         return cls(**fields)

@@ -84,12 +84,124 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        if spec.disable_additional_properties and isinstance(schema, dict):
+            schema = forbid_undeclared_properties(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     if spec.regex is not None:
         return llguidance.grammar_from("regex", spec.regex)
     if spec.choice is not None:
         return llguidance.grammar_from("choice", spec.choice)
     return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to it
+
+
+# An object schema with one of these says itself what its other properties may be.
+OTHER_PROPERTIES = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")   # name -> schema
+SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties")     # a schema (items: or a list)
+
+
+def forbid_undeclared_properties(schema: dict) -> dict:
+    """A copy of a JSON schema in which each object schema that declares properties (`properties`
+    or `required`) and says nothing of any others (OTHER_PROPERTIES) takes no others:
+    `"additionalProperties": false`. JSON Schema's own default admits any other key, and under it
+    a model writes keys that no caller declared ({"city": "Paris", "location": "Europe"} for a
+    function f(city)); clients mean the keys they list, as vLLM's default backend (xgrammar) reads
+    them. Values (const, enum, default, examples) are data, never rewritten.
+
+    Composition is closed as a whole, not part by part (a part closed on its own would refuse its
+    siblings' keys): an object made of `allOf` parts, or of a `$ref` beside keys of its own, is
+    closed on the names of all of them, the parts left open (a local `$ref` part copied in); where
+    it branches (`anyOf`, `oneOf`), each branch is closed on its own names plus the object's."""
+    return _Closer(schema).walk(schema)
+
+
+class _Closer:
+    def __init__(self, root: dict) -> None:
+        self.root = root
+
+    def walk(self, node, extra: tuple = (), settled: bool = False, part: bool = False, chain: tuple = ()):
+        """node's copy. extra: the names declared beside it (by the object it is a part or a branch
+        of); settled: that object says itself what other properties it takes; part: node is an
+        allOf part, closed by its whole; chain: the $refs copied in on the way (a cycle stays a $ref)."""
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for key in SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                out[key] = {name: self.walk(sub) for name, sub in node[key].items()}
+        for key in SCHEMA_VALUES:
+            if isinstance(node.get(key), list):
+                out[key] = [self.walk(sub) for sub in node[key]]
+            elif key in node:
+                out[key] = self.walk(node[key])
+        if isinstance(node.get("prefixItems"), list):
+            out["prefixItems"] = [self.walk(sub) for sub in node["prefixItems"]]
+        ref, parts = self.parts(node, extra, chain)
+        names, settled, branches = self.level(node, ref, parts, extra, settled)
+        if ref is not None:  # the $ref's object first, then the node's: llguidance's order of their keys
+            del out["$ref"]
+            parts = [ref] + parts
+        if parts:
+            out["allOf"] = [self.walk(p, names, settled, True, c) for p, c in parts]
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                out[key] = [self.walk(sub, names, settled, chain=chain) for sub in node[key]]
+        if names and not (part or settled or branches):
+            declared = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+            out["properties"] = {n: declared.get(n, True) for n in dict.fromkeys((*names, *declared))}
+            out["additionalProperties"] = False
+        return out
+
+    def parts(self, node: dict, extra: tuple, chain: tuple) -> tuple[tuple | None, list[tuple]]:
+        """What node is the intersection of, each (schema, chain): its $ref where node declares names
+        of its own or beside it (a lone $ref is a reference, closed where it is defined), and its allOf."""
+        parts = [self.resolve(p, chain) for p in node["allOf"]] if isinstance(node.get("allOf"), list) else []
+        ref = None
+        if isinstance(node.get("$ref"), str) and (parts or extra or _own_names(node) or "anyOf" in node
+                                                  or "oneOf" in node):
+            ref = self.resolve({"$ref": node["$ref"]}, chain)
+            ref = ref if ref[1] != chain else None  # (one it cannot copy in stays where it is)
+        return ref, parts
+
+    def level(self, node: dict, ref: tuple | None, parts: list, extra: tuple,
+              settled: bool) -> tuple[tuple, bool, bool]:
+        """(names declared in their order, whether it says what others it takes, whether it
+        branches) of the one object that node and its parts make."""
+        names, branches = list(extra), "anyOf" in node or "oneOf" in node
+        settled = settled or any(k in node for k in OTHER_PROPERTIES)
+        for p, chain in ([ref] if ref else []) + [(None, ())] + parts:  # (None: node's own names)
+            if p is None:
+                names += _own_names(node)
+            elif isinstance(p, dict):
+                sub_names, settled, sub_branches = self.level(p, *self.parts(p, (), chain), (), settled)
+                names, branches = names + list(sub_names), branches or sub_branches
+        return tuple(dict.fromkeys(names)), settled, branches
+
+    def resolve(self, node, chain: tuple) -> tuple[object, tuple]:
+        """A part that is only a local $ref ("#/$defs/Name"): a copy of the schema it names (left
+        open inside its whole, while the definition is closed where it is used alone), and the
+        chain with the $ref; anything else (another part, a remote $ref, a cycle) as it is."""
+        ref = node.get("$ref") if isinstance(node, dict) and len(node) == 1 else None
+        if not isinstance(ref, str) or not ref.startswith("#") or ref in chain:
+            return node, chain
+        target = self.root
+        for key in ref[1:].split("/")[1:]:
+            key = key.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or key not in target:
+                return node, chain
+            target = target[key]
+        if not isinstance(target, dict):
+            return node, chain
+        copy = {k: v for k, v in target.items() if k not in ("$defs", "definitions", "$schema", "$id")}
+        return copy, chain + (ref,)
+
+
+def _own_names(node: dict) -> list[str]:
+    """The property names a schema declares itself: its properties, then its required."""
+    names = list(node["properties"]) if isinstance(node.get("properties"), dict) else []
+    if isinstance(node.get("required"), list):
+        names += [n for n in node["required"] if isinstance(n, str)]
+    return list(dict.fromkeys(names))
 
 
 class Grammar:

@@ -335,6 +335,28 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, clien
     assert_still_serving(client)
 
 
+def test_max_tokens_past_the_context_and_an_unknown_model_answer_with_openais_error_fields(server):
+    """max_tokens past the context names its field in `param`, as vLLM's does; an unknown model is
+    OpenAI's 404 with type invalid_request_error and code model_not_found (OpenAI's param there is
+    null: vLLM's, "model", is kept)."""
+    messages = [{"role": "user", "content": "w5"}]
+    templated = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["count"]
+    for path, body, prompt in (("/v1/completions", {"prompt": [5] * 10}, 10),
+                               ("/v1/chat/completions", {"messages": messages}, templated)):
+        r = httpx.post(server.url + path, json={**body, "max_tokens": 100_000})
+        assert r.status_code == 400 and r.json() == {"error": {
+            "message": f"prompt ({prompt} tokens) plus max_tokens (100000) exceeds the model's context length "
+                       f"({server.engine.max_model_len})", "type": "invalid_request_error", "param": "max_tokens",
+            "code": None}}
+    unknown = {"error": {"message": "the model 'gpt-9' does not exist (this server serves 'tiny')",
+                         "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    for method, path, body in (("POST", "/v1/completions", {"prompt": "w5"}),
+                               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}]}),
+                               ("POST", "/tokenize", {"prompt": "w5"}), ("GET", "/v1/models/gpt-9", None)):
+        r = httpx.request(method, server.url + path, json=None if body is None else {**body, "model": "gpt-9"})
+        assert (r.status_code, r.json()) == (404, unknown), path
+
+
 def test_inputs_at_the_edges_of_their_ranges_are_served(server, client):
     """A top_p just above 0 (0 in the sampler's float32: its kernel used to fail the whole step,
     every request in it) samples the best token, beside a stream that is not disturbed; a seed of

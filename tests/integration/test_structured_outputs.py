@@ -420,3 +420,39 @@ def test_allowed_tokens_that_bad_words_all_ban_are_refused(tiny_bytes):
     llm = LLM(str(tiny_bytes), max_model_len=512)
     with pytest.raises(ValueError, match="bad_words bans"):
         llm.generate(["hi"], SamplingParams(allowed_token_ids=yes, bad_words=["yes"]), use_tqdm=False)
+
+
+# ---- keys the schema never declared --------------------------------------------------------------
+
+PARIS = {"type": "object", "properties": {"city": {"const": "Paris"}}, "required": ["city"]}
+MORE_KEYS = {"13": 100, "262": 100}  # "," and '",' (tiny_bytes' ids): the model goes on to another key if it may
+
+
+def chat_text(client, stream: bool, **kwargs) -> tuple[str, list]:
+    """(content, [(name, arguments)]) of a chat completion, whole or streamed."""
+    out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, temperature=0,
+                                         logit_bias=MORE_KEYS, stream=stream, **kwargs)
+    if not stream:
+        message = out.choices[0].message
+        return message.content or "", [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    deltas = [c.choices[0].delta for c in out if c.choices]
+    calls = {}
+    for t in (t for d in deltas for t in (d.tool_calls or [])):
+        name, arguments = calls.get(t.index, ("", ""))
+        calls[t.index] = (name + (t.function.name or ""), arguments + (t.function.arguments or ""))
+    return "".join(d.content or "" for d in deltas), [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_response_formats_and_forced_tool_calls_write_no_key_the_schema_never_declared(client, stream):
+    """A logit bias toward "," makes the model add a key wherever the grammar lets it."""
+    paris = {"type": "function", "function": {"name": "get_weather", "parameters": PARIS}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": PARIS}}
+    assert chat_text(client, stream, response_format=fmt) == ('{"city": "Paris"}', [])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat_text(client, stream, tools=[paris], tool_choice=named) == ("", [("get_weather", '{"city": "Paris"}')])
+    assert chat_text(client, stream, tools=[paris], tool_choice="required", parallel_tool_calls=False) == (
+        "", [("get_weather", '{"city": "Paris"}')])
+    content, calls = chat_text(client, stream, extra_body={  # JSON Schema's default, asked for
+        "structured_outputs": {"json": PARIS, "disable_additional_properties": False}})
+    assert content.startswith('{"city": "Paris", "') and calls == []

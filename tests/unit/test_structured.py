@@ -14,7 +14,9 @@ from tokenmill.request import Request
 from tokenmill.sampler import Sampler, SamplingMetadata
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.scheduler import Scheduler
-from tokenmill.structured import GrammarCompiler, allowed_tokens
+from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.tools import plan_tools
+from tokenmill.structured import GrammarCompiler, allowed_tokens, forbid_undeclared_properties
 
 VOCAB = 384
 
@@ -83,6 +85,103 @@ def test_a_json_schema_allows_only_what_continues_a_valid_document(compiler, tok
     assert walk(grammar, tokenizer, "true}") and grammar.is_terminated
     # the layout is json.dumps's: no whitespace where it puts none
     assert not walk(compile_(compiler, json=schema), tokenizer, '{ "ok"')
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CLOSED_CITY = {**CITY, "additionalProperties": False}
+
+
+def test_object_schemas_that_declare_properties_take_no_others_at_any_depth():
+    schema = {"type": "object", "properties": {
+        "home": CITY, "trips": {"type": "array", "items": CITY}, "pair": {"prefixItems": [CITY, {"type": "null"}]},
+        "either": {"anyOf": [CITY, {"type": "string"}]}, "one": {"oneOf": [{"$ref": "#/$defs/Place"}]},
+        "by_name": {"type": "object", "additionalProperties": CITY},
+        "default": {"type": "object", "default": {"properties": {"x": {}}}, "const": {"properties": {}}}},
+        "$defs": {"Place": CITY}, "definitions": {"Old": {"required": ["id"]}}}
+    closed = forbid_undeclared_properties(schema)
+    assert closed == {**schema, "additionalProperties": False, "properties": {
+        "home": CLOSED_CITY, "trips": {"type": "array", "items": CLOSED_CITY},
+        "pair": {"prefixItems": [CLOSED_CITY, {"type": "null"}]},
+        "either": {"anyOf": [CLOSED_CITY, {"type": "string"}]}, "one": {"oneOf": [{"$ref": "#/$defs/Place"}]},
+        "by_name": {"type": "object", "additionalProperties": CLOSED_CITY},
+        "default": schema["properties"]["default"]},  # values are data: default and const untouched
+        "$defs": {"Place": CLOSED_CITY},
+        "definitions": {"Old": {"required": ["id"], "properties": {"id": True}, "additionalProperties": False}}}
+    assert "additionalProperties" not in schema and "additionalProperties" not in CITY  # a copy
+
+
+@pytest.mark.parametrize("given", [
+    {"additionalProperties": True}, {"additionalProperties": {"type": "integer"}},
+    {"additionalProperties": False}, {"patternProperties": {"^x_": {"type": "string"}}},
+    {"unevaluatedProperties": False},
+], ids=["true", "a schema", "false", "patternProperties", "unevaluatedProperties"])
+def test_an_object_schema_that_says_what_other_properties_it_takes_is_left_alone(given):
+    schema = {"type": "object", "properties": {"inner": CITY}, **given}
+    assert forbid_undeclared_properties(schema) == {**schema, "properties": {"inner": CLOSED_CITY}}
+    assert forbid_undeclared_properties({"type": "object"}) == {"type": "object"}  # declares none: any object
+    assert forbid_undeclared_properties({"type": "string"}) == {"type": "string"}
+
+
+def test_composed_objects_are_closed_as_a_whole_not_part_by_part():
+    """Closing each part of an allOf (or the $ref beside an object's own keys) on its own would
+    refuse the keys its siblings declare: the whole is closed on all their names instead."""
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    both = forbid_undeclared_properties({"allOf": [place, {"properties": {"zip": {"type": "string"}}}]})
+    assert both == {"allOf": [place, {"properties": {"zip": {"type": "string"}}}],
+                    "properties": {"city": True, "zip": True}, "additionalProperties": False}
+    extended = forbid_undeclared_properties({"$defs": {"Place": place}, "$ref": "#/$defs/Place",
+                                             "properties": {"zip": {"type": "string"}}})
+    assert extended == {"$defs": {"Place": {**place, "additionalProperties": False}}, "allOf": [place],
+                        "properties": {"city": True, "zip": {"type": "string"}}, "additionalProperties": False}
+    branches = forbid_undeclared_properties({"properties": {"id": {"type": "integer"}},
+                                             "anyOf": [place, {"required": ["zip"]}]})
+    assert branches == {"properties": {"id": {"type": "integer"}}, "anyOf": [
+        {**place, "properties": {"id": True, "city": {"type": "string"}}, "additionalProperties": False},
+        {"required": ["zip"], "properties": {"id": True, "zip": True}, "additionalProperties": False}]}
+    cycle = {"$defs": {"N": {"allOf": [{"$ref": "#/$defs/N"}], "properties": {"v": {}}}}, "$ref": "#/$defs/N"}
+    assert forbid_undeclared_properties(cycle)["$ref"] == "#/$defs/N"  # a cycle ends (and stays a $ref)
+
+
+def test_composed_objects_take_their_parts_keys_and_no_others(compiler, tokenizer):
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    for schema in ({"allOf": [place, {"properties": {"zip": {"type": "string"}}}]},
+                   {"$defs": {"Place": place}, "$ref": "#/$defs/Place", "properties": {"zip": {"type": "string"}}}):
+        assert walk(compile_(compiler, json=schema), tokenizer, '{"city": "Paris", "zip": "75001"}')
+        assert not walk(compile_(compiler, json=schema), tokenizer, '{"city": "Paris", "x"')
+        assert walk(compile_(compiler, json=schema, disable_additional_properties=False), tokenizer,
+                    '{"city": "Paris", "x"')
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+NOW = {"type": "function", "function": {"name": "now"}}
+
+
+def undeclared_key_grammars(compiler):
+    """(name, a fresh grammar, the JSON object's text before it) for each way an object schema reaches
+    the engine: a response format and the calls of tool_choice named and required."""
+    fmt = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}).sampling_params(16, None, None)
+    named = plan_tools([WEATHER, NOW], {"type": "function", "function": {"name": "get_weather"}}, None)
+    required = plan_tools([WEATHER, NOW], "required", None)
+    return [("response_format", lambda: compiler.compile(fmt.structured_outputs), ""),
+            ("named", lambda: compile_(compiler, **named.constraint()), ""),
+            ("required", lambda: compile_(compiler, **required.constraint()), '[{"name": "get_weather", "parameters": ')]
+
+
+def test_a_response_format_and_forced_tool_calls_refuse_a_key_the_schema_never_declared(compiler, tokenizer):
+    for name, grammar, before in undeclared_key_grammars(compiler):
+        assert walk(grammar(), tokenizer, before + '{"city": "Paris"}'), name
+        assert not walk(grammar(), tokenizer, before + '{"city": "Paris", "x"'), name
+
+
+def test_the_permissive_option_lets_an_undeclared_key_through_but_never_into_tool_arguments(compiler, tokenizer):
+    permissive = compile_(compiler, json=CITY, disable_additional_properties=False)
+    assert walk(permissive, tokenizer, '{"city": "Paris", "x": 1}')
+    assert SamplingParams(structured_outputs={"json": CITY}).structured_outputs.disable_additional_properties
+    named = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named.constraint()["disable_additional_properties"] is True
+    with pytest.raises(ValueError, match="disable_additional_properties must be a boolean"):
+        SamplingParams(structured_outputs={"json": CITY, "disable_additional_properties": "no"})
 
 
 def test_choices_regexes_and_gbnf_grammars(compiler, tokenizer):

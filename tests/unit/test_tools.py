@@ -36,7 +36,7 @@ def test_plans_refuse_what_cannot_be_served(tools, choice, parser, message):
 
 def test_constraints_of_named_and_required_choices():
     named = plan_tools([WEATHER, NOW], {"type": "function", "function": {"name": "get_weather"}}, None)
-    assert named.constraint() == {"json": WEATHER["function"]["parameters"]}
+    assert named.constraint() == {"json": WEATHER["function"]["parameters"], "disable_additional_properties": True}
     assert calls(named.parse('{"city": "Rome"}')) == [("get_weather", {"city": "Rome"})]
     required = plan_tools([WEATHER, NOW], "required", None)
     schema = required.constraint()["json"]

@@ -24,10 +24,11 @@ class APIError(Exception):
 
 
 def check_model(requested: str | None, served: str) -> None:
-    """A request naming a model (None: names none) must name the one this server serves."""
+    """A request naming a model (None: names none) must name the one this server serves: a 404
+    with OpenAI's type and code for it (invalid_request_error, model_not_found), and vLLM's param."""
     if requested is not None and requested != served:
         raise APIError(404, f"the model '{requested}' does not exist (this server serves '{served}')",
-                       "not_found_error", param="model", code="model_not_found")
+                       param="model", code="model_not_found")
 
 
 def _is_type_name(part) -> bool:

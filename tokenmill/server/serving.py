@@ -103,7 +103,7 @@ class ServingEngine:
                                                                    {"prompt": text, "prompt_token_ids": ids}, sub,
                                                                    priority=priority))
         except ValueError as exc:
-            raise APIError(400, str(exc), param="priority" if str(exc).startswith("priority") else None) from None
+            raise APIError(400, str(exc), param=getattr(exc, "field", None)) from None  # (an input_processor.FieldError's)
         return requests
 
     async def respond(self, req, requests: list[EngineRequest], n: int, raw: Request, response: Response,

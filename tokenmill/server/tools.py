@@ -54,16 +54,18 @@ class ToolPlan:
     parallel: bool = True               # parallel_tool_calls: false makes "required" one call
 
     def constraint(self) -> dict | None:
-        """The structured output that makes the calls (StructuredOutputsParams fields), if any."""
+        """The structured output that makes the calls (StructuredOutputsParams fields), if any.
+        Arguments never carry a key the function's parameters do not declare (unless its schema
+        allows others itself): a call made as f(**arguments) would fail on it."""
         functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
         if self.choice == "named":
-            return {"json": functions[self.name]}
+            return {"json": functions[self.name], "disable_additional_properties": True}
         if self.choice == "required":
             calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                       "properties": {"name": {"const": name}, "parameters": schema}}
                      for name, schema in functions.items()]
             return {"json": {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
-                             "items": {"anyOf": calls}}}
+                             "items": {"anyOf": calls}}, "disable_additional_properties": True}
         return None
 
     def call_id(self) -> str:

@@ -66,8 +66,8 @@ def run(pool_class, num_blocks: int, seed: int) -> tuple[dict, list]:
     figures = {"hit rate": stats.prefix_tokens_hit / max(stats.prefix_tokens_queried, 1),
                "evictions": stats.num_evictions, "preemptions": stats.num_preemptions,
                "twins made": getattr(pool, "twins_made", "-"),
-               "twins promoted": getattr(pool, "twins_promoted", "-"), "peak used": max(s.kv_blocks_used for s in result.steps),
-               "wall s": result.wall}
+               "twins promoted": getattr(pool, "twins_promoted", "-"),
+               "peak used": max(s.kv_blocks_used for s in result.steps), "wall s": result.wall}
     return figures, result.outputs
 
 

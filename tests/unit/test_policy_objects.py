@@ -7,8 +7,15 @@ import pytest
 from fakes import make_request
 
 from tokenmill.config import SCHEDULING_POLICIES, SchedulerConfig
-from tokenmill.policies import (POLICIES, EdfPolicy, FcfsPolicy, PriorityPolicy, SchedulingPolicy,
-                                SrpfPolicy, make_policy)
+from tokenmill.policies import (
+    POLICIES,
+    EdfPolicy,
+    FcfsPolicy,
+    PriorityPolicy,
+    SchedulingPolicy,
+    SrpfPolicy,
+    make_policy,
+)
 from tokenmill.request import Request, RequestStatus
 
 STARVE = 30.0  # starvation_seconds of every policy below

@@ -165,7 +165,8 @@ def undeclared_key_grammars(compiler):
     required = plan_tools([WEATHER, NOW], "required", None)
     return [("response_format", lambda: compiler.compile(fmt.structured_outputs), ""),
             ("named", lambda: compile_(compiler, **named.constraint()), ""),
-            ("required", lambda: compile_(compiler, **required.constraint()), '[{"name": "get_weather", "parameters": ')]
+            ("required", lambda: compile_(compiler, **required.constraint()),
+             '[{"name": "get_weather", "parameters": ')]
 
 
 def test_a_response_format_and_forced_tool_calls_refuse_a_key_the_schema_never_declared(compiler, tokenizer):

@@ -103,7 +103,8 @@ class ServingEngine:
                                                                    {"prompt": text, "prompt_token_ids": ids}, sub,
                                                                    priority=priority))
         except ValueError as exc:
-            raise APIError(400, str(exc), param=getattr(exc, "field", None)) from None  # (an input_processor.FieldError's)
+            field = getattr(exc, "field", None)  # an input_processor.FieldError names its field
+            raise APIError(400, str(exc), param=field) from None
         return requests
 
     async def respond(self, req, requests: list[EngineRequest], n: int, raw: Request, response: Response,

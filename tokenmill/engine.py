@@ -116,10 +116,10 @@ class LLMEngine:
             proposer.allocate(num_blocks, config.block_size)
             self.speculator = Speculator(proposer, SpeculationPolicy(config.num_speculative_tokens),
                                          adaptive=config.speculative_adaptive)
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids, max_len,
-                                     config.scheduling_policy,
-                                     GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids))
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.end_on_stop_string)
+        grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                              max_len, config.scheduling_policy, grammars)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.end_on_stop_string)
         # The pipeline's two knobs (see the module docstring); both default on for CUDA.
         self.async_output = config.async_output if config.async_output is not None else self.device.type == "cuda"
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -152,18 +152,19 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return self.inputs.tokenize_prompt(prompt)
+        return self.input_processor.tokenize_prompt(prompt)
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                      arrival_time: float | None = None, priority: int = 0,
                      deadline: float | None = None, fit_to_context: bool = False) -> Request:
         """Tokenize and validate (InputProcessor.make_request); ValueError for anything the engine
         could never serve. Touches no engine state: the server calls it on its own thread."""
-        return self.inputs.make_request(request_id, prompt, params, arrival_time, priority, deadline, fit_to_context)
+        return self.input_processor.make_request(request_id, prompt, params, arrival_time, priority, deadline,
+                                                 fit_to_context)
 
     def add(self, request: Request) -> None:
         """Queue a request built by make_request."""
-        self.outputs.add(request)
+        self.output_processor.add(request)
         self.scheduler.add_request(request)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
@@ -200,7 +201,7 @@ class LLMEngine:
 
     def unfinished_request_ids(self) -> list[str]:
         """Every request whose final output is still to come."""
-        return list(self.outputs.detokenizers)
+        return list(self.output_processor.detokenizers)
 
     def has_unfinished_requests(self) -> bool:
         # (a step still in flight holds no other requests: those not finished are the scheduler's)
@@ -227,10 +228,10 @@ class LLMEngine:
         try:
             launched = self._launch(sched, advance=ahead)
         except Exception as exc:  # a host-side failure: fail this step's requests, keep serving
-            return (self.outputs.outputs(earlier) + self._complete(previous, start, time_schedule)
+            return (self.output_processor.outputs(earlier) + self._complete(previous, start, time_schedule)
                     + self._fail_step(sched, exc))
         t0 = time.perf_counter()
-        outputs = self.outputs.outputs(earlier)  # the last step's, while the device runs this one
+        outputs = self.output_processor.outputs(earlier)  # the last step's, while the device runs this one
         time_outputs = time.perf_counter() - t0
         if ahead:  # this step is collected in the next call, the last one now
             self._ongoing = launched if launched.pending is not None else None
@@ -274,7 +275,7 @@ class LLMEngine:
         if self.async_output and not step.advanced:
             self._unreported = changed
         else:
-            outputs = self.outputs.outputs(changed)
+            outputs = self.output_processor.outputs(changed)
         end = time.perf_counter()
         self._record_stats(step.sched, result, time_schedule=time_schedule + (t1 - t0),
                            time_detokenize=time_outputs + (end - t1), start=start, end=end)
@@ -306,8 +307,8 @@ class LLMEngine:
         unreported = next((r for r in self._unreported if r.request_id == request_id), None)
         if unreported is not None:  # async_output: its last tokens, or its end, are still to report
             self._unreported.remove(unreported)
-            return self.outputs.outputs([unreported])[0]
-        return self.outputs.final_output(request_id, request)
+            return self.output_processor.outputs([unreported])[0]
+        return self.output_processor.final_output(request_id, request)
 
     def _record_stats(self, sched: SchedulerOutput, result: RunnerOutput, time_schedule: float,
                       time_detokenize: float, start: float, end: float) -> None:

@@ -14,6 +14,19 @@ import httpx
 from test_server import free_port
 
 
+def wait_until_up(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+
+
 def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
@@ -21,16 +34,7 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_until_up(proc, url)
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
 
@@ -83,3 +87,21 @@ def test_auto_tool_choice_without_a_parser_fails_before_the_model_loads(tmp_path
     out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--tool-call-parser", "xml"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "hermes" in out.stderr
+
+
+def test_serve_takes_its_api_key_from_the_environment(tiny_llama):
+    """TOKENMILL_API_KEY keeps the key off the command line, which any local user can read."""
+    import os
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
+                             "--num-kv-blocks", "64"], env={**os.environ, "TOKENMILL_API_KEY": "s3cret"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(proc, url)
+        assert "s3cret" not in " ".join(proc.args)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -10,12 +10,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import socket
+from collections.abc import Mapping
+from pathlib import Path
 
 from tokenmill.cli_args import at_least_one
 from tokenmill.server.api import create_app
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools import PARSERS
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -51,7 +56,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize")
+                        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
+                             f"(any local user can read a command line: prefer --api-key-file or {API_KEY_ENV})")
+    parser.add_argument("--api-key-file", default=None,
+                        help="read the key from the first line of this file")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
     parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
                         help="larger bodies get HTTP 413")
@@ -65,9 +73,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's flag, accepted: tool_choice 'auto' is on whenever --tool-call-parser is given")
 
 
+def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The key clients must send: --api-key, else the first line of --api-key-file, else the
+    environment's TOKENMILL_API_KEY (neither of the last two shows in `ps` or /proc/PID/cmdline);
+    None for none. SystemExit for both flags, or a file that cannot be read or holds no key."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise SystemExit("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            key = Path(args.api_key_file).read_text().partition("\n")[0].strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"--api-key-file: cannot read {args.api_key_file}: {exc}") from None
+        if not key:
+            raise SystemExit(f"--api-key-file: {args.api_key_file} holds no key on its first line")
+        return key
+    return args.api_key if args.api_key is not None else (environ.get(API_KEY_ENV) or None)
+
+
 def run_server(args: argparse.Namespace, config) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(PARSERS) + ")")
+    args.api_key = resolve_api_key(args, os.environ)
     with bind(args.host, args.port) as sock:
         return _serve(args, config, sock)
 

@@ -1,0 +1,33 @@
+"""server/launch.py: where `tokenmill serve` takes its API key from."""
+
+import argparse
+
+import pytest
+
+from tokenmill.server.launch import resolve_api_key
+
+
+def args(api_key=None, api_key_file=None) -> argparse.Namespace:
+    return argparse.Namespace(api_key=api_key, api_key_file=api_key_file)
+
+
+def test_the_flag_then_the_file_then_the_environment_give_the_key(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("  from-file  \nsecond line\n")
+    env = {"TOKENMILL_API_KEY": "from-env"}
+    assert resolve_api_key(args(api_key="from-flag"), env) == "from-flag"
+    assert resolve_api_key(args(api_key_file=str(key_file)), env) == "from-file"
+    assert resolve_api_key(args(), env) == "from-env"
+    assert resolve_api_key(args(), {}) is None
+    assert resolve_api_key(args(), {"TOKENMILL_API_KEY": ""}) is None
+
+
+@pytest.mark.parametrize("case, message", [("both", "not both"), ("missing", "cannot read"),
+                                           ("empty", "holds no key")])
+def test_a_key_file_that_gives_no_key_is_an_error_before_anything_loads(case, message, tmp_path):
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    given = {"both": args(api_key="k", api_key_file=str(empty)), "missing": args(api_key_file=str(tmp_path / "no")),
+             "empty": args(api_key_file=str(empty))}[case]
+    with pytest.raises(SystemExit, match=message):
+        resolve_api_key(given, {})

@@ -1,6 +1,7 @@
 """Throughput when another process takes a core: `tokenmill bench throughput` quiet and beside a
-CPU hog (one busy Python process), with the default threads and with --num-threads 1, alternated
-in one run, so the ratios compare like with like on the same machine.
+CPU hog (one busy Python process), with the default threads (following the cores left free), a
+fixed thread per usable core and --num-threads 1, alternated in one run, so the ratios compare
+like with like on the same machine.
 
     python benchmarks/shared_cpu.py [--rounds 2] [--num-requests 16] [--env OMP_WAIT_POLICY=passive ...]
 
@@ -33,7 +34,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--env", nargs="*", default=[])
     args = parser.parse_args()
-    variants = {"default": ([], {}), "--num-threads 1": (["--num-threads", "1"], {})}
+    cores = str(len(os.sched_getaffinity(0)))
+    variants = {"default": ([], {}), f"--num-threads {cores}": (["--num-threads", cores], {}),
+                "--num-threads 1": (["--num-threads", "1"], {})}
     variants.update({e: ([], dict([e.split("=", 1)])) for e in args.env})
     figures: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):

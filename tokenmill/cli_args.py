@@ -22,6 +22,8 @@ _ENGINE_HELP = {
     "gguf_blocks": "CPU: keep GGUF projections in their blocks (bit-identical to float32)",
     "gguf_int8_rows": "CPU, GGUF blocks: steps of up to N rows take x in 8-bit blocks, as llama.cpp "
                       "(faster at batch 1-8, perplexity +0.75%%, results then depend on the step's size; 0: off)",
+    "num_threads": "CPU: threads for a step, fixed (default: the cores other processes leave free, "
+                   "followed as they change)",
     "enforce_eager": "CUDA: launch every step from Python, no decode graphs",
     "async_output": "build a step's outputs while the next step runs (default: on for CUDA)",
     "async_scheduling": "schedule and launch the next step before this one's tokens reach the host "

@@ -118,7 +118,8 @@ class EngineConfig:
     async_scheduling: bool | None = None     # schedule and launch step N+1 before step N's tokens reach
                                              # the host (they feed N+1 on the device); default: on CUDA
                                              # without speculation, off on CPU
-    num_threads: int | None = None           # torch intra-op threads on CPU (default: torch's choice)
+    num_threads: int | None = None           # CPU threads for a step, fixed; default: the usable cores
+                                             # less those other processes hold now (cpu_threads.py)
     speculative: str | None = None           # "ngram" (prompt lookup) or "draft:PATH" (a smaller model)
     num_speculative_tokens: int = 4          # most drafts per sequence per step
     ngram_min: int = 1

@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 
 from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from tokenmill.cpu_threads import ThreadGovernor, usable_cpus
 from tokenmill.input_processor import InputProcessor, Prompt
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_runner import ModelRunner, PendingStep, kv_pool_blocks, pool_too_big
@@ -73,12 +74,16 @@ class Launched:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.threads: ThreadGovernor | None = None
         self.device = resolve_device(config.device)
         self.use_device()
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.kv_dtype = getattr(torch, config.kv_dtype_name)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        elif self.device.type == "cpu":  # the threads follow the cores other processes leave free
+            cpus, limit = usable_cpus()
+            self.threads = ThreadGovernor(cpus, limit, torch.set_num_threads)
         path = resolve_model_path(config.model)
         self.model_path = path
         checkpoint = open_checkpoint(path)
@@ -140,7 +145,7 @@ class LLMEngine:
                                self.dtype)
         try:  # the pool's tensors first, then its bookkeeping (a list entry per block)
             self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
-                                      self.kv_dtype, config.seed, num_host_blocks)
+                                      self.kv_dtype, config.seed, num_host_blocks, self.threads)
             kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
             raise MemoryError(pool_too_big(config, self.device, num_blocks, num_host_blocks, bytes_per_block,

@@ -32,6 +32,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, parse_size
+from tokenmill.cpu_threads import ThreadGovernor
 from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.host_memory import huge_page_zeros, to_device
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
@@ -69,8 +70,10 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig,
-                 backend, device: torch.device, kv_dtype: torch.dtype, seed: int, num_host_blocks: int = 0) -> None:
+                 backend, device: torch.device, kv_dtype: torch.dtype, seed: int, num_host_blocks: int = 0,
+                 threads: ThreadGovernor | None = None) -> None:
         self.model = model
+        self.threads = threads  # CPU: sets the step's thread count from the cores free now
         self.model_config = model_config
         self.cache_config = cache_config
         self.backend = backend
@@ -117,6 +120,8 @@ class ModelRunner:
         blocks out) returns None."""
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+        if self.threads is not None:
+            self.threads.update()
         t0 = time.perf_counter()
         self.swap(sched.swap_out, sched.swap_in)
         if not sched.requests:

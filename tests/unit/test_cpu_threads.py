@@ -1,0 +1,138 @@
+"""The thread count follows the cores other processes leave free: fed fake clocks and CPU times."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tokenmill.cpu_threads import ThreadGovernor, cgroup_cpu_limit, cpus_busy_seconds, usable_cpus
+
+
+class FakeHost:
+    """A clock, the CPUs' busy seconds and this process's own CPU seconds, advanced by hand."""
+
+    def __init__(self) -> None:
+        self.now = self.busy = self.own = 0.0
+        self.calls: list[int] = []
+
+    def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
+        self.now += seconds
+        self.own += own_cores * seconds
+        self.busy += (own_cores + other_cores) * seconds
+
+    def governor(self, cpus: int = 2, limit: int = 2) -> ThreadGovernor:
+        return ThreadGovernor(set(range(cpus)), limit, self.calls.append, interval=0.5, busy=lambda: self.busy,
+                              own=lambda: self.own, clock=lambda: self.now)
+
+
+def windows(host: FakeHost, gov: ThreadGovernor, count: int, own_cores: float, other_cores: float) -> None:
+    for _ in range(count):
+        host.run(0.5, own_cores, other_cores)
+        gov.update()
+
+
+def test_a_new_governor_sets_its_limit_at_once() -> None:
+    host = FakeHost()
+    gov = host.governor(cpus=4, limit=3)
+    assert gov.threads == 3 and host.calls == [3]
+
+
+def test_a_neighbour_holding_one_core_of_two_leaves_one_thread_after_two_windows() -> None:
+    host = FakeHost()
+    gov = host.governor()
+    windows(host, gov, 1, own_cores=1.0, other_cores=1.0)
+    assert gov.threads == 2 and gov.others == 1.0  # one window is not enough
+    windows(host, gov, 1, own_cores=1.0, other_cores=1.0)
+    assert gov.threads == 1 and host.calls == [2, 1]
+
+
+def test_the_threads_come_back_when_the_neighbour_leaves() -> None:
+    host = FakeHost()
+    gov = host.governor()
+    windows(host, gov, 2, own_cores=1.0, other_cores=1.0)
+    windows(host, gov, 2, own_cores=1.0, other_cores=0.0)
+    assert gov.threads == 2 and host.calls == [2, 1, 2]
+
+
+def test_one_busy_window_between_quiet_ones_changes_nothing() -> None:
+    host = FakeHost()
+    gov = host.governor()
+    for others in (0.0, 1.0, 0.0, 1.0, 0.0):
+        windows(host, gov, 1, own_cores=2.0, other_cores=others)
+    assert gov.threads == 2 and host.calls == [2]
+
+
+def test_the_engine_own_spinning_workers_do_not_count_as_a_neighbour() -> None:
+    host = FakeHost()
+    gov = host.governor()
+    windows(host, gov, 4, own_cores=2.0, other_cores=0.0)
+    assert gov.threads == 2 and gov.others == 0.0
+
+
+def test_less_than_half_a_core_taken_keeps_every_thread_and_more_drops_one() -> None:
+    host = FakeHost()
+    gov = host.governor(cpus=4, limit=4)
+    windows(host, gov, 2, own_cores=3.0, other_cores=0.4)
+    assert gov.threads == 4
+    windows(host, gov, 2, own_cores=3.0, other_cores=0.6)
+    assert gov.threads == 3
+
+
+def test_never_below_one_thread_nor_above_the_limit() -> None:
+    host = FakeHost()
+    gov = host.governor(cpus=2, limit=1)
+    windows(host, gov, 3, own_cores=0.0, other_cores=5.0)
+    assert gov.threads == 1
+    windows(host, gov, 3, own_cores=1.0, other_cores=0.0)
+    assert gov.threads == 1 and host.calls == [1]
+
+
+def test_updates_within_the_interval_read_nothing() -> None:
+    host = FakeHost()
+    reads = []
+    gov = ThreadGovernor({0, 1}, 2, host.calls.append, interval=0.5, busy=lambda: reads.append(1) or 0.0,
+                         own=lambda: 0.0, clock=lambda: host.now)
+    host.now += 0.2
+    gov.update()
+    assert len(reads) == 1  # the reading taken when it was built
+
+
+def test_cgroup_v2_quota_gives_cpus_worth_and_max_gives_none(tmp_path: Path) -> None:
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(tmp_path) is None
+
+
+def test_cgroup_v1_quota_is_read_from_the_cpu_controller(tmp_path: Path) -> None:
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(tmp_path) == 0.5
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_limit(tmp_path) is None
+
+
+def test_usable_cpus_are_the_affinity_lowered_to_the_quota_rounded_up(tmp_path: Path) -> None:
+    cpus = os.sched_getaffinity(0)
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert usable_cpus(tmp_path) == (cpus, 1)
+    (tmp_path / "cpu.max").write_text(f"{100000 * (len(cpus) + 3)} 100000\n")
+    assert usable_cpus(tmp_path) == (cpus, len(cpus))
+
+
+def test_a_busy_process_on_this_machine_shows_in_proc_stat() -> None:
+    cpus = os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)
+        before, start = cpus_busy_seconds(cpus), time.monotonic()
+        time.sleep(0.6)
+        busy = (cpus_busy_seconds(cpus) - before) / (time.monotonic() - start)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert busy >= 0.7  # the hog's core, at least (other work on the machine only adds)

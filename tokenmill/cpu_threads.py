@@ -1,0 +1,111 @@
+"""How many threads a CPU step runs on: the cores this process may use, less those that other
+processes are using right now.
+
+Every parallel kernel ends when its slowest thread does. When a neighbour (another process, a
+busy host) holds one of the cores, the thread that shares that core runs only part of the time,
+and each of a step's few hundred parallel calls waits for it: two threads then do less than one.
+So the engine counts the cores the machine's other work took over the last half second and runs
+on the rest, back up as soon as they are free again:
+
+    others = (busy time of our CPUs in /proc/stat - this process's own CPU time) / wall time
+    threads = clamp(round(cpus - others), 1, limit)      # changed after two windows agree
+
+Busy time counts steal (a virtual CPU the host gave to another guest is as unavailable as one
+a local process holds); this process's own time, its spinning OpenMP workers included, does not.
+`--num-threads N` fixes the count instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_IDLE_FIELDS = (3, 4)  # idle, iowait in a /proc/stat cpu line's values (after the name)
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPUs' worth of time the cgroup quota allows (cgroup v2 `cpu.max`, v1
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`), or None when there is no quota."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    for v1 in (root / "cpu", root / "cpu,cpuacct", root):
+        try:
+            quota = int((v1 / "cpu.cfs_quota_us").read_text())
+            period = int((v1 / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return None if quota <= 0 else quota / period
+    return None
+
+
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[set[int], int]:
+    """The CPUs this process may run on (its affinity) and how many threads they allow: their
+    count, lowered to the cgroup quota rounded up."""
+    cpus = os.sched_getaffinity(0)
+    limit = cgroup_cpu_limit(cgroup_root)
+    count = len(cpus) if limit is None else max(1, min(len(cpus), math.ceil(limit)))
+    return cpus, count
+
+
+def cpus_busy_seconds(cpus: set[int], stat: Path = Path("/proc/stat")) -> float:
+    """Time the given CPUs spent on anything but idling since boot (steal included), in seconds."""
+    ticks = 0
+    for line in stat.read_text().splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        values = [int(v) for v in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
+        ticks += sum(v for i, v in enumerate(values) if i not in _IDLE_FIELDS)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """This process's CPU time, all its threads, user and system."""
+    t = os.times()
+    return t.user + t.system
+
+
+class ThreadGovernor:
+    """Sets the intra-op thread count between steps from the cores other processes leave free
+    (module docstring). `update` is called before each step, on the thread that runs it."""
+
+    def __init__(self, cpus: set[int], limit: int, set_threads: Callable[[int], None], interval: float = 0.5,
+                 busy: Callable[[], float] | None = None, own: Callable[[], float] = own_cpu_seconds,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.num_cpus = len(cpus)
+        self.limit = limit
+        self.threads = limit            # the count in force
+        self.set_threads = set_threads
+        self.interval = interval
+        self._busy = busy if busy is not None else (lambda: cpus_busy_seconds(cpus))
+        self._own = own
+        self._clock = clock
+        self._proposed = limit          # what the last window asked for
+        self.others = 0.0               # CPUs' worth the other processes used in the last window
+        set_threads(limit)
+        self._mark = (clock(), self._busy(), own())
+
+    def update(self) -> None:
+        now = self._clock()
+        since, busy_then, own_then = self._mark
+        if now - since < self.interval:
+            return
+        busy, own = self._busy(), self._own()
+        self._mark = (now, busy, own)
+        self.others = max(0.0, (busy - busy_then) - (own - own_then)) / (now - since)
+        wanted = min(self.limit, max(1, math.floor(self.num_cpus - self.others + 0.5)))
+        if wanted != self.threads and wanted == self._proposed:  # two windows in a row
+            logger.debug("CPU threads %d -> %d: other processes held %.2f of %d CPUs",
+                         self.threads, wanted, self.others, self.num_cpus)
+            self.threads = wanted
+            self.set_threads(wanted)
+        self._proposed = wanted

@@ -127,7 +127,7 @@ def main(path: Path) -> None:
     engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory="2GiB"))
     load = time.perf_counter() - start
     peak, after = sampler.stop(), MemorySampler.now()
-    panels = sum(m.panels.nbytes for m in engine.runner.model.modules() if isinstance(m, PackedLinear))
+    panels = sum(m.panels.nbytes for m in engine.runner.worker.model.modules() if isinstance(m, PackedLinear))
     print(f"file {path.stat().st_size / 1e9:.2f} GB; loaded in {load:.0f} s; "
           f"projections in blocks {panels / 1e9:.2f} GB")
     print(f"while loading: peak resident {peak['VmRSS'] / 1e9:.2f} GB, of it anonymous {peak['RssAnon'] / 1e9:.2f} GB; "

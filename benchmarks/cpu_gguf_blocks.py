@@ -34,7 +34,7 @@ def median_step(engine: LLMEngine, steps: int) -> float:
 
 
 def weight_mb(engine: LLMEngine) -> float:
-    return sum(m.panels.nbytes for m in engine.runner.model.modules() if isinstance(m, PackedLinear)) / 1e6
+    return sum(m.panels.nbytes for m in engine.runner.worker.model.modules() if isinstance(m, PackedLinear)) / 1e6
 
 
 def main(batches: list[int]) -> None:

@@ -34,7 +34,7 @@ PATHS = ("python layers", "one-call layers", "one-call, 8-bit x")
 
 
 def use_path(engine: LLMEngine, stack, path: str, rows: int) -> None:
-    model = engine.runner.model
+    model = engine.runner.worker.model
     model.fused_stack = None if path == "python layers" else stack
     set_int8_rows(model, rows if path == "one-call, 8-bit x" else 0)
 
@@ -64,7 +64,7 @@ def steps(engine: LLMEngine, stack, batches: list[int]) -> None:
 
 def decode_log_probs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Next-token log-probabilities after each token of `ids`, fed one decode step at a time."""
-    model, runner = engine.runner.model, engine.runner
+    model, runner = engine.runner.worker.model, engine.runner
     r = Request(request_id="quality", prompt_token_ids=ids, params=SamplingParams(), max_tokens=1)
     assert engine.scheduler.kv.allocate(r, len(ids))
     out = []
@@ -72,7 +72,7 @@ def decode_log_probs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
         r.num_computed_tokens = t
         inputs = runner.prepare([r], [1])
         with torch.inference_mode():
-            hidden = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+            hidden = runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)
             out.append(model.compute_logits(hidden)[0].log_softmax(-1))
     engine.scheduler.kv.free(r)
     return torch.stack(out)
@@ -81,7 +81,7 @@ def decode_log_probs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 def quality(engine: LLMEngine) -> None:
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     ids = engine.tokenizer.encode(text)[:300]
-    model = engine.runner.model
+    model = engine.runner.worker.model
     set_int8_rows(model, 0)
     exact = decode_log_probs(engine, ids)
     set_int8_rows(model, 1)
@@ -98,7 +98,7 @@ def quality(engine: LLMEngine) -> None:
 
 def main(batches: list[int]) -> None:
     engine = LLMEngine(EngineConfig())
-    steps(engine, engine.runner.model.fused_stack, batches)
+    steps(engine, engine.runner.worker.model.fused_stack, batches)
     if "--no-quality" not in sys.argv:
         quality(engine)
 

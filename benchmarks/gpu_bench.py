@@ -77,10 +77,10 @@ def check() -> dict:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
             same = [o.outputs[0].token_ids == r for o, r in zip(outs, refs)]
             sched = llm.engine.scheduler
-            backend = llm.engine.runner.backend.name
+            backend = llm.engine.runner.worker.backend.name
             results[f"{arch}/{mode}"] = {"equal": all(same), "preemptions": sched.num_preemptions,
                                          "swapped_out": sched.num_swapped_out, "backend": backend,
-                                         "graphs": llm.engine.runner.graphs is not None}
+                                         "graphs": llm.engine.runner.worker.graphs is not None}
             print(f"{arch:6s} {mode:25s} {backend} equal to transformers: {all(same)} {same} preemptions "
                   f"{sched.num_preemptions} swapped {sched.num_swapped_out}", flush=True)
         llm = LLM(str(path), device="cuda")  # bfloat16 default

@@ -29,8 +29,8 @@ engine = LLMEngine(EngineConfig(model=str(model), device="cuda", max_num_seqs=25
                                 async_scheduling="noahead" not in sys.argv,
                                 kernels="torch" if "torchops" in sys.argv else "auto"))
 if "nosplit" in sys.argv:  # decode attention without splitting contexts (the graphs are captured again)
-    engine.runner.backend.num_sms = 1
-    engine.runner.capture_graphs(256, 4096)
+    engine.runner.worker.backend.num_sms = 1
+    engine.runner.worker.capture_graphs(256, 4096)
 rng = random.Random(0)
 for i in range(batch):
     prompt = [rng.randrange(10000) for _ in range(500)]

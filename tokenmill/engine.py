@@ -47,6 +47,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
 from tokenmill.structured import GrammarCompiler
+from tokenmill.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
 
@@ -144,15 +145,16 @@ class LLMEngine:
         backend = make_backend(config.attention_backend, self.device, config.block_size, self.model_config.head_dim,
                                self.dtype)
         try:  # the pool's tensors first, then its bookkeeping (a list entry per block)
-            self.runner = ModelRunner(model, self.model_config, self.cache_config, backend, self.device,
-                                      self.kv_dtype, config.seed, num_host_blocks, self.threads)
+            worker = ModelWorker(model, self.model_config, self.cache_config, backend, self.device, self.kv_dtype,
+                                 num_host_blocks, self.threads)
             kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
             raise MemoryError(pool_too_big(config, self.device, num_blocks, num_host_blocks, bytes_per_block,
                                            exc)) from exc
+        self.runner = ModelRunner(worker, config.seed)
         self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), kv)
         if self.device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False):
-            self.runner.capture_graphs(config.max_num_seqs, max_len)
+            worker.capture_graphs(config.max_num_seqs, max_len)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -193,7 +195,7 @@ class LLMEngine:
         of its own: each thread that runs parallel kernels keeps a team of workers, and with more
         workers than cores libgomp makes idle ones sleep at once instead of spinning, so that every
         kernel call would have to wake them."""
-        kernels = getattr(self.runner.backend, "kernel", None)  # the CPU backend's C++ module
+        kernels = getattr(self.runner.worker.backend, "kernel", None)  # the CPU backend's C++ module
         if kernels is not None:
             kernels.release_threads()
 

@@ -1,5 +1,5 @@
-"""The model runner: owns the KV pool tensors, turns a SchedulerOutput into one flat batch,
-runs the model once and samples the sequences that reached their end.
+"""The model runner: turns a SchedulerOutput into one flat batch, has the worker (worker.py) run
+the model over it once, and samples the sequences that reached their end.
 
 Step tensors are built in one go with numpy (no per-token Python loop):
 
@@ -31,14 +31,13 @@ import numpy as np
 import torch
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, parse_size
-from tokenmill.cpu_threads import ThreadGovernor
-from tokenmill.cuda_graphs import DecodeGraphs
-from tokenmill.host_memory import huge_page_zeros, to_device
+from tokenmill.config import EngineConfig, parse_size
+from tokenmill.host_memory import to_device
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
 from tokenmill.request import Request
 from tokenmill.sampler import HostTokens, Sampler, SamplingMetadata
 from tokenmill.spec_decode import verify
+from tokenmill.worker import ModelWorker
 
 DEFAULT_CPU_KV_MEMORY = 4 * 1024**3
 PROMPT_LOGPROB_ROWS = 128  # prompt positions scored at once: 128 rows of logits (25 MB at vocab 49,152)
@@ -69,47 +68,20 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig,
-                 backend, device: torch.device, kv_dtype: torch.dtype, seed: int, num_host_blocks: int = 0,
-                 threads: ThreadGovernor | None = None) -> None:
-        self.model = model
-        self.threads = threads  # CPU: sets the step's thread count from the cores free now
-        self.model_config = model_config
-        self.cache_config = cache_config
-        self.backend = backend
-        self.device = device
-        self.block_size = cache_config.block_size
-        # One tensor for the whole pool: (layers, K|V, blocks, kv_heads, block_size, head_dim). On the
-        # CPU it sits on huge pages, lazily committed (pages never touched cost no memory); on a GPU
-        # it is zeroed when the backend reads past a sequence's end, where it needs finite values.
-        # It holds one block more than the block manager hands out: the scratch block that padding
-        # rows of a replayed decode graph write to (cuda_graphs.py).
-        self.null_block = cache_config.num_blocks
-        shape = (model_config.num_layers, 2, cache_config.num_blocks + 1, model_config.num_kv_heads,
-                 cache_config.block_size, model_config.head_dim)
-        if device.type == "cpu":
-            self.kv_cache = huge_page_zeros(shape, kv_dtype)
-        else:
-            alloc = torch.zeros if getattr(backend, "reads_padding", False) else torch.empty
-            self.kv_cache = alloc(shape, dtype=kv_dtype, device=device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
-        # Host pool for preemption by swapping (pinned on CUDA so the copies run at full speed).
-        self.host_kv_cache = None if not num_host_blocks else torch.empty(
-            (*self.kv_cache.shape[:2], num_host_blocks, *self.kv_cache.shape[3:]), dtype=kv_dtype,
-            pin_memory=device.type == "cuda")
-        kernels = getattr(backend, "kernel", None) if device.type == "cpu" else None
-        self.sampler = Sampler(seed, device, kernels=kernels)
+    """Requests in, tokens out: prepares each step's tensors for the worker (worker.py), which runs
+    the model over the KV pool; samples, verifies drafts and scores prompts from what it returns."""
+
+    def __init__(self, worker: ModelWorker, seed: int) -> None:
+        self.worker = worker
+        self.device = worker.device
+        self.block_size = worker.block_size
+        kernels = getattr(worker.backend, "kernel", None) if self.device.type == "cpu" else None
+        self.sampler = Sampler(seed, self.device, kernels=kernels)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
-        self.graphs: DecodeGraphs | None = None
         # The last step's sampled tokens, still on the device, and each sampling request's row in them:
         # under async scheduling the next step is prepared before they reach the host.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
-
-    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Replay plain decode steps of up to max_batch sequences from CUDA graphs from now on."""
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.block_size, max_batch,
-                                   max_model_len, self.null_block, self.device)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep | None:
@@ -120,10 +92,10 @@ class ModelRunner:
         blocks out) returns None."""
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
-        if self.threads is not None:
-            self.threads.update()
+        worker = self.worker
+        worker.begin_step()
         t0 = time.perf_counter()
-        self.swap(sched.swap_out, sched.swap_in)
+        worker.swap(sched.swap_out, sched.swap_in)
         if not sched.requests:
             return None
         inputs = self.prepare(sched.requests, sched.num_scheduled_tokens, sched.num_draft_tokens)
@@ -132,11 +104,8 @@ class ModelRunner:
         plain_requests = [requests[i] for i in plain]
         meta = self._sampling_metadata(plain_requests) if plain else None
         t1 = time.perf_counter()
-        if self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.backend)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if requests else None
+        hidden = worker.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        logits = worker.compute_logits(hidden[inputs.logits_indices]) if requests else None
         t2 = time.perf_counter()
         pending = PendingStep(RunnerOutput(sampled_token_ids={}, time_prepare=t1 - t0, time_forward=t2 - t1),
                               plain_requests, meta)
@@ -181,19 +150,9 @@ class ModelRunner:
         tables = []
         for start in range(row_start, row_end, PROMPT_LOGPROB_ROWS):
             end = min(start + PROMPT_LOGPROB_ROWS, row_end)
-            raw = self.model.compute_logits(hidden[start:end]).log_softmax(dim=-1)
+            raw = self.worker.compute_logits(hidden[start:end]).log_softmax(dim=-1)
             tables.append(self.sampler.to_host(targets[start - row_start:end - row_start], raw, [n]))
         return request.request_id, first, tables, n
-
-    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy preempted requests' blocks out to the host pool, then readmitted ones back in;
-        before the forward pass, which may write into the blocks just swapped out."""
-        for copies, src, dst in ((swap_out, self.kv_cache, self.host_kv_cache),
-                                 (swap_in, self.host_kv_cache, self.kv_cache)):
-            if copies:
-                src_idx = torch.tensor([a for a, _ in copies], device=src.device)
-                dst_idx = torch.tensor([b for _, b in copies], device=dst.device)
-                dst.index_copy_(2, dst_idx, src.index_select(2, src_idx).to(dst.device))
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         for r in requests:
@@ -201,8 +160,7 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(seed_bits(r.params.seed, self.device))
                 self.generators[r.request_id] = gen
-        vocab = self.model.embed_tokens.num_embeddings  # the width of the logits
-        return SamplingMetadata.build(requests, self.generators, vocab, self.device)
+        return SamplingMetadata.build(requests, self.generators, self.worker.vocab_size, self.device)
 
     def _verify(self, logits: torch.Tensor, request: Request, result: RunnerOutput) -> None:
         """A sequence with drafts: keep those the model agrees with, plus one token of its own."""
@@ -217,7 +175,7 @@ class ModelRunner:
     def prepare(self, requests: list[Request], num_tokens: list[int],
                 num_drafts: list[int] | None = None) -> StepInputs:
         """Flatten the scheduled chunks into step tensors (see the module docstring)."""
-        short_max = getattr(self.backend, "short_query_max", 0)
+        short_max = self.worker.short_query_max
         if (not any(num_drafts or ()) and all(n == 1 for n in num_tokens)
                 and all(r.num_computed_tokens + 1 == r.num_tokens and not r.num_pending_tokens for r in requests)):
             return self._prepare_decodes(requests, short_max)

@@ -88,13 +88,15 @@ class DraftModelProposer:
         from tokenmill.config import CacheConfig
         from tokenmill.kv_cache import KVCacheManager
         from tokenmill.model_runner import ModelRunner
+        from tokenmill.worker import ModelWorker
 
         cfg, device = self.config, torch.device(self.config.device)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         backend = make_backend(cfg.attention_backend, device, block_size, self.model_config.head_dim,
                                getattr(torch, cfg.torch_dtype_name))
-        self.runner = ModelRunner(self.model, self.model_config, CacheConfig(num_blocks, block_size), backend, device,
-                                  getattr(torch, cfg.kv_dtype_name), cfg.seed)
+        worker = ModelWorker(self.model, self.model_config, CacheConfig(num_blocks, block_size), backend, device,
+                             getattr(torch, cfg.kv_dtype_name))
+        self.runner = ModelRunner(worker, cfg.seed)
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         active, counts, steps = [], [], max(ks, default=0)
@@ -140,8 +142,8 @@ class DraftModelProposer:
         """One draft forward pass; the next token of each sequence and its distribution q."""
         runner = self.runner
         inputs = runner.prepare(seqs, counts)
-        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
-        logits = runner.model.compute_logits(hidden[inputs.logits_indices])
+        hidden = runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        logits = runner.worker.compute_logits(hidden[inputs.logits_indices])
         by_id = {s.request_id: i for i, s in enumerate(inputs.sampling_requests)}
         order = [by_id[s.request_id] for s in seqs]  # prepare may reorder; give results in input order
         logits = logits[order]

@@ -28,11 +28,11 @@ def default_llm():
 @contextlib.contextmanager
 def int8_rows(engine, rows: int):
     """Products with x in 8-bit blocks for steps of up to `rows` rows, for the duration."""
-    set_int8_rows(engine.runner.model, rows)
+    set_int8_rows(engine.runner.worker.model, rows)
     try:
         yield
     finally:
-        set_int8_rows(engine.runner.model, engine.config.gguf_int8_rows)
+        set_int8_rows(engine.runner.worker.model, engine.config.gguf_int8_rows)
 
 
 def _logits(engine, ids):
@@ -41,9 +41,9 @@ def _logits(engine, ids):
     r = Request(request_id="x", prompt_token_ids=ids, params=SamplingParams(), max_tokens=1)
     assert engine.scheduler.kv.allocate(r, len(ids))
     inputs = engine.runner.prepare([r], [len(ids)])
-    model = engine.runner.model
+    model = engine.runner.worker.model
     with torch.inference_mode():
-        hidden = model(inputs.input_ids, inputs.positions, inputs.meta, engine.runner.kv_caches, engine.runner.backend)
+        hidden = engine.runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)
         logits = model.compute_logits(hidden)
     engine.scheduler.kv.free(r)
     return logits
@@ -93,16 +93,16 @@ def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm):
     from tokenmill import LLM
     from tokenmill.models.packed_linear import PackedLinear
     engine = default_llm.engine
-    if not all(m.format for m in engine.runner.model.modules() if isinstance(m, PackedLinear)):
+    if not all(m.format for m in engine.runner.worker.model.modules() if isinstance(m, PackedLinear)):
         pytest.skip("the CPU kernels' block formats are unavailable (no AVX2)")
     floats = LLM(gguf_blocks=False).engine
-    assert not any(m.format for m in floats.runner.model.modules() if isinstance(m, PackedLinear))
+    assert not any(m.format for m in floats.runner.worker.model.modules() if isinstance(m, PackedLinear))
     ids = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)
     for n in (1, 12, len(ids)):
         assert torch.equal(_logits(engine, ids[:n]), _logits(floats, ids[:n]))
     with int8_rows(engine, 8):
         few_rows = _logits(engine, ids[:8])
-        model = engine.runner.model
+        model = engine.runner.worker.model
         stack = model.fused_stack
         try:  # the one-call layers take x in 8-bit blocks as the Python layers do
             model.fused_stack = None

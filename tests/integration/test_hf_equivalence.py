@@ -22,6 +22,7 @@ from tokenmill.model_runner import ModelRunner
 from tokenmill.models.loader import load_model, open_checkpoint
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker import ModelWorker
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 
@@ -54,7 +55,8 @@ def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, k
         from tokenmill.models.triton_ops import TritonFusedOps
         model.ops = TritonFusedOps()
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
-    runner = ModelRunner(model, cfg, CacheConfig(64, 16), make_backend(backend_name, device), device, kv_dtype, seed=0)
+    runner = ModelRunner(ModelWorker(model, cfg, CacheConfig(64, 16), make_backend(backend_name, device), device,
+                                     kv_dtype), seed=0)
     rng = random.Random(arch)
     lengths = {"a": 70, "b": 23, "c": 41, "d": 9}
     reqs = {k: Request(request_id=k, prompt_token_ids=[rng.randrange(2, 384) for _ in range(n)],
@@ -72,11 +74,11 @@ def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, k
             counts.append(end - start)
         inputs = runner.prepare(requests, counts)
         with torch.inference_mode():
-            hidden = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+            hidden = runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)
             logits = model.compute_logits(hidden)
         out, offset = {}, 0
         order = [r.request_id for r in requests]
-        short_max = getattr(runner.backend, "short_query_max", 0)
+        short_max = runner.worker.short_query_max
         order = sorted(order, key=lambda rid: (chunks[rid][1] - chunks[rid][0]) > short_max)
         for rid in order:
             n = chunks[rid][1] - chunks[rid][0]
@@ -157,8 +159,8 @@ def test_fused_layers_give_the_python_layers_results_bit_for_bit(tiny_models, ar
     assert stack is not None and len(model.fused_layers) == len(model.layers)
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
     backend = make_backend("cpu", torch.device("cpu"), 16, checkpoint.config.head_dim)  # 16: chunks over 32 tokens
-    runner = ModelRunner(model, checkpoint.config, CacheConfig(64, 16), backend,         # go through SDPA
-                         torch.device("cpu"), torch.float32, seed=0)
+    runner = ModelRunner(ModelWorker(model, checkpoint.config, CacheConfig(64, 16), backend,  # go through SDPA
+                                     torch.device("cpu"), torch.float32), seed=0)
     rng = random.Random(0)
     reqs = [Request(request_id=str(i), prompt_token_ids=[rng.randrange(2, 384) for _ in range(n)],
                     params=SamplingParams(), max_tokens=8) for i, n in enumerate((20, 45, 7))]
@@ -166,9 +168,9 @@ def test_fused_layers_give_the_python_layers_results_bit_for_bit(tiny_models, ar
     def forward(requests, counts, use_fused):
         model.fused_stack = stack if use_fused else None
         inputs = runner.prepare(requests, counts)
-        assert runner.backend.all_in_kernel(inputs.meta) == all(n <= 32 for n in counts)  # fused or not
+        assert runner.worker.backend.all_in_kernel(inputs.meta) == all(n <= 32 for n in counts)  # fused or not
         with torch.inference_mode():
-            return model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+            return runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)
 
     for r, n in zip(reqs, (20, 45, 7)):
         assert kv.allocate(r, n)
@@ -221,13 +223,13 @@ def prompt_logits(path, prompt: list[int], kernels: str) -> torch.Tensor:
     checkpoint = open_checkpoint(path)
     model = load_model(checkpoint, 256, torch.float32, torch.device("cpu"), kernels=kernels)
     backend = make_backend("cpu" if kernels == "auto" else "reference", torch.device("cpu"))
-    runner = ModelRunner(model, checkpoint.config, CacheConfig(32, 16), backend, torch.device("cpu"), torch.float32,
-                         seed=0)
+    runner = ModelRunner(ModelWorker(model, checkpoint.config, CacheConfig(32, 16), backend, torch.device("cpu"),
+                                     torch.float32), seed=0)
     request = Request(request_id="a", prompt_token_ids=prompt, params=SamplingParams(), max_tokens=1)
     assert KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=False).allocate(request, len(prompt))
     inputs = runner.prepare([request], [len(prompt)])
     with torch.inference_mode():
-        return model.compute_logits(model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, backend))
+        return model.compute_logits(runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta))
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}

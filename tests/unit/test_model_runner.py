@@ -23,7 +23,7 @@ def test_decode_steps_get_the_same_tensors_from_either_path(tiny_llama, backend)
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=4, num_kv_blocks=64,
                                     attention_backend=backend, device="cpu"))
     runner = engine.runner
-    short_max = getattr(runner.backend, "short_query_max", 0)
+    short_max = getattr(runner.worker.backend, "short_query_max", 0)
     prepare, prepare_decodes, compared, shortcuts = runner.prepare, runner._prepare_decodes, [], []
 
     def counted_prepare_decodes(requests, short):

@@ -333,18 +333,20 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
     from tokenmill.model_runner import ModelRunner
     from tokenmill.request import Request
     from tokenmill.sampling_params import SamplingParams
+    from tokenmill.worker import ModelWorker
     model.ops = fused
     fuse_layers(model, fused.kernels)
     assert model.fused_stack is not None
-    runner = ModelRunner(model, cfg, CacheConfig(8, 16), make_backend("cpu", torch.device("cpu")), torch.device("cpu"),
-                         torch.float32, seed=0)
+    worker = ModelWorker(model, cfg, CacheConfig(8, 16), make_backend("cpu", torch.device("cpu")), torch.device("cpu"),
+                         torch.float32)
+    runner = ModelRunner(worker, seed=0)
     request = Request(request_id="r", prompt_token_ids=list(range(2, 9)), params=SamplingParams(), max_tokens=4)
     request.block_ids = [3]
     inputs = runner.prepare([request], [7])
     with torch.inference_mode():
-        one_call = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+        one_call = worker.forward(inputs.input_ids, inputs.positions, inputs.meta)
         model.fused_stack = None
-        python = model(inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.backend)
+        python = worker.forward(inputs.input_ids, inputs.positions, inputs.meta)
     assert torch.equal(one_call, python)
 
 

@@ -43,7 +43,7 @@ def bench_throughput(args) -> dict:
     workload = _workload(args, engine.model_config.vocab_size)
     print(f"workload {args.workload}: {len(workload)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in workload)} prompt and "
-          f"{sum(r.max_tokens for r in workload)} output tokens; attention backend {engine.runner.backend.name}")
+          f"{sum(r.max_tokens for r in workload)} output tokens; attention backend {engine.runner.worker.backend.name}")
     if args.workload == "long":
         return _bench_long(args, engine, workload)
     if args.workload == "prefix":

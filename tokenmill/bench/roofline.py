@@ -131,7 +131,7 @@ def bench_roofline(args) -> dict:
     if config.device.split(":")[0] != "cpu" or config.torch_dtype_name != "float32":
         raise ValueError("bench roofline measures the CPU's float32 peak: run it with --device cpu and float32")
     engine = LLMEngine(config)
-    model, cfg = engine.runner.model, engine.model_config
+    model, cfg = engine.runner.worker.model, engine.model_config
     threads = torch.get_num_threads()
     large = gemm_peak()
     layer_rate = layer_gemm_rate(model)

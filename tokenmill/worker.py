@@ -1,0 +1,88 @@
+"""The model worker: what one device holds and runs. The model's weights, the KV pool tensors,
+the attention backend, the decode graphs and the CPU thread count live here; a step comes in as
+tensors already prepared (token ids, positions, attention metadata) and leaves as hidden states.
+
+The worker knows nothing of requests, sampling or the scheduler: those stay with the runner
+(model_runner.py), which prepares each step once and hands the worker its tensors. That line is
+where tensor-parallel ranks will sit, each a worker over its share of the heads and of the pool.
+
+    pool  (layers, K|V, blocks + 1, kv_heads, block_size, head_dim)
+          the last block is scratch: padding rows of a replayed decode graph write there
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention import AttentionMetadata
+from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.cpu_threads import ThreadGovernor
+from tokenmill.cuda_graphs import DecodeGraphs
+from tokenmill.host_memory import huge_page_zeros
+
+
+class ModelWorker:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig, backend,
+                 device: torch.device, kv_dtype: torch.dtype, num_host_blocks: int = 0,
+                 threads: ThreadGovernor | None = None) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.threads = threads  # CPU: sets each step's thread count from the cores free now
+        self.block_size = cache_config.block_size
+        self.null_block = cache_config.num_blocks  # the scratch block
+        shape = (model_config.num_layers, 2, cache_config.num_blocks + 1, model_config.num_kv_heads,
+                 cache_config.block_size, model_config.head_dim)
+        # On the CPU the pool sits on huge pages, lazily committed (pages never touched cost no memory);
+        # on a GPU it is zeroed when the backend reads past a sequence's end, where it needs finite values.
+        if device.type == "cpu":
+            self.kv_cache = huge_page_zeros(shape, kv_dtype)
+        else:
+            alloc = torch.zeros if getattr(backend, "reads_padding", False) else torch.empty
+            self.kv_cache = alloc(shape, dtype=kv_dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
+        # Host pool for preemption by swapping (pinned on CUDA so the copies run at full speed).
+        self.host_kv_cache = None if not num_host_blocks else torch.empty(
+            (*self.kv_cache.shape[:2], num_host_blocks, *self.kv_cache.shape[3:]), dtype=kv_dtype,
+            pin_memory=device.type == "cuda")
+        self.graphs: DecodeGraphs | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the logits (the embedding's rows, padding included)."""
+        return self.model.embed_tokens.num_embeddings
+
+    @property
+    def short_query_max(self) -> int:
+        """The longest query the backend's batched short-query kernel takes (0: none)."""
+        return getattr(self.backend, "short_query_max", 0)
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Replay plain decode steps of up to max_batch sequences from CUDA graphs from now on."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.block_size, max_batch,
+                                   max_model_len, self.null_block, self.device)
+
+    def begin_step(self) -> None:
+        """Before a step's work: the CPU thread count for it."""
+        if self.threads is not None:
+            self.threads.update()
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy preempted requests' blocks out to the host pool, then readmitted ones back in;
+        before the forward pass, which may write into the blocks just swapped out."""
+        for copies, src, dst in ((swap_out, self.kv_cache, self.host_kv_cache),
+                                 (swap_in, self.host_kv_cache, self.kv_cache)):
+            if copies:
+                src_idx = torch.tensor([a for a, _ in copies], device=src.device)
+                dst_idx = torch.tensor([b for _, b in copies], device=dst.device)
+                dst.index_copy_(2, dst_idx, src.index_select(2, src_idx).to(dst.device))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model over one flat batch, writing its K/V into the pool: (T, hidden) states."""
+        if self.graphs is not None and self.graphs.fits(input_ids, meta):
+            return self.graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, self.kv_caches, self.backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(rows, hidden) -> (rows, vocab) float32 logits."""
+        return self.model.compute_logits(hidden)

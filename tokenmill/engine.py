@@ -23,45 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
 
-from tokenmill.attention import make_backend
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
-from tokenmill.cpu_threads import ThreadGovernor, usable_cpus
+from tokenmill.config import EngineConfig
+from tokenmill.engine_parts import build_engine_parts
 from tokenmill.input_processor import InputProcessor, Prompt
-from tokenmill.kv_cache import KVCacheManager
-from tokenmill.model_runner import ModelRunner, PendingStep, kv_pool_blocks, pool_too_big
-from tokenmill.models.loader import (
-    BROKEN_FILE_ERRORS,
-    load_model,
-    load_tokenizer,
-    open_checkpoint,
-    resolve_model_path,
-    unreadable,
-)
+from tokenmill.model_runner import PendingStep
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepStats
-from tokenmill.proposers import make_proposer
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler
-from tokenmill.spec_decode import SpeculationPolicy, Speculator
 from tokenmill.structured import GrammarCompiler
-from tokenmill.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    """The engine's device, with its index ("cuda" is the current GPU: torch.cuda.set_device needs
-    an index); a CUDA device on a torch that sees none is an error before anything loads."""
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {name!r}: this torch build sees no CUDA GPU "
-                         f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 @dataclass
@@ -75,56 +48,15 @@ class Launched:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.threads: ThreadGovernor | None = None
-        self.device = resolve_device(config.device)
-        self.use_device()
-        self.dtype = getattr(torch, config.torch_dtype_name)
-        self.kv_dtype = getattr(torch, config.kv_dtype_name)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        elif self.device.type == "cpu":  # the threads follow the cores other processes leave free
-            cpus, limit = usable_cpus()
-            self.threads = ThreadGovernor(cpus, limit, torch.set_num_threads)
-        path = resolve_model_path(config.model)
-        self.model_path = path
-        checkpoint = open_checkpoint(path)
-        self.model_config: ModelConfig = checkpoint.config
-        self.tokenizer = load_tokenizer(path, config.tokenizer)
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                      self.model_config.max_position_embeddings)
-        if config.max_model_len is not None and config.max_model_len > max_len:
-            logger.warning("max_model_len %d is past the model's %d positions: lowered to %d",
-                           config.max_model_len, max_len, max_len)
-        try:
-            model = load_model(checkpoint, max_len, self.dtype, self.device, config.kernels, config.gguf_blocks,
-                               config.gguf_int8_rows)
-        except (*BROKEN_FILE_ERRORS, SafetensorError) as exc:
-            raise unreadable(path, exc) from exc
-        # A draft model is loaded before the pool is sized (on a GPU, from the memory left), and its
-        # own pool gets as many blocks: each block then costs the two models' K/V.
-        proposer = (make_proposer(config.speculative, config, self.model_config.vocab_size)
-                    if config.speculative is not None else None)
-        draft_kv = proposer.kv_elements_per_token if proposer is not None else 0
-        num_blocks = kv_pool_blocks(config, self.device, (self.model_config.kv_bytes_per_token + draft_kv)
-                                    * self.kv_dtype.itemsize, max_len)
-        if num_blocks * config.block_size < max_len:
-            logger.warning("KV pool holds %d tokens: max_model_len lowered from %d",
-                           num_blocks * config.block_size, max_len)
-            max_len = num_blocks * config.block_size
-        self.max_model_len = max_len
-        self._build_core(model, num_blocks, max_len)
-        self.speculator = None
-        if proposer is not None:
-            proposer.allocate(num_blocks, config.block_size)
-            self.speculator = Speculator(proposer, SpeculationPolicy(config.num_speculative_tokens),
-                                         adaptive=config.speculative_adaptive)
+        parts = build_engine_parts(config)
+        self.device, self.dtype, self.kv_dtype = parts.device, parts.dtype, parts.kv_dtype
+        self.model_path, self.model_config, self.tokenizer = parts.model_path, parts.model_config, parts.tokenizer
+        self.eos_token_ids, self.max_model_len = parts.eos_token_ids, parts.max_model_len
+        self.cache_config, self.runner, self.scheduler = parts.cache_config, parts.runner, parts.scheduler
+        self.speculator = parts.speculator
         grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                              max_len, config.scheduling_policy, grammars)
+                                              self.max_model_len, config.scheduling_policy, grammars)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.end_on_stop_string)
         # The pipeline's two knobs (see the module docstring); both default on for CUDA.
         self.async_output = config.async_output if config.async_output is not None else self.device.type == "cuda"
@@ -135,26 +67,6 @@ class LLMEngine:
         self.last_stats = StepStats()
         self._preemptions_recorded = 0  # the scheduler's count when stats were last recorded
         self.stats_listeners: list[Callable[[StepStats], None]] = []
-
-    def _build_core(self, model, num_blocks: int, max_len: int) -> None:
-        """The runner with its KV pool tensors, and the scheduler with the pool's bookkeeping."""
-        config = self.config
-        self.cache_config = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
-        bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize
-        num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
-        backend = make_backend(config.attention_backend, self.device, config.block_size, self.model_config.head_dim,
-                               self.dtype)
-        try:  # the pool's tensors first, then its bookkeeping (a list entry per block)
-            worker = ModelWorker(model, self.model_config, self.cache_config, backend, self.device, self.kv_dtype,
-                                 num_host_blocks, self.threads)
-            kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
-        except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
-            raise MemoryError(pool_too_big(config, self.device, num_blocks, num_host_blocks, bytes_per_block,
-                                           exc)) from exc
-        self.runner = ModelRunner(worker, config.seed)
-        self.scheduler = Scheduler(SchedulerConfig.from_engine(config, max_len), kv)
-        if self.device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False):
-            worker.capture_graphs(config.max_num_seqs, max_len)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -195,9 +107,7 @@ class LLMEngine:
         of its own: each thread that runs parallel kernels keeps a team of workers, and with more
         workers than cores libgomp makes idle ones sleep at once instead of spinning, so that every
         kernel call would have to wake them."""
-        kernels = getattr(self.runner.worker.backend, "kernel", None)  # the CPU backend's C++ module
-        if kernels is not None:
-            kernels.release_threads()
+        self.runner.worker.release_threads()
 
     def use_device(self) -> None:
         """Make the engine's GPU the calling thread's current device: Triton launches, CUDA events

@@ -67,6 +67,12 @@ class ModelWorker:
         if self.threads is not None:
             self.threads.update()
 
+    def release_threads(self) -> None:
+        """Let the OpenMP workers that the calling thread started exit (see LLMEngine.release_threads)."""
+        kernels = getattr(self.backend, "kernel", None)  # the CPU backend's C++ module
+        if kernels is not None:
+            kernels.release_threads()
+
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy preempted requests' blocks out to the host pool, then readmitted ones back in;
         before the forward pass, which may write into the blocks just swapped out."""

@@ -143,7 +143,7 @@ def test_a_cuda_device_gets_its_index_and_needs_cuda(monkeypatch):
     GPU. Without CUDA, an error before anything loads."""
     import torch
 
-    from tokenmill.engine import resolve_device
+    from tokenmill.engine_parts import resolve_device
     assert resolve_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="sees no CUDA"):

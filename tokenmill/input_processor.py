@@ -57,7 +57,9 @@ class InputProcessor:
                      deadline: float | None = None, fit_to_context: bool = False) -> Request:
         """Tokenize and validate. fit_to_context: a max_tokens past the context ends the output
         there instead (the offline API's choice, as vLLM's; the server answers 400, as vLLM's and
-        OpenAI's do)."""
+        OpenAI's do). The request's timeline starts at arrival_time (default: now, before
+        tokenizing) and records when tokenizing and validating ended."""
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         params = params or SamplingParams()
         if priority and self.scheduling_policy != "priority":  # as vLLM: not silently ignored
             raise FieldError("priority", f"priority {priority} needs scheduling_policy 'priority' "
@@ -80,11 +82,12 @@ class InputProcessor:
                              f"exceeds the model's context length ({self.max_model_len})")
         grammar = (self.grammars.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
-        return Request(request_id=request_id, prompt_token_ids=ids, params=params,
-                       max_tokens=min(params.max_tokens or room, room), eos_token_ids=self.eos_token_ids,
-                       prompt=text, priority=priority, deadline=deadline,
-                       arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-                       grammar=grammar, bad_words_token_ids=bad_words)
+        request = Request(request_id=request_id, prompt_token_ids=ids, params=params,
+                          max_tokens=min(params.max_tokens or room, room), eos_token_ids=self.eos_token_ids,
+                          prompt=text, priority=priority, deadline=deadline, arrival_time=arrival_time,
+                          grammar=grammar, bad_words_token_ids=bad_words)
+        request.timeline.add(time.monotonic(), "tokenized")
+        return request
 
     def _check_token_ids(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size

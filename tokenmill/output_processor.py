@@ -74,13 +74,14 @@ class OutputProcessor:
             index=0, text=text, token_ids=request.output_token_ids, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, logprobs=list(request.output_logprobs) if logprobs else None,
             cumulative_logprob=request.cumulative_logprob if logprobs else None)
-        times = request.times
-        metrics = RequestMetrics(times.arrival, times.first_scheduled, times.first_token, times.finished,
-                                 request.num_cached_tokens, request.num_preemptions)
+        timeline = request.timeline
+        metrics = RequestMetrics(request.arrival_time, timeline.time_of("admitted"), timeline.time_of("first_token"),
+                                 timeline.time_of("finished"), request.num_cached_tokens, request.num_preemptions)
         grammar = request.grammar
         failed = grammar is not None and grammar.failed and request.status == RequestStatus.FINISHED_ERROR
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
                              request.is_finished, new_text=delta, new_token_ids=new_ids, metrics=metrics,
+                             timeline=timeline,
                              prompt_logprobs=request.prompt_logprobs if request.params.prompt_logprobs is not None
                              else None,
                              error=f"its structured output's grammar failed: {grammar.error}" if failed else None)

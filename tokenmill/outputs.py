@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.request import Request
+from tokenmill.timeline import Timeline
 
 
 @dataclass
@@ -129,5 +130,6 @@ class RequestOutput:
     new_text: str = ""                          # text added by this step (UTF-8 safe, stop-safe)
     new_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    timeline: Timeline | None = None            # the request's events so far (timeline.py), shared, growing
     error: str | None = None                    # set when finish_reason is "error"
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, if asked (first: None)

@@ -3,6 +3,8 @@
 Plain Python, no torch: the scheduler and the block pool are tested with exact
 expectations and no model.
 
+What happened to it, and when, is its timeline (timeline.py), written by the scheduler.
+
 Progress is one counter, not a phase. `num_computed_tokens` catches up with
 `num_tokens` (prompt + generated so far); a step grants it some of the gap.
 A prompt is "prefilling" while the gap is large, "decoding" when the gap is the
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.timeline import Timeline
 
 if TYPE_CHECKING:
     from tokenmill.structured import Grammar
@@ -47,17 +50,6 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
-
-
-@dataclass
-class RequestTimes:
-    """Wall-clock timestamps (time.monotonic seconds) for latency metrics."""
-
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
 
 
 @dataclass(eq=False)
@@ -92,12 +84,13 @@ class Request:
     cumulative_logprob: float = 0.0         # of the output tokens, when logprobs are asked for
     prompt_logprobs: list[dict[int, float] | None] = field(init=False)  # entry j: prompt token j given
                                             # those before it (None for the first); filled chunk by chunk
-    times: RequestTimes = field(init=False)
+    timeline: Timeline = field(init=False)  # events and token times on the monotonic clock (timeline.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else []
-        self.times = RequestTimes(arrival=self.arrival_time)
+        self.timeline = Timeline()
+        self.timeline.add(self.arrival_time, "arrival", prompt_tokens=len(self.prompt_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -141,6 +134,6 @@ class Request:
         self.token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
-        if self.times.first_token is None:
-            self.times.first_token = now
-        self.times.last_token = now
+        if not self.timeline.token_times:
+            self.timeline.add(now, "first_token")
+        self.timeline.token_times.append(now)

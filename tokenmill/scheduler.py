@@ -93,6 +93,7 @@ class Scheduler:
         self.running: list[Request] = []         # admission order
         self.requests: dict[str, Request] = {}   # every unfinished request
         self._finished_ids: list[str] = []       # ended since the last schedule()
+        self.num_steps = 0                       # steps scheduled (timelines name a chunk's step)
         self.num_preemptions = 0
         self.num_swapped_out = 0                 # of which by swapping
         self.missed_deadlines: list[str] = []    # edf: requests that finished after their deadline
@@ -120,11 +121,12 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        request.times.finished = self.clock()
+        now = self.clock()
+        request.timeline.add(now, "finished", finish_reason=request.finish_reason)
         if self.connector is not None:
             self.connector.on_finish(request, request.block_ids)
         self._free(request)  # (a failed step has already made the whole pool forget its hashes)
-        if request.deadline is not None and request.times.finished > request.deadline:
+        if request.deadline is not None and now > request.deadline:
             self.missed_deadlines.append(request_id)
         self._finished_ids.append(request_id)
         return request
@@ -220,7 +222,7 @@ class Scheduler:
             if any(self._ends_in_flight(r) for r in self.running):
                 return 0
             victim = self._pick_victim(exclude=plan.scheduled) or request
-            self._preempt(victim)
+            self._preempt(victim, "pool_full")
             plan.preempted.append(victim)
             plan.short = True
             if victim is request:
@@ -233,14 +235,19 @@ class Scheduler:
         while (len(self.waiting) > len(plan.admission_victims) and plan.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self._next_waiting(exclude=plan.admission_victims)
+            resuming, swapped = request.status == RequestStatus.PREEMPTED, len(request.swapped_block_ids)
             num_new, held = self._allocate_waiting(request, plan)
             if num_new == 0:
                 break
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = self.clock()
+            if not resuming:
+                request.timeline.add(self.clock(), "admitted", cached=request.num_cached_tokens)
+            elif swapped:
+                request.timeline.add(self.clock(), "resumed", swapped_blocks=swapped)
+            else:  # its own discarded work back from the cache, if still there: not a prefix hit
+                request.timeline.add(self.clock(), "resumed", cached=request.num_computed_tokens)
             plan.grant(request, num_new, 0, held)
 
     def _allocate_waiting(self, request: Request, plan: _StepPlan) -> tuple[int, bool]:
@@ -262,7 +269,8 @@ class Scheduler:
             return 0, False
         self.kv.allocate(request, external + num_new, hit)
         request.num_computed_tokens += hit.num_tokens + external
-        request.num_cached_tokens = hit.num_tokens
+        if request.status == RequestStatus.WAITING:  # a preempted request's own work is no prefix hit
+            request.num_cached_tokens = hit.num_tokens
         if self.connector is not None:
             self.connector.after_allocate(request, request.block_ids, external)
         return num_new, held
@@ -278,6 +286,12 @@ class Scheduler:
         """The step as the runner sees it; hands over the requests finished since the last one."""
         finished, self._finished_ids = self._finished_ids, []
         scheduled, drafts = plan.scheduled, plan.drafts
+        self.num_steps += 1
+        now = None
+        for request, num_new in scheduled.items():
+            if request.num_remaining_prefill > 1:  # a prompt chunk (or a recomputed stretch)
+                now = self.clock() if now is None else now
+                request.timeline.add(now, "chunk", step=self.num_steps, tokens=num_new)
         return SchedulerOutput(
             requests=list(scheduled), num_scheduled_tokens=list(scheduled.values()),
             num_draft_tokens=list(drafts.values()),
@@ -328,7 +342,7 @@ class Scheduler:
             short = self.kv.admission_shortfall(request, external + tokens, hit) + reserve
             if left < self.config.max_num_seqs and short <= freed:
                 for victim in candidates[:n]:
-                    self._preempt(victim)
+                    self._preempt(victim, "admission")
                 return candidates[:n]
         return []
 
@@ -343,14 +357,19 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, reason: str) -> None:
+        """Out of the batch, back to the waiting queue: its blocks swapped out or freed. reason:
+        "pool_full" (a running request needed blocks) or "admission" (a more urgent one did)."""
         self.running.remove(request)
         request.draft_token_ids, request.draft_probs = [], None
+        tokens = request.num_computed_tokens
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(request):
             self._swap_out.extend(self.kv.swap_out(request))
             self.num_swapped_out += 1
+            request.timeline.add(self.clock(), "preempted", reason=reason, mode="swap", tokens=tokens)
         else:  # recompute (or swap with a full host pool)
             self._free(request)
+            request.timeline.add(self.clock(), "preempted", reason=reason, mode="recompute", tokens=tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -396,6 +415,8 @@ class Scheduler:
                 request.draft_token_ids, request.draft_probs = [], None
                 if rejected:
                     self.kv.trim(request)
+                if num_draft:
+                    request.timeline.add(now, "spec", proposed=num_draft, accepted=num_draft - rejected)
             if scores := result.prompt_logprobs.get(request.request_id):
                 first, entries = scores  # a recomputed prompt (after preemption) is scored once
                 if first <= len(request.prompt_logprobs):

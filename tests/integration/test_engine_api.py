@@ -356,3 +356,19 @@ def test_truncated_prompts_and_priorities_in_generate(tiny_llama):
     assert starts[1] < starts[2] < starts[0]
     with pytest.raises(ValueError, match="priorities"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=1), priority=[1, 2])
+
+
+def test_each_output_carries_its_request_timeline_in_order(llm):
+    """The offline API returns the timeline on each output: arrival, tokenizing, admission, the
+    prompt's chunks (64-token budget: a 150-token prompt takes three), the first token, the end;
+    one token time per output token."""
+    out = llm.generate([list(range(2, 152))], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    t = out.timeline
+    kinds = [e.kind for e in t.events]
+    assert kinds == ["arrival", "tokenized", "admitted", "chunk", "chunk", "chunk", "first_token", "finished"]
+    assert [e.data["tokens"] for e in t.events if e.kind == "chunk"] == [64, 64, 22]
+    assert t.events[-1].data == {"finish_reason": "length"} and len(t.token_times) == 5
+    times = [e.time for e in t.events]
+    assert times == sorted(times) and list(t.token_times) == sorted(t.token_times)
+    assert t.ttft == out.metrics.first_token_time - out.metrics.arrival_time

@@ -542,14 +542,16 @@ def test_health_reports_a_dead_engine_loop(tiny_llama):
 
 def test_e2e_latency_metric_ends_at_the_engines_finish_time(server):
     """As the TTFT takes the engine's first-token time, the end-to-end latency takes its finish
-    time, not the moment the output is reported (a step later under async output)."""
-    from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    time from the request's timeline, not the moment the output is reported."""
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.timeline import Timeline
     metrics = server.app.state.metrics
-    before = metrics.e2e.collect()[0].samples
-    total = next(s.value for s in before if s.name.endswith("_sum"))
+    total = next(s.value for s in metrics.e2e.collect()[0].samples if s.name.endswith("_sum"))
+    timeline = Timeline()
+    timeline.add(100.0, "arrival", prompt_tokens=1)
+    timeline.add(102.0, "finished", finish_reason="length")
     out = RequestOutput("x", None, [5], [CompletionOutput(0, "", [6], finish_reason="length")], finished=True,
-                        metrics=RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
-                                               finished_time=102.0))
-    metrics.on_finished(out, now=250.0)
+                        timeline=timeline)
+    metrics.on_finished(out)
     after = next(s.value for s in metrics.e2e.collect()[0].samples if s.name.endswith("_sum"))
     assert after - total == pytest.approx(2.0)

@@ -239,7 +239,7 @@ def test_a_replay_after_preemption_counts_its_output_toward_long():
     for _ in range(30):
         step(s)
     r = s.requests["r"]
-    s._preempt(r)
+    s._preempt(r, "pool_full")
     assert r.num_computed_tokens == 0 and r.num_tokens > 50
     assert scheduled(step(s))["r"] == 8
 

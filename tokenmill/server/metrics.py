@@ -1,12 +1,12 @@
 """Prometheus metrics, updated on the engine thread after every step.
 
-Each server owns its CollectorRegistry (no process-wide default registry), so tests can
-run several servers in one process.
+Request latencies (queue time, TTFT, ITL, prefill, decode, end to end) are read from each
+request's timeline (timeline.py), the same events `GET /v1/requests/{id}` shows, so the two
+always agree. Each server owns its CollectorRegistry (no process-wide default registry), so
+tests can run several servers in one process.
 """
 
 from __future__ import annotations
-
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -41,7 +41,11 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("tokenmill_request_queue_time_seconds", "Arrival to first scheduled",
                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self._last_token: dict[str, float] = {}   # engine thread only
+        self.prefill_time = Histogram("tokenmill_request_prefill_time_seconds", "First scheduled to first token",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("tokenmill_request_decode_time_seconds", "First token to finish",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self._tokens_seen: dict[str, int] = {}   # request id -> output tokens whose gaps are observed
         self.observe_pool()
 
     def observe_pool(self) -> None:
@@ -55,36 +59,46 @@ class ServerMetrics:
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step (stats None: outputs of aborted requests)."""
-        now = time.monotonic()
         self.observe_pool()
         if stats is not None:
             self.preemptions.inc(stats.num_preemptions)
             self.draft_tokens.inc(stats.num_draft_tokens)
             self.accepted_tokens.inc(stats.num_accepted_tokens)
         for out in outputs:
-            rid = out.request_id
             if out.new_token_ids:
                 self.generation_tokens.inc(len(out.new_token_ids))
-                last = self._last_token.get(rid)
-                if last is None:
-                    m = out.metrics
-                    self.prompt_tokens.inc(len(out.prompt_token_ids))
-                    if m is not None and m.first_token_time is not None:
-                        self.ttft.observe(m.first_token_time - m.arrival_time)
-                    if m is not None and m.first_scheduled_time is not None:
-                        self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
-                else:
-                    self.itl.observe(now - last)
-                self._last_token[rid] = now
+            if out.timeline is not None:
+                self._observe_tokens(out)
             if out.finished:
-                self.on_finished(out, now)
+                self.on_finished(out)
 
-    def on_finished(self, out: RequestOutput, now: float) -> None:
-        self._last_token.pop(out.request_id, None)
+    def _observe_tokens(self, out: RequestOutput) -> None:
+        """At its first token: the prompt, queue time and TTFT; then each new gap between tokens."""
+        timeline, rid = out.timeline, out.request_id
+        seen, count = self._tokens_seen.get(rid, 0), len(timeline.token_times)
+        if count == seen:
+            return
+        if seen == 0:
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.ttft.observe(timeline.ttft)
+            if timeline.queue_time is not None:
+                self.queue_time.observe(timeline.queue_time)
+            if timeline.prefill_time is not None:
+                self.prefill_time.observe(timeline.prefill_time)
+        for gap in timeline.itl(start=max(seen, 1)):
+            self.itl.observe(gap)
+        self._tokens_seen[rid] = count
+
+    def on_finished(self, out: RequestOutput) -> None:
+        self._tokens_seen.pop(out.request_id, None)
         self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
-        if out.metrics is not None:  # the engine's own finish time, as the TTFT uses its first-token time
-            end = out.metrics.finished_time if out.metrics.finished_time is not None else now
-            self.e2e.observe(end - out.metrics.arrival_time)
+        timeline = out.timeline
+        if timeline is None:
+            return
+        if timeline.e2e is not None:
+            self.e2e.observe(timeline.e2e)
+        if timeline.decode_time is not None:
+            self.decode_time.observe(timeline.decode_time)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,69 @@
+"""/metrics latencies are the timelines' own: a scheduler on a fake clock, its outputs fed to the
+metrics as the engine thread feeds them, each histogram's count and sum checked exactly."""
+
+from __future__ import annotations
+
+from fakes import FakeClock, fake_run, make_request, make_scheduler
+
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.server.metrics import ServerMetrics
+
+
+class SchedulerOnly:
+    """What ServerMetrics reads of an engine: its scheduler's stats."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+
+def output(r: Request, new: int) -> RequestOutput:
+    return RequestOutput(r.request_id, None, r.prompt_token_ids,
+                         [CompletionOutput(0, "", r.output_token_ids, finish_reason=r.finish_reason)],
+                         finished=r.is_finished, new_token_ids=r.output_token_ids[-new:] if new else [],
+                         timeline=r.timeline)
+
+
+def run(s, clock: FakeClock, metrics: ServerMetrics, steps: int, abort: tuple[float, str] | None = None) -> None:
+    for _ in range(steps):
+        clock.now += 1.0
+        sched = s.schedule()
+        before = {r.request_id: r.num_output_tokens for r in sched.requests}
+        changed = s.update(sched, fake_run(sched))
+        metrics.on_step(None, [output(r, r.num_output_tokens - before[r.request_id]) for r in changed])
+    if abort is not None:
+        clock.now, rid = abort
+        r = s.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        metrics.on_step(None, [output(r, 0)])
+
+
+def histogram(h) -> tuple[float, float]:
+    samples = {s.name.rsplit("_", 1)[-1]: s.value for s in h.collect()[0].samples}
+    return samples["count"], samples["sum"]
+
+
+def test_every_latency_comes_from_the_timeline_preempted_and_aborted_requests_included() -> None:
+    clock = FakeClock()
+    s = make_scheduler(budget=5, clock=clock)
+    metrics = ServerMetrics(SchedulerOnly(s))
+    a = make_request("a", prompt_len=6, max_tokens=3)                # admitted at 1, tokens at 2, 3, 4.5
+    b = make_request("b", prompt_len=2, max_tokens=20, arrival=0.5)  # admitted at 2 (budget), tokens at 2, 3
+    s.add_request(a)
+    s.add_request(b)
+    run(s, clock, metrics, steps=3)
+    clock.now = 3.5
+    s._preempt(b, "pool_full")  # b: tokens at 2, 3; its 4 tokens replayed at 4.5
+    run(s, clock, metrics, steps=1)
+    assert a.timeline.token_times.tolist() == [2.0, 3.0, 4.5] and a.is_finished
+    assert b.timeline.token_times.tolist() == [2.0, 3.0, 4.5]
+    run(s, clock, metrics, steps=1, abort=(6.0, "b"))  # b's fourth token at 5.5, then the abort
+    assert b.timeline.token_times.tolist() == [2.0, 3.0, 4.5, 5.5]
+    assert histogram(metrics.queue_time) == (2, 1.0 + 1.5)
+    assert histogram(metrics.ttft) == (2, 2.0 + 1.5)
+    assert histogram(metrics.prefill_time) == (2, 1.0 + 0.0)
+    assert histogram(metrics.itl) == (5, (1.0 + 1.5) + (1.0 + 1.5 + 1.0))  # nothing after b's abort
+    assert histogram(metrics.decode_time) == (2, 2.5 + 4.0)
+    assert histogram(metrics.e2e) == (2, 4.5 + 5.5)
+    finished = {s.labels["finish_reason"]: s.value for s in metrics.finished.collect()[0].samples
+                if s.name.endswith("_total")}
+    assert finished == {"length": 1.0, "abort": 1.0}

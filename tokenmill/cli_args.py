@@ -24,6 +24,8 @@ _ENGINE_HELP = {
                       "(faster at batch 1-8, perplexity +0.75%%, results then depend on the step's size; 0: off)",
     "num_threads": "CPU: threads for a step, fixed (default: the cores other processes leave free, "
                    "followed as they change)",
+    "trace_file": "write the engine's steps and each request's timeline to this file as Chrome trace JSON "
+                  "(chrome://tracing, ui.perfetto.dev)",
     "enforce_eager": "CUDA: launch every step from Python, no decode graphs",
     "async_output": "build a step's outputs while the next step runs (default: on for CUDA)",
     "async_scheduling": "schedule and launch the next step before this one's tokens reach the host "

@@ -126,6 +126,7 @@ class EngineConfig:
     ngram_max: int = 4
     speculative_adaptive: bool = True        # decide each step whether speculating pays (else always)
     tokenizer: str | None = None             # tokenizer directory when it differs from the model's
+    trace_file: str | None = None            # write steps and request timelines as Chrome trace JSON (trace.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -33,6 +33,7 @@ from tokenmill.outputs import RequestOutput, RunnerOutput, SchedulerOutput, Step
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured import GrammarCompiler
+from tokenmill.trace import TraceWriter
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class LLMEngine:
         self.last_stats = StepStats()
         self._preemptions_recorded = 0  # the scheduler's count when stats were last recorded
         self.stats_listeners: list[Callable[[StepStats], None]] = []
+        self.trace = TraceWriter(config.trace_file) if config.trace_file else None  # --trace-file
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -99,7 +101,10 @@ class LLMEngine:
         final output (finish_reason "abort"), or None for an unknown or finished request; a
         request that finished but whose end was not reported yet (async_output) gets that end;
         a token of it still in flight (async scheduling) is dropped."""
-        return self._end(request_id, RequestStatus.FINISHED_ABORTED)
+        out = self._end(request_id, RequestStatus.FINISHED_ABORTED)
+        if out is not None and self.trace is not None:
+            self.trace.on_outputs([out])
+        return out
 
     def release_threads(self) -> None:
         """Let the OpenMP worker threads that the calling thread started exit (building the engine
@@ -131,6 +136,12 @@ class LLMEngine:
         got new tokens or finished; one step late under async_output or async scheduling, where a
         stop string found late ends its request while the next step runs, and the token that step
         computed for it is dropped. Timestamps stay those of the sampling step."""
+        outputs = self._step()
+        if self.trace is not None:
+            self.trace.on_step(self.last_stats, outputs)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         ahead = self.async_scheduling and self._can_step_ahead()
         if self._ongoing is not None and not ahead:  # a request needs the last step's tokens first
             return self._complete(self._take_ongoing(), time.perf_counter())
@@ -236,7 +247,7 @@ class LLMEngine:
             num_seqs=len(sched.requests), num_tokens=sched.total_num_tokens,
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
             num_running=now.num_running, num_waiting=now.num_waiting, kv_blocks_used=now.kv_blocks_used,
-            kv_blocks_total=now.kv_blocks_total, kv_slots_used=now.kv_slots_used,
+            kv_blocks_cached=now.kv_blocks_cached, kv_blocks_total=now.kv_blocks_total, kv_slots_used=now.kv_slots_used,
             prefix_tokens_queried=now.prefix_tokens_queried, prefix_tokens_hit=now.prefix_tokens_hit,
             num_evictions=now.num_evictions, num_preemptions=now.num_preemptions - self._preemptions_recorded,
             time_schedule=time_schedule, time_prepare=result.time_prepare, time_forward=result.time_forward,

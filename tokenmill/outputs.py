@@ -61,6 +61,7 @@ class SchedulerStats:
     num_waiting: int
     kv_blocks_used: int               # referenced by live requests
     kv_blocks_free: int               # free or evictable (cached)
+    kv_blocks_cached: int             # of the free ones, those evictable: cached content kept for reuse
     kv_blocks_total: int
     kv_slots_used: int                # allocated slots that hold a computed token
     prefix_tokens_queried: int        # cumulative: tokens looked up in the prefix cache at admission
@@ -80,6 +81,7 @@ class StepStats:
     num_running: int = 0              # after the step
     num_waiting: int = 0
     kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0         # free but holding cached content (evictable)
     kv_blocks_total: int = 0
     kv_slots_used: int = 0            # allocated slots that hold a computed token (for the waste figure)
     prefix_tokens_queried: int = 0    # cumulative: tokens looked up in the prefix cache at admission

@@ -161,7 +161,8 @@ class Scheduler:
         pool = self.kv.pool
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting), kv_blocks_used=pool.num_used_blocks,
-            kv_blocks_free=pool.num_free_blocks, kv_blocks_total=pool.num_blocks,
+            kv_blocks_free=pool.num_free_blocks, kv_blocks_cached=pool.num_evictable_blocks,
+            kv_blocks_total=pool.num_blocks,
             kv_slots_used=self.kv.slots_filled(self.running), prefix_tokens_queried=self.kv.prompt_tokens_queried,
             prefix_tokens_hit=self.kv.prompt_tokens_hit, num_evictions=pool.num_evictions,
             num_preemptions=self.num_preemptions)

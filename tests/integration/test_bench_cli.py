@@ -9,13 +9,20 @@ SMALL = ["--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "
 
 
 def test_bench_throughput_compare_runs_every_baseline_and_records_the_cpu(tiny_llama, tmp_path, capsys):
-    out = tmp_path / "results.json"
-    assert main(["bench", "throughput", "--model", str(tiny_llama), "--compare", *SMALL, "--json", str(out)]) == 0
+    out, trace = tmp_path / "results.json", tmp_path / "trace.json"
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--compare", *SMALL, "--json", str(out),
+                 "--trace-file", str(trace)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"CPU: {this_cpu().describe()}\n")
     results = json.loads(out.read_text())
     assert [r["name"] for r in results["results"]] == ["tokenmill", "static", "hf-generate"]
     assert results["cpu"] == this_cpu().as_dict()
+    for path in (trace, tmp_path / "trace.static.json"):  # the engine's and its static baseline's
+        events = json.loads(path.read_text())
+        steps = [e for e in events if e["ph"] == "X" and e["name"].startswith("step ")]
+        tracks = [e for e in events if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 2]
+        assert steps and len(tracks) >= 4  # the four requests (and any warm-up)
+        assert {e["name"] for e in events if e["ph"] == "C"} == {"kv blocks", "requests"}
 
 
 def test_a_baseline_that_fails_is_named_and_the_tables_still_printed(tiny_llama, monkeypatch, capsys):

@@ -21,6 +21,9 @@ CFG = ModelConfig(architecture="llama", vocab_size=80, hidden_size=64, intermedi
 def make_worker(num_host_blocks: int = 0) -> ModelWorker:
     torch.manual_seed(0)
     model = LlamaForCausalLM(CFG, max_len=64)
+    with torch.no_grad():
+        for p in model.parameters():  # (built with empty tensors)
+            p.uniform_(-0.2, 0.2)
     return ModelWorker(model, CFG, CacheConfig(6, 16), make_backend("cpu", torch.device("cpu")), torch.device("cpu"),
                        torch.float32, num_host_blocks)
 
@@ -57,7 +60,7 @@ def test_forward_is_the_model_over_the_pool_and_writes_the_step_keys_and_values(
         worker.kv_cache.zero_()
         expected = worker.model(inputs.input_ids, inputs.positions, inputs.meta, worker.kv_caches, worker.backend)
         logits = worker.compute_logits(hidden)
-    assert hidden.shape == (19, 64) and torch.equal(hidden, expected)
+    assert hidden.shape == (19, 64) and torch.isfinite(hidden).all() and torch.equal(hidden, expected)
     assert torch.equal(written, worker.kv_cache)
     assert written[:, :, request.block_ids].abs().sum() > 0
     assert logits.shape == (19, 80)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 
@@ -11,9 +12,14 @@ from tokenmill.bench.workloads import long_workload, prefix_workload, random_wor
 from tokenmill.cli_args import engine_config_from_args
 
 
-def _engine(args, **overrides):
+def _engine(args, label: str | None = None, **overrides):
+    """The engine a run measures; a baseline's (label) traces to its own file beside --trace-file's,
+    e.g. trace.static.json."""
     from tokenmill.engine import LLMEngine
     config = dataclasses.replace(engine_config_from_args(args), model=args.model, **overrides)
+    if label is not None and config.trace_file:
+        path = Path(config.trace_file)
+        config = dataclasses.replace(config, trace_file=str(path.with_name(f"{path.stem}.{label}{path.suffix}")))
     return LLMEngine(config)
 
 
@@ -71,7 +77,7 @@ def _compare(args, model_path, workload) -> list[RunResult]:
     batch = args.max_num_seqs
 
     def static() -> RunResult:
-        return run_static(_engine(args, static_batching=True, enable_prefix_caching=False), workload, batch,
+        return run_static(_engine(args, "static", static_batching=True, enable_prefix_caching=False), workload, batch,
                           pad_token_id=0)
 
     results = []
@@ -102,7 +108,7 @@ def _bench_pressure(args, roomy: RunResult, workload, block_size: int) -> dict:
     peak = max(s.kv_blocks_used for s in roomy.steps)
     largest = max(-(-(len(r.prompt_token_ids) + r.max_tokens) // block_size) for r in workload)
     pool = max(peak // 4, largest)  # a quarter of the peak, but room for the longest request alone
-    engine = _engine(args, num_kv_blocks=pool, kv_cache_memory=None)
+    engine = _engine(args, "pressure", num_kv_blocks=pool, kv_cache_memory=None)
     tight = run_engine(engine, workload, "pressure-1/4-pool", **_sampling(args))
     preemptions = sum(s.num_preemptions for s in tight.steps)
     same = tight.outputs == roomy.outputs
@@ -120,7 +126,7 @@ def _bench_pressure(args, roomy: RunResult, workload, block_size: int) -> dict:
 def _bench_prefix(args, engine, workload) -> dict:
     """Prefix caching on vs off on the shared-system-prompt workload."""
     on = run_engine(engine, workload, "prefix-cache-on", **_sampling(args))
-    off_engine = _engine(args, enable_prefix_caching=False)
+    off_engine = _engine(args, "prefix-off", enable_prefix_caching=False)
     off = run_engine(off_engine, workload, "prefix-cache-off", **_sampling(args))
     stats = engine.scheduler.stats()
     hit = stats.prefix_tokens_hit / max(stats.prefix_tokens_queried, 1)

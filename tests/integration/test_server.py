@@ -285,6 +285,11 @@ BAD_REQUESTS = [
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}, 400, None),
     ("bad token id", "/v1/completions", {"prompt": [99999]}, 400, None),
+    ("booleans as token ids", "/v1/completions", {"prompt": [True, False]}, 400, "prompt"),
+    ("booleans in a batch of token ids", "/v1/completions", {"prompt": [[5], [True]]}, 400, "prompt"),
+    ("a boolean to detokenize", "/detokenize", {"tokens": [5, True]}, 400, "tokens"),
+    ("a boolean stop token id", "/v1/completions", {"prompt": "w5", "stop_token_ids": [False]}, 400,
+     "stop_token_ids"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "w5"}, 404, "model"),
     ("too large", "/v1/completions", {"prompt": "w5 " * 40000}, 413, None),
     ("seed past 64 bits", "/v1/completions", {"prompt": "w5", "seed": 2 ** 64}, 400, "seed"),
@@ -333,6 +338,14 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, clien
     if param is not None:
         assert param in (error["param"] or "") or param in error["message"]
     assert_still_serving(client)
+
+
+def test_a_wrong_method_gets_405_with_an_allow_header_and_an_openai_error_body(server):
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/health")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
 
 
 def test_max_tokens_past_the_context_and_an_unknown_model_answer_with_openais_error_fields(server):

@@ -514,6 +514,51 @@ def test_api_key_is_enforced(tiny_llama):
         assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
 
 
+def test_the_api_key_also_guards_metrics_and_docs_when_asked(tiny_llama):
+    key = {"authorization": "Bearer s3cret"}
+    with running_server(tiny_llama, api_key="s3cret", protect_metrics_and_docs=True) as s:
+        for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models"):
+            r = httpx.get(s.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            assert httpx.get(s.url + path, headers=key).status_code == 200, path
+        assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/version").status_code == 200
+        paths = httpx.get(s.url + "/openapi.json", headers=key).json()["paths"]
+        assert "401" in paths["/metrics"]["get"]["responses"] and "401" in paths["/tokenize"]["post"]["responses"]
+        assert "401" not in paths["/health"]["get"]["responses"]
+    with pytest.raises(ValueError, match="needs an api_key"):
+        create_app(None, "tiny", protect_metrics_and_docs=True)
+
+
+def test_a_host_header_off_the_allow_list_gets_400_and_listed_names_pass_with_any_port(tiny_llama):
+    """Against DNS rebinding: a page whose name now points at 127.0.0.1 still sends its own name."""
+    with running_server(tiny_llama, allowed_hosts=["localhost", "127.0.0.1", "::1"]) as s:
+        assert httpx.get(s.url + "/health").status_code == 200  # Host: 127.0.0.1:PORT
+        for host in ("localhost", "LOCALHOST:1234", "[::1]:8000", "127.0.0.1:80"):
+            assert httpx.get(s.url + "/health", headers={"host": host}).status_code == 200, host
+        for host in ("attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example", "[::2]:80"):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 1}, headers={"host": host})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", host
+
+
+def test_the_openapi_schema_documents_the_statuses_and_content_types_the_server_sends(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    assert '"422"' not in json.dumps(schema)
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    operations = {(path, method): op["responses"]
+                  for path, ops in schema["paths"].items() for method, op in ops.items()}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        responses = operations[(path, "post")]
+        assert {"400", "404", "413"} <= set(responses) and "401" not in responses  # no key: no 401
+        assert responses["400"]["content"]["application/json"]["schema"] == error
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert set(operations[(path, "post")]["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert {"500", "503"} <= set(operations[(path, "post")])
+    assert set(operations[("/metrics", "get")]["200"]["content"]) == {"text/plain"}
+    assert set(operations[("/v1/models/{model_id}", "get")]) == {"200", "404"}
+    assert set(operations[("/health", "get")]) == {"200", "503"}
+    assert set(schema["components"]["schemas"]["ErrorResponse"]["properties"]) == {"error"}
+
+
 # ---- faults ----------------------------------------------------------------------------------
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, client):

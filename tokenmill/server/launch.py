@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import os
 import socket
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tokenmill.cli_args import at_least_one
+from tokenmill.server.access import LOOPBACK_HOSTS, host_entry
 from tokenmill.server.api import create_app
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools import PARSERS
@@ -60,6 +62,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              f"(any local user can read a command line: prefer --api-key-file or {API_KEY_ENV})")
     parser.add_argument("--api-key-file", default=None,
                         help="read the key from the first line of this file")
+    parser.add_argument("--protect-metrics-and-docs", action="store_true",
+                        help="require the API key on /metrics, /docs, /redoc and /openapi.json too")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated names the Host header may give (any port), '*' for any; others get "
+                             "HTTP 400 (default, against DNS rebinding: on a loopback address without an API key, "
+                             "localhost, 127.0.0.1 and [::1]; else any)")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
     parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
                         help="larger bodies get HTTP 413")
@@ -90,11 +98,29 @@ def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str
     return args.api_key if args.api_key is not None else (environ.get(API_KEY_ENV) or None)
 
 
+def resolve_allowed_hosts(flag: str | None, host: str, address: str, api_key: str | None) -> list[str] | None:
+    """The Host header names to answer (None: any). --allowed-hosts when given ('*': any); else,
+    for a server on the loopback `address` without an API key, its loopback names and `host`
+    (a page's DNS rebinding reaches only such a server; a key guards it, and a server on another
+    address is reached under names this one cannot know)."""
+    if flag is not None:
+        names = [name.strip() for name in flag.split(",") if name.strip()]
+        if not names:
+            raise SystemExit("--allowed-hosts: give host names, or '*' for any")
+        return None if "*" in names else names
+    if api_key is not None or not ipaddress.ip_address(address.partition("%")[0]).is_loopback:
+        return None
+    return sorted({*LOOPBACK_HOSTS, host_entry(host)})
+
+
 def run_server(args: argparse.Namespace, config) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(PARSERS) + ")")
     args.api_key = resolve_api_key(args, os.environ)
+    if args.protect_metrics_and_docs and args.api_key is None:
+        raise SystemExit(f"--protect-metrics-and-docs needs an API key (--api-key, --api-key-file or {API_KEY_ENV})")
     with bind(args.host, args.port) as sock:
+        args.allowed_hosts = resolve_allowed_hosts(args.allowed_hosts, args.host, sock.getsockname()[0], args.api_key)
         return _serve(args, config, sock)
 
 
@@ -107,7 +133,8 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
     engine = LLMEngine(dataclasses.replace(config, model=args.model))
     name = args.served_model_name or engine.model_path.stem
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                     protect_metrics_and_docs=args.protect_metrics_and_docs, allowed_hosts=args.allowed_hosts)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

@@ -1,11 +1,13 @@
-"""server/launch.py: where `tokenmill serve` takes its API key from, and which Host names it answers."""
+"""server/launch.py: where `tokenmill serve` takes its API key from, which Host names it answers, and its
+connection limits."""
 
 import argparse
 
 import pytest
 
 from tokenmill.server.access import host_entry, host_name
-from tokenmill.server.launch import resolve_allowed_hosts, resolve_api_key
+from tokenmill.server.connections import FILES_RESERVED, connection_cap
+from tokenmill.server.launch import resolve_allowed_hosts, resolve_api_key, seconds
 
 
 def args(api_key=None, api_key_file=None) -> argparse.Namespace:
@@ -54,3 +56,17 @@ def test_allowed_hosts_from_the_flag_apply_with_or_without_a_key_and_star_allows
 def test_a_host_header_is_compared_by_its_name_without_the_port(header, name):
     assert host_name(header) == name
     assert host_entry(name.strip("[]")) == name
+
+
+def test_the_connection_cap_leaves_room_under_the_open_file_limit():
+    assert connection_cap(1024, 1_048_576) == 1024
+    assert connection_cap(1024, None) == 1024  # no limit
+    assert connection_cap(1024, 1024) == 1024 - FILES_RESERVED
+    assert connection_cap(1024, 100) == 1
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "inf", "nan", "soon"])
+def test_a_timeout_is_a_positive_finite_number_of_seconds(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        seconds(text)
+    assert seconds("0.5") == 0.5

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 from tokenmill.cli_args import at_least_one
 from tokenmill.server.access import LOOPBACK_HOSTS, host_entry
 from tokenmill.server.api import create_app
+from tokenmill.server.connections import GuardedH11Protocol, connection_cap, raise_open_file_limit
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools import PARSERS
 
@@ -32,6 +34,17 @@ def port_number(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
     return int(text)
+
+
+def seconds(text: str) -> float:
+    """A timeout: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -71,6 +84,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
     parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
                         help="larger bodies get HTTP 413")
+    parser.add_argument("--timeout-keep-alive", type=seconds, default=5.0,
+                        help="close a connection idle this many seconds, before its first request or after a response")
+    parser.add_argument("--timeout-request-headers", type=seconds, default=10.0,
+                        help="close a connection whose request line and headers are not all in this many seconds "
+                             "after their first byte (slowloris)")
+    parser.add_argument("--max-connections", type=at_least_one, default=1024,
+                        help="past this many open connections a new one's request gets HTTP 503 (lowered to fit "
+                             "the open-file limit, whose soft value serve raises to the hard one)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (hermes: Qwen 2.5/3, Hermes; "
                              "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2/4)")
@@ -119,6 +140,7 @@ def run_server(args: argparse.Namespace, config) -> int:
     args.api_key = resolve_api_key(args, os.environ)
     if args.protect_metrics_and_docs and args.api_key is None:
         raise SystemExit(f"--protect-metrics-and-docs needs an API key (--api-key, --api-key-file or {API_KEY_ENV})")
+    args.max_connections = connection_cap(args.max_connections, raise_open_file_limit())
     with bind(args.host, args.port) as sock:
         args.allowed_hosts = resolve_allowed_hosts(args.allowed_hosts, args.host, sock.getsockname()[0], args.api_key)
         return _serve(args, config, sock)
@@ -145,7 +167,10 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
             # this shutdown is the clean one the signal asked for, so exit 0.
             self._captured_signals.clear()
 
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
+    protocol = functools.partial(GuardedH11Protocol, header_timeout=args.timeout_request_headers,
+                                 max_connections=args.max_connections)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
+                                   timeout_keep_alive=args.timeout_keep_alive,
                                    log_level=logging.getLevelName(logging.getLogger().level).lower(),
                                    timeout_graceful_shutdown=10))
     logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, sock.getsockname()[1])

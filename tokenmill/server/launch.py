@@ -13,7 +13,9 @@ import functools
 import ipaddress
 import logging
 import os
+import signal
 import socket
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -174,5 +176,17 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
                                    log_level=logging.getLevelName(logging.getLogger().level).lower(),
                                    timeout_graceful_shutdown=10))
     logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, sock.getsockname()[1])
+    # uvicorn takes SIGINT/SIGTERM while it serves and gives back the handlers it found after; a
+    # second signal then (as an impatient operator sends one) must not kill the process that the
+    # first one is ending cleanly: the server's handler until the end of uvicorn, then none.
+    _on_end_signals(server.handle_exit)
     server.run(sockets=[sock])
+    _on_end_signals(signal.SIG_IGN)
     return 0
+
+
+def _on_end_signals(handler) -> None:
+    """SIGINT and SIGTERM to `handler`, in the main thread (the only one Python lets set them)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, handler)

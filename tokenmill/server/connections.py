@@ -9,7 +9,8 @@ new connection idle past the keep-alive timeout, and one whose request head (req
 headers) is not complete within `header_timeout` of its first byte. Past `max_connections` open
 connections, a new one's request gets a 503 and the connection closes; uvicorn's own
 limit_concurrency answers text/plain, and at its limit refuses requests on connections already
-open as well.
+open as well. A body that trickles in after a whole head is not timed: the body limit bounds its
+size and the cap the number of such connections.
 """
 
 from __future__ import annotations

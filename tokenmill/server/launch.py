@@ -2,7 +2,10 @@
 
 On SIGINT/SIGTERM uvicorn stops accepting connections; first, every in-flight request is
 ended (finish_reason "abort"), so open streams get their final chunk and [DONE] before the
-connections close, and the process exits 0.
+connections close, and the process exits 0, a second signal or not.
+
+Connections run under connections.py's guards (timeouts for idle connections and request
+heads, a cap on open ones); the app answers only the Host names `resolve_allowed_hosts` gives.
 """
 
 from __future__ import annotations

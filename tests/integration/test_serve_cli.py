@@ -1,9 +1,10 @@
 """`tokenmill serve` as a real process: it answers, and SIGTERM ends in-flight streams with a
-final chunk (finish_reason set, then [DONE]) and exits 0."""
+final chunk (finish_reason set, then [DONE]) and exits 0, as it does after a second signal."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from test_server import free_port
 
 
@@ -89,9 +91,16 @@ def test_auto_tool_choice_without_a_parser_fails_before_the_model_loads(tmp_path
     assert out.returncode == 2 and "hermes" in out.stderr
 
 
+def test_protecting_metrics_and_docs_without_a_key_fails_before_the_model_loads(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(tmp_path / "none"),
+                          "--protect-metrics-and-docs"], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"})
+    assert out.returncode == 1
+    assert "--protect-metrics-and-docs needs an API key" in out.stderr
+
+
 def test_serve_takes_its_api_key_from_the_environment(tiny_llama):
     """TOKENMILL_API_KEY keeps the key off the command line, which any local user can read."""
-    import os
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
                              "--num-kv-blocks", "64"], env={**os.environ, "TOKENMILL_API_KEY": "s3cret"},
@@ -105,3 +114,35 @@ def test_serve_takes_its_api_key_from_the_environment(tiny_llama):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_during_shutdown_still_exits_0(tiny_llama, sig):
+    """An impatient operator (or a supervisor) signals twice, 0.3 s apart, with a stream open."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
+                             "--num-kv-blocks", "64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    first = threading.Event()
+
+    def stream():
+        body = {"prompt": "w5", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for _ in response.iter_lines():
+                    first.set()
+        except httpx.TransportError:
+            pass
+    try:
+        wait_until_up(proc, url)
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(30)
+        proc.send_signal(sig)
+        time.sleep(0.3)
+        proc.send_signal(sig)
+        assert proc.wait(30) == 0, proc.stdout.read()
+        reader.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

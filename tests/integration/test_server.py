@@ -285,6 +285,11 @@ BAD_REQUESTS = [
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}, 400, None),
     ("bad token id", "/v1/completions", {"prompt": [99999]}, 400, None),
+    ("booleans as token ids", "/v1/completions", {"prompt": [True, False]}, 400, "prompt"),
+    ("booleans in a batch of token ids", "/v1/completions", {"prompt": [[5], [True]]}, 400, "prompt"),
+    ("a boolean to detokenize", "/detokenize", {"tokens": [5, True]}, 400, "tokens"),
+    ("a boolean stop token id", "/v1/completions", {"prompt": "w5", "stop_token_ids": [False]}, 400,
+     "stop_token_ids"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "w5"}, 404, "model"),
     ("too large", "/v1/completions", {"prompt": "w5 " * 40000}, 413, None),
     ("seed past 64 bits", "/v1/completions", {"prompt": "w5", "seed": 2 ** 64}, 400, "seed"),
@@ -333,6 +338,14 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, clien
     if param is not None:
         assert param in (error["param"] or "") or param in error["message"]
     assert_still_serving(client)
+
+
+def test_a_wrong_method_gets_405_with_an_allow_header_and_an_openai_error_body(server):
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/health")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
 
 
 def test_max_tokens_past_the_context_and_an_unknown_model_answer_with_openais_error_fields(server):
@@ -499,6 +512,51 @@ def test_api_key_is_enforced(tiny_llama):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
         assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+
+
+def test_the_api_key_also_guards_metrics_and_docs_when_asked(tiny_llama):
+    key = {"authorization": "Bearer s3cret"}
+    with running_server(tiny_llama, api_key="s3cret", protect_metrics_and_docs=True) as s:
+        for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models"):
+            r = httpx.get(s.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            assert httpx.get(s.url + path, headers=key).status_code == 200, path
+        assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/version").status_code == 200
+        paths = httpx.get(s.url + "/openapi.json", headers=key).json()["paths"]
+        assert "401" in paths["/metrics"]["get"]["responses"] and "401" in paths["/tokenize"]["post"]["responses"]
+        assert "401" not in paths["/health"]["get"]["responses"]
+    with pytest.raises(ValueError, match="needs an api_key"):
+        create_app(None, "tiny", protect_metrics_and_docs=True)
+
+
+def test_a_host_header_off_the_allow_list_gets_400_and_listed_names_pass_with_any_port(tiny_llama):
+    """Against DNS rebinding: a page whose name now points at 127.0.0.1 still sends its own name."""
+    with running_server(tiny_llama, allowed_hosts=["localhost", "127.0.0.1", "::1"]) as s:
+        assert httpx.get(s.url + "/health").status_code == 200  # Host: 127.0.0.1:PORT
+        for host in ("localhost", "LOCALHOST:1234", "[::1]:8000", "127.0.0.1:80"):
+            assert httpx.get(s.url + "/health", headers={"host": host}).status_code == 200, host
+        for host in ("attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example", "[::2]:80"):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 1}, headers={"host": host})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", host
+
+
+def test_the_openapi_schema_documents_the_statuses_and_content_types_the_server_sends(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    assert '"422"' not in json.dumps(schema)
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    operations = {(path, method): op["responses"]
+                  for path, ops in schema["paths"].items() for method, op in ops.items()}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        responses = operations[(path, "post")]
+        assert {"400", "404", "413"} <= set(responses) and "401" not in responses  # no key: no 401
+        assert responses["400"]["content"]["application/json"]["schema"] == error
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert set(operations[(path, "post")]["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert {"500", "503"} <= set(operations[(path, "post")])
+    assert set(operations[("/metrics", "get")]["200"]["content"]) == {"text/plain"}
+    assert set(operations[("/v1/models/{model_id}", "get")]) == {"200", "404"}
+    assert set(operations[("/health", "get")]) == {"200", "503"}
+    assert set(schema["components"]["schemas"]["ErrorResponse"]["properties"]) == {"error"}
 
 
 # ---- faults ----------------------------------------------------------------------------------

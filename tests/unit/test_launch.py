@@ -1,10 +1,13 @@
-"""server/launch.py: where `tokenmill serve` takes its API key from."""
+"""server/launch.py: where `tokenmill serve` takes its API key from, which Host names it answers, and its
+connection limits."""
 
 import argparse
 
 import pytest
 
-from tokenmill.server.launch import resolve_api_key
+from tokenmill.server.access import host_entry, host_name
+from tokenmill.server.connections import FILES_RESERVED, connection_cap
+from tokenmill.server.launch import resolve_allowed_hosts, resolve_api_key, seconds
 
 
 def args(api_key=None, api_key_file=None) -> argparse.Namespace:
@@ -31,3 +34,39 @@ def test_a_key_file_that_gives_no_key_is_an_error_before_anything_loads(case, me
              "empty": args(api_key_file=str(empty))}[case]
     with pytest.raises(SystemExit, match=message):
         resolve_api_key(given, {})
+
+
+def test_without_a_key_a_loopback_server_answers_only_its_loopback_names():
+    assert resolve_allowed_hosts(None, "127.0.0.1", "127.0.0.1", None) == ["127.0.0.1", "[::1]", "localhost"]
+    assert resolve_allowed_hosts(None, "::1", "::1", None) == ["127.0.0.1", "[::1]", "localhost"]
+    assert "127.0.0.5" in resolve_allowed_hosts(None, "127.0.0.5", "127.0.0.5", None)
+    assert resolve_allowed_hosts(None, "127.0.0.1", "127.0.0.1", "key") is None      # the key guards it
+    assert resolve_allowed_hosts(None, "0.0.0.0", "0.0.0.0", None) is None          # reached by names unknown here
+
+
+def test_allowed_hosts_from_the_flag_apply_with_or_without_a_key_and_star_allows_any():
+    assert resolve_allowed_hosts("api.example, localhost", "0.0.0.0", "0.0.0.0", "key") == ["api.example", "localhost"]
+    assert resolve_allowed_hosts("*", "127.0.0.1", "127.0.0.1", None) is None
+    with pytest.raises(SystemExit, match="host names"):
+        resolve_allowed_hosts(" , ", "127.0.0.1", "127.0.0.1", None)
+
+
+@pytest.mark.parametrize("header, name", [(b"localhost:8000", "localhost"), (b"LocalHost", "localhost"),
+                                          (b"[::1]:80", "[::1]"), (b"[::1]", "[::1]"), (b"127.0.0.1", "127.0.0.1")])
+def test_a_host_header_is_compared_by_its_name_without_the_port(header, name):
+    assert host_name(header) == name
+    assert host_entry(name.strip("[]")) == name
+
+
+def test_the_connection_cap_leaves_room_under_the_open_file_limit():
+    assert connection_cap(1024, 1_048_576) == 1024
+    assert connection_cap(1024, None) == 1024  # no limit
+    assert connection_cap(1024, 1024) == 1024 - FILES_RESERVED
+    assert connection_cap(1024, 100) == 1
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "inf", "nan", "soon"])
+def test_a_timeout_is_a_positive_finite_number_of_seconds(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        seconds(text)
+    assert seconds("0.5") == 0.5

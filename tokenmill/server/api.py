@@ -3,10 +3,10 @@
     POST /v1/completions, /v1/chat/completions    (streaming with SSE, or whole)
     GET  /v1/models, /health, /metrics, /version; POST /tokenize, /detokenize
 
-Every bad input gets an OpenAI-style error body: 400 for invalid requests, 401 for a
-missing or wrong API key, 404 for an unknown model, 413 for an oversized body, 500 when
-the step that ran a request failed (streams get an error event instead). A client that
-disconnects has its requests aborted.
+Every bad input gets an OpenAI-style error body: 400 for invalid requests (and for a Host
+header the server does not answer for, access.py), 401 for a missing or wrong API key, 404
+for an unknown model, 413 for an oversized body, 500 when the step that ran a request failed
+(streams get an error event instead). A client that disconnects has its requests aborted.
 
 The endpoints live by family in module-level handlers, each holding what it uses:
 serving_completion.py, serving_chat.py, serving_models.py and serving_tokenization.py (the
@@ -20,12 +20,15 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 
 from tokenmill import __version__
 from tokenmill.async_engine import AsyncLLMEngine
 from tokenmill.cpu_kernels import this_cpu
+from tokenmill.server.access import FullApiKeyMiddleware, HostAllowListMiddleware
 from tokenmill.server.errors import add_error_handlers
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.openapi import STREAM_RESPONSES, OpenAIStyleAPI, error_responses
 from tokenmill.server.reasoning import REASONING_PARSERS, ReasoningParser
 from tokenmill.server.serving import ServingEngine
 from tokenmill.server.serving_chat import ChatHandler
@@ -40,8 +43,15 @@ logger = logging.getLogger("tokenmill.server")
 
 def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
-    """The app serving `engine` as `served_model_name`; its engine loop runs while the app does."""
+               reasoning_parser: str | None = None, protect_metrics_and_docs: bool = False,
+               allowed_hosts: list[str] | None = None) -> FastAPI:
+    """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
+
+    api_key: required on /v1 routes, /tokenize and /detokenize, and with protect_metrics_and_docs
+    on /metrics, /docs, /redoc and /openapi.json too. allowed_hosts: the Host header names the app
+    answers (any port; None: every name)."""
+    if protect_metrics_and_docs and api_key is None:
+        raise ValueError("protect_metrics_and_docs needs an api_key")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -49,12 +59,16 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     metrics = ServerMetrics(engine)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
 
-    app = FastAPI(title="tokenmill", version=__version__, lifespan=_lifespan)
+    app = OpenAIStyleAPI(title="tokenmill", version=__version__, lifespan=_lifespan)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # (the last added runs first)
     if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        key_middleware = FullApiKeyMiddleware if protect_metrics_and_docs else ApiKeyMiddleware
+        app.add_middleware(key_middleware, api_key=api_key)
+        app.key_protected = key_middleware.PROTECTED
+    if allowed_hosts is not None:
+        app.add_middleware(HostAllowListMiddleware, hosts=allowed_hosts)
     app.add_middleware(AccessLogMiddleware, logger=logger)
     add_error_handlers(app)
 
@@ -67,15 +81,20 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     models = ModelsHandler(served_model_name, engine.max_model_len, async_engine, metrics, machine)
     tokenization = TokenizationHandler(tokenizer, served_model_name, engine.max_model_len,
                                        engine.model_config.vocab_size)
-    app.add_api_route("/v1/completions", completion.create, methods=["POST"], name="completions")
-    app.add_api_route("/v1/chat/completions", chat.create, methods=["POST"], name="chat_completions")
+    generating = {**STREAM_RESPONSES, **error_responses(400, 404, 413, 500, 503)}
+    app.add_api_route("/v1/completions", completion.create, methods=["POST"], name="completions",
+                      responses=generating)
+    app.add_api_route("/v1/chat/completions", chat.create, methods=["POST"], name="chat_completions",
+                      responses=generating)
     app.add_api_route("/v1/models", models.models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", models.model, methods=["GET"])
-    app.add_api_route("/health", models.health, methods=["GET"])
-    app.add_api_route("/metrics", models.metrics, methods=["GET"], name="prometheus_metrics")
+    app.add_api_route("/v1/models/{model_id:path}", models.model, methods=["GET"], responses=error_responses(404))
+    app.add_api_route("/health", models.health, methods=["GET"], responses=error_responses(503))
+    app.add_api_route("/metrics", models.metrics, methods=["GET"], name="prometheus_metrics",
+                      response_class=PlainTextResponse)
     app.add_api_route("/version", models.version, methods=["GET"])
-    app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
+    app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"], responses=error_responses(400, 404, 413))
+    app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"],
+                      responses=error_responses(400, 404, 413))
     return app
 
 

@@ -57,8 +57,9 @@ async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
 
 
 async def _http_error(_, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors in the OpenAI shape, with their headers (a 405's Allow)."""
     return JSONResponse(error_body(str(exc.detail), "not_found_error" if exc.status_code == 404
-                                   else "invalid_request_error"), status_code=exc.status_code)
+                                   else "invalid_request_error"), status_code=exc.status_code, headers=exc.headers)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -2,21 +2,30 @@
 
 On SIGINT/SIGTERM uvicorn stops accepting connections; first, every in-flight request is
 ended (finish_reason "abort"), so open streams get their final chunk and [DONE] before the
-connections close, and the process exits 0.
+connections close, and the process exits 0, a second signal or not.
+
+Connections run under connections.py's guards (timeouts for idle connections and request
+heads, a cap on open ones); the app answers only the Host names `resolve_allowed_hosts` gives.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import ipaddress
 import logging
 import os
+import signal
 import socket
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 from tokenmill.cli_args import at_least_one
+from tokenmill.server.access import LOOPBACK_HOSTS, host_entry
 from tokenmill.server.api import create_app
+from tokenmill.server.connections import GuardedH11Protocol, connection_cap, raise_open_file_limit
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools import PARSERS
 
@@ -30,6 +39,17 @@ def port_number(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
     return int(text)
+
+
+def seconds(text: str) -> float:
+    """A timeout: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -60,9 +80,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              f"(any local user can read a command line: prefer --api-key-file or {API_KEY_ENV})")
     parser.add_argument("--api-key-file", default=None,
                         help="read the key from the first line of this file")
+    parser.add_argument("--protect-metrics-and-docs", action="store_true",
+                        help="require the API key on /metrics, /docs, /redoc and /openapi.json too")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated names the Host header may give (any port), '*' for any; others get "
+                             "HTTP 400 (default, against DNS rebinding: on a loopback address without an API key, "
+                             "localhost, 127.0.0.1 and [::1]; else any)")
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
     parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
                         help="larger bodies get HTTP 413")
+    parser.add_argument("--timeout-keep-alive", type=seconds, default=5.0,
+                        help="close a connection idle this many seconds, before its first request or after a response")
+    parser.add_argument("--timeout-request-headers", type=seconds, default=10.0,
+                        help="close a connection whose request line and headers are not all in this many seconds "
+                             "after their first byte (slowloris)")
+    parser.add_argument("--max-connections", type=at_least_one, default=1024,
+                        help="past this many open connections a new one's request gets HTTP 503 (lowered to fit "
+                             "the open-file limit, whose soft value serve raises to the hard one)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (hermes: Qwen 2.5/3, Hermes; "
                              "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2/4)")
@@ -90,11 +124,30 @@ def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str
     return args.api_key if args.api_key is not None else (environ.get(API_KEY_ENV) or None)
 
 
+def resolve_allowed_hosts(flag: str | None, host: str, address: str, api_key: str | None) -> list[str] | None:
+    """The Host header names to answer (None: any). --allowed-hosts when given ('*': any); else,
+    for a server on the loopback `address` without an API key, its loopback names and `host`
+    (a page's DNS rebinding reaches only such a server; a key guards it, and a server on another
+    address is reached under names this one cannot know)."""
+    if flag is not None:
+        names = [name.strip() for name in flag.split(",") if name.strip()]
+        if not names:
+            raise SystemExit("--allowed-hosts: give host names, or '*' for any")
+        return None if "*" in names else names
+    if api_key is not None or not ipaddress.ip_address(address.partition("%")[0]).is_loopback:
+        return None
+    return sorted({*LOOPBACK_HOSTS, host_entry(host)})
+
+
 def run_server(args: argparse.Namespace, config) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(PARSERS) + ")")
     args.api_key = resolve_api_key(args, os.environ)
+    if args.protect_metrics_and_docs and args.api_key is None:
+        raise SystemExit(f"--protect-metrics-and-docs needs an API key (--api-key, --api-key-file or {API_KEY_ENV})")
+    args.max_connections = connection_cap(args.max_connections, raise_open_file_limit())
     with bind(args.host, args.port) as sock:
+        args.allowed_hosts = resolve_allowed_hosts(args.allowed_hosts, args.host, sock.getsockname()[0], args.api_key)
         return _serve(args, config, sock)
 
 
@@ -107,7 +160,8 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
     engine = LLMEngine(dataclasses.replace(config, model=args.model))
     name = args.served_model_name or engine.model_path.stem
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                     protect_metrics_and_docs=args.protect_metrics_and_docs, allowed_hosts=args.allowed_hosts)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -118,9 +172,24 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
             # this shutdown is the clean one the signal asked for, so exit 0.
             self._captured_signals.clear()
 
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
+    protocol = functools.partial(GuardedH11Protocol, header_timeout=args.timeout_request_headers,
+                                 max_connections=args.max_connections)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
+                                   timeout_keep_alive=args.timeout_keep_alive,
                                    log_level=logging.getLevelName(logging.getLogger().level).lower(),
                                    timeout_graceful_shutdown=10))
     logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, sock.getsockname()[1])
+    # uvicorn takes SIGINT/SIGTERM while it serves and gives back the handlers it found after; a
+    # second signal then (as an impatient operator sends one) must not kill the process that the
+    # first one is ending cleanly: the server's handler until the end of uvicorn, then none.
+    _on_end_signals(server.handle_exit)
     server.run(sockets=[sock])
+    _on_end_signals(signal.SIG_IGN)
     return 0
+
+
+def _on_end_signals(handler) -> None:
+    """SIGINT and SIGTERM to `handler`, in the main thread (the only one Python lets set them)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, handler)

@@ -8,13 +8,16 @@ rather than an answer that silently ignores them.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from tokenmill.sampling_params import SamplingParams, is_unicode
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# A token id: a JSON integer, not a boolean (pydantic's lax int takes true as 1) nor a numeric string.
+TokenId = Annotated[int, Strict()]
 
 
 def lone_surrogate_at(body) -> str | None:
@@ -71,7 +74,7 @@ class SamplingFields(APIRequest):
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,7 +82,7 @@ class SamplingFields(APIRequest):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     user: str | None = None
@@ -158,7 +161,7 @@ class SamplingFields(APIRequest):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = None
     echo: bool = False
     max_tokens: int | None = 16
@@ -221,7 +224,7 @@ class TokenizeRequest(APIRequest):
 
 class DetokenizeRequest(APIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error"]

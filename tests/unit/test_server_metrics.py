@@ -67,3 +67,22 @@ def test_every_latency_comes_from_the_timeline_preempted_and_aborted_requests_in
     finished = {s.labels["finish_reason"]: s.value for s in metrics.finished.collect()[0].samples
                 if s.name.endswith("_total")}
     assert finished == {"length": 1.0, "abort": 1.0}
+
+
+def test_the_queue_and_cache_figures_are_also_exported_under_vllm_names() -> None:
+    clock = FakeClock()
+    s = make_scheduler(num_blocks=10, budget=8, prefix_caching=True, clock=clock)
+    metrics = ServerMetrics(SchedulerOnly(s), model_name="tiny")
+    s.add_request(make_request("a", prompt_len=9, max_tokens=2))
+    s.add_request(make_request("b", prompt_len=9, max_tokens=2))
+    run(s, clock, metrics, steps=1)  # a: 8 of 9 tokens (3 blocks); b waits, none of it queried yet
+    text = metrics.render().decode()
+    assert 'vllm:num_requests_running{model_name="tiny"} 1.0' in text
+    assert 'vllm:num_requests_waiting{model_name="tiny"} 1.0' in text
+    assert 'vllm:kv_cache_usage_perc{model_name="tiny"} 0.2' in text  # 2 blocks of 10 hold its 8 tokens
+    run(s, clock, metrics, steps=3)
+    stats = s.stats()
+    text = metrics.render().decode()
+    assert f'vllm:prefix_cache_queries_total{{model_name="tiny"}} {float(stats.prefix_tokens_queried)}' in text
+    assert f'vllm:prefix_cache_hits_total{{model_name="tiny"}} {float(stats.prefix_tokens_hit)}' in text
+    assert stats.prefix_tokens_hit == 8  # b found a's two full blocks

@@ -56,7 +56,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, served_model_name)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
 
     app = OpenAIStyleAPI(title="tokenmill", version=__version__, lifespan=_lifespan)

@@ -2,23 +2,27 @@
 
 Request latencies (queue time, TTFT, ITL, prefill, decode, end to end) are read from each
 request's timeline (timeline.py), the same events `GET /v1/requests/{id}` shows, so the two
-always agree. Each server owns its CollectorRegistry (no process-wide default registry), so
-tests can run several servers in one process.
+always agree. Beside tokenmill's own names, the queue and KV-cache figures are exported under
+vLLM's (`vllm:num_requests_running`, ..., labelled with the served model's name), so routers
+written for vLLM (its production-stack router, llm-d) balance tokenmill replicas too. Each
+server owns its CollectorRegistry (no process-wide default registry), so tests can run several
+servers in one process.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tokenmill.outputs import RequestOutput, StepStats
+from tokenmill.outputs import RequestOutput, SchedulerStats, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
 
 
 class ServerMetrics:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, model_name: str = "") -> None:
         self.engine = engine
         self.registry = r = CollectorRegistry()
+        self.vllm = _VllmNames(r, model_name)
         self.running = Gauge("tokenmill_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("tokenmill_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_used = Gauge("tokenmill_kv_blocks_used", "KV blocks referenced by live requests", registry=r)
@@ -56,6 +60,7 @@ class ServerMetrics:
         self.kv_free.set(s.kv_blocks_free)
         self.kv_total.set(s.kv_blocks_total)
         self.hit_rate.set(s.prefix_tokens_hit / s.prefix_tokens_queried if s.prefix_tokens_queried else 0.0)
+        self.vllm.observe(s)
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step (stats None: outputs of aborted requests)."""
@@ -102,3 +107,29 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _VllmNames:
+    """The scheduler's figures under vLLM's metric names and its `model_name` label."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+        label = {"model_name": model_name}
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", ["model_name"],
+                             registry=r).labels(**label)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"],
+                             registry=r).labels(**label)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV blocks in use (1 = full)", ["model_name"],
+                              registry=r).labels(**label)
+        self.queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                               ["model_name"], registry=r).labels(**label)
+        self.hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache", ["model_name"],
+                            registry=r).labels(**label)
+        self._queried = self._hit = 0   # the cumulative figures already counted
+
+    def observe(self, s: SchedulerStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        self.queries.inc(s.prefix_tokens_queried - self._queried)
+        self.hits.inc(s.prefix_tokens_hit - self._hit)
+        self._queried, self._hit = s.prefix_tokens_queried, s.prefix_tokens_hit

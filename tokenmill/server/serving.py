@@ -122,12 +122,17 @@ class ServingEngine:
         return {**response.base, "choices": [response.choice(i, out) for i, out in enumerate(outputs)],
                 "usage": usage(outputs, n, generated)}
 
+    def _outputs(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) of the requests' outputs as they come; those a consumer that lags has
+        not taken yet are merged into one per request."""
+        return merge_streams([self.async_engine.generate(r) for r in requests], RequestOutput.merged)
+
     async def _collect(self, requests: list[EngineRequest], raw: Request) -> list[RequestOutput]:
         """Final outputs of every request; aborts them all if the client disconnects first."""
         finals: dict[int, RequestOutput] = {}
 
         async def run():
-            async for i, out in merge_streams([self.async_engine.generate(r) for r in requests]):
+            async for i, out in self._outputs(requests):
                 if out.finished:
                     finals[i] = out
         task = asyncio.create_task(run())
@@ -142,18 +147,19 @@ class ServingEngine:
     async def _event_stream(self, requests: list[EngineRequest], response: Response,
                             final_usage: Callable[[list[RequestOutput]], dict] | None) -> AsyncIterator[str]:
         """SSE: chunks as outputs arrive, an error event if a step failed, optional usage, [DONE]."""
-        outputs: dict[int, RequestOutput] = {}
+        finals: dict[int, RequestOutput] = {}  # (for the usage)
         try:
-            async for i, out in merge_streams([self.async_engine.generate(r) for r in requests]):
+            async for i, out in self._outputs(requests):
                 if out.error is not None:
                     yield sse(error_body(out.error, "server_error"))
                     return
-                outputs[i] = out
+                if out.finished:
+                    finals[i] = out
                 for chunk in response.chunks(i, out):
                     yield sse(chunk)
         except EngineDeadError as exc:
             yield sse(error_body(str(exc), "server_error"))
             return
         if final_usage is not None:
-            yield sse(final_usage([outputs[i] for i in range(len(requests))]))
+            yield sse(final_usage([finals[i] for i in range(len(requests))]))
         yield sse("[DONE]")

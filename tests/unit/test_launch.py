@@ -1,10 +1,10 @@
-"""server/launch.py: where `tokenmill serve` takes its API key from."""
+"""server/launch.py: where `tokenmill serve` takes its API key from, and its write timeout."""
 
 import argparse
 
 import pytest
 
-from tokenmill.server.launch import resolve_api_key
+from tokenmill.server.launch import add_serve_args, resolve_api_key
 
 
 def args(api_key=None, api_key_file=None) -> argparse.Namespace:
@@ -31,3 +31,14 @@ def test_a_key_file_that_gives_no_key_is_an_error_before_anything_loads(case, me
              "empty": args(api_key_file=str(empty))}[case]
     with pytest.raises(SystemExit, match=message):
         resolve_api_key(given, {})
+
+
+def test_the_stream_write_timeout_is_a_positive_number_of_seconds_60_by_default(capsys):
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args([]).stream_write_timeout == 60.0
+    assert parser.parse_args(["--stream-write-timeout", "2.5"]).stream_write_timeout == 2.5
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--stream-write-timeout", bad])
+        assert "expected a number of seconds > 0" in capsys.readouterr().err

@@ -40,8 +40,10 @@ logger = logging.getLogger("tokenmill.server")
 
 def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
-    """The app serving `engine` as `served_model_name`; its engine loop runs while the app does."""
+               reasoning_parser: str | None = None, stream_write_timeout: float = 60.0) -> FastAPI:
+    """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
+    A stream whose client takes nothing for `stream_write_timeout` seconds is ended and its
+    requests aborted."""
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -58,7 +60,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_middleware(AccessLogMiddleware, logger=logger)
     add_error_handlers(app)
 
-    serving = ServingEngine(engine, async_engine)
+    if not stream_write_timeout > 0:
+        raise ValueError(f"stream_write_timeout must be > 0 seconds, got {stream_write_timeout}")
+    serving = ServingEngine(engine, async_engine, write_timeout=stream_write_timeout)
     tokenizer = engine.tokenizer
     thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     completion = CompletionHandler(serving, tokenizer, served_model_name)

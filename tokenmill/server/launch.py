@@ -32,6 +32,17 @@ def port_number(text: str) -> int:
     return int(text)
 
 
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds, checked before the model loads."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a port in use is one line at once, not
     uvicorn's error after the load, and the address logged is the one bound (port 0: the port
@@ -63,6 +74,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
     parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
                         help="larger bodies get HTTP 413")
+    parser.add_argument("--stream-write-timeout", type=seconds, default=60.0,
+                        help="end a stream whose client takes no output for this many seconds, and abort its "
+                             "requests (until then a client that stops reading holds one output per request)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (hermes: Qwen 2.5/3, Hermes; "
                              "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2/4)")
@@ -107,7 +121,8 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
     engine = LLMEngine(dataclasses.replace(config, model=args.model))
     name = args.served_model_name or engine.model_path.stem
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                     stream_write_timeout=args.stream_write_timeout)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

@@ -3,13 +3,15 @@
     event loop (server)                     engine thread
     make_request (validate, may raise)
     generate()  -> commands.put(("add", r)) ->  drain commands: engine.add / engine.abort
-    await queue.get()  <- call_soon_threadsafe(deliver, outputs)  <- engine.step()
+    await stream.get()  <- call_soon_threadsafe(deliver, outputs)  <- engine.step()
 
 The event loop never waits on a forward pass: the engine thread owns the engine, takes
 adds and aborts from a thread-safe command queue between steps, and hands each step's
-outputs to the loop in one call_soon_threadsafe; the loop routes them to one asyncio
-queue per request. A client that goes away (its generator is closed or cancelled) aborts
-its request, which leaves the batch within one step with its KV blocks back in the pool.
+outputs to the loop in one call_soon_threadsafe; the loop routes them to one slot per request,
+where an output the consumer has not taken yet is merged with the next (a client that stops
+reading holds one output, not one per step). A client that goes away (its generator is closed
+or cancelled) aborts its request, which leaves the batch within one step with its KV blocks
+back in the pool.
 """
 
 from __future__ import annotations
@@ -36,8 +38,31 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """One request's outputs not yet taken by its consumer: at most one. Outputs are cumulative,
+    so one that arrives before the consumer took the last absorbs it (RequestOutput.merged): a
+    client that stops reading holds one output, not a copy of its output so far per step."""
+
+    pending: RequestOutput | None = None
+    error: BaseException | None = None      # the engine loop died: raised once pending is taken
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
     finished: bool = False
+
+    def put(self, out: RequestOutput) -> None:
+        self.pending = out if self.pending is None else self.pending.merged(out)
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.pending is None:
+            if self.error is not None:
+                raise self.error
+            self.ready.clear()
+            await self.ready.wait()
+        out, self.pending = self.pending, None
+        return out
 
 
 class AsyncLLMEngine:
@@ -106,11 +131,9 @@ class AsyncLLMEngine:
         self._wake.set()
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
+                out = await stream.get()
+                yield out
+                if out.finished:
                     stream.finished = True
                     return
         finally:
@@ -134,11 +157,7 @@ class AsyncLLMEngine:
                     self._wake.wait(self.idle_wait)
                     self._wake.clear()
                     continue
-                outputs = engine.step()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
-                if self.on_step is not None:
-                    self.on_step(engine.last_stats, outputs)
+                self._step()
             # Stopping: an abort_all queued behind whatever is pending (an add that came after the
             # server's own abort_all, say) ends every open stream, so that none waits forever.
             self._commands.put(("abort_all", None))
@@ -147,6 +166,15 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self.error = exc
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _step(self) -> None:
+        """One step, its outputs handed to the loop and to on_step (and not kept here: while the
+        engine idles, the last step's outputs are only where their consumers hold them)."""
+        outputs = self.engine.step()
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+        if self.on_step is not None:
+            self.on_step(self.engine.last_stats, outputs)
 
     def _drain_commands(self) -> None:
         while True:
@@ -172,8 +200,8 @@ class AsyncLLMEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.queue.put_nowait(out)
+                stream.put(out)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+            stream.fail(error)

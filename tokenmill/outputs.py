@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.request import Request
 from tokenmill.timeline import Timeline
@@ -122,16 +122,26 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: cumulative output plus what this step added."""
+    """A request's state after a step: cumulative output plus what it added since the output
+    before it (this step's, or several steps' when outputs a consumer had not taken were merged)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    new_text: str = ""                          # text added by this step (UTF-8 safe, stop-safe)
+    new_text: str = ""                          # text added since the last output (UTF-8 safe, stop-safe)
     new_token_ids: list[int] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     timeline: Timeline | None = None            # the request's events so far (timeline.py), shared, growing
     error: str | None = None                    # set when finish_reason is "error"
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, if asked (first: None)
+
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This output and the `later` one of the same request as one output, for a consumer that
+        did not take this one yet: the later cumulative state (text, token ids, logprobs, finish
+        reason, metrics) with both steps' additions as its new text and new token ids. A consumer
+        that lags thus holds one output per request, and deltas taken from it are those it would
+        have read from both."""
+        return replace(later, new_text=self.new_text + later.new_text,
+                       new_token_ids=self.new_token_ids + later.new_token_ids)

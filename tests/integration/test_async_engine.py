@@ -1,14 +1,17 @@
-"""The engine thread behind the server (async_engine.py): shutdown ends every stream."""
+"""The engine thread behind the server (async_engine.py): shutdown ends every stream, and a
+stream nobody reads holds one merged output."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
 from tokenmill.async_engine import AsyncLLMEngine
 from tokenmill.config import EngineConfig
 from tokenmill.engine import LLMEngine
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -91,3 +94,38 @@ def test_a_request_added_after_abort_all_ends_at_once(tiny_llama):
     outputs = asyncio.run(asyncio.wait_for(main(), timeout=30))
     final = outputs[-1].outputs[0]
     assert outputs[-1].finished and final.finish_reason == "abort" and final.token_ids == []
+
+
+def test_a_stream_nobody_reads_holds_one_output_that_adds_up_to_what_a_reader_got(tiny_llama):
+    """A consumer that takes its first output and then nothing while its request runs 200 steps:
+    the engine holds one output for it, not one per step, and that one's new text, token ids and
+    logprobs are exactly the rest of what a reader got (whose own outputs, taken as they came,
+    add up to the whole)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=4))
+    params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0, logprobs=3)
+
+    async def main():
+        front = AsyncLLMEngine(engine)
+        front.start()
+        read = [out async for out in front.generate(front.make_request("read", [5, 6, 7], params))]
+        lagging = front.generate(front.make_request("lag", [5, 6, 7], params))
+        first = await anext(lagging)
+        while engine.has_unfinished_requests():  # every step runs while nobody reads
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # (the last step's outputs reach the loop)
+        held = [o for o in gc.get_objects() if type(o) is RequestOutput and o.request_id == "lag" and o is not first]
+        rest = [out async for out in lagging]
+        front.stop()
+        return read, first, held, rest
+
+    read, first, held, rest = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    whole = read[-1].outputs[0]
+    assert whole.finish_reason == "length" and len(whole.token_ids) == 200 and len(whole.logprobs) == 200
+    assert "".join(out.new_text for out in read) == whole.text
+    assert [t for out in read for t in out.new_token_ids] == whole.token_ids
+    assert len(held) == 1 and len(rest) == 1 and rest[0].finished
+    merged = rest[0]
+    assert len(first.new_token_ids) == 1 and len(merged.new_token_ids) == 199
+    assert first.new_text + merged.new_text == whole.text == merged.outputs[0].text
+    assert first.new_token_ids + merged.new_token_ids == whole.token_ids == merged.outputs[0].token_ids
+    assert merged.outputs[0].logprobs == whole.logprobs and merged.outputs[0].finish_reason == "length"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import socket
@@ -31,13 +32,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model_dir, **app_options):
-    """The real app on a real socket, uvicorn in a background thread."""
+def running_server(model_dir, send_buffer: int | None = None, **app_options):
+    """The real app on a real socket, uvicorn in a background thread. send_buffer: the kernel send
+    buffer of its connections, in bytes (they take the listening socket's); None: the system's,
+    which grows to MBs."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
     app = create_app(engine, "tiny", **app_options)
-    port = free_port()
+    sock = socket.socket()
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -48,6 +55,7 @@ def running_server(model_dir, **app_options):
     finally:
         server.should_exit = True
         thread.join(15)
+        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -613,3 +621,118 @@ def test_e2e_latency_metric_ends_at_the_engines_finish_time(server):
     metrics.on_finished(out)
     after = next(s.value for s in metrics.e2e.collect()[0].samples if s.name.endswith("_sum"))
     assert after - total == pytest.approx(2.0)
+
+
+# ---- clients that stop reading -----------------------------------------------------------
+
+def stalled_stream(url: str, path: str, body: dict) -> socket.socket:
+    """A streamed request whose client sends it and then reads nothing: its small receive buffer
+    makes the server's sends wait after a few kB, as behind a stuck reader."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    data = json.dumps({"model": "tiny", **body, "stream": True}).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    return sock
+
+
+def read_events(sock: socket.socket) -> tuple[list[dict], bool]:
+    """What the server sends on `sock` until it closes it: the SSE events' payloads (one per HTTP
+    chunk), and whether [DONE] came."""
+    sock.settimeout(60)
+    data = b"".join(iter(lambda: sock.recv(1 << 16), b""))
+    sock.close()
+    return [json.loads(part[6:]) for part in data.split(b"\r\n") if part.startswith(b"data: {")], b"[DONE]" in data
+
+
+def live_outputs() -> tuple[int, int]:
+    """The RequestOutputs alive in this process (the server's, wherever they are held) and the
+    bytes of their payload: a character of text or new text, 8 per token id, new token id and
+    logprobs entry."""
+    from tokenmill.outputs import RequestOutput
+    outs = [o for o in gc.get_objects() if type(o) is RequestOutput]
+    return len(outs), sum(len(o.new_text) + 8 * len(o.new_token_ids) + len(c.text)
+                          + 8 * (len(c.token_ids) + len(c.logprobs or [])) for o in outs for c in o.outputs)
+
+
+@pytest.fixture(scope="module")
+def small_buffers(tiny_llama):
+    """A server whose connections have 16 kB kernel send buffers: a client that stops reading
+    makes its sends wait within a few dozen chunks (with the system's, only after MBs)."""
+    with running_server(tiny_llama, send_buffer=8192) as s:
+        yield s
+
+
+def test_a_client_that_pauses_reading_gets_every_delta_merged_into_fewer_chunks(small_buffers):
+    """A client that reads nothing for 1 s and then all: the outputs that piled up meanwhile come
+    merged, in fewer chunks than tokens, and the text, logprobs, offsets, finish reasons and usage
+    they add up to are those of the same request answered whole (n 2, 300 tokens, 3 logprobs)."""
+    body = {"prompt": "w5 w6", "n": 2, "max_tokens": 300, "logprobs": 3, "temperature": 1.0, "seed": 11,
+            "ignore_eos": True}
+    sock = stalled_stream(small_buffers.url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    time.sleep(1)
+    events, done = read_events(sock)
+    whole = httpx.post(small_buffers.url + "/v1/completions", json={"model": "tiny", **body}, timeout=60).json()
+    chunks = [e["choices"][0] for e in events if e["choices"]]
+    assert done and len(chunks) < 600 and events[-1]["usage"] == whole["usage"]
+    for i, want in enumerate(whole["choices"]):
+        mine = [c for c in chunks if c["index"] == i]
+        assert "".join(c["text"] for c in mine) == want["text"]
+        assert [c["finish_reason"] for c in mine][-2:] == [None, "length"]
+        for key in ("tokens", "text_offset"):
+            assert [v for c in mine if c["logprobs"] for v in c["logprobs"][key]] == want["logprobs"][key]
+        got = [v for c in mine if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+        assert got == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def test_a_chat_client_that_pauses_reading_gets_the_same_content_and_logprobs(small_buffers):
+    """The same for a chat stream (n 1: no merged stream, the engine's slot alone): content and
+    logprobs after a 1 s pause add up to the whole answer's."""
+    body = {"messages": [{"role": "user", "content": "w9 w10"}], "max_tokens": 300, "logprobs": True,
+            "top_logprobs": 2, "temperature": 0, "ignore_eos": True}
+    sock = stalled_stream(small_buffers.url, "/v1/chat/completions", body)
+    time.sleep(1)
+    events, done = read_events(sock)
+    whole = httpx.post(small_buffers.url + "/v1/chat/completions", json={"model": "tiny", **body}, timeout=60).json()
+    chunks = [e["choices"][0] for e in events]
+    want = whole["choices"][0]
+    assert done and len(chunks) < 300 and chunks[0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["delta"].get("content", "") for c in chunks) == want["message"]["content"]
+    got = [entry["token"] for c in chunks if c["logprobs"] for entry in c["logprobs"]["content"]]
+    assert got == [entry["token"] for entry in want["logprobs"]["content"]] and len(got) == 300
+    assert chunks[-1]["finish_reason"] == "length" and chunks[-1]["delta"] == {}
+
+
+def test_clients_that_stop_reading_hold_one_output_per_request_and_are_aborted_after_the_write_timeout(tiny_llama):
+    """Two clients send streams (completions with n 8, and chat; 900 tokens, 5 logprobs) and read
+    nothing. While their requests run, the server holds a few outputs per request (the one merged
+    for it, the engine's last, the one a send waits with, a step's on their way to the event loop),
+    not one per step; after the write timeout (0.5 s) their requests are aborted, every KV block is free and
+    the connections are closed without [DONE]; meanwhile another client is served in full."""
+    aborted = 'tokenmill_requests_finished_total{finish_reason="abort"}'
+    with running_server(tiny_llama, send_buffer=8192, stream_write_timeout=0.5) as s:
+        stalled = [stalled_stream(s.url, "/v1/completions", {"prompt": "w5 w6", "n": 8, "max_tokens": 900,
+                                                              "logprobs": 5, "ignore_eos": True}),
+                   stalled_stream(s.url, "/v1/chat/completions", {
+                       "messages": [{"role": "user", "content": "w7"}], "max_tokens": 900, "logprobs": True,
+                       "top_logprobs": 5, "ignore_eos": True})]
+        most, most_bytes = live_outputs()
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        served = list(client.completions.create(model="tiny", prompt="w8", max_tokens=50, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        deadline = time.monotonic() + 60
+        while s.engine.has_unfinished_requests() or metric(s.url, "tokenmill_kv_blocks_used"):
+            assert time.monotonic() < deadline, "the stalled requests still run"
+            count, size = live_outputs()
+            most, most_bytes = max(most, count), max(most_bytes, size)
+            time.sleep(0.05)
+        assert metric(s.url, aborted) == 9, httpx.get(s.url + "/metrics").text
+        received = [read_events(sock) for sock in stalled]
+    assert served[-2].choices[0].finish_reason == "length" and served[-1].usage.completion_tokens == 50
+    # 9 stalled requests and the served one; a whole output of 900 tokens: about 5 characters of
+    # text and 3 entries of 8 bytes per token (one step queued per output: thousands)
+    assert most <= 4 * 10 and most_bytes <= 4 * 10 * 900 * (5 + 3 * 8), (most, most_bytes)
+    for events, done in received:
+        assert not done and 0 < len(events) < 900

@@ -1,5 +1,5 @@
-"""server/launch.py: where `tokenmill serve` takes its API key from, which Host names it answers, and its
-connection limits."""
+"""server/launch.py: where `tokenmill serve` takes its API key from, which Host names it answers, its
+connection limits and its stream write timeout."""
 
 import argparse
 
@@ -7,7 +7,7 @@ import pytest
 
 from tokenmill.server.access import host_entry, host_name
 from tokenmill.server.connections import FILES_RESERVED, connection_cap
-from tokenmill.server.launch import resolve_allowed_hosts, resolve_api_key, seconds
+from tokenmill.server.launch import add_serve_args, resolve_allowed_hosts, resolve_api_key, seconds
 
 
 def args(api_key=None, api_key_file=None) -> argparse.Namespace:
@@ -70,3 +70,14 @@ def test_a_timeout_is_a_positive_finite_number_of_seconds(text):
     with pytest.raises(argparse.ArgumentTypeError):
         seconds(text)
     assert seconds("0.5") == 0.5
+
+
+def test_the_stream_write_timeout_is_a_positive_number_of_seconds_60_by_default(capsys):
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args([]).stream_write_timeout == 60.0
+    assert parser.parse_args(["--stream-write-timeout", "2.5"]).stream_write_timeout == 2.5
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--stream-write-timeout", bad])
+        assert "expected a positive number of seconds" in capsys.readouterr().err

@@ -44,12 +44,13 @@ logger = logging.getLogger("tokenmill.server")
 def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, protect_metrics_and_docs: bool = False,
-               allowed_hosts: list[str] | None = None) -> FastAPI:
+               allowed_hosts: list[str] | None = None, stream_write_timeout: float = 60.0) -> FastAPI:
     """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
 
     api_key: required on /v1 routes, /tokenize and /detokenize, and with protect_metrics_and_docs
     on /metrics, /docs, /redoc and /openapi.json too. allowed_hosts: the Host header names the app
-    answers (any port; None: every name)."""
+    answers (any port; None: every name). A stream whose client takes nothing for
+    `stream_write_timeout` seconds is ended and its requests aborted."""
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("protect_metrics_and_docs needs an api_key")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -72,7 +73,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_middleware(AccessLogMiddleware, logger=logger)
     add_error_handlers(app)
 
-    serving = ServingEngine(engine, async_engine)
+    if not stream_write_timeout > 0:
+        raise ValueError(f"stream_write_timeout must be > 0 seconds, got {stream_write_timeout}")
+    serving = ServingEngine(engine, async_engine, write_timeout=stream_write_timeout)
     tokenizer = engine.tokenizer
     thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     completion = CompletionHandler(serving, tokenizer, served_model_name)

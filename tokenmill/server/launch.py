@@ -97,6 +97,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=at_least_one, default=1024,
                         help="past this many open connections a new one's request gets HTTP 503 (lowered to fit "
                              "the open-file limit, whose soft value serve raises to the hard one)")
+    parser.add_argument("--stream-write-timeout", type=seconds, default=60.0,
+                        help="end a stream whose client takes no output for this many seconds, and abort its "
+                             "requests (until then a client that stops reading holds one output per request)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (hermes: Qwen 2.5/3, Hermes; "
                              "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2/4)")
@@ -161,7 +164,8 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
     name = args.served_model_name or engine.model_path.stem
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                     protect_metrics_and_docs=args.protect_metrics_and_docs, allowed_hosts=args.allowed_hosts)
+                     protect_metrics_and_docs=args.protect_metrics_and_docs, allowed_hosts=args.allowed_hosts,
+                     stream_write_timeout=args.stream_write_timeout)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from tokenmill.engine import LLMEngine
     from tokenmill.request import Request as EngineRequest
     from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill.server")
 
 MAX_COMPLETIONS = 1024  # engine requests one HTTP request may make
 
@@ -72,13 +75,38 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+class TimedStreamingResponse(StreamingResponse):
+    """A stream whose client must take each chunk within `write_timeout` seconds. A client that
+    stops reading fills the socket's buffers, and then a send waits for it; past the timeout the
+    response ends as if the client had gone away: its body iterator is closed, which aborts its
+    requests and frees their KV blocks, and the connection is closed (the server has no more to
+    say on it). Until then the engine keeps one merged output per request for it."""
+
+    def __init__(self, content: AsyncIterator[str], write_timeout: float, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.write_timeout = write_timeout
+
+    async def stream_response(self, send) -> None:
+        async def timed_send(message) -> None:
+            async with asyncio.timeout(self.write_timeout):
+                await send(message)
+        try:
+            await super().stream_response(timed_send)
+        except TimeoutError:
+            logger.warning("a client took no output for %.3g s: its stream ends and its requests are aborted",
+                           self.write_timeout)
+            await self.body_iterator.aclose()
+
+
 @dataclass
 class ServingEngine:
     """The engine as the generating endpoints use it: `engine` tokenizes prompts, `async_engine`
-    makes and runs the requests."""
+    makes and runs the requests; a stream whose client takes nothing for `write_timeout` seconds
+    is ended and its requests aborted."""
 
     engine: LLMEngine
     async_engine: AsyncLLMEngine
+    write_timeout: float = 60.0
 
     async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
                              prefix: str) -> list[EngineRequest]:
@@ -116,18 +144,24 @@ class ServingEngine:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             final = ((lambda outs: {**response.chunk_base, "choices": [], "usage": usage(outs, n, generated)})
                      if include_usage else None)
-            return StreamingResponse(self._event_stream(requests, response, final), media_type="text/event-stream")
+            return TimedStreamingResponse(self._event_stream(requests, response, final), self.write_timeout,
+                                          media_type="text/event-stream")
         outputs = await self._collect(requests, raw)
         raise_if_failed(outputs)
         return {**response.base, "choices": [response.choice(i, out) for i, out in enumerate(outputs)],
                 "usage": usage(outputs, n, generated)}
+
+    def _outputs(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) of the requests' outputs as they come; those a consumer that lags has
+        not taken yet are merged into one per request."""
+        return merge_streams([self.async_engine.generate(r) for r in requests], RequestOutput.merged)
 
     async def _collect(self, requests: list[EngineRequest], raw: Request) -> list[RequestOutput]:
         """Final outputs of every request; aborts them all if the client disconnects first."""
         finals: dict[int, RequestOutput] = {}
 
         async def run():
-            async for i, out in merge_streams([self.async_engine.generate(r) for r in requests]):
+            async for i, out in self._outputs(requests):
                 if out.finished:
                     finals[i] = out
         task = asyncio.create_task(run())
@@ -142,18 +176,19 @@ class ServingEngine:
     async def _event_stream(self, requests: list[EngineRequest], response: Response,
                             final_usage: Callable[[list[RequestOutput]], dict] | None) -> AsyncIterator[str]:
         """SSE: chunks as outputs arrive, an error event if a step failed, optional usage, [DONE]."""
-        outputs: dict[int, RequestOutput] = {}
+        finals: dict[int, RequestOutput] = {}  # (for the usage)
         try:
-            async for i, out in merge_streams([self.async_engine.generate(r) for r in requests]):
+            async for i, out in self._outputs(requests):
                 if out.error is not None:
                     yield sse(error_body(out.error, "server_error"))
                     return
-                outputs[i] = out
+                if out.finished:
+                    finals[i] = out
                 for chunk in response.chunks(i, out):
                     yield sse(chunk)
         except EngineDeadError as exc:
             yield sse(error_body(str(exc), "server_error"))
             return
         if final_usage is not None:
-            yield sse(final_usage([outputs[i] for i in range(len(requests))]))
+            yield sse(final_usage([finals[i] for i in range(len(requests))]))
         yield sse("[DONE]")

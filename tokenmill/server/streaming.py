@@ -4,7 +4,7 @@ request-body size limit.
 The two middlewares are plain ASGI ones, not Starlette's BaseHTTPMiddleware (`@app.middleware`),
 which hands every chunk of a streamed response through a memory stream and a task of its own:
 per token, that work showed in a stream's inter-token time (BENCHMARKS.md, the server A/Bs). For
-the same reason a request's single stream is read directly; merge_streams' task and queue serve
+the same reason a request's single stream is read directly; merge_streams' tasks and slots serve
 only requests with several streams.
 """
 
@@ -15,19 +15,24 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from tokenmill.server.protocol import error_body
 
-_DONE = object()
+T = TypeVar("T")
 
 
-async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+async def merge_streams(streams: list[AsyncIterator[T]],
+                        merge: Callable[[T, T], T]) -> AsyncIterator[tuple[int, T]]:
     """Items of several async iterators as they come, tagged with the iterator's index.
 
-    Closing the merged iterator (a client went away) cancels every pump task, which closes
-    each underlying stream, which aborts its request in the engine. One stream (a request with
-    one prompt and n = 1, the usual case) is read directly, without a task and a queue per item.
+    Each iterator is read at once into one slot of its own: an item the consumer has not taken
+    yet is merged with the next one of the same iterator (`merge(older, newer)`), so a consumer
+    that lags holds one item per iterator, whatever the lag. Slots are taken in the order they
+    filled. Closing the merged iterator (a client went away) cancels every pump task, which
+    closes each underlying stream, which aborts its request in the engine. One stream (a
+    request with one prompt and n = 1, the usual case) is read directly, without tasks.
     """
     if len(streams) == 1:
         try:
@@ -36,28 +41,37 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
         finally:
             await streams[0].aclose()
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    pending: dict[int, T] = {}  # (insertion order: the order the slots filled)
+    errors: list[BaseException] = []
+    ready = asyncio.Event()
+    running = len(streams)
 
-    async def pump(index: int, stream: AsyncIterator) -> None:
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        nonlocal running
         try:
             async for item in stream:
-                await queue.put((index, item))
-            await queue.put((index, _DONE))
+                pending[index] = merge(pending[index], item) if index in pending else item
+                ready.set()
         except BaseException as exc:  # hand errors (and cancellation) to the consumer
-            await queue.put((index, exc))
+            errors.append(exc)
             raise
+        finally:
+            running -= 1
+            ready.set()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
     try:
-        while remaining:
-            index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
+        while True:
+            if errors:
+                raise errors[0]
+            if pending:
+                index = next(iter(pending))
+                yield index, pending.pop(index)
+            elif not running:
+                return
             else:
-                yield index, item
+                ready.clear()
+                await ready.wait()
     finally:
         for task in tasks:
             task.cancel()

@@ -114,9 +114,10 @@ class AsyncLLMEngine:
     # ---- requests --------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
-                     deadline: float | None = None) -> Request:
+                     deadline: float | None = None, arrival_time: float | None = None) -> Request:
         """Validate on the caller's thread (ValueError for a request that can never be served)."""
-        return self.engine.make_request(request_id, prompt, params, priority=priority, deadline=deadline)
+        return self.engine.make_request(request_id, prompt, params, arrival_time=arrival_time, priority=priority,
+                                        deadline=deadline)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs (from make_request) step by step until it finishes.

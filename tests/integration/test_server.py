@@ -736,3 +736,23 @@ def test_clients_that_stop_reading_hold_one_output_per_request_and_are_aborted_a
     assert most <= 4 * 10 and most_bytes <= 4 * 10 * 900 * (5 + 3 * 8), (most, most_bytes)
     for events, done in received:
         assert not done and 0 < len(events) < 900
+
+
+def test_a_response_id_gives_its_requests_timelines_until_the_ring_drops_it(tiny_llama):
+    """GET /v1/requests/{id}: the timelines of the response's engine requests (one per choice),
+    in their events' order, after it ended; the ring keeps the last two (live ones: test_request_log)."""
+    with running_server(tiny_llama, request_log_size=2) as s:
+        body = {"prompt": "w1 w2 w3", "max_tokens": 6, "n": 2, "ignore_eos": True, "temperature": 1.0}
+        done = httpx.post(s.url + "/v1/completions", json=body, timeout=30).json()
+        t = httpx.get(s.url + f"/v1/requests/{done['id']}", timeout=10).json()
+        assert t["id"] == done["id"] and [r["request_id"] for r in t["requests"]] == [
+            done["id"] + "-0-0", done["id"] + "-0-1"]
+        for r in t["requests"]:
+            kinds = [e["event"] for e in r["events"]]
+            assert kinds[:3] == ["arrival", "tokenized", "admitted"] and kinds[-2:] == ["first_token", "finished"]
+            assert r["events"][-1]["finish_reason"] == "length" and len(r["token_times"]) == 6
+            assert 0 < r["latency"]["ttft"] <= r["latency"]["e2e"]
+        for _ in range(2):  # two more ended responses push the first out of the ring of two
+            httpx.post(s.url + "/v1/completions", json={**body, "n": 1}, timeout=30)
+        gone = httpx.get(s.url + f"/v1/requests/{done['id']}", timeout=10)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "request_not_found"

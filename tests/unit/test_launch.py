@@ -81,3 +81,14 @@ def test_the_stream_write_timeout_is_a_positive_number_of_seconds_60_by_default(
         with pytest.raises(SystemExit):
             parser.parse_args(["--stream-write-timeout", bad])
         assert "expected a positive number of seconds" in capsys.readouterr().err
+
+
+def test_the_request_log_keeps_1000_ended_responses_by_default_and_takes_no_negative_size(capsys):
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args([]).request_log_size == 1000
+    assert parser.parse_args(["--request-log-size", "0"]).request_log_size == 0
+    for bad in ("-1", "many", "1.5"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--request-log-size", bad])
+        assert "expected an integer >= 0" in capsys.readouterr().err

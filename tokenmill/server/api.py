@@ -30,6 +30,7 @@ from tokenmill.server.errors import add_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openapi import STREAM_RESPONSES, OpenAIStyleAPI, error_responses
 from tokenmill.server.reasoning import REASONING_PARSERS, ReasoningParser
+from tokenmill.server.request_log import RequestLog, RequestLogHandler
 from tokenmill.server.serving import ServingEngine
 from tokenmill.server.serving_chat import ChatHandler
 from tokenmill.server.serving_completion import CompletionHandler
@@ -44,13 +45,15 @@ logger = logging.getLogger("tokenmill.server")
 def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, protect_metrics_and_docs: bool = False,
-               allowed_hosts: list[str] | None = None, stream_write_timeout: float = 60.0) -> FastAPI:
+               allowed_hosts: list[str] | None = None, stream_write_timeout: float = 60.0,
+               request_log_size: int = 1000) -> FastAPI:
     """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
 
     api_key: required on /v1 routes, /tokenize and /detokenize, and with protect_metrics_and_docs
     on /metrics, /docs, /redoc and /openapi.json too. allowed_hosts: the Host header names the app
     answers (any port; None: every name). A stream whose client takes nothing for
-    `stream_write_timeout` seconds is ended and its requests aborted."""
+    `stream_write_timeout` seconds is ended and its requests aborted. GET /v1/requests/{id} keeps
+    the timelines of the last `request_log_size` responses that ended (0: none)."""
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("protect_metrics_and_docs needs an api_key")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -75,7 +78,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
 
     if not stream_write_timeout > 0:
         raise ValueError(f"stream_write_timeout must be > 0 seconds, got {stream_write_timeout}")
-    serving = ServingEngine(engine, async_engine, write_timeout=stream_write_timeout)
+    request_log = RequestLog(request_log_size)
+    serving = ServingEngine(engine, async_engine, write_timeout=stream_write_timeout, request_log=request_log)
     tokenizer = engine.tokenizer
     thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     completion = CompletionHandler(serving, tokenizer, served_model_name)
@@ -95,6 +99,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_api_route("/metrics", models.metrics, methods=["GET"], name="prometheus_metrics",
                       response_class=PlainTextResponse)
     app.add_api_route("/version", models.version, methods=["GET"])
+    app.add_api_route("/v1/requests/{response_id}", RequestLogHandler(request_log).request, methods=["GET"],
+                      name="request_timeline", responses=error_responses(404))
     app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"], responses=error_responses(400, 404, 413))
     app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"],
                       responses=error_responses(400, 404, 413))

@@ -52,6 +52,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def count(text: str) -> int:
+    """A number of things kept: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a port in use is one line at once, not
     uvicorn's error after the load, and the address logged is the one bound (port 0: the port
@@ -97,6 +108,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=at_least_one, default=1024,
                         help="past this many open connections a new one's request gets HTTP 503 (lowered to fit "
                              "the open-file limit, whose soft value serve raises to the hard one)")
+    parser.add_argument("--request-log-size", type=count, default=1000,
+                        help="GET /v1/requests/{id} answers for live requests and the last this many responses "
+                             "that ended (0: none)")
     parser.add_argument("--stream-write-timeout", type=seconds, default=60.0,
                         help="end a stream whose client takes no output for this many seconds, and abort its "
                              "requests (until then a client that stops reading holds one output per request)")
@@ -165,7 +179,7 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      protect_metrics_and_docs=args.protect_metrics_and_docs, allowed_hosts=args.allowed_hosts,
-                     stream_write_timeout=args.stream_write_timeout)
+                     stream_write_timeout=args.stream_write_timeout, request_log_size=args.request_log_size)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from fastapi import Request
@@ -24,6 +25,7 @@ from tokenmill.async_engine import AsyncLLMEngine, EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import error_body
+from tokenmill.server.request_log import RequestLog
 from tokenmill.server.streaming import merge_streams
 
 if TYPE_CHECKING:
@@ -102,11 +104,13 @@ class TimedStreamingResponse(StreamingResponse):
 class ServingEngine:
     """The engine as the generating endpoints use it: `engine` tokenizes prompts, `async_engine`
     makes and runs the requests; a stream whose client takes nothing for `write_timeout` seconds
-    is ended and its requests aborted."""
+    is ended and its requests aborted. Each response's requests go into `request_log` under the
+    response's id (the prefix of their ids), where GET /v1/requests/{id} finds their timelines."""
 
     engine: LLMEngine
     async_engine: AsyncLLMEngine
     write_timeout: float = 60.0
+    request_log: RequestLog = field(default_factory=lambda: RequestLog(1000))
 
     async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
                              prefix: str) -> list[EngineRequest]:
@@ -117,10 +121,13 @@ class ServingEngine:
         if len(prompts) * params.n > MAX_COMPLETIONS:
             raise APIError(400, f"at most {MAX_COMPLETIONS} completions per request (prompts x n), "
                                 f"got {len(prompts)} x {params.n}", param="prompt")
-        return await asyncio.to_thread(self._make_requests, prompts, params, priority, prefix)
+        arrival = time.monotonic()  # the requests' timelines start here, before tokenizing
+        requests = await asyncio.to_thread(self._make_requests, prompts, params, priority, prefix, arrival)
+        self.request_log.add(prefix, requests)
+        return requests
 
-    def _make_requests(self, prompts: list, params: SamplingParams, priority: int,
-                       prefix: str) -> list[EngineRequest]:
+    def _make_requests(self, prompts: list, params: SamplingParams, priority: int, prefix: str,
+                       arrival: float) -> list[EngineRequest]:
         requests = []
         try:
             for i, prompt in enumerate(prompts):
@@ -129,7 +136,7 @@ class ServingEngine:
                     sub = params.for_sample(j)
                     requests.append(self.async_engine.make_request(f"{prefix}-{i}-{j}",
                                                                    {"prompt": text, "prompt_token_ids": ids}, sub,
-                                                                   priority=priority))
+                                                                   priority=priority, arrival_time=arrival))
         except ValueError as exc:
             field = getattr(exc, "field", None)  # an input_processor.FieldError names its field
             raise APIError(400, str(exc), param=field) from None

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.engine import LLMEngine
@@ -67,12 +67,12 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine,
-                 on_step: Callable[[StepStats | None, list[RequestOutput]], None] | None = None,
+                 listeners: Sequence[Callable[[StepStats | None, list[RequestOutput]], None]] = (),
                  idle_wait: float = 0.05) -> None:
         self.engine = engine
         # Called on the engine thread with each step's stats and outputs, and with (None, outputs)
-        # for requests ended by an abort (metrics hang off this).
-        self.on_step = on_step
+        # for requests ended by an abort (metrics and spans hang off this).
+        self.listeners = list(listeners)
         self.idle_wait = idle_wait
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -169,13 +169,13 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {exc!r}"))
 
     def _step(self) -> None:
-        """One step, its outputs handed to the loop and to on_step (and not kept here: while the
+        """One step, its outputs handed to the loop and to the listeners (and not kept here: while the
         engine idles, the last step's outputs are only where their consumers hold them)."""
         outputs = self.engine.step()
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
-        if self.on_step is not None:
-            self.on_step(self.engine.last_stats, outputs)
+        for listener in self.listeners:
+            listener(self.engine.last_stats, outputs)
 
     def _drain_commands(self) -> None:
         while True:
@@ -192,8 +192,8 @@ class AsyncLLMEngine:
             outputs = [out for out in map(self.engine.abort, ids) if out is not None]
             if outputs:
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
-                if self.on_step is not None:
-                    self.on_step(None, outputs)
+                for listener in self.listeners:
+                    listener(None, outputs)
 
     # ---- on the event loop -----------------------------------------------------------------
 

@@ -756,3 +756,59 @@ def test_a_response_id_gives_its_requests_timelines_until_the_ring_drops_it(tiny
             httpx.post(s.url + "/v1/completions", json={**body, "n": 1}, timeout=30)
         gone = httpx.get(s.url + f"/v1/requests/{done['id']}", timeout=10)
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "request_not_found"
+
+
+class OTLPCollector:
+    """An OTLP/HTTP trace collector on 127.0.0.1 that keeps the spans it is sent."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        spans = self.spans = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                export = ExportTraceServiceRequest.FromString(body)
+                spans.extend(s for rs in export.resource_spans for ss in rs.scope_spans for s in ss.spans)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_each_request_is_an_otlp_span_with_its_events_under_the_callers_trace(tiny_llama):
+    """--otlp-traces-endpoint: one span per engine request, sent over OTLP/HTTP to a collector;
+    a traceparent header makes it the caller's child; its timeline's events are span events."""
+    from tokenmill.server.otel import RequestSpans, otlp_exporter
+    collector = OTLPCollector()
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    try:
+        with running_server(tiny_llama, spans=RequestSpans(otlp_exporter(collector.url))) as s:
+            body = {"prompt": "w1 w2", "max_tokens": 4, "n": 2, "ignore_eos": True, "temperature": 1.0}
+            done = httpx.post(s.url + "/v1/completions", json=body, timeout=30,
+                              headers={"traceparent": f"00-{trace_id}-{parent_id}-01"}).json()
+            httpx.post(s.url + "/v1/completions", json={**body, "n": 1}, timeout=30)  # no traceparent
+            s.app.state.spans.provider.force_flush()
+    finally:
+        collector.server.shutdown()
+    spans = {next(a.value.string_value for a in sp.attributes if a.key == "gen_ai.request.id"): sp
+             for sp in collector.spans}
+    assert len(spans) == 3
+    for j in range(2):
+        sp = spans[f"{done['id']}-0-{j}"]
+        assert sp.name == "llm_request" and sp.trace_id.hex() == trace_id and sp.parent_span_id.hex() == parent_id
+        assert [e.name for e in sp.events][:2] == ["tokenized", "admitted"]
+        assert [e.name for e in sp.events][-2:] == ["first_token", "finished"]
+        attrs = {a.key: a.value for a in sp.attributes}
+        assert attrs["gen_ai.usage.completion_tokens"].int_value == 4
+        assert 0 < attrs["gen_ai.latency.time_to_first_token"].double_value <= attrs["gen_ai.latency.e2e"].double_value
+        assert sp.start_time_unix_nano < sp.events[0].time_unix_nano <= sp.end_time_unix_nano
+    other = next(sp for rid, sp in spans.items() if not rid.startswith(done["id"]))
+    assert other.trace_id.hex() != trace_id and not other.parent_span_id  # a root span of its own

@@ -29,6 +29,7 @@ from tokenmill.server.access import FullApiKeyMiddleware, HostAllowListMiddlewar
 from tokenmill.server.errors import add_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openapi import STREAM_RESPONSES, OpenAIStyleAPI, error_responses
+from tokenmill.server.otel import RequestSpans
 from tokenmill.server.reasoning import REASONING_PARSERS, ReasoningParser
 from tokenmill.server.request_log import RequestLog, RequestLogHandler
 from tokenmill.server.serving import ServingEngine
@@ -46,14 +47,15 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, protect_metrics_and_docs: bool = False,
                allowed_hosts: list[str] | None = None, stream_write_timeout: float = 60.0,
-               request_log_size: int = 1000) -> FastAPI:
+               request_log_size: int = 1000, spans: RequestSpans | None = None) -> FastAPI:
     """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
 
     api_key: required on /v1 routes, /tokenize and /detokenize, and with protect_metrics_and_docs
     on /metrics, /docs, /redoc and /openapi.json too. allowed_hosts: the Host header names the app
     answers (any port; None: every name). A stream whose client takes nothing for
     `stream_write_timeout` seconds is ended and its requests aborted. GET /v1/requests/{id} keeps
-    the timelines of the last `request_log_size` responses that ended (0: none)."""
+    the timelines of the last `request_log_size` responses that ended (0: none). spans: where each
+    request's OpenTelemetry span goes when it ends (server/otel.py; shut down with the app)."""
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("protect_metrics_and_docs needs an api_key")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -61,11 +63,12 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
     metrics = ServerMetrics(engine, served_model_name)
-    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step)
+    async_engine = AsyncLLMEngine(engine, listeners=[metrics.on_step] + ([spans.on_step] if spans else []))
 
     app = OpenAIStyleAPI(title="tokenmill", version=__version__, lifespan=_lifespan)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.spans = spans
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # (the last added runs first)
     if api_key is not None:
         key_middleware = FullApiKeyMiddleware if protect_metrics_and_docs else ApiKeyMiddleware
@@ -79,7 +82,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     if not stream_write_timeout > 0:
         raise ValueError(f"stream_write_timeout must be > 0 seconds, got {stream_write_timeout}")
     request_log = RequestLog(request_log_size)
-    serving = ServingEngine(engine, async_engine, write_timeout=stream_write_timeout, request_log=request_log)
+    serving = ServingEngine(engine, async_engine, write_timeout=stream_write_timeout, request_log=request_log,
+                            spans=spans)
     tokenizer = engine.tokenizer
     thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     completion = CompletionHandler(serving, tokenizer, served_model_name)
@@ -115,3 +119,5 @@ async def _lifespan(app: FastAPI):
     yield
     async_engine.abort_all()
     async_engine.stop()
+    if app.state.spans is not None:
+        app.state.spans.shutdown()

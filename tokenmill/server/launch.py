@@ -26,6 +26,7 @@ from tokenmill.cli_args import at_least_one
 from tokenmill.server.access import LOOPBACK_HOSTS, host_entry
 from tokenmill.server.api import create_app
 from tokenmill.server.connections import GuardedH11Protocol, connection_cap, raise_open_file_limit
+from tokenmill.server.otel import RequestSpans, otlp_exporter
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools import PARSERS
 
@@ -108,6 +109,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=at_least_one, default=1024,
                         help="past this many open connections a new one's request gets HTTP 503 (lowered to fit "
                              "the open-file limit, whose soft value serve raises to the hard one)")
+    parser.add_argument("--otlp-traces-endpoint", default=None,
+                        help="export one OpenTelemetry span per request to this OTLP/HTTP collector "
+                             "(e.g. http://localhost:4318); a W3C traceparent header makes it a child span")
     parser.add_argument("--request-log-size", type=count, default=1000,
                         help="GET /v1/requests/{id} answers for live requests and the last this many responses "
                              "that ended (0: none)")
@@ -179,7 +183,9 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      protect_metrics_and_docs=args.protect_metrics_and_docs, allowed_hosts=args.allowed_hosts,
-                     stream_write_timeout=args.stream_write_timeout, request_log_size=args.request_log_size)
+                     stream_write_timeout=args.stream_write_timeout, request_log_size=args.request_log_size,
+                     spans=RequestSpans(otlp_exporter(args.otlp_traces_endpoint)) if args.otlp_traces_endpoint
+                     else None)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

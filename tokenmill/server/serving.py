@@ -24,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from tokenmill.async_engine import AsyncLLMEngine, EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError
+from tokenmill.server.otel import RequestSpans
 from tokenmill.server.protocol import error_body
 from tokenmill.server.request_log import RequestLog
 from tokenmill.server.streaming import merge_streams
@@ -111,6 +112,7 @@ class ServingEngine:
     async_engine: AsyncLLMEngine
     write_timeout: float = 60.0
     request_log: RequestLog = field(default_factory=lambda: RequestLog(1000))
+    spans: RequestSpans | None = None   # --otlp-traces-endpoint (server/otel.py)
 
     async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
                              prefix: str) -> list[EngineRequest]:
@@ -147,6 +149,8 @@ class ServingEngine:
         """An SSE stream of `response.chunks` (plus the usage chunk when asked), or the whole
         response with one `response.choice` per request once all are done. n: the completions
         per prompt (usage counts each prompt once)."""
+        if self.spans is not None:
+            self.spans.start([r.request_id for r in requests], raw.headers)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             final = ((lambda outs: {**response.chunk_base, "choices": [], "usage": usage(outs, n, generated)})

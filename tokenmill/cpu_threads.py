@@ -5,10 +5,14 @@ Every parallel kernel ends when its slowest thread does. When a neighbour (anoth
 busy host) holds one of the cores, the thread that shares that core runs only part of the time,
 and each of a step's few hundred parallel calls waits for it: two threads then do less than one.
 So the engine counts the cores the machine's other work took over the last half second and runs
-on the rest, back up as soon as they are free again:
+on the rest, back up once they have been free for a while:
 
     others = (busy time of our CPUs in /proc/stat - this process's own CPU time) / wall time
-    threads = clamp(round(cpus - others), 1, limit)      # changed after two windows agree
+    threads = clamp(round(cpus - others), 1, limit)
+
+Fewer threads are taken at the first window that asks for them, more only after three windows in
+a row ask: too many threads beside a neighbour cost far more (every kernel waits for the thread
+that shares its core) than one thread too few on a free core.
 
 Busy time counts steal (a virtual CPU the host gave to another guest is as unavailable as one
 a local process holds); this process's own time, its spinning OpenMP workers included, does not.
@@ -78,6 +82,8 @@ class ThreadGovernor:
     """Sets the intra-op thread count between steps from the cores other processes leave free
     (module docstring). `update` is called before each step, on the thread that runs it."""
 
+    UP_WINDOWS = 3  # windows in a row that must ask for more threads before they are added
+
     def __init__(self, cpus: set[int], limit: int, set_threads: Callable[[int], None], interval: float = 0.5,
                  busy: Callable[[], float] | None = None, own: Callable[[], float] = own_cpu_seconds,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -89,7 +95,7 @@ class ThreadGovernor:
         self._busy = busy if busy is not None else (lambda: cpus_busy_seconds(cpus))
         self._own = own
         self._clock = clock
-        self._proposed = limit          # what the last window asked for
+        self._asked_up = 0              # windows in a row that asked for more threads
         self.others = 0.0               # CPUs' worth the other processes used in the last window
         set_threads(limit)
         self._mark = (clock(), self._busy(), own())
@@ -103,9 +109,10 @@ class ThreadGovernor:
         self._mark = (now, busy, own)
         self.others = max(0.0, (busy - busy_then) - (own - own_then)) / (now - since)
         wanted = min(self.limit, max(1, math.floor(self.num_cpus - self.others + 0.5)))
-        if wanted != self.threads and wanted == self._proposed:  # two windows in a row
+        self._asked_up = self._asked_up + 1 if wanted > self.threads else 0
+        if wanted < self.threads or self._asked_up >= self.UP_WINDOWS:
             logger.debug("CPU threads %d -> %d: other processes held %.2f of %d CPUs",
                          self.threads, wanted, self.others, self.num_cpus)
             self.threads = wanted
             self.set_threads(wanted)
-        self._proposed = wanted
+            self._asked_up = 0

@@ -40,29 +40,29 @@ def test_a_new_governor_sets_its_limit_at_once() -> None:
     assert gov.threads == 3 and host.calls == [3]
 
 
-def test_a_neighbour_holding_one_core_of_two_leaves_one_thread_after_two_windows() -> None:
+def test_a_neighbour_holding_one_core_of_two_leaves_one_thread_at_the_first_window() -> None:
     host = FakeHost()
     gov = host.governor()
     windows(host, gov, 1, own_cores=1.0, other_cores=1.0)
-    assert gov.threads == 2 and gov.others == 1.0  # one window is not enough
-    windows(host, gov, 1, own_cores=1.0, other_cores=1.0)
-    assert gov.threads == 1 and host.calls == [2, 1]
+    assert gov.threads == 1 and gov.others == 1.0 and host.calls == [2, 1]
 
 
-def test_the_threads_come_back_when_the_neighbour_leaves() -> None:
+def test_the_threads_come_back_after_three_free_windows_in_a_row() -> None:
     host = FakeHost()
     gov = host.governor()
-    windows(host, gov, 2, own_cores=1.0, other_cores=1.0)
+    windows(host, gov, 1, own_cores=1.0, other_cores=1.0)
     windows(host, gov, 2, own_cores=1.0, other_cores=0.0)
+    assert gov.threads == 1
+    windows(host, gov, 1, own_cores=1.0, other_cores=0.0)
     assert gov.threads == 2 and host.calls == [2, 1, 2]
 
 
-def test_one_busy_window_between_quiet_ones_changes_nothing() -> None:
+def test_a_busy_window_among_free_ones_starts_the_count_of_free_ones_again() -> None:
     host = FakeHost()
     gov = host.governor()
-    for others in (0.0, 1.0, 0.0, 1.0, 0.0):
-        windows(host, gov, 1, own_cores=2.0, other_cores=others)
-    assert gov.threads == 2 and host.calls == [2]
+    for others in (1.0, 0.0, 0.2, 1.0, 0.0, 0.0, 0.9, 0.0, 0.0):  # 0.2: free enough for two threads
+        windows(host, gov, 1, own_cores=1.0, other_cores=others)
+    assert gov.threads == 1 and host.calls == [2, 1]
 
 
 def test_the_engine_own_spinning_workers_do_not_count_as_a_neighbour() -> None:
@@ -75,9 +75,9 @@ def test_the_engine_own_spinning_workers_do_not_count_as_a_neighbour() -> None:
 def test_less_than_half_a_core_taken_keeps_every_thread_and_more_drops_one() -> None:
     host = FakeHost()
     gov = host.governor(cpus=4, limit=4)
-    windows(host, gov, 2, own_cores=3.0, other_cores=0.4)
+    windows(host, gov, 1, own_cores=3.0, other_cores=0.4)
     assert gov.threads == 4
-    windows(host, gov, 2, own_cores=3.0, other_cores=0.6)
+    windows(host, gov, 1, own_cores=3.0, other_cores=0.6)
     assert gov.threads == 3
 
 

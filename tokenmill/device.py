@@ -6,6 +6,7 @@ and the context length the model's positions and the options allow. Shared by th
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -36,8 +37,9 @@ def rank_device(name: str, local_rank: int) -> torch.device:
 
 def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGovernor | None:
     """--num-threads fixes the CPU threads; otherwise they follow the cores left free (cpu_threads.py).
-    Tensor-parallel ranks on one CPU share its cores: each runs a fixed 1/N of them, since every
-    all-reduce waits for the slowest rank and a governor per rank would see the others as load."""
+    Tensor-parallel ranks on one CPU share its cores: each runs a fixed share of them (1/N, or 1 over
+    torchrun's LOCAL_WORLD_SIZE, the ranks on this machine), since every all-reduce waits for the
+    slowest rank and a governor per rank would see the others as load."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
         return None
@@ -45,7 +47,8 @@ def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGoverno
         return None
     cpus, limit = usable_cpus()
     if config.tensor_parallel_size > 1:
-        torch.set_num_threads(max(1, limit // config.tensor_parallel_size))
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", config.tensor_parallel_size))
+        torch.set_num_threads(max(1, limit // here))
         return None
     return ThreadGovernor(cpus, limit, torch.set_num_threads)
 

@@ -39,7 +39,7 @@ from tokenmill.models.parallel import TPShard, check_divisible
 from tokenmill.proposers import make_proposer
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
-from tokenmill.tp_rank import RankProcesses
+from tokenmill.tp_rank import RankProcesses, torchrun_rank
 from tokenmill.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
@@ -97,11 +97,12 @@ def _check_shardable(checkpoint: Checkpoint, size: int) -> None:
 
 
 def _start_ranks(config: EngineConfig, checkpoint: Checkpoint, device: torch.device) -> RankProcesses:
-    """Start ranks 1..N-1 and join them as rank 0. The CPU kernels are loaded first: torch's loader
-    holds a lock while it checks the cached build, which ranks loading at once would queue on."""
+    """Start ranks 1..N-1 (unless torchrun started them) and join them as rank 0. The CPU kernels are
+    loaded first: torch's loader holds a lock while it checks the cached build, which ranks loading
+    at once would queue on."""
     if device.type == "cpu" and config.kernels == "auto":
         load_cpu_kernels(required=False)
-    ranks = RankProcesses(config)
+    ranks = RankProcesses.under_torchrun(config) if torchrun_rank() is not None else RankProcesses(config)
     try:
         ranks.join(device)
     except BaseException:

@@ -54,13 +54,37 @@ STORE_HOST = "127.0.0.1"
 SHUTDOWN_WAIT_S = 10.0  # how long close() waits for a rank to leave before killing it
 
 
-class RankProcesses:
-    """Rank 0's handle on the ranks 1..N-1 it started: their processes, and the store through which
-    they join and report a failure to start."""
+def torchrun_rank() -> int | None:
+    """This process's global rank when torchrun started it; None otherwise."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"])
 
-    def __init__(self, config: EngineConfig) -> None:
+
+class RankProcesses:
+    """Rank 0's handle on ranks 1..N-1: the processes it started and the store through which they
+    join and report a failure to start; or, under torchrun, none of them (torchrun started every
+    rank, and they meet through its rendezvous, env://)."""
+
+    def __init__(self, config: EngineConfig, launch: bool = True) -> None:
         self.size = config.tensor_parallel_size
         self.timeout_s = config.distributed_timeout
+        self.group: TPGroup | None = None
+        self.store: dist.TCPStore | None = None
+        self.processes: list[subprocess.Popen] = []
+        if launch:
+            self._launch(config)
+
+    @classmethod
+    def under_torchrun(cls, config: EngineConfig) -> RankProcesses:
+        """Rank 0 of ranks that torchrun started (WORLD_SIZE of them, which must be the size)."""
+        world = int(os.environ["WORLD_SIZE"])
+        if world != config.tensor_parallel_size or torchrun_rank() != 0:
+            raise ValueError(f"torchrun started {world} processes and this is rank {torchrun_rank()}: the engine "
+                             f"runs on rank 0 of exactly tensor_parallel_size ({config.tensor_parallel_size})")
+        return cls(config, launch=False)
+
+    def _launch(self, config: EngineConfig) -> None:
         self.store = dist.TCPStore(STORE_HOST, 0, self.size, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.timeout_s))
         # the child imports this very package (an editable install elsewhere must not shadow it)
@@ -71,10 +95,12 @@ class RankProcesses:
                                             "--store", f"{STORE_HOST}:{self.store.port}", "--config", options],
                                            env=env)
                           for rank in range(1, self.size)]
-        self.group: TPGroup | None = None
 
     def join(self, device: torch.device) -> TPGroup:
         """Wait until every rank has come up, then join the groups as rank 0."""
+        if self.store is None:  # torchrun's ranks: env://, bounded by the default group's timeout
+            self.group = join_group(0, self.size, device, self.timeout_s)
+            return self.group
         deadline = time.monotonic() + self.timeout_s
         keys = [f"joined/{rank}" for rank in range(1, self.size)]
         while not self.store.check(keys):
@@ -104,12 +130,14 @@ class RankProcesses:
                 if process.poll() is not None:
                     return RuntimeError(self._death(rank, process))
             time.sleep(0.02)
-        return RuntimeError(f"tensor-parallel collective failed: {exc}")
+        launched = "" if self.processes else " (a rank torchrun started may have died: see its log)"
+        return RuntimeError(f"tensor-parallel collective failed{launched}: {exc}")
 
     def _death(self, rank: int, process: subprocess.Popen) -> str:
         code = process.returncode
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        reported = f": {self.store.get(f'error/{rank}').decode()}" if self.store.check([f"error/{rank}"]) else ""
+        key = f"error/{rank}"
+        reported = f": {self.store.get(key).decode()}" if self.store.check([key]) else ""
         return f"tensor-parallel rank {rank} (pid {process.pid}) is gone ({how}){reported}"
 
     def abort(self) -> None:
@@ -153,6 +181,18 @@ def rank_main(config: EngineConfig, rank: int, store_host: str, store_port: int)
         store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}")
         raise
     serve_steps(worker, group)
+
+
+def run_torchrun_rank(config: EngineConfig) -> None:
+    """A rank other than 0 that torchrun started: join through env://, build the shard's worker, run
+    steps until rank 0's SHUTDOWN (or until rank 0 is gone)."""
+    rank, local_rank = torchrun_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.tensor_parallel_size:
+        raise ValueError(f"torchrun started {world} processes for tensor_parallel_size "
+                         f"{config.tensor_parallel_size}: start exactly that many")
+    group = join_group(rank, world, rank_device(config.device, local_rank), config.distributed_timeout)
+    serve_steps(build_rank_worker(config, group), group)
 
 
 def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:

@@ -156,3 +156,38 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return "\nState:\tZ" not in status
+
+
+def test_two_torchrun_invocations_on_127_0_0_1_give_one_processs_greedy_text(tiny_llama, tmp_path) -> None:
+    """Multi-node as two torchrun agents (--nnodes 2, --node-rank 0 and 1, c10d rendezvous) on one
+    machine: the process that becomes rank 0 prints the answer, the other runs its shard."""
+    prompt, options = "w5 w6 w7 w8", ["--max-tokens", "12", "--temperature", "0", "--num-kv-blocks", "32"]
+    llm = LLM(str(tiny_llama), num_kv_blocks=32)
+    expected = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0].text
+    port = _free_port()
+    torchrun = Path(sys.executable).with_name("torchrun")
+    agents = [subprocess.Popen(
+        [str(torchrun), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tokenmill-test", "--max-restarts", "0",
+         "-m", "tokenmill.cli", "generate", "--model", str(tiny_llama), "--tensor-parallel-size", "2", *options,
+         prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])))
+        for node in (0, 1)]
+    try:
+        results = [agent.communicate(timeout=150) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in results]
+    printed = [out for out, _ in results if out.strip()]
+    assert len(printed) == 1 and printed[0].startswith(prompt) and expected in printed[0]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -74,6 +74,9 @@ def join_group(rank: int, size: int, device: torch.device, timeout_s: float, sto
                ) -> TPGroup:
     """Join the ranks' default group (through `store`, or env:// under torchrun when None) and make the
     control and device groups; a device collective fails after `timeout_s`."""
+    if dist.is_initialized():  # torch.distributed has one default group per process
+        raise RuntimeError("this process already belongs to a torch.distributed group: close() the other "
+                           "tensor-parallel engine first")
     timeout = datetime.timedelta(seconds=timeout_s)
     device_backend = "nccl" if device.type == "cuda" else "gloo"
     if store is None:

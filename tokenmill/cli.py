@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -155,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_rank_other_than_0() -> bool:
+    """torchrun started this process as a tensor-parallel rank other than 0 (read from its variables
+    here, without importing torch)."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and os.environ.get("RANK", "0") != "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(explicit_bool_values(sys.argv[1:] if argv is None else argv))
@@ -171,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if hasattr(args, "max_num_seqs") and _torchrun_rank_other_than_0():
+            # this process runs its shard of the steps that rank 0, which runs the command, sends
+            from tokenmill.tp_rank import run_torchrun_rank
+            run_torchrun_rank(engine_config_from_args(args))
+            return 0
         return args.func(args)
     except (ValueError, OSError, MemoryError) as exc:  # a model that cannot be found or loaded, a pool too
         logging.getLogger("tokenmill").debug("the error in full", exc_info=True)  # big: a message, not a traceback

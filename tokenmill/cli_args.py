@@ -26,6 +26,9 @@ _ENGINE_HELP = {
                    "followed as they change)",
     "trace_file": "write the engine's steps and each request's timeline to this file as Chrome trace JSON "
                   "(chrome://tracing, ui.perfetto.dev)",
+    "tensor_parallel_size": "split each layer over N ranks (processes on the CPU, GPUs on CUDA), "
+                            "rank 0 in this process",
+    "distributed_timeout": "tensor parallelism: seconds a rank waits on a collective or startup before failing",
     "enforce_eager": "CUDA: launch every step from Python, no decode graphs",
     "async_output": "build a step's outputs while the next step runs (default: on for CUDA)",
     "async_scheduling": "schedule and launch the next step before this one's tokens reach the host "

@@ -127,6 +127,10 @@ class EngineConfig:
     speculative_adaptive: bool = True        # decide each step whether speculating pays (else always)
     tokenizer: str | None = None             # tokenizer directory when it differs from the model's
     trace_file: str | None = None            # write steps and request timelines as Chrome trace JSON (trace.py)
+    tensor_parallel_size: int = 1            # ranks that split each layer's heads and MLP (distributed.py);
+                                             # 1: one process, no torch.distributed
+    distributed_timeout: float = 60.0        # seconds a rank waits on a collective or on startup before
+                                             # it gives up with an error (tensor_parallel_size > 1)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -185,6 +189,14 @@ class EngineConfig:
                              f"1 <= ngram_min <= ngram_max")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
+        if size > 1 and self.speculative is not None and self.speculative.startswith("draft:"):
+            raise ValueError("a draft model (speculative='draft:PATH') does not combine with "
+                             "tensor_parallel_size > 1 yet; 'ngram' does")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +56,9 @@ class LLMEngine:
         self.eos_token_ids, self.max_model_len = parts.eos_token_ids, parts.max_model_len
         self.cache_config, self.runner, self.scheduler = parts.cache_config, parts.runner, parts.scheduler
         self.speculator = parts.speculator
+        # tensor parallelism: ranks 1..N-1, ended by close(), or when the engine is collected or the process exits
+        self.ranks = parts.ranks
+        self._close_ranks = weakref.finalize(self, parts.ranks.close) if parts.ranks is not None else None
         grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                               self.max_model_len, config.scheduling_policy, grammars)
@@ -113,6 +117,12 @@ class LLMEngine:
         workers than cores libgomp makes idle ones sleep at once instead of spinning, so that every
         kernel call would have to wake them."""
         self.runner.worker.release_threads()
+
+    def close(self) -> None:
+        """End the tensor-parallel ranks this engine started (nothing without them); the engine runs
+        no step after it."""
+        if self._close_ranks is not None:
+            self._close_ranks()
 
     def use_device(self) -> None:
         """Make the engine's GPU the calling thread's current device: Triton launches, CUDA events

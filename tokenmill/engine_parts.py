@@ -4,6 +4,9 @@
            -> KV pool blocks from the memory left -> worker (pool tensors) -> runner
            -> scheduler (the pool's bookkeeping) -> speculator
 
+With tensor_parallel_size N > 1 this process is rank 0: before the weights it starts ranks
+1..N-1 (tp_rank.py), loads its own shard, and the pool gets the fewest blocks any rank can hold.
+
 LLMEngine (engine.py) takes the parts and runs the step loop over them.
 """
 
@@ -18,20 +21,25 @@ from safetensors import SafetensorError
 
 from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
-from tokenmill.cpu_threads import ThreadGovernor, usable_cpus
+from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.cpu_threads import ThreadGovernor
+from tokenmill.device import context_length, resolve_device, thread_governor
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_runner import ModelRunner, kv_pool_blocks, pool_too_big
 from tokenmill.models.loader import (
     BROKEN_FILE_ERRORS,
+    Checkpoint,
     load_model,
     load_tokenizer,
     open_checkpoint,
     resolve_model_path,
     unreadable,
 )
+from tokenmill.models.parallel import TPShard, check_divisible
 from tokenmill.proposers import make_proposer
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
+from tokenmill.tp_rank import RankProcesses, torchrun_rank
 from tokenmill.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
@@ -51,38 +59,7 @@ class EngineParts:
     runner: ModelRunner
     scheduler: Scheduler
     speculator: Speculator | None
-
-
-def resolve_device(name: str) -> torch.device:
-    """The engine's device, with its index ("cuda" is the current GPU: torch.cuda.set_device needs
-    an index); a CUDA device on a torch that sees none is an error before anything loads."""
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {name!r}: this torch build sees no CUDA GPU "
-                         f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGovernor | None:
-    """--num-threads fixes the CPU threads; otherwise they follow the cores left free (cpu_threads.py)."""
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-        return None
-    if device.type != "cpu":
-        return None
-    cpus, limit = usable_cpus()
-    return ThreadGovernor(cpus, limit, torch.set_num_threads)
-
-
-def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
-    positions = model_config.max_position_embeddings
-    max_len = min(config.max_model_len or positions, positions)
-    if config.max_model_len is not None and config.max_model_len > max_len:
-        logger.warning("max_model_len %d is past the model's %d positions: lowered to %d",
-                       config.max_model_len, max_len, max_len)
-    return max_len
+    ranks: RankProcesses | None = None  # tensor parallelism: ranks 1..N-1, which close() ends
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -94,52 +71,103 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     path = resolve_model_path(config.model)
     checkpoint = open_checkpoint(path)
     model_config: ModelConfig = checkpoint.config
+    if config.tensor_parallel_size > 1:
+        _check_shardable(checkpoint, config.tensor_parallel_size)
     tokenizer = load_tokenizer(path, config.tokenizer)
     eos = set(model_config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     max_len = context_length(config, model_config)
+    ranks = _start_ranks(config, checkpoint, device) if config.tensor_parallel_size > 1 else None
+    try:
+        runner, scheduler, speculator, cache_config, max_len = _model_and_pool(
+            config, checkpoint, device, dtype, kv_dtype, max_len, threads, ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.abort()
+        raise
+    return EngineParts(device, dtype, kv_dtype, path, model_config, tokenizer, frozenset(eos), max_len,
+                       cache_config, runner, scheduler, speculator, ranks)
+
+
+def _check_shardable(checkpoint: Checkpoint, size: int) -> None:
+    """Refuse what `size` ranks cannot split, before any rank starts."""
+    check_divisible(checkpoint.config, size)
+    if checkpoint.gguf_reader is not None:
+        raise ValueError(f"{checkpoint.path}: tensor_parallel_size > 1 loads Hugging Face safetensors "
+                         "directories; sharding GGUF files is not implemented yet")
+
+
+def _start_ranks(config: EngineConfig, checkpoint: Checkpoint, device: torch.device) -> RankProcesses:
+    """Start ranks 1..N-1 (unless torchrun started them) and join them as rank 0. The CPU kernels are
+    loaded first: torch's loader holds a lock while it checks the cached build, which ranks loading
+    at once would queue on."""
+    if device.type == "cpu" and config.kernels == "auto":
+        load_cpu_kernels(required=False)
+    ranks = RankProcesses.under_torchrun(config) if torchrun_rank() is not None else RankProcesses(config)
+    try:
+        ranks.join(device)
+    except BaseException:
+        ranks.abort()
+        raise
+    return ranks
+
+
+def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype,
+                    kv_dtype: torch.dtype, max_len: int, threads: ThreadGovernor | None,
+                    ranks: RankProcesses | None
+                    ) -> tuple[ModelRunner, Scheduler, Speculator | None, CacheConfig, int]:
+    """The weights (this rank's shard under tensor parallelism), the pool sized from the memory left
+    (the fewest blocks of any rank), the worker, runner, scheduler and speculator over them; and the
+    context length, lowered to what the pool holds."""
+    shard = TPShard(0, config.tensor_parallel_size) if ranks is not None else None
     try:
         model = load_model(checkpoint, max_len, dtype, device, config.kernels, config.gguf_blocks,
-                           config.gguf_int8_rows)
+                           config.gguf_int8_rows, shard, ranks.group.all_reduce if ranks is not None else None)
     except (*BROKEN_FILE_ERRORS, SafetensorError) as exc:
-        raise unreadable(path, exc) from exc
+        raise unreadable(checkpoint.path, exc) from exc
+    local_config: ModelConfig = model.config  # this rank's heads (all of them without tensor parallelism)
     # A draft model is loaded before the pool is sized (on a GPU, from the memory left), and its
     # own pool gets as many blocks: each block then costs the two models' K/V.
-    proposer = (make_proposer(config.speculative, config, model_config.vocab_size)
+    proposer = (make_proposer(config.speculative, config, checkpoint.config.vocab_size)
                 if config.speculative is not None else None)
     draft_kv = proposer.kv_elements_per_token if proposer is not None else 0
-    num_blocks = kv_pool_blocks(config, device, (model_config.kv_bytes_per_token + draft_kv) * kv_dtype.itemsize,
+    num_blocks = kv_pool_blocks(config, device, (local_config.kv_bytes_per_token + draft_kv) * kv_dtype.itemsize,
                                 max_len)
+    if ranks is not None:
+        with ranks.sender().failures():
+            num_blocks = ranks.group.min_over_ranks(num_blocks)
     if num_blocks * config.block_size < max_len:
         logger.warning("KV pool holds %d tokens: max_model_len lowered from %d", num_blocks * config.block_size,
                        max_len)
         max_len = num_blocks * config.block_size
     cache_config = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
-    runner, scheduler = _runner_and_scheduler(config, model, model_config, cache_config, device, dtype, kv_dtype,
-                                              max_len, threads)
+    runner, scheduler = _runner_and_scheduler(config, model, local_config, cache_config, device, dtype, kv_dtype,
+                                              max_len, threads, ranks)
     speculator = None
     if proposer is not None:
         proposer.allocate(num_blocks, config.block_size)
         speculator = Speculator(proposer, SpeculationPolicy(config.num_speculative_tokens),
                                 adaptive=config.speculative_adaptive)
-    return EngineParts(device, dtype, kv_dtype, path, model_config, tokenizer, frozenset(eos), max_len,
-                       cache_config, runner, scheduler, speculator)
+    return runner, scheduler, speculator, cache_config, max_len
 
 
 def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
                           cache_config: CacheConfig, device: torch.device, dtype: torch.dtype,
-                          kv_dtype: torch.dtype, max_len: int,
-                          threads: ThreadGovernor | None) -> tuple[ModelRunner, Scheduler]:
-    """The worker with the KV pool's tensors and the runner over it; the scheduler with the pool's
-    bookkeeping."""
+                          kv_dtype: torch.dtype, max_len: int, threads: ThreadGovernor | None,
+                          ranks: RankProcesses | None = None) -> tuple[ModelRunner, Scheduler]:
+    """The worker with the KV pool's tensors (this rank's KV heads) and the runner over it; the
+    scheduler with the pool's bookkeeping. Under tensor parallelism the worker sends each step to
+    the other ranks, and no CUDA graphs are captured (their collectives would be in them)."""
     num_blocks, block_size = cache_config.num_blocks, cache_config.block_size
     bytes_per_block = block_size * model_config.kv_bytes_per_token * kv_dtype.itemsize
     num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
     backend = make_backend(config.attention_backend, device, block_size, model_config.head_dim, dtype)
     try:  # the pool's tensors first, then its bookkeeping (a list entry per block)
-        worker = ModelWorker(model, model_config, cache_config, backend, device, kv_dtype, num_host_blocks, threads)
+        worker = ModelWorker(model, model_config, cache_config, backend, device, kv_dtype, num_host_blocks, threads,
+                             ranks.sender() if ranks is not None else None)
         kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, num_host_blocks)
     except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
         raise MemoryError(pool_too_big(config, device, num_blocks, num_host_blocks, bytes_per_block, exc)) from exc
-    if device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False):
+    if (device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False)
+            and ranks is None):
         worker.capture_graphs(config.max_num_seqs, max_len)
     return ModelRunner(worker, config.seed), Scheduler(SchedulerConfig.from_engine(config, max_len), kv)

@@ -4,7 +4,9 @@ tensors already prepared (token ids, positions, attention metadata) and leaves a
 
 The worker knows nothing of requests, sampling or the scheduler: those stay with the runner
 (model_runner.py), which prepares each step once and hands the worker its tensors. That line is
-where tensor-parallel ranks will sit, each a worker over its share of the heads and of the pool.
+where tensor-parallel ranks sit, each a worker over its share of the heads and of the pool: on
+rank 0 the worker has `peers` (distributed.StepSender) and sends every swap and step to the other
+ranks before running its own share; they run theirs from what they receive (tp_rank.py).
 
     pool  (layers, K|V, blocks + 1, kv_heads, block_size, head_dim)
           the last block is scratch: padding rows of a replayed decode graph write there
@@ -18,14 +20,16 @@ from tokenmill.attention import AttentionMetadata
 from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.cpu_threads import ThreadGovernor
 from tokenmill.cuda_graphs import DecodeGraphs
+from tokenmill.distributed import StepSender
 from tokenmill.host_memory import huge_page_zeros
 
 
 class ModelWorker:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, cache_config: CacheConfig, backend,
                  device: torch.device, kv_dtype: torch.dtype, num_host_blocks: int = 0,
-                 threads: ThreadGovernor | None = None) -> None:
+                 threads: ThreadGovernor | None = None, peers: StepSender | None = None) -> None:
         self.model = model
+        self.peers = peers  # tensor parallelism on rank 0: the other ranks (None: this is the only one)
         self.backend = backend
         self.device = device
         self.threads = threads  # CPU: sets each step's thread count from the cores free now
@@ -76,6 +80,9 @@ class ModelWorker:
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy preempted requests' blocks out to the host pool, then readmitted ones back in;
         before the forward pass, which may write into the blocks just swapped out."""
+        if self.peers is not None and (swap_out or swap_in):
+            with self.peers.failures():
+                self.peers.send_swap(swap_out, swap_in)
         for copies, src, dst in ((swap_out, self.kv_cache, self.host_kv_cache),
                                  (swap_in, self.host_kv_cache, self.kv_cache)):
             if copies:
@@ -84,7 +91,12 @@ class ModelWorker:
                 dst.index_copy_(2, dst_idx, src.index_select(2, src_idx).to(dst.device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The model over one flat batch, writing its K/V into the pool: (T, hidden) states."""
+        """The model over one flat batch, writing its K/V into the pool: (T, hidden) states. On rank
+        0 of several, the other ranks get the step first and run it alongside."""
+        if self.peers is not None:
+            with self.peers.failures():
+                self.peers.send_step(input_ids, positions, meta)
+                return self.model(input_ids, positions, meta, self.kv_caches, self.backend)
         if self.graphs is not None and self.graphs.fits(input_ids, meta):
             return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta, self.kv_caches, self.backend)

@@ -35,11 +35,24 @@ def test_sampling_params_normalise():
     ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu"), ("scheduling_policy", "random"),
     ("kv_watermark", 1.0), ("kv_cache_memory", "lots"), ("attention_backend", "magic"),
     ("kv_cache_dtype", "int8"), ("gguf_int8_rows", -1), ("gguf_int8_rows", True), ("device", "cpu:abc"),
-    ("device", "cuda:-1"),
+    ("device", "cuda:-1"), ("tensor_parallel_size", 0), ("tensor_parallel_size", True),
+    ("distributed_timeout", 0),
 ])
 def test_invalid_engine_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_tensor_parallelism_flags_reach_the_config_and_a_draft_model_is_refused_with_it():
+    from tokenmill.cli import build_parser
+    from tokenmill.cli_args import engine_config_from_args
+    for command in (["generate", "hi"], ["serve"], ["bench", "throughput"]):
+        args = build_parser().parse_args([*command, "--tensor-parallel-size", "2", "--distributed-timeout", "5"])
+        config = engine_config_from_args(args)
+        assert (config.tensor_parallel_size, config.distributed_timeout) == (2, 5.0)
+    assert EngineConfig().tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="draft model .* does not combine with tensor_parallel_size > 1"):
+        EngineConfig(tensor_parallel_size=2, speculative="draft:/some/model")
 
 
 def test_float16_kv_cache_is_for_the_cpu():

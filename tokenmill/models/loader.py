@@ -35,6 +35,7 @@ from tokenmill.models.cpu_packing import (
 from tokenmill.models.llama import LlamaForCausalLM, rope_kind
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix, onednn_available
+from tokenmill.models.parallel import AllReduce, TPShard, local_config, parallelize, shard_embedding, shard_weights
 
 logger = logging.getLogger(__name__)
 
@@ -402,33 +403,46 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,
-               kernels: str = "torch", gguf_blocks: bool = True, int8_rows: int = 0) -> LlamaForCausalLM:
+               kernels: str = "torch", gguf_blocks: bool = True, int8_rows: int = 0,
+               shard: TPShard | None = None, all_reduce: AllReduce | None = None) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
     on a CPU in float32, pack its projections (for the C++ panel kernel, in their GGUF blocks
     where the file has them and `gguf_blocks` is set, quantized token embeddings then looked up
     in the file; or for oneDNN without the kernel) and use the fused C++ element-wise ops; on
-    CUDA, use the Triton element-wise kernels."""
+    CUDA, use the Triton element-wise kernels.
+
+    With a `shard` of size > 1, the model is that tensor-parallel rank's part (models/parallel.py),
+    its sums over the ranks done by `all_reduce`; from Hugging Face safetensors only for now."""
+    sharded = shard is not None and shard.size > 1
+    if sharded and ckpt.gguf_reader is not None:
+        raise ValueError(f"{ckpt.path}: tensor_parallel_size > 1 loads Hugging Face safetensors directories; "
+                         "sharding GGUF files (quantized blocks cut on block boundaries) is not implemented yet")
     packing = kernels == "auto" and device.type == "cpu" and dtype == torch.float32
     cpu_kernels = load_cpu_kernels(required=False) if packing else None
     use_blocks = cpu_kernels is not None and cpu_kernels.block_formats and gguf_blocks
     blocks = ckpt.weight_blocks(cpu_kernels) if use_blocks else {}
     with torch.device("meta"):  # no random init: every weight is overwritten below
-        model = LlamaForCausalLM(ckpt.config, max_len)
+        model = LlamaForCausalLM(local_config(ckpt.config, shard) if sharded else ckpt.config, max_len)
+        if sharded:
+            shard_embedding(model, ckpt.config, shard, all_reduce)
     skip = drop_block_weights(model, blocks)  # never allocated in float32: packed from the blocks
     embedding = ckpt.quantized_embedding() if use_blocks else None
     if embedding is not None and (not ckpt.config.tie_word_embeddings or "model.embed_tokens.weight" in blocks):
         skip.add(use_gguf_embedding(model, *embedding, kernels=cpu_kernels))  # looked up in the file's rows
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)  # cos/sin tables in float32, cast per use
-    weights = tqdm(ckpt.weights(frozenset(skip)), desc="loading weights", unit="tensor", delay=2, leave=False,
-                   disable=None)  # a bar only when loading takes a while, and on a terminal
-    model.load_weights(weights)
+    weights = ckpt.weights(frozenset(skip))
+    if sharded:
+        weights = shard_weights(weights, ckpt.config, shard)
+    # a bar only when loading takes a while, and on a terminal
+    model.load_weights(tqdm(weights, desc="loading weights", unit="tensor", delay=2, leave=False, disable=None))
     if packing:
         if cpu_kernels is not None or onednn_available(device, dtype):
-            pack_for_cpu(model, cpu_kernels, blocks)
+            pack_for_cpu(model, cpu_kernels, blocks, with_head=not sharded or shard.rank == 0)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
-            fuse_layers(model, cpu_kernels)
+            if not sharded:
+                fuse_layers(model, cpu_kernels)
             set_int8_rows(model, int8_rows)
     elif kernels == "auto" and device.type == "cuda":
         try:
@@ -436,6 +450,8 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
             model.ops = TritonFusedOps()
         except ImportError:  # no triton: torch's own element-wise kernels
             pass
+    if sharded:
+        parallelize(model, all_reduce)
     return model.eval()
 
 

@@ -1,0 +1,193 @@
+"""Tensor parallelism end to end: an engine with tensor_parallel_size=2 (this process rank 0, one
+rank process beside it, gloo on 127.0.0.1) against the one-process engine on the tiny models;
+models it must refuse; and a rank killed mid-run."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import copy_model, write_gguf_from_hf
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine import LLMEngine
+from tokenmill.llm import LLM
+from tokenmill.sampling_params import SamplingParams
+
+PREFIX = list(range(10, 58))  # 48 tokens: three blocks of 16 that later prompts share
+
+
+def workload(llm: LLM) -> list:
+    """Chunked prefill beside decodes (16-token steps), a pool small enough to preempt, then a prompt
+    that hits the prefix cache; greedy, with logprobs, and prompt logprobs for a prompt of its own
+    (a request that scores its prompt computes all of it: no prefix hit)."""
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=3, ignore_eos=True)
+    scored = params.clone(prompt_logprobs=2)
+    first = [PREFIX + [60 + i, 70 + i] for i in range(4)] + [PREFIX[::-1]]
+    outputs = llm.generate(first, [params] * 4 + [scored], use_tqdm=False)
+    outputs += llm.generate([PREFIX + [99]], params, use_tqdm=False)
+    return outputs
+
+
+def engine_options(preemption_mode: str) -> dict:
+    return dict(max_num_batched_tokens=16, num_kv_blocks=10, block_size=16, preemption_mode=preemption_mode,
+                swap_space="1MiB")
+
+
+def max_logprob_gap(a, b) -> float:
+    gaps = [abs(x[t] - y[t]) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs) for t in x]
+    gaps += [abs(x[t] - y[t]) for x, y in zip((a.prompt_logprobs or [None])[1:], (b.prompt_logprobs or [None])[1:])
+             for t in x]
+    return max(gaps)
+
+
+@pytest.mark.parametrize("arch,preemption_mode", [("llama", "swap"), ("qwen2", "recompute"), ("qwen3", "recompute")])
+def test_two_ranks_give_one_ranks_greedy_tokens_and_logprobs_within_1e_4(tiny_models, arch, preemption_mode) -> None:
+    results, stats, swaps = {}, {}, []
+    for size in (1, 2):
+        llm = LLM(str(tiny_models[arch]), tensor_parallel_size=size, **engine_options(preemption_mode))
+        if size == 2:  # count the swap lists rank 0 sends
+            peers = llm.engine.runner.worker.peers
+            send_swap = peers.send_swap
+            peers.send_swap = lambda out, back: (swaps.append((out, back)), send_swap(out, back))
+        try:
+            results[size] = workload(llm)
+            stats[size] = llm.engine.scheduler.stats()
+        finally:
+            llm.engine.close()
+    assert stats[2].num_preemptions > 0 and stats[2].num_preemptions == stats[1].num_preemptions
+    assert stats[2].prefix_tokens_hit >= 48 and stats[2].prefix_tokens_hit == stats[1].prefix_tokens_hit
+    if preemption_mode == "swap":  # the victim's blocks went out to the host pools and came back, on both ranks
+        assert any(out for out, _ in swaps) and any(back for _, back in swaps)
+    for one, two in zip(results[1], results[2]):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        assert len(two.outputs[0].token_ids) == 20
+        assert max_logprob_gap(one, two) < 1e-4
+
+
+def test_a_model_whose_kv_heads_do_not_divide_by_the_size_is_refused_naming_the_counts(tiny_llama) -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's num_kv_heads = 2 "
+                                         r"\(num_heads 6, num_kv_heads 2, intermediate_size 192\)"):
+        LLM(str(tiny_llama), tensor_parallel_size=3)
+
+
+def test_a_model_whose_intermediate_size_does_not_divide_is_refused_before_any_rank_starts(tiny_llama,
+                                                                                             tmp_path) -> None:
+    odd = copy_model(tiny_llama, tmp_path / "odd", intermediate_size=191)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"does not divide the model's intermediate_size = 191 \("):
+        LLM(str(odd), tensor_parallel_size=2)
+    assert time.monotonic() - start < 5  # refused from config.json: no rank started, no weight read
+
+
+def test_a_gguf_file_under_tensor_parallelism_is_refused_as_not_implemented(tmp_path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    path = tmp_path / "tiny.gguf"
+    write_gguf_from_hf(AutoModelForCausalLM.from_config(config, dtype=torch.float32), path)
+    with pytest.raises(ValueError, match="sharding GGUF files is not implemented yet"):
+        LLMEngine(EngineConfig(model=str(path), tensor_parallel_size=2))
+
+
+def test_a_rank_killed_with_sigkill_fails_the_running_requests_with_its_name_within_seconds(tiny_llama) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, num_kv_blocks=32))
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(str(i), [5 + i, 6, 7, 8], params)
+        for _ in range(3):
+            assert not any(out.error for out in engine.step())
+        pid = engine.ranks.processes[0].pid
+        os.kill(pid, signal.SIGKILL)
+        start, failed = time.monotonic(), {}
+        while engine.has_unfinished_requests() and time.monotonic() - start < 10:
+            failed.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert time.monotonic() - start < 5
+        assert sorted(failed) == ["0", "1", "2"]
+        expected = f"tensor-parallel rank 1 (pid {pid}) is gone (killed by SIGKILL)"
+        assert all(expected in out.error and out.outputs[0].finish_reason == "error" for out in failed.values())
+        # a request after that fails at once with the same error, without a collective to wait on
+        engine.add_request("late", [5, 6], params)
+        start = time.monotonic()
+        out = engine.step()
+        assert time.monotonic() - start < 1 and [o.request_id for o in out] == ["late"] and expected in out[0].error
+    finally:
+        start = time.monotonic()
+        engine.close()
+    assert time.monotonic() - start < 2
+
+
+def test_a_rank_leaves_within_seconds_when_the_engine_process_is_killed(tiny_llama) -> None:
+    script = (f"from tokenmill.llm import LLM\nllm = LLM({str(tiny_llama)!r}, tensor_parallel_size=2)\n"
+              "print(llm.engine.ranks.processes[0].pid, flush=True)\nimport time\ntime.sleep(120)\n")
+    engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        ready = selectors.DefaultSelector()
+        ready.register(engine.stdout, selectors.EVENT_READ)
+        assert ready.select(timeout=90), "the engine did not start within 90 s"
+        rank_pid = int(engine.stdout.readline())
+        engine.kill()
+        engine.wait(10)
+        start = time.monotonic()
+        while time.monotonic() - start < 15 and _alive(rank_pid):
+            time.sleep(0.05)
+        assert not _alive(rank_pid), "rank 1 outlived its engine by 15 s"
+        assert "rank 0 is gone" in engine.stderr.read()
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+        engine.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie that no init reaps counts as gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def test_two_torchrun_invocations_on_127_0_0_1_give_one_processs_greedy_text(tiny_llama, tmp_path) -> None:
+    """Multi-node as two torchrun agents (--nnodes 2, --node-rank 0 and 1, c10d rendezvous) on one
+    machine: the process that becomes rank 0 prints the answer, the other runs its shard."""
+    prompt, options = "w5 w6 w7 w8", ["--max-tokens", "12", "--temperature", "0", "--num-kv-blocks", "32"]
+    llm = LLM(str(tiny_llama), num_kv_blocks=32)
+    expected = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0].text
+    port = _free_port()
+    torchrun = Path(sys.executable).with_name("torchrun")
+    agents = [subprocess.Popen(
+        [str(torchrun), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tokenmill-test", "--max-restarts", "0",
+         "-m", "tokenmill.cli", "generate", "--model", str(tiny_llama), "--tensor-parallel-size", "2", *options,
+         prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])))
+        for node in (0, 1)]
+    try:
+        results = [agent.communicate(timeout=150) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    assert [agent.returncode for agent in agents] == [0, 0], [err[-2000:] for _, err in results]
+    printed = [out for out, _ in results if out.strip()]
+    assert len(printed) == 1 and printed[0].startswith(prompt) and expected in printed[0]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,62 @@
+"""What a process of the engine runs with, whichever rank it is: its device, its CPU thread count,
+and the context length the model's positions and the options allow. Shared by the engine
+(engine_parts.py) and the tensor-parallel ranks it starts (tp_rank.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.cpu_threads import ThreadGovernor, usable_cpus
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The engine's device, with its index ("cuda" is the current GPU: torch.cuda.set_device needs
+    an index); a CUDA device on a torch that sees none is an error before anything loads."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: this torch build sees no CUDA GPU "
+                         f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'})")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def rank_device(name: str, local_rank: int) -> torch.device:
+    """A tensor-parallel rank's device: the CPU, or the GPU numbered by its rank on its machine
+    ("cuda:1" for local rank 1 whatever index `name` gives rank 0)."""
+    device = torch.device(name)
+    return resolve_device(f"cuda:{local_rank}") if device.type == "cuda" else device
+
+
+def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGovernor | None:
+    """--num-threads fixes the CPU threads; otherwise they follow the cores left free (cpu_threads.py).
+    Tensor-parallel ranks on one CPU share its cores: each runs a fixed share of them (1/N, or 1 over
+    torchrun's LOCAL_WORLD_SIZE, the ranks on this machine), since every all-reduce waits for the
+    slowest rank and a governor per rank would see the others as load."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+        return None
+    if device.type != "cpu":
+        return None
+    cpus, limit = usable_cpus()
+    if config.tensor_parallel_size > 1:
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", config.tensor_parallel_size))
+        torch.set_num_threads(max(1, limit // here))
+        return None
+    return ThreadGovernor(cpus, limit, torch.set_num_threads)
+
+
+def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
+    positions = model_config.max_position_embeddings
+    max_len = min(config.max_model_len or positions, positions)
+    if config.max_model_len is not None and config.max_model_len > max_len:
+        logger.warning("max_model_len %d is past the model's %d positions: lowered to %d",
+                       config.max_model_len, max_len, max_len)
+    return max_len

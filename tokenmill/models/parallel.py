@@ -1,0 +1,166 @@
+"""Tensor-parallel layers: how one rank of N holds and runs its share of a Llama-family model.
+
+Megatron's split, one all-reduce per half-layer:
+
+    qkv_proj, gate_up_proj   column-parallel: rank r keeps its q heads, its k/v heads and its slice of
+                             the intermediate size, cut inside each fused parameter (q, k and v; gate
+                             and up separately), so attention and SiLU*up run on local columns only
+    o_proj, down_proj        row-parallel: rank r keeps the input columns matching its heads/slice;
+                             the partial products are summed over the ranks by one all-reduce
+    embed_tokens             vocab-parallel: rank r keeps a contiguous range of rows; a token outside
+                             it looks up zeros, and an all-reduce sums the one rank's row into all
+    lm_head                  whole, on rank 0 only: logits are computed once, where sampling runs,
+                             without a collective per call (the other ranks hold no head)
+
+A rank's model is the plain LlamaForCausalLM built from `local_config` (its head and intermediate
+counts divided by N) with its embedding rows in place of the table (`shard_embedding`), fed weights
+that `shard_weights` cut from the full checkpoint tensors; after loading, the row-parallel
+projections are wrapped (`parallelize`) so that forward() sums over the ranks. The all-reduce
+runs through an `AllReduce` callable, so the layers know nothing of process groups
+(distributed.TPGroup.all_reduce is one, over the device group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import ModelConfig
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the ranks, in place; returns it
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Which share of the model a rank holds: rank `rank` of `size`."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside 0..{self.size - 1}")
+
+    def split(self, total: int) -> tuple[int, int]:
+        """(start, length) of this rank's equal part of `total` (a multiple of size)."""
+        part = total // self.size
+        return self.rank * part, part
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """[start, end) of the embedding rows this rank holds: ceil(V / N) each, the last fewer."""
+        per_rank = -(-vocab_size // self.size)
+        start = min(self.rank * per_rank, vocab_size)
+        return start, min(start + per_rank, vocab_size)
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    """Refuse a model that N ranks cannot split evenly, naming the counts."""
+    bad = [f"{name} = {value}" for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                                                  ("intermediate_size", cfg.intermediate_size)) if value % size]
+    if bad:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {', '.join(bad)} "
+                         f"(num_heads {cfg.num_heads}, num_kv_heads {cfg.num_kv_heads}, intermediate_size "
+                         f"{cfg.intermediate_size}); pick a size that divides all three")
+
+
+def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
+    """The config a rank's model is built from: its heads and intermediate slice. Rank 0 holds an
+    untied LM head (the whole table, since its embedding holds only its rows); the other ranks hold
+    none (tied, so no lm_head parameter)."""
+    check_divisible(cfg, shard.size)
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // shard.size,
+                               num_kv_heads=cfg.num_kv_heads // shard.size,
+                               intermediate_size=cfg.intermediate_size // shard.size,
+                               tie_word_embeddings=shard.rank != 0)
+
+
+# Checkpoint names (after "model.") and how each is cut: columns of a fused output, or input columns.
+_COLUMN_HEADS = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv"}
+_COLUMN_MLP = ("mlp.gate_proj", "mlp.up_proj")
+_ROW_PARALLEL = {"self_attn.o_proj": "q", "mlp.down_proj": "mlp"}
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, shard: TPShard) -> torch.Tensor | None:
+    """This rank's part of checkpoint tensor `name` (Hugging Face naming, full model `cfg`), or None
+    for a tensor the rank does not hold (the LM head off rank 0)."""
+    name = name.removeprefix("model.")
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sizes = {"q": q_size, "kv": kv_size, "mlp": cfg.intermediate_size}
+    for part, kind in _COLUMN_HEADS.items():
+        if f"{part}." in name:
+            return tensor.narrow(0, *shard.split(sizes[kind]))       # weight rows and bias
+    if any(f"{part}." in name for part in _COLUMN_MLP):
+        return tensor.narrow(0, *shard.split(cfg.intermediate_size))
+    for part, kind in _ROW_PARALLEL.items():
+        if f"{part}." in name:
+            return tensor.narrow(1, *shard.split(sizes[kind]))       # input columns (no bias in these models)
+    if name == "embed_tokens.weight":
+        start, end = shard.vocab_range(cfg.vocab_size)
+        return tensor.narrow(0, start, end - start)
+    if name == "lm_head.weight":
+        return tensor if shard.rank == 0 else None
+    return tensor                                                     # norms: replicated
+
+
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
+                  shard: TPShard) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors cut for this rank (shard_tensor). A tied model's embedding table
+    also becomes rank 0's LM head, whole."""
+    for name, tensor in weights:
+        if name.removeprefix("model.") == "embed_tokens.weight" and cfg.tie_word_embeddings and shard.rank == 0:
+            yield "lm_head.weight", tensor
+        part = shard_tensor(name, tensor, cfg, shard)
+        if part is not None:
+            yield name, part
+
+
+class RowParallel(nn.Module):
+    """A row-parallel projection: the rank's partial product, summed over the ranks."""
+
+    def __init__(self, inner: nn.Module, all_reduce: AllReduce) -> None:
+        super().__init__()
+        self.inner = inner
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.inner.forward(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the embedding table; ids outside look up zeros, and the all-reduce
+    fills in the row from the rank that holds it. `num_embeddings` is the whole vocabulary."""
+
+    def __init__(self, num_embeddings: int, dim: int, start: int, end: int, all_reduce: AllReduce) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(end - start, dim), requires_grad=False)
+        self.start, self.end = start, end
+        self.num_embeddings, self.embedding_dim = num_embeddings, dim
+        self.all_reduce = all_reduce
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        x = F.embedding(torch.where(outside, 0, ids - self.start), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.all_reduce(x)
+
+
+def shard_embedding(model: nn.Module, cfg: ModelConfig, shard: TPShard, all_reduce: AllReduce) -> None:
+    """Before loading (the model built from local_config, on any device): the rank's rows of the
+    embedding table in place of the whole one, so that load_weights fills them from shard_weights."""
+    start, end = shard.vocab_range(cfg.vocab_size)
+    model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, start, end, all_reduce)
+
+
+def parallelize(model: nn.Module, all_reduce: AllReduce) -> None:
+    """After loading and packing: o_proj and down_proj become row-parallel (their packed form kept
+    inside). The one-call fused layers (cpu_packing.fuse_layers) are dropped, since the sums fall
+    inside a layer; the Python layers run the same kernels."""
+    for layer in model.layers:
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, all_reduce)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, all_reduce)
+    model.fused_layers, model.fused_stack = None, None

@@ -70,7 +70,7 @@ class SchedulerStats:
     num_preemptions: int              # cumulative
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestProgress:
     """One request's progress as of a snapshot (Scheduler.snapshot)."""
 

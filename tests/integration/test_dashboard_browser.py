@@ -91,8 +91,8 @@ def test_the_page_shows_8_running_and_16_waiting_then_an_idle_pool_with_24_finis
             busy_grid = page.eval_on_selector("#grid", "c => c.toDataURL()")
         finally:
             sender.join(300)
-        page.wait_for_function("() => window.dashboard.state.num_running === 0 && window.dashboard.state.num_waiting === 0"
-                               f" && window.dashboard.state.last_minute.requests_finished === {REQUESTS}",
+        page.wait_for_function("() => { const s = window.dashboard.state; return s.num_running === 0"
+                               f" && s.num_waiting === 0 && s.last_minute.requests_finished === {REQUESTS}; }}",
                                timeout=60_000)
         idle = page.evaluate("window.dashboard.state")
         done_grid = page.eval_on_selector("#grid", "c => c.toDataURL()")

@@ -22,6 +22,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from tokenmill.engine import LLMEngine
 from tokenmill.input_processor import Prompt
@@ -30,6 +31,8 @@ from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -146,6 +149,18 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    async def call_between_steps(self, fn: Callable[[], T]) -> T:
+        """What `fn()` returns, called on the engine thread between two steps (at once while it
+        idles): a consistent read of state that only that thread changes (the dashboard's
+        snapshot), which costs the engine nothing while nobody asks. Raises EngineDeadError if the
+        engine loop is not running, and what `fn` raised."""
+        if not self.is_alive:
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+        future = self._loop.create_future()
+        self._commands.put(("call", (fn, future)))
+        self._wake.set()
+        return await future
+
     # ---- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -183,6 +198,9 @@ class AsyncLLMEngine:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if kind == "call":
+                self._call(*arg)
+                continue
             if kind == "add":
                 self.engine.add(arg)
                 if not self._closing:
@@ -195,6 +213,14 @@ class AsyncLLMEngine:
                 for listener in self.listeners:
                     listener(None, outputs)
 
+    def _call(self, fn: Callable[[], T], future: asyncio.Future) -> None:
+        """Run a call_between_steps function and hand its result (or error) to the waiting caller."""
+        try:
+            result, error = fn(), None
+        except Exception as exc:  # the caller's to handle, not the engine's
+            result, error = None, exc
+        self._loop.call_soon_threadsafe(_settle, future, result, error)
+
     # ---- on the event loop -----------------------------------------------------------------
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -206,3 +232,13 @@ class AsyncLLMEngine:
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.fail(error)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    """Resolve a call_between_steps future, unless its caller stopped waiting (cancelled)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

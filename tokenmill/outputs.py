@@ -70,6 +70,35 @@ class SchedulerStats:
     num_preemptions: int              # cumulative
 
 
+@dataclass(slots=True)
+class RequestProgress:
+    """One request's progress as of a snapshot (Scheduler.snapshot)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int          # prompt and output tokens whose K/V are in its blocks
+    num_output_tokens: int
+    max_tokens: int
+    num_blocks: int                   # device blocks it holds (swapped-out ones are on the host)
+    num_cached_tokens: int            # prompt tokens the prefix cache served at admission
+    num_preemptions: int
+    preempted: bool                   # waiting again after a preemption
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """The scheduler's pool and queues at one moment between steps, as plain data (for the
+    dashboard): taken on the engine thread, read anywhere."""
+
+    step: int                         # steps scheduled so far
+    block_size: int
+    block_states: bytes               # one byte per block: kv_cache.BLOCK_FREE, _OWNED, _SHARED, _CACHED
+    running: list[RequestProgress]    # admission order
+    waiting: list[RequestProgress]    # queue order, the first `max_waiting` of them
+    num_waiting: int                  # all of them
+    num_preemptions: int              # cumulative
+
+
 @dataclass
 class StepStats:
     """Per-step figures for benchmarks, metrics and the step-time split."""

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_connector import KVConnector
-from tokenmill.outputs import RunnerOutput, SchedulerOutput, SchedulerStats
+from tokenmill.outputs import RequestProgress, RunnerOutput, SchedulerOutput, SchedulerSnapshot, SchedulerStats
 from tokenmill.policies import make_policy
 from tokenmill.request import Request, RequestStatus
 
@@ -165,6 +165,16 @@ class Scheduler:
             kv_blocks_total=pool.num_blocks,
             kv_slots_used=self.kv.slots_filled(self.running), prefix_tokens_queried=self.kv.prompt_tokens_queried,
             prefix_tokens_hit=self.kv.prompt_tokens_hit, num_evictions=pool.num_evictions,
+            num_preemptions=self.num_preemptions)
+
+    def snapshot(self, max_waiting: int = 256) -> SchedulerSnapshot:
+        """The pool's block states and the requests' progress, copied: call it between steps, on
+        the thread that steps (the dashboard does, only while someone watches). Lists the first
+        `max_waiting` waiting requests only: a flood of thousands must not make each copy slow."""
+        return SchedulerSnapshot(
+            step=self.num_steps, block_size=self.kv.block_size, block_states=self.kv.pool.block_states(),
+            running=[_progress(r) for r in self.running],
+            waiting=[_progress(r) for r in self.waiting[:max_waiting]], num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions)
 
     # ---- schedule ---------------------------------------------------------------------
@@ -457,3 +467,11 @@ class Scheduler:
             if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
         return None
+
+
+def _progress(request: Request) -> RequestProgress:
+    return RequestProgress(
+        request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
+        num_computed_tokens=request.num_computed_tokens, num_output_tokens=request.num_output_tokens,
+        max_tokens=request.max_tokens, num_blocks=len(request.block_ids), num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions, preempted=request.status == RequestStatus.PREEMPTED)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 
 import pytest
 
@@ -129,3 +130,32 @@ def test_a_stream_nobody_reads_holds_one_output_that_adds_up_to_what_a_reader_go
     assert first.new_text + merged.new_text == whole.text == merged.outputs[0].text
     assert first.new_token_ids + merged.new_token_ids == whole.token_ids == merged.outputs[0].token_ids
     assert merged.outputs[0].logprobs == whole.logprobs and merged.outputs[0].finish_reason == "length"
+
+
+def test_call_between_steps_runs_on_the_engine_thread_idle_or_busy_and_passes_its_error_back(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=4))
+
+    def where() -> tuple[str, int]:
+        return threading.current_thread().name, len(engine.scheduler.running)
+
+    def fails() -> None:
+        raise KeyError("nope")
+
+    async def main() -> tuple:
+        front = AsyncLLMEngine(engine)
+        front.start()
+        idle = await asyncio.wait_for(front.call_between_steps(where), timeout=5)
+        request = front.make_request("r", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        stream = front.generate(request)
+        await stream.__anext__()  # running now
+        busy = await asyncio.wait_for(front.call_between_steps(where), timeout=5)
+        with pytest.raises(KeyError, match="nope"):
+            await front.call_between_steps(fails)
+        async for out in stream:  # the engine goes on after the failed call
+            last = out
+        front.stop()
+        return idle, busy, last
+
+    idle, busy, last = asyncio.run(main())
+    assert idle == ("tokenmill-engine", 0) and busy == ("tokenmill-engine", 1)
+    assert last.finished and len(last.outputs[0].token_ids) == 200

@@ -32,11 +32,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model_dir, send_buffer: int | None = None, **app_options):
+def running_server(model_dir, send_buffer: int | None = None, engine_options: dict | None = None, **app_options):
     """The real app on a real socket, uvicorn in a background thread. send_buffer: the kernel send
     buffer of its connections, in bytes (they take the listening socket's); None: the system's,
-    which grows to MBs."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **ENGINE_OPTIONS))
+    which grows to MBs. engine_options: changes to ENGINE_OPTIONS."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **{**ENGINE_OPTIONS, **(engine_options or {})}))
     app = create_app(engine, "tiny", **app_options)
     sock = socket.socket()
     if send_buffer is not None:

@@ -2,6 +2,8 @@
 
     POST /v1/completions, /v1/chat/completions    (streaming with SSE, or whole)
     GET  /v1/models, /health, /metrics, /version; POST /tokenize, /detokenize
+    GET  /v1/requests/{id}                        (a response's request timelines)
+    GET  /dashboard, /dashboard/state             (a live page of the scheduler, and its data)
 
 Every bad input gets an OpenAI-style error body: 400 for invalid requests (and for a Host
 header the server does not answer for, access.py), 401 for a missing or wrong API key, 404
@@ -26,6 +28,7 @@ from tokenmill import __version__
 from tokenmill.async_engine import AsyncLLMEngine
 from tokenmill.cpu_kernels import this_cpu
 from tokenmill.server.access import FullApiKeyMiddleware, HostAllowListMiddleware
+from tokenmill.server.dashboard import DashboardHandler
 from tokenmill.server.errors import add_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openapi import STREAM_RESPONSES, OpenAIStyleAPI, error_responses
@@ -37,6 +40,7 @@ from tokenmill.server.serving_chat import ChatHandler
 from tokenmill.server.serving_completion import CompletionHandler
 from tokenmill.server.serving_models import ModelsHandler
 from tokenmill.server.serving_tokenization import TokenizationHandler
+from tokenmill.server.step_history import StepHistory
 from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
 from tokenmill.server.tools import PARSERS
 
@@ -50,7 +54,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                request_log_size: int = 1000, spans: RequestSpans | None = None) -> FastAPI:
     """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
 
-    api_key: required on /v1 routes, /tokenize and /detokenize, and with protect_metrics_and_docs
+    api_key: required on /v1 routes, /tokenize, /detokenize and /dashboard/state, and with protect_metrics_and_docs
     on /metrics, /docs, /redoc and /openapi.json too. allowed_hosts: the Host header names the app
     answers (any port; None: every name). A stream whose client takes nothing for
     `stream_write_timeout` seconds is ended and its requests aborted. GET /v1/requests/{id} keeps
@@ -63,7 +67,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
     metrics = ServerMetrics(engine, served_model_name)
-    async_engine = AsyncLLMEngine(engine, listeners=[metrics.on_step] + ([spans.on_step] if spans else []))
+    history = StepHistory()
+    async_engine = AsyncLLMEngine(engine, listeners=[metrics.on_step, history.on_step]
+                                  + ([spans.on_step] if spans else []))
 
     app = OpenAIStyleAPI(title="tokenmill", version=__version__, lifespan=_lifespan)
     app.state.async_engine = async_engine
@@ -105,6 +111,11 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_api_route("/version", models.version, methods=["GET"])
     app.add_api_route("/v1/requests/{response_id}", RequestLogHandler(request_log).request, methods=["GET"],
                       name="request_timeline", responses=error_responses(404))
+    scheduler = engine.scheduler
+    dashboard = DashboardHandler(async_engine, scheduler, history, scheduler.config.max_num_seqs,
+                                 scheduler.config.max_num_batched_tokens)
+    app.add_api_route("/dashboard", dashboard.dashboard, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/dashboard/state", dashboard.state, methods=["GET"], include_in_schema=False)
     app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"], responses=error_responses(400, 404, 413))
     app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"],
                       responses=error_responses(400, 404, 413))

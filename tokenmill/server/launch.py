@@ -88,7 +88,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
+                        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize, /detokenize and the "
+                             "dashboard's data (open /dashboard#key=KEY) "
                              f"(any local user can read a command line: prefer --api-key-file or {API_KEY_ENV})")
     parser.add_argument("--api-key-file", default=None,
                         help="read the key from the first line of this file")

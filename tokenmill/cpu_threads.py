@@ -51,12 +51,16 @@ def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     return None
 
 
-def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> tuple[set[int], int]:
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                env: dict[str, str] | None = None) -> tuple[set[int], int]:
     """The CPUs this process may run on (its affinity) and how many threads they allow: their
-    count, lowered to the cgroup quota rounded up."""
+    count, lowered to the cgroup quota rounded up and to OMP_NUM_THREADS when that is set."""
     cpus = os.sched_getaffinity(0)
     limit = cgroup_cpu_limit(cgroup_root)
     count = len(cpus) if limit is None else max(1, min(len(cpus), math.ceil(limit)))
+    omp = (os.environ if env is None else env).get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        count = min(count, int(omp))
     return cpus, count
 
 

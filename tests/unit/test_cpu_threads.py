@@ -124,6 +124,13 @@ def test_usable_cpus_are_the_affinity_lowered_to_the_quota_rounded_up(tmp_path: 
     assert usable_cpus(tmp_path) == (cpus, len(cpus))
 
 
+def test_omp_num_threads_lowers_the_limit_and_a_bad_value_is_ignored(tmp_path: Path) -> None:
+    cpus = os.sched_getaffinity(0)
+    assert usable_cpus(tmp_path, env={"OMP_NUM_THREADS": "1"}) == (cpus, 1)
+    assert usable_cpus(tmp_path, env={"OMP_NUM_THREADS": "999"}) == (cpus, len(cpus))
+    assert usable_cpus(tmp_path, env={"OMP_NUM_THREADS": "two"}) == (cpus, len(cpus))
+
+
 def test_a_busy_process_on_this_machine_shows_in_proc_stat() -> None:
     cpus = os.sched_getaffinity(0)
     hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])

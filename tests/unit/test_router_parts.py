@@ -5,9 +5,13 @@ the command line's checks."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import socket
 
+import httpx
 import pytest
 
+from tokenmill.router.app import create_app
 from tokenmill.router.launch import add_router_args, replica_url
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin, make_policy
 from tokenmill.router.prefix import CHUNK_CHARS, PrefixSet, chunk_hashes, routing_text
@@ -146,3 +150,28 @@ def test_the_router_needs_a_replica_and_takes_several():
         parser.parse_args([])
     args = parser.parse_args(["--replica", "http://a:1", "--replica", "http://b:2", "--policy", "round_robin"])
     assert args.replicas == ["http://a:1", "http://b:2"] and args.policy == "round_robin"
+
+
+def test_with_no_replica_answering_the_router_says_503_in_openai_shape():
+    """In process, without the app's lifespan: the replica was never polled (so it is not in
+    routing), then it is taken for healthy but refuses connections (so the attempt fails, the
+    replica leaves routing and no other is left)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    app = create_app([url], make_policy("cache_aware"))
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://127.0.0.1") as client:
+            health = await client.get("/health")
+            never_polled = await client.post("/v1/completions", json={"prompt": "hi"})
+            app.state.replicas[0].healthy = True
+            refused = await client.post("/v1/completions", json={"prompt": "hi"})
+            return health, never_polled, refused, app.state.replicas[0].healthy
+    health, never_polled, refused, healthy_after = asyncio.run(ask())
+    assert health.status_code == 503 and health.json()["replicas"][url]["healthy"] is False
+    assert never_polled.status_code == 503
+    assert never_polled.json()["error"] == {"message": "no replica is healthy", "type": "server_error", "param": None,
+                                            "code": "no_replica_available"}
+    assert refused.status_code == 503 and refused.json()["error"]["message"] == "no replica answered (1 tried)"
+    assert not healthy_after

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tokenmill.router.app import create_app
+from tokenmill.router.forward import sse_events
 from tokenmill.router.launch import add_router_args, replica_url
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin, make_policy
 from tokenmill.router.prefix import CHUNK_CHARS, PrefixSet, chunk_hashes, routing_text
@@ -175,3 +176,15 @@ def test_with_no_replica_answering_the_router_says_503_in_openai_shape():
                                             "code": "no_replica_available"}
     assert refused.status_code == 503 and refused.json()["error"]["message"] == "no replica answered (1 tried)"
     assert not healthy_after
+
+
+def test_a_replicas_stream_is_relayed_in_whole_events_however_its_bytes_are_cut():
+    class Upstream:
+        async def aiter_raw(self):
+            for chunk in (b"data: a\n", b"\ndata: b\n\nda", b"ta: c\n\ndata: d\n\n", b"data: [DONE]"):
+                yield chunk
+
+    async def collect():
+        return [event async for event in sse_events(Upstream())]
+    # what came together goes together, cut after its last whole event; a partial event waits for its end
+    assert asyncio.run(collect()) == [b"data: a\n\ndata: b\n\n", b"data: c\n\ndata: d\n\n", b"data: [DONE]"]

@@ -8,5 +8,6 @@
     app.py       the FastAPI app and its handlers
     launch.py    the command line and uvicorn
 
-The router loads no model and no tokenizer (it imports neither torch nor transformers).
+The router loads no model and no tokenizer: the app (app.py and the modules it imports) imports
+neither torch nor transformers; only launch.py does, through `serve`'s socket and Host helpers.
 """

@@ -1,7 +1,7 @@
 """`tokenmill router` over two `tokenmill serve` replicas, all real processes on 127.0.0.1 with the
 tiny llama: prefix routing and its cache hits against round-robin, outputs equal to one
 server's, a replica killed with requests in flight, and the router's own answers to bad input.
-Bounded: a few dozen short requests, and one run of 8 requests of 400 tokens."""
+Bounded: a few dozen short requests, and one run of 8 requests of 1000 tokens."""
 
 from __future__ import annotations
 
@@ -41,12 +41,12 @@ def healthy_replicas(url: str) -> set[str]:
     return {replica for replica, state in states.items() if state["healthy"]}
 
 
-def wait_for(condition, procs: list[subprocess.Popen], what: str, limit_s: float = 120) -> None:
+def wait_for(condition, procs: list[subprocess.Popen], what: str, limit_s: float = 120, every_s: float = 0.2) -> None:
     deadline = time.monotonic() + limit_s
     while not condition():
         assert all(p.poll() is None for p in procs), f"a process exited while waiting for {what}"
         assert time.monotonic() < deadline, f"no {what} within {limit_s} s"
-        time.sleep(0.2)
+        time.sleep(every_s)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -213,7 +213,7 @@ STREAMED = (1, 2, 5, 6)  # round-robin: 1 and 5 to the victim, 2 and 6 to the ot
 
 
 def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_llama, tmp_path):
-    """8 requests of 400 tokens (4 streamed) over 2 replicas that run 2 at a time, round-robin:
+    """8 requests of 1000 tokens (4 streamed) over 2 replicas that run 2 at a time, round-robin:
     each replica runs 2 and queues 2 (the victim runs requests 1 and 3, a stream and a whole
     one, and queues 5 and 7, the same). SIGKILL it: every whole request, and every stream that
     had no event yet (5 among them), completes on the other with the greedy text; a stream that
@@ -223,7 +223,7 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_
                       router_args=("--health-interval", "0.5"))
     router, victim = cluster.routers["round_robin"], cluster.replicas[1]
     prompts = [f"w{5 + i} w{40 + i}" for i in range(8)]
-    body = {"model": "tiny", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    body = {"model": "tiny", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
     results: dict[int, dict] = {}
 
     def run(i: int) -> None:
@@ -240,14 +240,22 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_
 
     try:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for thread in threads:
-            thread.start()
-            time.sleep(0.05)  # in order: round-robin alternates the replicas
-        wait_for(lambda: waiting(victim) >= 2, cluster.procs, "5 and 7 queued at the victim", 30)
+        for sent, thread in enumerate(threads, start=1):  # each at the router before the next: round-robin
+            thread.start()                                   # alternates the replicas in this order
+            wait_for(lambda: routed(router) >= sent, cluster.procs, f"request {sent - 1} at the router", 30, 0.01)
+        seen = []   # the victim's (running, waiting), as polled
+
+        def queued() -> bool:
+            seen.append(scheduled(victim))
+            return seen[-1] == (2, 2)
+        try:
+            wait_for(queued, cluster.procs, "1 and 3 running, 5 and 7 queued", 30, 0.01)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the victim's (running, waiting) last polled: {seen[-5:]}") from None
         cluster.procs[1].send_signal(signal.SIGKILL)
         for thread in threads:
             thread.join(120)
-        oracle = sorted(complete(cluster.replicas[0], prompts, max_tokens=400, ignore_eos=True).json()["choices"],
+        oracle = sorted(complete(cluster.replicas[0], prompts, max_tokens=1000, ignore_eos=True).json()["choices"],
                         key=lambda choice: choice["index"])
         for i in range(8):
             if i not in STREAMED:
@@ -275,10 +283,15 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_
         stop(cluster.procs)
 
 
-def waiting(url: str) -> float:
-    try:
-        page = httpx.get(url + "/metrics", timeout=5).text
-    except httpx.TransportError:
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-               if line.startswith("vllm:num_requests_waiting{"))
+def routed(router: str) -> float:
+    """The requests the router has sent to a replica, over all replicas."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(router + "/metrics", timeout=5).text.splitlines()
+               if line.startswith("tokenmill_router_requests_routed_total{"))
+
+
+def scheduled(url: str) -> tuple[float, float]:
+    """A replica's requests running and waiting, from its vLLM-named metrics."""
+    page = httpx.get(url + "/metrics", timeout=5).text
+    figures = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))}
+    return figures["vllm:num_requests_running"], figures["vllm:num_requests_waiting"]

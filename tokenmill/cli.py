@@ -1,4 +1,4 @@
-"""tokenmill command line: generate | chat | serve | bench.
+"""tokenmill command line: generate | chat | serve | router | bench.
 
 Engine options are generated from EngineConfig's fields (cli_args.py), so every option the Python API
 takes is also a flag (`--max-num-seqs 64`, `--kv-cache-memory 2GiB`, ...).
@@ -116,6 +116,11 @@ def cmd_serve(args) -> int:
     return run_server(args, engine_config_from_args(args))
 
 
+def cmd_router(args) -> int:
+    from tokenmill.router.launch import run_router
+    return run_router(args)
+
+
 def cmd_bench(args) -> int:
     from tokenmill.bench import main as bench_main
     return bench_main(args)
@@ -149,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
+    from tokenmill.router.launch import add_router_args
+    p = sub.add_parser("router", help="one OpenAI-compatible front over several `serve` replicas, routing by prefix",
+                       description="Route OpenAI-compatible requests over several `tokenmill serve` replicas: to the "
+                                   "one that holds the longest prefix of the prompt in its cache while loads are "
+                                   "even, else the least loaded; unhealthy replicas are left out, and a request "
+                                   "that fails before its first byte is retried on another.")
+    add_router_args(p)
+    p.set_defaults(func=cmd_router)
+
     from tokenmill.bench import add_bench_args
     p = sub.add_parser("bench", help="throughput, serving, speculation and roofline benchmarks")
     add_bench_args(p)
@@ -175,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             SamplingParams(temperature=args.temperature, top_p=args.top_p)
     except ValueError as e:
         parser.error(str(e))
-    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    level = args.log_level or ("INFO" if args.command in ("serve", "router") else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if hasattr(args, "max_num_seqs") and _torchrun_rank_other_than_0():

@@ -1,0 +1,190 @@
+"""tokenmill router's parts without processes: the prefix chain and its bounded set, the routing
+text of a request, the policies' choices, the queue length read from a replica's /metrics, and
+the command line's checks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+
+import httpx
+import pytest
+
+from tokenmill.router.app import create_app
+from tokenmill.router.forward import sse_events
+from tokenmill.router.launch import add_router_args, replica_url
+from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin, make_policy
+from tokenmill.router.prefix import CHUNK_CHARS, PrefixSet, chunk_hashes, routing_text
+from tokenmill.router.replicas import Replica, waiting_requests
+
+
+def replicas(n: int, capacity: int = 1000) -> list[Replica]:
+    return [Replica(f"http://127.0.0.1:{8001 + i}", PrefixSet(capacity), healthy=True) for i in range(n)]
+
+
+def test_texts_sharing_their_first_two_chunks_share_exactly_their_first_two_hashes():
+    shared = "a" * (2 * CHUNK_CHARS)
+    one, two = chunk_hashes(shared + "b" * CHUNK_CHARS), chunk_hashes(shared + "c" * CHUNK_CHARS + "tail")
+    assert len(one) == len(two) == 3
+    assert one[:2] == two[:2] and one[2] != two[2]
+
+
+def test_a_partial_last_chunk_has_no_hash_and_equal_chunks_at_other_places_differ():
+    assert chunk_hashes("x" * (CHUNK_CHARS - 1)) == []
+    assert len(chunk_hashes("x" * (2 * CHUNK_CHARS + 5))) == 2
+    hashes = chunk_hashes("x" * (3 * CHUNK_CHARS))
+    assert len(set(hashes)) == 3  # each covers its whole prefix, not only its own chunk
+
+
+def test_a_lone_surrogate_in_a_prompt_hashes_without_error():
+    assert len(chunk_hashes("\ud800" * CHUNK_CHARS)) == 1
+
+
+def test_the_prefix_set_matches_leading_chunks_only():
+    prefixes = PrefixSet(100)
+    prefixes.insert(chunk_hashes("a" * (3 * CHUNK_CHARS)))
+    assert prefixes.match(chunk_hashes("a" * (5 * CHUNK_CHARS))) == 3
+    assert prefixes.match(chunk_hashes("b" + "a" * (5 * CHUNK_CHARS))) == 0
+    assert prefixes.match([]) == 0
+
+
+def test_past_its_capacity_the_set_drops_the_least_recent_chains_ends_first():
+    prefixes = PrefixSet(4)
+    old = chunk_hashes("o" * (3 * CHUNK_CHARS))
+    prefixes.insert(old)
+    new = chunk_hashes("n" * (2 * CHUNK_CHARS))
+    prefixes.insert(new)
+    assert len(prefixes) == 4
+    assert prefixes.match(new) == 2
+    assert prefixes.match(old) == 2  # the old chain lost its last chunk, not its first
+    prefixes.clear()
+    assert len(prefixes) == 0 and prefixes.match(new) == 0
+
+
+def test_the_routing_text_is_the_prompt_or_the_tools_and_messages_in_order():
+    assert routing_text("/v1/completions", {"prompt": "hello"}) == "hello"
+    assert routing_text("/v1/completions", {"prompt": ["first", "second"]}) == "first"
+    assert routing_text("/v1/completions", {"prompt": [1, 2, 3]}) == "[1, 2, 3]"
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    assert routing_text("/v1/chat/completions", chat) == "<system>be brief<user>hi"
+    tools = routing_text("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]})
+    assert tools == '[{"type": "function"}]<system>be brief<user>hi'
+    assert routing_text("/v1/chat/completions", {"messages": "not a list"}) == ""
+
+
+def test_cache_aware_sends_a_shared_prefix_where_it_went_before_and_a_new_one_to_the_emptier_replica():
+    policy, (a, b) = CacheAware(), replicas(2)
+    first = chunk_hashes("p" * (4 * CHUNK_CHARS) + "one")
+    assert policy.choose([a, b], first) == (a, "least_loaded")
+    other = chunk_hashes("q" * (4 * CHUNK_CHARS))
+    assert policy.choose([a, b], other) == (b, "least_loaded")  # a holds prefixes, b none
+    a.in_flight = 3   # busier, but loads are not uneven past the thresholds
+    again = chunk_hashes("p" * (4 * CHUNK_CHARS) + "two" * CHUNK_CHARS)
+    assert policy.choose([a, b], again) == (a, "prefix")
+
+
+def test_cache_aware_wants_the_threshold_share_of_the_chain_matched():
+    policy, (a, b) = CacheAware(cache_threshold=0.5), replicas(2)
+    policy.choose([a, b], chunk_hashes("p" * (2 * CHUNK_CHARS)))
+    b.in_flight = 1
+    short_match = chunk_hashes("p" * (2 * CHUNK_CHARS) + "z" * (3 * CHUNK_CHARS))  # 2 of 5 chunks held by a
+    a.in_flight = 2
+    assert policy.choose([a, b], short_match) == (b, "least_loaded")
+
+
+def test_cache_aware_goes_to_the_least_loaded_when_loads_are_uneven():
+    policy, (a, b) = CacheAware(balance_abs=8, balance_rel=1.5), replicas(2)
+    chain = chunk_hashes("p" * (4 * CHUNK_CHARS))
+    policy.choose([a, b], chain)
+    a.in_flight, b.waiting = 10, 1
+    assert policy.choose([a, b], chain) == (b, "balance")
+    assert b.prefixes.match(chain) == 4  # b now holds the prefix too
+    a.in_flight = 9   # a difference of 8 is not past the threshold
+    assert policy.choose([a, b], chain)[1] == "prefix"
+
+
+def test_round_robin_takes_each_candidate_in_turn_and_least_loaded_the_least_loaded():
+    policy, (a, b, c) = RoundRobin(), replicas(3)
+    assert [policy.choose([a, b, c], [])[0] for _ in range(4)] == [a, b, c, a]
+    a.in_flight, b.waiting, c.in_flight = 2, 1, 3
+    assert LeastLoaded().choose([a, b, c], []) == (b, "least_loaded")
+
+
+def test_an_unknown_policy_or_a_threshold_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="round_robin"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="cache_threshold"):
+        make_policy("cache_aware", cache_threshold=1.5)
+
+
+def test_going_down_clears_a_replicas_prefixes_and_queue():
+    (a,) = replicas(1)
+    a.prefixes.insert(chunk_hashes("p" * CHUNK_CHARS))
+    a.waiting = 4
+    a.mark_down("test")
+    assert not a.healthy and len(a.prefixes) == 0 and a.waiting == 0
+    a.mark_up()
+    assert a.healthy
+
+
+def test_the_queue_length_is_the_sum_of_vllms_waiting_samples():
+    page = ("# HELP vllm:num_requests_waiting Requests waiting\n# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting{model_name="a"} 3.0\nvllm:num_requests_waiting{model_name="b"} 2.0\n'
+            "vllm:num_requests_waiting_other 7.0\ntokenmill_num_requests_waiting 9.0\n")
+    assert waiting_requests(page) == 5
+    assert waiting_requests("") == 0
+
+
+def test_replica_urls_are_base_urls():
+    assert replica_url("http://127.0.0.1:8001/") == "http://127.0.0.1:8001"
+    assert replica_url("https://host.example") == "https://host.example"
+    for bad in ("127.0.0.1:8001", "ftp://host", "http://host:8001/v1", "http://host:99999", "http://"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            replica_url(bad)
+
+
+def test_the_router_needs_a_replica_and_takes_several():
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([])
+    args = parser.parse_args(["--replica", "http://a:1", "--replica", "http://b:2", "--policy", "round_robin"])
+    assert args.replicas == ["http://a:1", "http://b:2"] and args.policy == "round_robin"
+
+
+def test_with_no_replica_answering_the_router_says_503_in_openai_shape():
+    """In process, without the app's lifespan: the replica was never polled (so it is not in
+    routing), then it is taken for healthy but refuses connections (so the attempt fails, the
+    replica leaves routing and no other is left)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+    app = create_app([url], make_policy("cache_aware"))
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://127.0.0.1") as client:
+            health = await client.get("/health")
+            never_polled = await client.post("/v1/completions", json={"prompt": "hi"})
+            app.state.replicas[0].healthy = True
+            refused = await client.post("/v1/completions", json={"prompt": "hi"})
+            return health, never_polled, refused, app.state.replicas[0].healthy
+    health, never_polled, refused, healthy_after = asyncio.run(ask())
+    assert health.status_code == 503 and health.json()["replicas"][url]["healthy"] is False
+    assert never_polled.status_code == 503
+    assert never_polled.json()["error"] == {"message": "no replica is healthy", "type": "server_error", "param": None,
+                                            "code": "no_replica_available"}
+    assert refused.status_code == 503 and refused.json()["error"]["message"] == "no replica answered (1 tried)"
+    assert not healthy_after
+
+
+def test_a_replicas_stream_is_relayed_in_whole_events_however_its_bytes_are_cut():
+    class Upstream:
+        async def aiter_raw(self):
+            for chunk in (b"data: a\n", b"\ndata: b\n\nda", b"ta: c\n\ndata: d\n\n", b"data: [DONE]"):
+                yield chunk
+
+    async def collect():
+        return [event async for event in sse_events(Upstream())]
+    # what came together goes together, cut after its last whole event; a partial event waits for its end
+    assert asyncio.run(collect()) == [b"data: a\n\ndata: b\n\n", b"data: c\n\ndata: d\n\n", b"data: [DONE]"]

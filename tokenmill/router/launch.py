@@ -1,0 +1,92 @@
+"""`tokenmill router`: its command line, and the app under uvicorn.
+
+    tokenmill router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 [--port 8000]
+                     [--policy cache_aware|round_robin|least_loaded]
+
+The socket is bound, the Host allow-list chosen and connections guarded as `tokenmill serve`
+does them (server/launch.py, server/connections.py). The router holds no API key: a client's
+Authorization header goes on to the replicas, which check it; so a loopback router answers only
+loopback Host names unless --allowed-hosts says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+from urllib.parse import urlsplit
+
+from tokenmill.cli_args import at_least_one
+from tokenmill.router.app import create_app
+from tokenmill.router.policy import POLICIES, make_policy
+from tokenmill.server.connections import GuardedH11Protocol, connection_cap, raise_open_file_limit
+from tokenmill.server.launch import bind, port_number, resolve_allowed_hosts, seconds
+
+logger = logging.getLogger("tokenmill.router")
+
+
+def replica_url(text: str) -> str:
+    """A replica's base URL, http(s)://host:port with no path; checked when the command line is read."""
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
+        raise argparse.ArgumentTypeError(f"expected a replica's base URL such as http://127.0.0.1:8001, got {text!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the port in {text!r} is not a port") from None
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}")
+    return value
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replica", type=replica_url, action="append", required=True, dest="replicas", metavar="URL",
+                        help="a `tokenmill serve` instance's base URL (repeat for each replica)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=port_number, default=8000)
+    parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                        help="cache_aware: to the replica holding the longest prefix of the prompt unless loads "
+                             "are uneven; round_robin; least_loaded (default: cache_aware)")
+    parser.add_argument("--cache-threshold", type=share, default=0.5,
+                        help="cache_aware: the share of a prompt's prefix chunks a replica must hold to be chosen "
+                             "for it (default: 0.5)")
+    parser.add_argument("--balance-abs-threshold", type=int, default=8,
+                        help="cache_aware: loads are uneven when the most loaded replica has more than this many "
+                             "requests over the least loaded ... (default: 8)")
+    parser.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                        help="... and more than this many times its load (default: 1.5)")
+    parser.add_argument("--health-interval", type=seconds, default=1.0,
+                        help="poll each replica's /health and /metrics this often (default: 1 s)")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated Host names to answer, '*' for any (default: on a loopback address, "
+                             "localhost, 127.0.0.1 and [::1]; else any)")
+    parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
+                        help="larger bodies get HTTP 413")
+    parser.add_argument("--max-connections", type=at_least_one, default=1024,
+                        help="past this many open client connections a new one's request gets HTTP 503")
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM (uvicorn's shutdown: open streams get up to 10 s to finish)."""
+    import uvicorn
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to a replica
+    policy = make_policy(args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
+    max_connections = connection_cap(args.max_connections, raise_open_file_limit())
+    with bind(args.host, args.port) as sock:
+        allowed = resolve_allowed_hosts(args.allowed_hosts, args.host, sock.getsockname()[0], None)
+        app = create_app(args.replicas, policy, max_body_bytes=args.max_body_bytes, allowed_hosts=allowed,
+                         health_interval=args.health_interval)
+        protocol = functools.partial(GuardedH11Protocol, header_timeout=10.0, max_connections=max_connections)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
+                                               log_level=logging.getLevelName(logging.getLogger().level).lower(),
+                                               timeout_graceful_shutdown=10))
+        logger.warning("routing (%s) over %s on http://%s:%d", args.policy, ", ".join(args.replicas), args.host,
+                       sock.getsockname()[1])
+        server.run(sockets=[sock])
+    return 0

@@ -33,15 +33,18 @@ from tokenmill.sampling_params import SamplingParams  # noqa: E402
 WARMUP, STEPS = 5, 40
 
 
-def median_decode_step(engine: LLMEngine, batch: int) -> float:
-    ids = [f"b{batch}-{i}" for i in range(batch)]
+def median_decode_step(engine: LLMEngine, batch: int, tag: str = "", warmup: int = WARMUP,
+                       steps: int = STEPS) -> float:
+    """The median time of `steps` decode steps of `batch` requests with 32-token prompts, after
+    `warmup` (benchmarks/tp_overhead.py uses it too; `tag` keeps request ids apart)."""
+    ids = [f"{tag}b{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, list(range(100 + i, 132 + i)),
-                           SamplingParams(max_tokens=WARMUP + STEPS + 8, ignore_eos=True, temperature=0.0))
-    for _ in range(WARMUP + 1):  # the prompts (one step), then warm decodes
+                           SamplingParams(max_tokens=warmup + steps + 8, ignore_eos=True, temperature=0.0))
+    for _ in range(warmup + 1):  # the prompts (one step), then warm decodes
         engine.step()
     times = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)

@@ -24,15 +24,15 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path.cwd()))  # the checkout this runs in, not the one the script lies in
+from cpu_decode_steps import median_decode_step  # noqa: E402  (benchmarks/, this script's folder)
+
 from tokenmill.config import EngineConfig  # noqa: E402
 from tokenmill.engine import LLMEngine  # noqa: E402
-from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 WARMUP, STEPS = 3, 20
 SHAPE = dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, head_dim=64, intermediate_size=4864,
@@ -71,23 +71,6 @@ def write_model(path: Path, layers: int) -> Path:
     return path
 
 
-def median_decode_step(engine: LLMEngine, batch: int, tag: str) -> float:
-    ids = [f"{tag}-b{batch}-{k}" for k in range(batch)]
-    for k, rid in enumerate(ids):
-        engine.add_request(rid, list(range(100 + k, 132 + k)),
-                           SamplingParams(max_tokens=WARMUP + STEPS + 8, ignore_eos=True, temperature=0.0))
-    for _ in range(WARMUP + 1):  # the prompts (one step), then warm decodes
-        engine.step()
-    times = []
-    for _ in range(STEPS):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    for rid in ids:
-        engine.abort(rid)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -108,7 +91,8 @@ def main() -> None:
                 for name, engine, threads in runs:
                     torch.set_num_threads(threads)  # process-wide: rank 0 of TP=2 shares this process
                     for batch in args.batches:
-                        times.setdefault((name, batch), []).append(median_decode_step(engine, batch, f"r{round_}"))
+                        step = median_decode_step(engine, batch, f"r{round_}-", WARMUP, STEPS)
+                        times.setdefault((name, batch), []).append(step)
         finally:
             for engine in engines.values():
                 engine.close()

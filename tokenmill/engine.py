@@ -119,10 +119,12 @@ class LLMEngine:
         self.runner.worker.release_threads()
 
     def close(self) -> None:
-        """End the tensor-parallel ranks this engine started (nothing without them); the engine runs
-        no step after it."""
+        """End the tensor-parallel ranks this engine started (nothing without them) and close the
+        trace file; the engine runs no step after it."""
         if self._close_ranks is not None:
             self._close_ranks()
+        if self.trace is not None:
+            self.trace.close()
 
     def use_device(self) -> None:
         """Make the engine's GPU the calling thread's current device: Triton launches, CUDA events

@@ -47,14 +47,16 @@ def compile_flags(cpu: CpuInfo) -> list[str]:
 
 
 def build_name(cpu: CpuInfo, csrc: Path = _CSRC) -> str:
-    """The build's name: the level and a hash of the files in `csrc`, the flags, the CPU's flags
-    and torch's version (see the module docstring)."""
+    """The build's name: the level and a hash of the files in `csrc`, the flags, the CPU's flags,
+    torch's version and where torch is installed (see the module docstring): torch rebuilds when
+    the include paths it passes change, so two environments with the same torch would otherwise
+    rebuild each other's kernels at every start."""
     import torch
     digest = hashlib.sha256()
     for path in sorted(csrc.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in (compile_flags(cpu), sorted(cpu.flags), [torch.__version__]):
+    for part in (compile_flags(cpu), sorted(cpu.flags), [torch.__version__, str(Path(torch.__file__).parent)]):
         digest.update(" ".join(part).encode() + b"\0")
     return f"{_NAME}_{cpu.level}_{digest.hexdigest()[:16]}"
 

@@ -24,6 +24,16 @@ def test_the_cache_key_follows_the_sources_content_not_their_path(tmp_path):
     assert cpu_kernels.build_name(cpu, one) != cpu_kernels.build_name(cpu, two)
 
 
+def test_two_environments_with_the_same_torch_keep_a_build_each(monkeypatch):
+    """torch rebuilds when its include paths change: two venvs sharing one build would rebuild
+    it for each other at every start."""
+    import torch
+    cpu = cpu_info(cpuinfo=FLAGS)
+    here = cpu_kernels.build_name(cpu)
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert cpu_kernels.build_name(cpu) != here
+
+
 def test_the_cache_key_follows_the_level_and_the_cpus_flags():
     """A build copied to another CPU, or held to another level, is never loaded in its place."""
     avx512 = cpu_info(cpuinfo=FLAGS)

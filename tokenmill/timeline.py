@@ -44,17 +44,23 @@ class TimelineEvent:
 class Timeline:
     events: list[TimelineEvent] = field(default_factory=list)
     token_times: array = field(default_factory=lambda: array("d"))  # one entry per output token
+    # kind -> the time of its first event: every output of every step reads three of these
+    _first_times: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for e in reversed(self.events):
+            self._first_times[e.kind] = e.time
 
     def add(self, time: float, kind: str, **data: int | str) -> None:
         self.events.append(TimelineEvent(time, kind, data))
+        self._first_times.setdefault(kind, time)
 
     def first(self, kind: str) -> TimelineEvent | None:
         return next((e for e in self.events if e.kind == kind), None)
 
     def time_of(self, kind: str) -> float | None:
         """When the first event of a kind happened (None: not yet)."""
-        event = self.first(kind)
-        return event.time if event is not None else None
+        return self._first_times.get(kind)
 
     @property
     def queue_time(self) -> float | None:

@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import torch
+
 from tokenmill.engine import LLMEngine
 from tokenmill.input_processor import Prompt
 from tokenmill.outputs import RequestOutput, StepStats
@@ -119,8 +121,8 @@ class AsyncLLMEngine:
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
                      deadline: float | None = None, arrival_time: float | None = None) -> Request:
         """Validate on the caller's thread (ValueError for a request that can never be served)."""
-        return self.engine.make_request(request_id, prompt, params, arrival_time=arrival_time, priority=priority,
-                                        deadline=deadline)
+        return self.engine.input_processor.make_request(request_id, prompt, params, arrival_time=arrival_time,
+                                                        priority=priority, deadline=deadline)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs (from make_request) step by step until it finishes.
@@ -166,7 +168,8 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
-            engine.use_device()
+            if engine.device.type == "cuda":  # Triton launches, CUDA events and graph captures act on
+                torch.cuda.set_device(engine.device)  # the current device, not their tensors'
             while not self._stopping:
                 self._drain_commands()
                 if not engine.has_unfinished_requests():

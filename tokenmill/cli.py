@@ -41,7 +41,8 @@ def cmd_generate(args) -> int:
     prompts = args.prompts or [sys.stdin.read()]
     params = _sampling_params(args).clone(output_kind="final")
     # every prompt checked before any runs (as LLM.generate); past the context, an answer ends there
-    requests = [engine.make_request(str(i), p, params, fit_to_context=True) for i, p in enumerate(prompts)]
+    make = engine.input_processor.make_request
+    requests = [make(str(i), p, params, fit_to_context=True) for i, p in enumerate(prompts)]
     for request in requests:
         engine.add(request)
     done: dict[int, RequestOutput] = {}

@@ -23,17 +23,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from tokenmill.config import EngineConfig
 from tokenmill.engine_parts import build_engine_parts
-from tokenmill.input_processor import InputProcessor, Prompt
+from tokenmill.input_processor import Prompt
 from tokenmill.model_runner import PendingStep
-from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepStats
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured import GrammarCompiler
 from tokenmill.trace import TraceWriter
 
 logger = logging.getLogger(__name__)
@@ -59,10 +55,7 @@ class LLMEngine:
         # tensor parallelism: ranks 1..N-1, ended by close(), or when the engine is collected or the process exits
         self.ranks = parts.ranks
         self._close_ranks = weakref.finalize(self, parts.ranks.close) if parts.ranks is not None else None
-        grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                              self.max_model_len, config.scheduling_policy, grammars)
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.end_on_stop_string)
+        self.input_processor, self.output_processor = parts.input_processor, parts.output_processor
         # The pipeline's two knobs (see the module docstring); both default on for CUDA.
         self.async_output = config.async_output if config.async_output is not None else self.device.type == "cuda"
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -76,27 +69,18 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return self.input_processor.tokenize_prompt(prompt)
-
-    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                     arrival_time: float | None = None, priority: int = 0,
-                     deadline: float | None = None, fit_to_context: bool = False) -> Request:
-        """Tokenize and validate (InputProcessor.make_request); ValueError for anything the engine
-        could never serve. Touches no engine state: the server calls it on its own thread."""
-        return self.input_processor.make_request(request_id, prompt, params, arrival_time, priority, deadline,
-                                                 fit_to_context)
-
     def add(self, request: Request) -> None:
-        """Queue a request built by make_request."""
+        """Queue a request built by input_processor.make_request (which touches no engine state: the
+        server calls it on its own thread)."""
         self.output_processor.add(request)
         self.scheduler.add_request(request)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None) -> Request:
-        """make_request + add."""
-        request = self.make_request(request_id, prompt, params, arrival_time, priority, deadline)
+        """Tokenize and validate (InputProcessor.make_request: ValueError for anything the engine could
+        never serve), then queue."""
+        request = self.input_processor.make_request(request_id, prompt, params, arrival_time, priority, deadline)
         self.add(request)
         return request
 
@@ -111,11 +95,7 @@ class LLMEngine:
         return out
 
     def release_threads(self) -> None:
-        """Let the OpenMP worker threads that the calling thread started exit (building the engine
-        ran parallel kernels on it). AsyncLLMEngine calls it before stepping the engine on a thread
-        of its own: each thread that runs parallel kernels keeps a team of workers, and with more
-        workers than cores libgomp makes idle ones sleep at once instead of spinning, so that every
-        kernel call would have to wake them."""
+        """Let the OpenMP threads that building the engine started exit (ModelWorker.release_threads)."""
         self.runner.worker.release_threads()
 
     def close(self) -> None:
@@ -125,13 +105,6 @@ class LLMEngine:
             self._close_ranks()
         if self.trace is not None:
             self.trace.close()
-
-    def use_device(self) -> None:
-        """Make the engine's GPU the calling thread's current device: Triton launches, CUDA events
-        and graph captures act on the current device, not on their tensors' (with "cuda:1", on
-        device 0 otherwise). AsyncLLMEngine calls it on its engine thread."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
 
     def unfinished_request_ids(self) -> list[str]:
         """Every request whose final output is still to come."""
@@ -154,7 +127,7 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        ahead = self.async_scheduling and self._can_step_ahead()
+        ahead = self.async_scheduling and not self.scheduler.needs_past_tokens()
         if self._ongoing is not None and not ahead:  # a request needs the last step's tokens first
             return self._complete(self._take_ongoing(), time.perf_counter())
         start = time.perf_counter()
@@ -183,12 +156,6 @@ class LLMEngine:
     def _take_ongoing(self) -> Launched | None:
         ongoing, self._ongoing = self._ongoing, None
         return ongoing
-
-    def _can_step_ahead(self) -> bool:
-        """Penalties, grammars and bad words read a request's past tokens on the host, so they need
-        the last step's."""
-        return not any(r.params.has_penalties or r.grammar is not None or r.bad_words_token_ids
-                       for r in self.scheduler.requests.values())
 
     def _launch(self, sched: SchedulerOutput, advance: bool) -> Launched:
         pending = self.runner.launch(sched)
@@ -255,16 +222,8 @@ class LLMEngine:
         """The step's figures; preemptions: all since the last record (a step that failed, or an
         async-scheduling call that completed no step, records none)."""
         now = self.scheduler.stats()
-        s = StepStats(
-            num_seqs=len(sched.requests), num_tokens=sched.total_num_tokens,
-            num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
-            num_running=now.num_running, num_waiting=now.num_waiting, kv_blocks_used=now.kv_blocks_used,
-            kv_blocks_cached=now.kv_blocks_cached, kv_blocks_total=now.kv_blocks_total, kv_slots_used=now.kv_slots_used,
-            prefix_tokens_queried=now.prefix_tokens_queried, prefix_tokens_hit=now.prefix_tokens_hit,
-            num_evictions=now.num_evictions, num_preemptions=now.num_preemptions - self._preemptions_recorded,
-            time_schedule=time_schedule, time_prepare=result.time_prepare, time_forward=result.time_forward,
-            time_sample=result.time_sample, time_detokenize=time_detokenize, time_total=end - start,
-            start=start, num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens)
+        s = StepStats.of(sched, result, now, now.num_preemptions - self._preemptions_recorded, time_schedule,
+                         time_detokenize, start, end)
         self._preemptions_recorded = now.num_preemptions
         self.last_stats = s
         for listener in self.stats_listeners:

@@ -2,7 +2,7 @@
 
     device -> checkpoint, tokenizer -> context length -> weights (and a draft model's)
            -> KV pool blocks from the memory left -> worker (pool tensors) -> runner
-           -> scheduler (the pool's bookkeeping) -> speculator
+           -> scheduler (the pool's bookkeeping) -> speculator -> input and output processors
 
 With tensor_parallel_size N > 1 this process is rank 0: before the weights it starts ranks
 1..N-1 (tp_rank.py), loads its own shard, and the pool gets the fewest blocks any rank can hold.
@@ -24,6 +24,7 @@ from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.cpu_threads import ThreadGovernor
 from tokenmill.device import context_length, resolve_device, thread_governor
+from tokenmill.input_processor import InputProcessor
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_runner import ModelRunner, kv_pool_blocks, pool_too_big
 from tokenmill.models.loader import (
@@ -36,9 +37,11 @@ from tokenmill.models.loader import (
     unreadable,
 )
 from tokenmill.models.parallel import TPShard, check_divisible
+from tokenmill.output_processor import OutputProcessor
 from tokenmill.proposers import make_proposer
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
+from tokenmill.structured import GrammarCompiler
 from tokenmill.tp_rank import RankProcesses, torchrun_rank
 from tokenmill.worker import ModelWorker
 
@@ -59,6 +62,8 @@ class EngineParts:
     runner: ModelRunner
     scheduler: Scheduler
     speculator: Speculator | None
+    input_processor: InputProcessor   # tokenizes and validates requests
+    output_processor: OutputProcessor  # detokenizes; stop strings end requests through the scheduler
     ranks: RankProcesses | None = None  # tensor parallelism: ranks 1..N-1, which close() ends
 
 
@@ -84,8 +89,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         if ranks is not None:
             ranks.abort()
         raise
+    grammars = GrammarCompiler(tokenizer, model_config.vocab_size, frozenset(eos))
+    inputs = InputProcessor(tokenizer, model_config.vocab_size, frozenset(eos), max_len, config.scheduling_policy,
+                            grammars)
     return EngineParts(device, dtype, kv_dtype, path, model_config, tokenizer, frozenset(eos), max_len,
-                       cache_config, runner, scheduler, speculator, ranks)
+                       cache_config, runner, scheduler, speculator, inputs,
+                       OutputProcessor(tokenizer, scheduler.end_on_stop_string), ranks)
 
 
 def _check_shardable(checkpoint: Checkpoint, size: int) -> None:

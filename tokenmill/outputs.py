@@ -127,6 +127,21 @@ class StepStats:
     time_total: float = 0.0
     start: float = 0.0                # monotonic time the step began
 
+    @classmethod
+    def of(cls, sched: SchedulerOutput, result: RunnerOutput, now: SchedulerStats, num_preemptions: int,
+           time_schedule: float, time_detokenize: float, start: float, end: float) -> StepStats:
+        """A collected step's figures: its batch and runner times, the scheduler's state after it."""
+        return cls(
+            num_seqs=len(sched.requests), num_tokens=sched.total_num_tokens,
+            num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
+            num_running=now.num_running, num_waiting=now.num_waiting, kv_blocks_used=now.kv_blocks_used,
+            kv_blocks_cached=now.kv_blocks_cached, kv_blocks_total=now.kv_blocks_total, kv_slots_used=now.kv_slots_used,
+            prefix_tokens_queried=now.prefix_tokens_queried, prefix_tokens_hit=now.prefix_tokens_hit,
+            num_evictions=now.num_evictions, num_preemptions=num_preemptions,
+            time_schedule=time_schedule, time_prepare=result.time_prepare, time_forward=result.time_forward,
+            time_sample=result.time_sample, time_detokenize=time_detokenize, time_total=end - start,
+            start=start, num_draft_tokens=result.num_draft_tokens, num_accepted_tokens=result.num_accepted_tokens)
+
 
 @dataclass
 class CompletionOutput:

@@ -157,6 +157,12 @@ class Scheduler:
             if request is not None and request.swapped_block_ids:
                 self._free(request)
 
+    def needs_past_tokens(self) -> bool:
+        """Whether a request's next step reads its last tokens on the host (penalties, grammars, bad
+        words): then a step cannot be scheduled before the last one is collected."""
+        return any(r.params.has_penalties or r.grammar is not None or r.bad_words_token_ids
+                   for r in self.requests.values())
+
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
         return SchedulerStats(

@@ -72,7 +72,10 @@ class ModelWorker:
             self.threads.update()
 
     def release_threads(self) -> None:
-        """Let the OpenMP workers that the calling thread started exit (see LLMEngine.release_threads)."""
+        """Let the OpenMP worker threads that the calling thread started exit (building the engine
+        ran parallel kernels on it), before the engine steps on a thread of its own: each thread that
+        runs parallel kernels keeps a team of workers, and with more workers than cores libgomp makes
+        idle ones sleep at once instead of spinning, so that every kernel call would have to wake them."""
         kernels = getattr(self.backend, "kernel", None)  # the CPU backend's C++ module
         if kernels is not None:
             kernels.release_threads()

@@ -484,7 +484,8 @@ def test_prompts_are_tokenized_off_the_event_loop(server, client, monkeypatch):
                 threads.append("worker")
             return fn(*args, **kwargs)
         return call
-    monkeypatch.setattr(server.engine, "tokenize_prompt", watched(server.engine.tokenize_prompt))
+    processor = server.engine.input_processor
+    monkeypatch.setattr(processor, "tokenize_prompt", watched(processor.tokenize_prompt))
     monkeypatch.setattr(server.engine.tokenizer, "encode", watched(server.engine.tokenizer.encode))
     client.completions.create(model="tiny", prompt="w5 w6", max_tokens=2)
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5"}], max_tokens=2)

@@ -133,7 +133,7 @@ class ServingEngine:
         requests = []
         try:
             for i, prompt in enumerate(prompts):
-                text, ids = self.engine.tokenize_prompt(prompt)  # once for its n samples
+                text, ids = self.engine.input_processor.tokenize_prompt(prompt)  # once for its n samples
                 for j in range(params.n):
                     sub = params.for_sample(j)
                     requests.append(self.async_engine.make_request(f"{prefix}-{i}-{j}",

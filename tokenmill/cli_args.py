@@ -29,6 +29,10 @@ _ENGINE_HELP = {
     "tensor_parallel_size": "split each layer over N ranks (processes on the CPU, GPUs on CUDA), "
                             "rank 0 in this process",
     "distributed_timeout": "tensor parallelism: seconds a rank waits on a collective or startup before failing",
+    "kv_role": "disaggregated prefill/decode: 'prefill' keeps finished prompts' K/V for a decode instance "
+               "(requests with kv_transfer_params do_remote_decode), 'decode' loads it (do_remote_prefill), 'both'",
+    "kv_connector": "how K/V moves between instances: 'shared_storage' (block files in --kv-storage-path)",
+    "kv_storage_path": "shared_storage: a directory both the prefill and the decode instance see",
     "enforce_eager": "CUDA: launch every step from Python, no decode graphs",
     "async_output": "build a step's outputs while the next step runs (default: on for CUDA)",
     "async_scheduling": "schedule and launch the next step before this one's tokens reach the host "

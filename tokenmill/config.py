@@ -18,6 +18,8 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "srpf", "edf")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_ROLES = ("prefill", "decode", "both")
+KV_CONNECTORS = ("shared_storage",)
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "fp32": "float32"}  # vLLM's names (auto: float32 on CPU, bfloat16 on CUDA)
@@ -131,6 +133,11 @@ class EngineConfig:
                                              # 1: one process, no torch.distributed
     distributed_timeout: float = 60.0        # seconds a rank waits on a collective or on startup before
                                              # it gives up with an error (tensor_parallel_size > 1)
+    kv_role: str | None = None               # disaggregated prefill/decode (kv_connector.py): "prefill" keeps
+                                             # finished prompts' K/V for a decode instance, "decode" loads
+                                             # them into its requests' blocks, "both"; None: no transfer
+    kv_connector: str = "shared_storage"     # how K/V moves between instances: "shared_storage" (block files)
+    kv_storage_path: str | None = None       # shared_storage: a directory both instances read and write
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -194,9 +201,22 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
+        self._check_kv_transfer()
         if size > 1 and self.speculative is not None and self.speculative.startswith("draft:"):
             raise ValueError("a draft model (speculative='draft:PATH') does not combine with "
                              "tensor_parallel_size > 1 yet; 'ngram' does")
+
+    def _check_kv_transfer(self) -> None:
+        if self.kv_role is None:
+            return
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {KV_CONNECTORS}, got {self.kv_connector!r}")
+        if self.kv_connector == "shared_storage" and not self.kv_storage_path:
+            raise ValueError("kv_connector 'shared_storage' needs kv_storage_path: a directory both instances see")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_role does not combine with tensor_parallel_size > 1 yet")
 
     @property
     def torch_dtype_name(self) -> str:

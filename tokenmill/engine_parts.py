@@ -26,6 +26,7 @@ from tokenmill.cpu_threads import ThreadGovernor
 from tokenmill.device import context_length, resolve_device, thread_governor
 from tokenmill.input_processor import InputProcessor
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.kv_connector import make_connector
 from tokenmill.model_runner import ModelRunner, kv_pool_blocks, pool_too_big
 from tokenmill.models.loader import (
     BROKEN_FILE_ERRORS,
@@ -179,4 +180,6 @@ def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_co
     if (device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False)
             and ranks is None):
         worker.capture_graphs(config.max_num_seqs, max_len)
-    return ModelRunner(worker, config.seed), Scheduler(SchedulerConfig.from_engine(config, max_len), kv)
+    connector = make_connector(config, model_config, worker, Path(config.model).name)
+    return ModelRunner(worker, config.seed), Scheduler(SchedulerConfig.from_engine(config, max_len), kv,
+                                                       connector=connector)

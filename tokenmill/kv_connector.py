@@ -1,43 +1,70 @@
-"""Where a KV connector plugs into the scheduler: K/V computed elsewhere (another instance's
-prefill, a remote cache) brought into a request's blocks, and a finished request's blocks offered
-to another instance.
+"""Where a KV connector plugs into the scheduler: disaggregated prefill and decode.
+
+A prefill instance (`kv_role` "prefill") runs a request's prompt and, when the request ends,
+keeps the prompt's K/V where a decode instance can read it; the request's output carries
+`kv_transfer_params` saying so. A decode instance (`kv_role` "decode") given those params
+brings the K/V into the request's blocks at admission and computes only the last prompt token.
+The field names are vLLM's, so a proxy written for vLLM pairs tokenmill instances:
+
+    to the prefill instance   {"do_remote_decode": true}                      (with max_tokens 1)
+    its answer carries        {"do_remote_prefill": true, "remote_engine_id": ..., "remote_block_ids": [...],
+                               "remote_host": ..., "remote_port": ...}
+    to the decode instance    that answer's kv_transfer_params
 
 The scheduler calls a connector at three points, all on its own thread:
 
-    admission   num_matched_tokens(request, local)   prompt tokens past the local prefix hit
-                                                     whose K/V the connector can bring in
-                after_allocate(request, blocks, n)   the blocks now hold room for them: the first
-                                                     n tokens past the local hit are the
-                                                     connector's to write before they are read
-    finish      on_finish(request, blocks)           the request ends; its blocks are freed
-                                                     right after the call
+    admission   num_matched_tokens(request, local)  prompt tokens past the local prefix hit whose
+                                                    K/V the connector can bring in
+                load(request, blocks, local, n)     the blocks now hold room for them: write the K/V
+                                                    of the n tokens after the first `local`; False
+                                                    if it could not (the scheduler then computes
+                                                    them here: nothing is lost, only time)
+    finish      on_finish(request, blocks)          the request ends, its blocks are freed right
+                                                    after; returns the kv_transfer_params for its
+                                                    output, or None
 
     blocks      [local hit ][external n ][computed by this instance ...]
     counter     num_computed_tokens moves past the hit and the external tokens at admission
-
-No connector ships yet (the scheduler's default is none); the seam is what disaggregated
-prefill/decode plugs into.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.request import Request
 
 
 class KVConnector(Protocol):
     def num_matched_tokens(self, request: Request, num_local_tokens: int) -> int:
-        """Prompt tokens after the first `num_local_tokens` (the local prefix hit) that the
-        connector can supply; 0 for none. The scheduler computes at least the last prompt token
-        itself, whatever this says."""
+        """Prompt tokens after the first `num_local_tokens` (the local prefix hit, whole blocks)
+        that the connector can supply; 0 for none. The scheduler computes at least the last
+        prompt token itself, whatever this says."""
         ...
 
-    def after_allocate(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        """The request was admitted with `block_ids`; the connector writes the K/V of its
-        `num_external_tokens` tokens after the local hit."""
+    def load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
+        """Write the K/V of the request's tokens [num_local_tokens, + num_external_tokens) into its
+        blocks (`block_ids`, which cover them); False, with nothing promised, if it failed."""
         ...
 
-    def on_finish(self, request: Request, block_ids: list[int]) -> None:
-        """The request ended (any reason); its blocks are freed after this returns."""
+    def on_finish(self, request: Request, block_ids: list[int]) -> dict | None:
+        """The request ended (any reason); its blocks are freed after this returns. The
+        kv_transfer_params its output reports, or None."""
         ...
+
+
+def make_connector(config: EngineConfig, model_config: ModelConfig, worker, model_name: str) -> KVConnector | None:
+    """The connector `config.kv_role` and `config.kv_connector` ask for, over the worker's pool;
+    None without a kv_role."""
+    if config.kv_role is None:
+        return None
+    from tokenmill.kv_storage import SharedStorageConnector  # the only kind (config.KV_CONNECTORS)
+    return SharedStorageConnector(config.kv_storage_path, config.kv_role, worker, config.block_size,
+                                  pool_fingerprint(model_name, model_config, config.block_size, config.kv_dtype_name))
+
+
+def pool_fingerprint(model_name: str, model_config: ModelConfig, block_size: int, kv_dtype: str) -> str:
+    """What two instances' blocks must share to be exchanged: the model and the pool's layout."""
+    c = model_config
+    return (f"{model_name}-L{c.num_layers}-kv{c.num_kv_heads}x{c.head_dim}-v{c.vocab_size}"
+            f"-b{block_size}-{kv_dtype}")

@@ -52,8 +52,8 @@ class LLM:
                     request_id = f"llm-{self._counter}"
                     self._counter += 1
                     # as vLLM offline: max_tokens past the context ends the output there ("length")
-                    self.engine.add(self.engine.input_processor.make_request(request_id, prompt, sub, priority=rank,
-                                                             fit_to_context=True))
+                    make = self.engine.input_processor.make_request
+                    self.engine.add(make(request_id, prompt, sub, priority=rank, fit_to_context=True))
                     jobs.append((i, j, request_id))
             with tqdm(total=len(jobs), desc="generating", unit="req", disable=not use_tqdm or len(jobs) < 2) as bar:
                 while self.engine.has_unfinished_requests():

@@ -68,6 +68,7 @@ class SchedulerStats:
     prefix_tokens_hit: int            # cumulative: of which served from the cache
     num_evictions: int                # cumulative: cached blocks evicted to make room
     num_preemptions: int              # cumulative
+    num_external_tokens: int = 0      # cumulative: prompt tokens whose K/V a KV connector brought in
 
 
 @dataclass(slots=True)
@@ -97,6 +98,7 @@ class SchedulerSnapshot:
     waiting: list[RequestProgress]    # queue order, the first `max_waiting` of them
     num_waiting: int                  # all of them
     num_preemptions: int              # cumulative
+    num_external_tokens: int = 0      # cumulative: prompt tokens whose K/V a KV connector brought in
 
 
 @dataclass
@@ -180,6 +182,8 @@ class RequestOutput:
     timeline: Timeline | None = None            # the request's events so far (timeline.py), shared, growing
     error: str | None = None                    # set when finish_reason is "error"
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, if asked (first: None)
+    kv_transfer_params: dict | None = None      # disaggregation: where this request's prompt K/V waits
+                                                # for a decode instance (kv_connector.py), once finished
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This output and the `later` one of the same request as one output, for a consumer that

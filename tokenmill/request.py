@@ -72,6 +72,8 @@ class Request:
     num_pending_tokens: int = 0             # async scheduling: sampled by launched steps, not yet on
                                             # the host; the next step reads its input from the device
     num_cached_tokens: int = 0              # prompt tokens served by the prefix cache at admission
+    num_external_tokens: int = 0            # prompt tokens whose K/V a KV connector brought in (kv_connector.py)
+    kv_transfer_params: dict | None = None  # the connector's word for the client when the request ended
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
     num_registered_blocks: int = 0          # leading block_ids already offered to the prefix cache

@@ -105,6 +105,8 @@ class SamplingParams:
                                         # banned wherever the output ends in the tokens before it
     output_kind: str = "cumulative"     # "final": the engine reports the request only once it ended
                                         # (vLLM's FINAL_ONLY; LLM.generate's), no output built per step
+    kv_transfer_params: dict | None = None  # disaggregated prefill/decode (kv_connector.py): vLLM's
+                                        # do_remote_decode / do_remote_prefill and the remote_* fields
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -160,6 +162,8 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or not ids or not all(map(_is_token_id, ids)):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
             self.allowed_token_ids = sorted(set(ids))
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {self.kv_transfer_params!r}")
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if self.bad_words is not None and not (isinstance(self.bad_words, (list, tuple)) and all(

@@ -96,6 +96,7 @@ class Scheduler:
         self.num_steps = 0                       # steps scheduled (timelines name a chunk's step)
         self.num_preemptions = 0
         self.num_swapped_out = 0                 # of which by swapping
+        self.num_external_tokens = 0             # prompt tokens whose K/V the connector brought in
         self.missed_deadlines: list[str] = []    # edf: requests that finished after their deadline
         self._watermark_blocks = int(config.kv_watermark * kv.pool.num_blocks)
         self._swap_out: list[tuple[int, int]] = []  # this step's swap-out copies
@@ -124,7 +125,7 @@ class Scheduler:
         now = self.clock()
         request.timeline.add(now, "finished", finish_reason=request.finish_reason)
         if self.connector is not None:
-            self.connector.on_finish(request, request.block_ids)
+            request.kv_transfer_params = self.connector.on_finish(request, request.block_ids)
         self._free(request)  # (a failed step has already made the whole pool forget its hashes)
         if request.deadline is not None and now > request.deadline:
             self.missed_deadlines.append(request_id)
@@ -171,7 +172,7 @@ class Scheduler:
             kv_blocks_total=pool.num_blocks,
             kv_slots_used=self.kv.slots_filled(self.running), prefix_tokens_queried=self.kv.prompt_tokens_queried,
             prefix_tokens_hit=self.kv.prompt_tokens_hit, num_evictions=pool.num_evictions,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions, num_external_tokens=self.num_external_tokens)
 
     def snapshot(self, max_waiting: int = 256) -> SchedulerSnapshot:
         """The pool's block states and the requests' progress, copied: call it between steps, on
@@ -285,16 +286,20 @@ class Scheduler:
         if num_new == 0 or not self.kv.can_allocate(request, external + num_new, hit, reserve=reserve):
             return 0, False
         self.kv.allocate(request, external + num_new, hit)
-        request.num_computed_tokens += hit.num_tokens + external
+        request.num_computed_tokens += hit.num_tokens
         if request.status == RequestStatus.WAITING:  # a preempted request's own work is no prefix hit
             request.num_cached_tokens = hit.num_tokens
-        if self.connector is not None:
-            self.connector.after_allocate(request, request.block_ids, external)
+        if external and self.connector.load(request, request.block_ids, hit.num_tokens, external):
+            request.num_computed_tokens += external
+            request.num_external_tokens += external
+            self.num_external_tokens += external
+        elif external:  # not loaded: computed here from the hit on, and no block may promise that K/V
+            self.kv.withdraw(request, hit.num_tokens + num_new)
         return num_new, held
 
     def _external_tokens(self, request: Request, num_local: int) -> int:
         """Prompt tokens the KV connector supplies past the local hit, leaving the last one to compute."""
-        if self.connector is None:
+        if self.connector is None or request.params.prompt_logprobs is not None:  # those need every prompt logit
             return 0
         offered = self.connector.num_matched_tokens(request, num_local)
         return max(0, min(offered, request.num_tokens - 1 - num_local))

@@ -93,6 +93,21 @@ class ModelWorker:
                 dst_idx = torch.tensor([b for _, b in copies], device=dst.device)
                 dst.index_copy_(2, dst_idx, src.index_select(2, src_idx).to(dst.device))
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """These blocks' K/V, every layer, on the host: (layers, 2, len(block_ids), kv_heads,
+        block_size, head_dim). For a KV connector handing a prompt to another instance."""
+        idx = torch.tensor(block_ids, device=self.kv_cache.device)
+        return self.kv_cache.index_select(2, idx).cpu()
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Put K/V from another instance into these blocks (`blocks` shaped as read_blocks returns)."""
+        if blocks.shape[2] != len(block_ids) or blocks.shape[:2] + blocks.shape[3:] != (
+                self.kv_cache.shape[:2] + self.kv_cache.shape[3:]):
+            raise ValueError(f"blocks of shape {tuple(blocks.shape)} do not fit this pool "
+                             f"{tuple(self.kv_cache.shape)} at {len(block_ids)} blocks")
+        idx = torch.tensor(block_ids, device=self.kv_cache.device)
+        self.kv_cache.index_copy_(2, idx, blocks.to(self.kv_cache.device, self.kv_cache.dtype))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model over one flat batch, writing its K/V into the pool: (T, hidden) states. On rank
         0 of several, the other ranks get the step first and run it alongside."""

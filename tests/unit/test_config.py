@@ -207,3 +207,16 @@ def test_counts_and_rates_that_measure_or_serve_nothing_are_usage_errors(argv, c
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
     assert "must be" in capsys.readouterr().err
+
+
+def test_kv_transfer_options_are_checked_before_anything_loads():
+    with pytest.raises(ValueError, match="kv_role must be one of"):
+        EngineConfig(kv_role="producer")
+    with pytest.raises(ValueError, match="kv_connector must be one of"):
+        EngineConfig(kv_role="decode", kv_connector="p2p", kv_storage_path="/tmp")
+    with pytest.raises(ValueError, match="needs kv_storage_path"):
+        EngineConfig(kv_role="prefill")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(kv_role="both", kv_storage_path="/tmp", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        SamplingParams(kv_transfer_params=["do_remote_decode"])

@@ -3,25 +3,29 @@ told, and how its tokens move the request's counter. A recording connector, no m
 
 from __future__ import annotations
 
-from fakes import fake_run, make_request, make_scheduler
+from fakes import fake_run, make_request, make_scheduler, run_to_completion
 
 
 class Recorder:
-    """Offers `offer` tokens to every request and records each call."""
+    """Offers `offer` tokens to every request, loads them (or fails to, with `fail`), and records
+    each call."""
 
-    def __init__(self, offer: int) -> None:
+    def __init__(self, offer: int, fail: bool = False) -> None:
         self.offer = offer
+        self.fail = fail
         self.calls: list[tuple] = []
 
     def num_matched_tokens(self, request, num_local_tokens):
         self.calls.append(("matched", request.request_id, num_local_tokens))
         return self.offer
 
-    def after_allocate(self, request, block_ids, num_external_tokens):
-        self.calls.append(("allocated", request.request_id, list(block_ids), num_external_tokens))
+    def load(self, request, block_ids, num_local_tokens, num_external_tokens):
+        self.calls.append(("loaded", request.request_id, list(block_ids), num_local_tokens, num_external_tokens))
+        return not self.fail
 
     def on_finish(self, request, block_ids):
         self.calls.append(("finished", request.request_id, list(block_ids), request.status.name))
+        return {"do_remote_prefill": True} if request.status.name == "FINISHED_LENGTH" else None
 
 
 def test_external_tokens_are_counted_computed_and_get_blocks_at_admission():
@@ -32,7 +36,8 @@ def test_external_tokens_are_counted_computed_and_get_blocks_at_admission():
     request = s.requests["a"]
     assert list(zip([r.request_id for r in sched.requests], sched.num_scheduled_tokens)) == [("a", 12)]
     assert request.num_computed_tokens == 8 and request.num_cached_tokens == 0
-    assert connector.calls == [("matched", "a", 0), ("allocated", "a", [0, 1, 2, 3, 4], 8)]
+    assert request.num_external_tokens == 8 and s.stats().num_external_tokens == 8
+    assert connector.calls == [("matched", "a", 0), ("loaded", "a", [0, 1, 2, 3, 4], 0, 8)]
 
 
 def test_the_last_prompt_token_is_always_computed_here():
@@ -66,3 +71,19 @@ def test_a_finishing_request_shows_its_blocks_before_they_are_freed():
     s.update(sched, fake_run(sched))
     assert connector.calls[-1] == ("finished", "a", [0, 1], "FINISHED_LENGTH")
     assert s.stats().kv_blocks_used == 0
+    assert sched.requests[0].kv_transfer_params == {"do_remote_prefill": True}
+
+
+def test_a_failed_load_computes_the_tokens_here_and_caches_none_of_the_promised_blocks():
+    connector = Recorder(offer=12, fail=True)
+    s = make_scheduler(budget=8, block_size=4, prefix_caching=True, connector=connector)
+    s.add_request(make_request("a", prompt_len=20, max_tokens=2))
+    sched = s.schedule()
+    a = s.requests["a"]
+    assert sched.num_scheduled_tokens == [8] and a.num_computed_tokens == 0 and a.num_external_tokens == 0
+    assert a.num_registered_blocks == 2  # the two blocks this step fills; not the three promised past them
+    s.update(sched, fake_run(sched))
+    assert s.kv.find_prefix(make_request("b", prompt_len=20, max_tokens=2)).num_tokens == 8  # computed ones only
+    steps = run_to_completion(s)
+    assert [step.num_scheduled_tokens for step in steps] == [[8], [4], [1]]  # the rest of the prompt, then a decode
+    assert s.stats().num_external_tokens == 0

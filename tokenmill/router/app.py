@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
+from tokenmill.router.disagg import PrefillStage
 from tokenmill.router.forward import ClientGone, Forwarder, request_headers, unless_disconnected
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin
@@ -43,6 +44,7 @@ class RouterHandler:
     forwarder: Forwarder
     replicas: list[Replica]
     metrics: RouterMetrics
+    prefill: PrefillStage | None = None  # disaggregated prefill/decode (disagg.py): the replicas decode
 
     async def completions(self, raw: Request) -> Response:
         return await self._generate(raw)
@@ -57,6 +59,9 @@ class RouterHandler:
     async def health(self) -> JSONResponse:
         states = {r.url: {"healthy": r.healthy, "in_flight": r.in_flight, "waiting": r.waiting}
                   for r in self.replicas}
+        if self.prefill is not None:
+            states |= {r.url: {"healthy": r.healthy, "in_flight": r.in_flight, "waiting": r.waiting, "role": "prefill"}
+                       for r in self.prefill.prefill}
         if not any(r.healthy for r in self.replicas):
             body = error_body("no replica is healthy", "server_error", code="no_replica_available")
             return JSONResponse({**body, "replicas": states}, status_code=503)
@@ -74,7 +79,12 @@ class RouterHandler:
             return JSONResponse(error_body("request body is not valid JSON"), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(error_body("request body must be a JSON object"), status_code=400)
-        return await self._forward(raw, content, chunk_hashes(routing_text(raw.url.path, body)))
+        text = routing_text(raw.url.path, body)
+        hashes = chunk_hashes(text)
+        if self.prefill is not None:
+            content = await self.prefill.prepare(raw.url.path, body, content, request_headers(raw.headers), hashes,
+                                                 len(text))
+        return await self._forward(raw, content, hashes)
 
     async def _forward(self, raw: Request, content: bytes, hashes: list[bytes] | None) -> Response:
         target = raw.scope.get("raw_path", raw.url.path.encode()).decode("latin-1")
@@ -95,8 +105,10 @@ async def _http_error(_, exc: StarletteHTTPException) -> JSONResponse:
 
 def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastLoaded,
                max_body_bytes: int = 4 * 1024 * 1024, allowed_hosts: list[str] | None = None,
-               health_interval: float = 1.0, health_timeout: float = 5.0, prefix_capacity: int = 1 << 16) -> FastAPI:
-    """The router over `replica_urls` (http://host:port), routing by `policy` (policy.py).
+               health_interval: float = 1.0, health_timeout: float = 5.0, prefix_capacity: int = 1 << 16,
+               prefill_urls: list[str] | None = None, min_uncached_chars: int = 1024) -> FastAPI:
+    """The router over `replica_urls` (http://host:port), routing by `policy` (policy.py); with
+    `prefill_urls`, prefill instances in front of them (disagg.py).
 
     Replicas are polled (/health, /metrics) every `health_interval` seconds, each look given
     `health_timeout`; each replica's prefix set keeps at most `prefix_capacity` chunk hashes
@@ -109,10 +121,12 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False,
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     metrics = RouterMetrics()
-    handler = RouterHandler(Forwarder(client, replicas, policy, metrics), replicas, metrics)
+    prefill = [Replica(url.rstrip("/"), PrefixSet(1)) for url in prefill_urls or []]
+    stage = PrefillStage(client, prefill, replicas, metrics, min_uncached_chars) if prefill else None
+    handler = RouterHandler(Forwarder(client, replicas, policy, metrics), replicas, metrics, stage)
 
     app = OpenAIStyleAPI(title="tokenmill router", version=__version__, lifespan=_lifespan)
-    app.state.client, app.state.replicas = client, replicas
+    app.state.client, app.state.replicas = client, replicas + prefill  # all polled; prefill ones never routed to
     app.state.health = (health_interval, health_timeout)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # (the last added runs first)
     if allowed_hosts is not None:

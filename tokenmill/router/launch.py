@@ -2,6 +2,7 @@
 
     tokenmill router --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 [--port 8000]
                      [--policy cache_aware|round_robin|least_loaded]
+    tokenmill router --prefill http://127.0.0.1:8001 --replica http://127.0.0.1:8002   (prefill / decode)
 
 The socket is bound, the Host allow-list chosen and connections guarded as `tokenmill serve`
 does them (server/launch.py, server/connections.py). The router holds no API key: a client's
@@ -47,6 +48,12 @@ def share(text: str) -> float:
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica", type=replica_url, action="append", required=True, dest="replicas", metavar="URL",
                         help="a `tokenmill serve` instance's base URL (repeat for each replica)")
+    parser.add_argument("--prefill", type=replica_url, action="append", default=None, dest="prefill", metavar="URL",
+                        help="a `tokenmill serve --kv-role prefill` instance (repeat for each): each request's prompt "
+                             "is computed there and its K/V handed to the replicas, then `--kv-role decode` instances")
+    parser.add_argument("--min-uncached-chars", type=int, default=1024,
+                        help="with --prefill: a prompt with fewer characters than this that no decode instance is "
+                             "known to hold is computed where it lands, without a transfer (default: 1024)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
@@ -81,12 +88,14 @@ def run_router(args: argparse.Namespace) -> int:
     with bind(args.host, args.port) as sock:
         allowed = resolve_allowed_hosts(args.allowed_hosts, args.host, sock.getsockname()[0], None)
         app = create_app(args.replicas, policy, max_body_bytes=args.max_body_bytes, allowed_hosts=allowed,
-                         health_interval=args.health_interval)
+                         health_interval=args.health_interval, prefill_urls=args.prefill,
+                         min_uncached_chars=args.min_uncached_chars)
         protocol = functools.partial(GuardedH11Protocol, header_timeout=10.0, max_connections=max_connections)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
                                                log_level=logging.getLevelName(logging.getLogger().level).lower(),
                                                timeout_graceful_shutdown=10))
-        logger.warning("routing (%s) over %s on http://%s:%d", args.policy, ", ".join(args.replicas), args.host,
+        logger.warning("routing (%s) over %s%s on http://%s:%d", args.policy, ", ".join(args.replicas),
+                       f", prefill on {', '.join(args.prefill)}" if args.prefill else "", args.host,
                        sock.getsockname()[1])
         server.run(sockets=[sock])
     return 0

@@ -21,6 +21,10 @@ class RouterMetrics:
                              registry=r)
         self.in_flight = Gauge("tokenmill_router_requests_in_flight", "The router's requests at the replica",
                                ["replica"], registry=r)
+        self.prefill_legs = Counter("tokenmill_router_prefill_legs",
+                                    "With prefill instances: requests whose prompt went to one (transferred), "
+                                    "stayed on the decode instance as short (local), or fell back there (failed)",
+                                    ["outcome"], registry=r)
         self.waiting = Gauge("tokenmill_router_replica_waiting", "The replica's queue at the last poll",
                              ["replica"], registry=r)
 

@@ -32,6 +32,14 @@ class ServerMetrics:
                               "Share of looked-up prompt tokens served from the prefix cache", registry=r)
         self.preemptions = Counter("tokenmill_preemptions", "Requests preempted", registry=r)
         self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.prefill_computed = Counter("tokenmill_prompt_tokens_computed",
+                                        "Tokens computed in prompt chunks: prompts past their cached or "
+                                        "transferred part, and stretches recomputed after preemption",
+                                        registry=r)
+        self.transferred = Counter("tokenmill_kv_transfer_tokens_received",
+                                   "Prompt tokens whose K/V a KV connector brought in (disaggregated decode)",
+                                   registry=r)
+        self._transferred = 0  # the cumulative figure already counted
         self.generation_tokens = Counter("tokenmill_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("tokenmill_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.draft_tokens = Counter("tokenmill_spec_draft_tokens", "Speculative tokens proposed and verified",
@@ -60,6 +68,8 @@ class ServerMetrics:
         self.kv_free.set(s.kv_blocks_free)
         self.kv_total.set(s.kv_blocks_total)
         self.hit_rate.set(s.prefix_tokens_hit / s.prefix_tokens_queried if s.prefix_tokens_queried else 0.0)
+        self.transferred.inc(s.num_external_tokens - self._transferred)
+        self._transferred = s.num_external_tokens
         self.vllm.observe(s)
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
@@ -67,6 +77,7 @@ class ServerMetrics:
         self.observe_pool()
         if stats is not None:
             self.preemptions.inc(stats.num_preemptions)
+            self.prefill_computed.inc(stats.num_prefill_tokens)
             self.draft_tokens.inc(stats.num_draft_tokens)
             self.accepted_tokens.inc(stats.num_accepted_tokens)
         for out in outputs:

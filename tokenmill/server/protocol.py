@@ -95,6 +95,7 @@ class SamplingFields(APIRequest):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     bad_words: list[str] | None = None
+    kv_transfer_params: dict | None = None  # disaggregated prefill/decode (vLLM's): passed to the KV connector
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
     suffix: str | None = None
@@ -120,6 +121,7 @@ class SamplingFields(APIRequest):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "allowed_token_ids": self.allowed_token_ids, "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "structured_outputs": self._structured_outputs(), "bad_words": self.bad_words,
+            "kv_transfer_params": self.kv_transfer_params,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

@@ -159,8 +159,11 @@ class ServingEngine:
                                           media_type="text/event-stream")
         outputs = await self._collect(requests, raw)
         raise_if_failed(outputs)
-        return {**response.base, "choices": [response.choice(i, out) for i, out in enumerate(outputs)],
+        body = {**response.base, "choices": [response.choice(i, out) for i, out in enumerate(outputs)],
                 "usage": usage(outputs, n, generated)}
+        if outputs and outputs[0].kv_transfer_params is not None:  # a prefill instance's hand-off (vLLM's field)
+            body["kv_transfer_params"] = outputs[0].kv_transfer_params
+        return body
 
     def _outputs(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) of the requests' outputs as they come; those a consumer that lags has

@@ -1,0 +1,102 @@
+"""Disaggregated serving with real processes on 127.0.0.1: a `--kv-role prefill` server, a
+`--kv-role decode` server over one storage directory, and `tokenmill router --prefill` in front.
+Bounded: a handful of short completions on the tiny llama."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import httpx
+import pytest
+from test_router import healthy_replicas, serve, stop, wait_for
+from test_server import free_port
+
+from tokenmill import LLM, SamplingParams
+
+
+def counter(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in {url}/metrics")
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_llama, tmp_path_factory):
+    """(router URL, prefill URL, decode URL, processes)."""
+    logs, storage = tmp_path_factory.mktemp("pd"), tmp_path_factory.mktemp("kv")
+    ports = [free_port(), free_port(), free_port()]
+    shared = ("--kv-storage-path", str(storage))
+    procs = [serve(tiny_llama, ports[0], logs / "prefill.log", "--kv-role", "prefill", *shared),
+             serve(tiny_llama, ports[1], logs / "decode.log", "--kv-role", "decode", *shared)]
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "router", "--prefill",
+         f"http://127.0.0.1:{ports[0]}", "--replica", f"http://127.0.0.1:{ports[1]}", "--port", str(ports[2]),
+         "--min-uncached-chars", "200"], stdout=(logs / "router.log").open("a"), stderr=subprocess.STDOUT))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        wait_for(lambda: healthy_replicas(urls[2]) == set(urls[:2]), procs, "healthy prefill and decode instances")
+        yield urls[2], urls[0], urls[1], procs
+    finally:
+        stop(procs)
+
+
+def prompt(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(f"w{rng.randrange(5, 380)}" for _ in range(n))
+
+
+def expected(tiny_llama, prompts: list[str], max_tokens: int) -> list[str]:
+    llm = LLM(str(tiny_llama), num_kv_blocks=128)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    return [out.outputs[0].text for out in outs]
+
+
+def complete(url: str, text: str, **options) -> httpx.Response:
+    body = {"model": "tiny", "prompt": text, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **options}
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def test_a_long_prompt_is_computed_on_the_prefill_instance_and_answered_as_one_server_would(pd, tiny_llama):
+    router, prefill_url, decode_url, _ = pd
+    prompts = [prompt(1, 120), prompt(2, 150)]
+    before = counter(decode_url, "tokenmill_kv_transfer_tokens_received_total")
+    answers = [complete(router, p) for p in prompts]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert [a.json()["choices"][0]["text"] for a in answers] == expected(tiny_llama, prompts, 8)
+    assert counter(decode_url, "tokenmill_kv_transfer_tokens_received_total") > before
+    assert counter(router, 'tokenmill_router_prefill_legs_total{outcome="transferred"}') >= 2
+    assert "kv_transfer_params" not in answers[0].json()  # the decode leg's answer reports none
+
+
+def test_a_streamed_answer_through_the_prefill_leg_equals_the_whole_one(pd, tiny_llama):
+    router, _, _, _ = pd
+    text = prompt(3, 130)
+    body = {"model": "tiny", "prompt": text, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    pieces = []
+    with httpx.stream("POST", router + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    assert "".join(pieces) == expected(tiny_llama, [text], 8)[0]
+
+
+def test_a_short_prompt_skips_the_prefill_leg(pd):
+    router, _, _, _ = pd
+    before = counter(router, 'tokenmill_router_prefill_legs_total{outcome="local"}')
+    assert complete(router, "w5 w6 w7").status_code == 200
+    assert counter(router, 'tokenmill_router_prefill_legs_total{outcome="local"}') == before + 1
+
+
+def test_a_dead_prefill_instance_leaves_the_decode_instance_to_compute_the_prompt(pd, tiny_llama):
+    router, _, _, procs = pd
+    procs[0].kill()
+    procs[0].wait(30)
+    text = prompt(4, 140)
+    answer = complete(router, text)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected(tiny_llama, [text], 8)[0]
+    assert counter(router, 'tokenmill_router_prefill_legs_total{outcome="failed"}') >= 1

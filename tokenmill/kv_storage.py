@@ -1,0 +1,116 @@
+"""The shared-storage KV connector: prompt blocks handed from a prefill instance to a decode
+instance as files in a directory both see (a local disk, /dev/shm, a network mount).
+
+    <kv_storage_path>/<pool fingerprint>/<block hash>.pt    one full block, every layer's K and V:
+                                                           (layers, 2, kv_heads, block_size, head_dim)
+
+A block's name is the prefix cache's chained hash of its tokens and of every token before it
+(kv_cache.hash_block), so the decode instance finds a prompt's blocks from its own tokens and
+needs nothing but `do_remote_prefill` from the params. Files are written to a temporary name and
+renamed, so a reader never sees half a block. The storage is a hand-off, not a cache: the decode
+instance deletes the files it loaded (its own prefix cache keeps the blocks from then on).
+
+The prefill side writes when a request that asked for it (`do_remote_decode`) ends with its
+prompt computed; the decode side reads at admission, on the scheduler's thread, before the step
+that reads the blocks is launched. A missing, unreadable or mis-shaped file fails the load, and
+the scheduler computes those tokens itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import torch
+
+from tokenmill.kv_cache import hash_block
+from tokenmill.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class SharedStorageConnector:
+    def __init__(self, path: str, role: str, worker, block_size: int, fingerprint: str) -> None:
+        self.dir = Path(path) / fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.role = role                  # "prefill", "decode" or "both"
+        self.worker = worker              # reads and writes the pool's blocks (ModelWorker)
+        self.block_size = block_size
+        self.engine_id = uuid.uuid4().hex
+        self.num_blocks_saved = 0         # cumulative, for tests and metrics
+        self.num_blocks_loaded = 0
+        self.num_load_failures = 0
+
+    # ---- decode side ----------------------------------------------------------------------
+
+    def num_matched_tokens(self, request: Request, num_local_tokens: int) -> int:
+        params = request.params.kv_transfer_params
+        if self.role == "prefill" or not params or not params.get("do_remote_prefill"):
+            return 0
+        first = num_local_tokens // self.block_size
+        hashes = self._hashes(request, (request.num_prompt_tokens - 1) // self.block_size + 1)
+        n = 0
+        for block_hash in hashes[first:]:
+            if not self._file(block_hash).exists():
+                break
+            n += 1
+        return n * self.block_size
+
+    def load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
+        first = num_local_tokens // self.block_size
+        last = -(-(num_local_tokens + num_external_tokens) // self.block_size)
+        hashes = self._hashes(request, last)[first:last]
+        try:
+            blocks = torch.stack([torch.load(self._file(h), weights_only=True) for h in hashes], dim=2)
+            self.worker.write_blocks(block_ids[first:last], blocks)
+        except Exception as exc:  # (missing, truncated, another layout): computed here instead
+            self.num_load_failures += 1
+            logger.warning("request %s: loading %d transferred blocks failed (%s: %s); computing them here",
+                           request.request_id, len(hashes), type(exc).__name__, exc)
+            return False
+        self.num_blocks_loaded += len(hashes)
+        for block_hash in hashes:
+            self._file(block_hash).unlink(missing_ok=True)
+        return True
+
+    # ---- prefill side ---------------------------------------------------------------------
+
+    def on_finish(self, request: Request, block_ids: list[int]) -> dict | None:
+        params = request.params.kv_transfer_params
+        if self.role == "decode" or not params or not params.get("do_remote_decode"):
+            return None
+        if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            return None  # aborted or failed: nothing to hand over
+        # Full blocks of the prompt whose every token is computed (all of them once a token was sampled).
+        num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
+        hashes = self._hashes(request, num_full)
+        todo = [(i, h) for i, h in enumerate(hashes) if not self._file(h).exists()]
+        if todo:
+            blocks = self.worker.read_blocks([block_ids[i] for i, _ in todo])
+            for j, (_, block_hash) in enumerate(todo):
+                self._write(block_hash, blocks[:, :, j].clone())
+        self.num_blocks_saved += len(todo)
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                "remote_block_ids": [], "remote_host": None, "remote_port": None}
+
+    # ---- files ----------------------------------------------------------------------------
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the request's first `num_blocks` blocks of tokens (full ones only)."""
+        bs = self.block_size
+        num_blocks = min(num_blocks, len(request.token_ids) // bs)
+        hashes: list[bytes] = []
+        for i in range(num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def _file(self, block_hash: bytes) -> Path:
+        return self.dir / f"{block_hash.hex()}.pt"
+
+    def _write(self, block_hash: bytes, block: torch.Tensor) -> None:
+        path = self._file(block_hash)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(block, tmp)
+        os.replace(tmp, path)

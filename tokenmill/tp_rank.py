@@ -117,9 +117,17 @@ class RankProcesses:
 
     def check(self) -> None:
         """Raise if a rank has exited."""
+        death = self.death()
+        if death is not None:
+            raise RuntimeError(death)
+
+    def death(self) -> str | None:
+        """What ended the first rank that has exited, or None while all run (ranks this process
+        started; torchrun watches its own)."""
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
-                raise RuntimeError(self._death(rank, process))
+                return self._death(rank, process)
+        return None
 
     def explain(self, exc: Exception) -> Exception:
         """The error for a failed collective: a rank's death when one died (its exit can trail the

@@ -12,8 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import copy_model, write_gguf_from_hf
+from test_server import running_server
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine import LLMEngine
@@ -124,6 +126,19 @@ def test_a_rank_killed_with_sigkill_fails_the_running_requests_with_its_name_wit
         start = time.monotonic()
         engine.close()
     assert time.monotonic() - start < 2
+
+
+def test_health_answers_503_naming_a_rank_that_was_killed(tiny_llama) -> None:
+    with running_server(tiny_llama, engine_options={"tensor_parallel_size": 2}) as server:
+        assert httpx.get(server.url + "/health").status_code == 200
+        pid = server.engine.ranks.processes[0].pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while (answer := httpx.get(server.url + "/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert answer.status_code == 503
+        assert answer.json()["error"]["message"].startswith(f"tensor-parallel rank 1 (pid {pid}) is gone (killed by")
+        server.engine.close()
 
 
 def test_a_rank_leaves_within_seconds_when_the_engine_process_is_killed(tiny_llama) -> None:

@@ -31,10 +31,15 @@ class ModelsHandler:
         check_model(model_id, self.model_name)
         return (await self.models())["data"][0]
 
-    async def health(self):  # 200 while the engine loop runs; 503 naming its error once it has died
+    async def health(self):
+        """200 while the engine loop runs; 503 naming its error once it has died, or naming a
+        tensor-parallel rank that has exited (every step would fail)."""
         if not self.async_engine.is_alive:
             return JSONResponse(error_body(f"engine loop is not running: {self.async_engine.error!r}",
                                            "server_error"), status_code=503)
+        ranks = self.async_engine.engine.ranks
+        if ranks is not None and (death := ranks.death()) is not None:
+            return JSONResponse(error_body(death, "server_error"), status_code=503)
         return {"status": "ok"}
 
     async def metrics(self):

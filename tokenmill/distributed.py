@@ -18,6 +18,9 @@ AttentionMetadata (its host lists are read back from the tensors):
     STEP     payload  input_ids (T) | positions (T) | slot_block (T) | slot_offset (T)
                       | query_start_loc (B + 1) | seq_lens (B) | block_tables (B * max_blocks)
     SWAP     payload  swap_out pairs, then swap_in pairs (2 ints each), over the control group
+    LOGITS   payload  the hidden states of the rows that sample (R x hidden, the model's dtype): each
+                      rank computes its vocabulary slice of their logits, and rank 0 gathers the
+                      slices over the device group (gather_logits)
     SHUTDOWN          no payload: the rank leaves its loop
 
 Every collective carries the group's timeout, and gloo fails a collective at once when a peer's
@@ -46,6 +49,10 @@ class Message(IntEnum):
     STEP = 1
     SWAP = 2
     SHUTDOWN = 3
+    LOGITS = 4
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a LOGITS payload's dtype, by index in the header
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,23 @@ def send_shutdown(group: TPGroup) -> None:
     _send_header(group, Message.SHUTDOWN)
 
 
+def send_logits(group: TPGroup, hidden: torch.Tensor) -> None:
+    """Rank 0: the rows whose logits it needs, before computing its own slice (then gather_logits)."""
+    _send_header(group, Message.LOGITS, hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype))
+    dist.broadcast(hidden.contiguous(), src=0, group=group.device_group)
+
+
+def gather_logits(group: TPGroup, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Every rank, with its (R, rows it holds) slice: rank 0 gets the (R, vocab_size) logits, the
+    others None. The slices are padded to ceil(vocab_size / N) columns for the collective."""
+    width = -(-vocab_size // group.size)
+    if local.shape[1] < width:
+        local = torch.nn.functional.pad(local, (0, width - local.shape[1]))
+    parts = [torch.empty_like(local) for _ in range(group.size)] if group.rank == 0 else None
+    dist.gather(local.contiguous(), parts, dst=0, group=group.device_group)
+    return torch.cat(parts, dim=1)[:, :vocab_size] if parts is not None else None
+
+
 @dataclass
 class Received:
     """A message as another rank gets it: the step (tensors on its device), or the swap lists."""
@@ -134,6 +158,7 @@ class Received:
     meta: AttentionMetadata | None = None
     swap_out: list[tuple[int, int]] | None = None
     swap_in: list[tuple[int, int]] | None = None
+    hidden: torch.Tensor | None = None      # LOGITS: the rows to compute logits for
 
 
 def receive(group: TPGroup, block_size: int) -> Received:
@@ -148,6 +173,10 @@ def receive(group: TPGroup, block_size: int) -> Received:
         flat = pairs.tolist()
         pairs_list = list(zip(flat[0::2], flat[1::2]))
         return Received(kind, swap_out=pairs_list[:n_out], swap_in=pairs_list[n_out:])
+    if kind == Message.LOGITS:
+        hidden = torch.empty(t, b, dtype=_DTYPES[max_blocks], device=group.device)
+        dist.broadcast(hidden, src=0, group=group.device_group)
+        return Received(kind, hidden=hidden)
     if kind != Message.STEP:
         return Received(kind)
     payload = torch.empty(4 * t + 2 * b + 1 + b * max_blocks, dtype=torch.int64, device=group.device)
@@ -190,3 +219,10 @@ class StepSender:
     def send_swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         if swap_out or swap_in:
             send_swap(self.group, swap_out, swap_in)
+
+    def logits(self, hidden: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor],
+               vocab_size: int) -> torch.Tensor:
+        """The whole logits of `hidden`'s rows: the other ranks get the rows, each rank computes its
+        slice with `compute`, rank 0 gathers them."""
+        send_logits(self.group, hidden)
+        return gather_logits(self.group, compute(hidden), vocab_size)

@@ -42,7 +42,16 @@ import torch.distributed as dist
 from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig, EngineConfig, parse_size
 from tokenmill.device import context_length, rank_device, thread_governor
-from tokenmill.distributed import Message, StepSender, TPGroup, join_group, leave_group, receive, send_shutdown
+from tokenmill.distributed import (
+    Message,
+    StepSender,
+    TPGroup,
+    gather_logits,
+    join_group,
+    leave_group,
+    receive,
+    send_shutdown,
+)
 from tokenmill.model_runner import kv_pool_blocks
 from tokenmill.models.loader import load_model, open_checkpoint, resolve_model_path
 from tokenmill.models.parallel import TPShard
@@ -227,8 +236,8 @@ def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:
 
 @torch.inference_mode()
 def serve_steps(worker: ModelWorker, group: TPGroup) -> None:
-    """Run rank 0's swaps and steps on this rank's shard until SHUTDOWN; a failed receive (rank 0 is
-    gone, or silent past the timeout) ends the loop too."""
+    """Run rank 0's swaps, steps and logits on this rank's shard until SHUTDOWN; a failed receive
+    (rank 0 is gone, or silent past the timeout) ends the loop too."""
     try:
         while True:
             try:
@@ -240,6 +249,9 @@ def serve_steps(worker: ModelWorker, group: TPGroup) -> None:
                 return
             if message.kind == Message.SWAP:
                 worker.swap(message.swap_out, message.swap_in)
+                continue
+            if message.kind == Message.LOGITS:
+                gather_logits(group, worker.compute_logits(message.hidden), worker.vocab_size)
                 continue
             worker.begin_step()
             worker.forward(message.input_ids, message.positions, message.meta)

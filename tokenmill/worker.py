@@ -120,5 +120,9 @@ class ModelWorker:
         return self.model(input_ids, positions, meta, self.kv_caches, self.backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(rows, hidden) -> (rows, vocab) float32 logits."""
+        """(rows, hidden) -> (rows, vocab) float32 logits. On rank 0 of several, each rank computes
+        its vocabulary rows' slice and rank 0 gathers them; on another rank, its own slice."""
+        if self.peers is not None:
+            with self.peers.failures():
+                return self.peers.logits(hidden, self.model.compute_logits, self.vocab_size)
         return self.model.compute_logits(hidden)

@@ -21,8 +21,8 @@ from tokenmill.models.parallel import (
     check_divisible,
     local_config,
     parallelize,
-    shard_embedding,
     shard_tensor,
+    shard_vocab,
     shard_weights,
 )
 
@@ -70,7 +70,7 @@ def whole_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForC
 def rank_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard: TPShard, all_reduce) -> LlamaForCausalLM:
     """A rank's model as load_model builds it (without the CPU packing)."""
     model = LlamaForCausalLM(local_config(cfg, shard), max_len=64)
-    shard_embedding(model, cfg, shard, all_reduce)
+    shard_vocab(model, cfg, shard, all_reduce)
     model.load_weights(shard_weights(weights.items(), cfg, shard))
     parallelize(model, all_reduce)
     return model.eval()
@@ -92,46 +92,59 @@ def pool(cfg: ModelConfig, num_blocks: int = 4) -> list[tuple[torch.Tensor, torc
     return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
 
 
-def check_layers(rank: int, size: int) -> dict[str, float]:
+def check_layers(rank: int, size: int, cfg: ModelConfig = CFG) -> dict[str, float]:
     """On every rank: the largest difference of each parallel layer from the whole one."""
     import torch.distributed as dist
+
+    from tokenmill.distributed import TPGroup, gather_logits
 
     def all_reduce(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)
         return t
     torch.set_num_threads(1)
     shard = TPShard(rank, size)
-    weights = hf_weights(CFG)
-    whole, part = whole_model(CFG, weights), rank_model(CFG, weights, shard, all_reduce)
+    weights = hf_weights(cfg)
+    whole, part = whole_model(cfg, weights), rank_model(cfg, weights, shard, all_reduce)
     backend, ops = make_backend("reference", torch.device("cpu")), whole.ops
     t = 21
-    ids = torch.randint(0, CFG.vocab_size, (t,), generator=torch.Generator().manual_seed(1))
-    x = torch.rand(t, CFG.hidden_size, generator=torch.Generator().manual_seed(2)) - 0.5
+    ids = torch.randint(0, cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(1))
+    x = torch.rand(t, cfg.hidden_size, generator=torch.Generator().manual_seed(2)) - 0.5
     positions, meta = torch.arange(t), one_sequence(t)
     cos, sin = whole.rotary(positions, x.dtype)
     out = {}
     with torch.inference_mode():
         out["embedding"] = (part.embed_tokens(ids) - whole.embed_tokens(ids)).abs().max().item()
-        whole_pool, part_pool = pool(CFG), pool(part.config)
+        whole_pool, part_pool = pool(cfg), pool(part.config)
         a = whole.layers[0].self_attn.forward(x, cos, sin, *whole_pool[0], meta, backend, ops)
         b = part.layers[0].self_attn.forward(x, cos, sin, *part_pool[0], meta, backend, ops)
         out["attention"] = (a - b).abs().max().item()
-        heads = shard.split(CFG.num_kv_heads)  # this rank's K/V heads: those of the whole pool
+        heads = shard.split(cfg.num_kv_heads)  # this rank's K/V heads: those of the whole pool
         out["kv_heads"] = (whole_pool[0][0].narrow(1, *heads) - part_pool[0][0]).abs().max().item()
         out["mlp"] = (whole.layers[0].mlp.forward(x, ops) - part.layers[0].mlp.forward(x, ops)).abs().max().item()
-        hidden_whole = whole(ids, positions, meta, pool(CFG), backend)
+        hidden_whole = whole(ids, positions, meta, pool(cfg), backend)
         hidden_part = part(ids, positions, meta, pool(part.config), backend)
         out["model"] = (hidden_whole - hidden_part).abs().max().item()
+        group = TPGroup(rank, size, dist.group.WORLD, dist.group.WORLD, torch.device("cpu"))
+        logits = gather_logits(group, part.compute_logits(hidden_part), cfg.vocab_size)
         if rank == 0:
-            out["logits"] = (whole.compute_logits(hidden_whole) - part.compute_logits(hidden_part)).abs().max().item()
+            out["logits"] = (whole.compute_logits(hidden_whole) - logits).abs().max().item()
     out["params"] = sum(p.numel() for p in part.parameters())
     out["whole_params"] = sum(p.numel() for p in whole.parameters())
     return out
 
 
+def check_tied_layers(rank: int, size: int) -> dict[str, float]:
+    return check_layers(rank, size, TIED)
+
+
 @pytest.fixture(scope="module")
 def world() -> list[dict[str, float]]:
     return run_world(check_layers, size=2, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tied_world() -> list[dict[str, float]]:
+    return run_world(check_tied_layers, size=2, timeout=120)
 
 
 def test_the_vocab_parallel_embedding_looks_up_every_id_as_the_whole_table_on_both_ranks(world) -> None:
@@ -150,20 +163,23 @@ def test_column_parallel_gate_up_and_row_parallel_down_give_the_whole_mlp_within
     assert all(r["mlp"] < 1e-5 for r in world), [r["mlp"] for r in world]
 
 
-def test_the_sharded_model_gives_the_whole_models_hidden_states_and_rank_0_its_logits(world) -> None:
+def test_the_sharded_model_gives_the_whole_models_hidden_states_and_rank_0_its_gathered_logits(world) -> None:
     assert all(r["model"] < 1e-4 for r in world), [r["model"] for r in world]
-    assert world[0]["logits"] < 1e-4
+    assert world[0]["logits"] < 1e-4  # 81 columns: 41 from rank 0, 40 (padded to 41 and cut) from rank 1
 
 
-def test_ranks_other_than_0_hold_no_lm_head_and_half_of_every_split_weight(world) -> None:
+def test_a_tied_heads_logits_gathered_from_each_ranks_embedding_rows_equal_the_whole_ones(tied_world) -> None:
+    assert tied_world[0]["logits"] < 1e-4
+
+
+def test_each_rank_holds_its_vocabulary_rows_of_embedding_and_head_and_half_of_every_split_weight(world) -> None:
     cfg = CFG
     head = cfg.vocab_size * cfg.hidden_size
-    embed_rows = [41, 40]  # ceil(81 / 2) rows, then the rest
+    vocab_rows = [41, 40]  # ceil(81 / 2) rows, then the rest
     split = world[0]["whole_params"] - 2 * head  # everything but the embedding and the head
     norms = cfg.num_layers * (2 * cfg.hidden_size + 2 * cfg.head_dim) + cfg.hidden_size
     for rank, r in enumerate(world):
-        expected = (split - norms) // 2 + norms + embed_rows[rank] * cfg.hidden_size + (head if rank == 0 else 0)
-        assert r["params"] == expected
+        assert r["params"] == (split - norms) // 2 + norms + 2 * vocab_rows[rank] * cfg.hidden_size
 
 
 def test_shard_tensor_cuts_q_k_v_rows_by_heads_and_o_proj_columns_by_q_heads() -> None:
@@ -175,20 +191,20 @@ def test_shard_tensor_cuts_q_k_v_rows_by_heads_and_o_proj_columns_by_q_heads() -
     assert torch.equal(shard_tensor("model.layers.0.self_attn.q_proj.weight", q, CFG, one), q[32:64])
     assert torch.equal(shard_tensor("model.layers.0.self_attn.k_proj.bias", k_bias, CFG, one), k_bias[16:32])
     assert torch.equal(shard_tensor("model.layers.0.self_attn.o_proj.weight", o, CFG, one), o[:, 32:64])
-    assert shard_tensor("lm_head.weight", weights["lm_head.weight"], CFG, one) is None
+    head = weights["lm_head.weight"]
+    assert torch.equal(shard_tensor("lm_head.weight", head, CFG, one), head[41:])
     norm = weights["model.layers.0.self_attn.q_norm.weight"]
     assert shard_tensor("model.layers.0.self_attn.q_norm.weight", norm, CFG, one) is norm
 
 
-def test_a_tied_models_table_becomes_rank_0s_whole_lm_head_and_each_ranks_embedding_rows() -> None:
+def test_a_tied_models_ranks_each_load_their_rows_of_the_table_and_no_head() -> None:
     weights = hf_weights(TIED)
     table = weights["model.embed_tokens.weight"]
     rank0 = dict(shard_weights(weights.items(), TIED, TPShard(0, 2)))
     rank1 = dict(shard_weights(weights.items(), TIED, TPShard(1, 2)))
-    assert torch.equal(rank0["lm_head.weight"], table) and "lm_head.weight" not in rank1
+    assert "lm_head.weight" not in rank0 and "lm_head.weight" not in rank1
     assert torch.equal(rank0["model.embed_tokens.weight"], table[:40])
     assert torch.equal(rank1["model.embed_tokens.weight"], table[40:])
-    assert local_config(TIED, TPShard(0, 2)).tie_word_embeddings is False
     assert local_config(TIED, TPShard(1, 2)).tie_word_embeddings is True
 
 

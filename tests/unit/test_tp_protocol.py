@@ -8,7 +8,7 @@ import torch
 from tp_world import run_world
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.distributed import Message, TPGroup, receive, send_shutdown, send_step, send_swap
+from tokenmill.distributed import Message, TPGroup, receive, send_logits, send_shutdown, send_step, send_swap
 
 
 def a_step() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -27,10 +27,11 @@ def exchange(rank: int, size: int) -> list:
     if rank == 0:
         send_swap(group, [(3, 0), (5, 1)], [(0, 6)])
         send_step(group, *a_step())
+        send_logits(group, torch.arange(6, dtype=torch.bfloat16).view(2, 3))
         send_shutdown(group)
         return []
-    got = [receive(group, 16) for _ in range(3)]
-    swap, step, end = got
+    got = [receive(group, 16) for _ in range(4)]
+    swap, step, logits, end = got
     m = step.meta
     return [(swap.kind, swap.swap_out, swap.swap_in), (step.kind, step.input_ids.tolist(), step.positions.tolist()),
             {"slot_block": m.slot_block.tolist(), "slot_offset": m.slot_offset.tolist(),
@@ -38,7 +39,7 @@ def exchange(rank: int, size: int) -> list:
              "seq_lens": (m.seq_lens.dtype, m.seq_lens.tolist()),
              "block_tables": (m.block_tables.dtype, m.block_tables.tolist()),
              "host": (m.query_start_loc_host, m.seq_lens_host, m.block_size, m.num_short, m.num_short_tokens)},
-            end.kind]
+            end.kind, (logits.kind, logits.hidden.dtype, logits.hidden.tolist())]
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +61,7 @@ def test_a_steps_tensors_and_host_lists_arrive_as_rank_0_prepared_them(received)
 
 def test_the_shutdown_message_arrives_last(received) -> None:
     assert received[3] == Message.SHUTDOWN
+
+
+def test_logits_rows_arrive_in_their_shape_and_dtype(received) -> None:
+    assert received[4] == (Message.LOGITS, torch.bfloat16, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])

@@ -98,11 +98,9 @@ def use_gguf_embedding(model: LlamaForCausalLM, rows, qtype, kernels=None) -> st
     return "model.embed_tokens.weight"
 
 
-def pack_for_cpu(model: LlamaForCausalLM, kernels=None, weight_blocks: dict[str, GGUFMatrix] | None = None,
-                 with_head: bool = True) -> None:
-    """Pack every projection (and the output head, tied or not, unless `with_head` is False: a
-    tensor-parallel rank other than 0 computes no logits) in panels for the C++ kernel when
-    `kernels` is given, else for oneDNN. See packed_linear.py.
+def pack_for_cpu(model: LlamaForCausalLM, kernels=None, weight_blocks: dict[str, GGUFMatrix] | None = None) -> None:
+    """Pack every projection and the output head (tied or not; a tensor-parallel rank's rows of it)
+    in panels for the C++ kernel when `kernels` is given, else for oneDNN. See packed_linear.py.
 
     `weight_blocks` maps Hugging Face weight names to their GGUF matrices: a projection whose
     parts all have blocks is packed from those instead.
@@ -112,8 +110,9 @@ def pack_for_cpu(model: LlamaForCausalLM, kernels=None, weight_blocks: dict[str,
     head = getattr(model.embed_tokens, "weight", None) if model.lm_head is None else model.lm_head.weight
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
     head_blocks = blocks.get(head_name)
-    items = [ToPack(model, "packed_lm_head", head, None, (cfg.vocab_size, cfg.hidden_size),
-                    None if head_blocks is None else [(head_blocks.kind, [head_blocks])])] if with_head else []
+    shape = tuple(head.shape) if head is not None else (cfg.vocab_size, cfg.hidden_size)  # (None: GGUF rows only)
+    items = [ToPack(model, "packed_lm_head", head, None, shape,
+                    None if head_blocks is None else [(head_blocks.kind, [head_blocks])])]
     items += [ToPack(model.layers.get_submodule(parent), attr, m.weight, m.bias, (m.out_features, m.in_features),
                      projection_blocks(f"layers.{parent}.{attr}", blocks)[0])
               for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)

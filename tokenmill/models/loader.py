@@ -35,7 +35,7 @@ from tokenmill.models.cpu_packing import (
 from tokenmill.models.llama import LlamaForCausalLM, rope_kind
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix, onednn_available
-from tokenmill.models.parallel import AllReduce, TPShard, local_config, parallelize, shard_embedding, shard_weights
+from tokenmill.models.parallel import AllReduce, TPShard, local_config, parallelize, shard_vocab, shard_weights
 
 logger = logging.getLogger(__name__)
 
@@ -424,7 +424,7 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(local_config(ckpt.config, shard) if sharded else ckpt.config, max_len)
         if sharded:
-            shard_embedding(model, ckpt.config, shard, all_reduce)
+            shard_vocab(model, ckpt.config, shard, all_reduce)
     skip = drop_block_weights(model, blocks)  # never allocated in float32: packed from the blocks
     embedding = ckpt.quantized_embedding() if use_blocks else None
     if embedding is not None and (not ckpt.config.tie_word_embeddings or "model.embed_tokens.weight" in blocks):
@@ -438,7 +438,7 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     model.load_weights(tqdm(weights, desc="loading weights", unit="tensor", delay=2, leave=False, disable=None))
     if packing:
         if cpu_kernels is not None or onednn_available(device, dtype):
-            pack_for_cpu(model, cpu_kernels, blocks, with_head=not sharded or shard.rank == 0)
+            pack_for_cpu(model, cpu_kernels, blocks)
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
             if not sharded:

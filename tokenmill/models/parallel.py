@@ -9,12 +9,13 @@ Megatron's split, one all-reduce per half-layer:
                              the partial products are summed over the ranks by one all-reduce
     embed_tokens             vocab-parallel: rank r keeps a contiguous range of rows; a token outside
                              it looks up zeros, and an all-reduce sums the one rank's row into all
-    lm_head                  whole, on rank 0 only: logits are computed once, where sampling runs,
-                             without a collective per call (the other ranks hold no head)
+    lm_head                  vocab-parallel: rank r keeps the same range of rows (of the table itself
+                             when tied) and computes those logits for the rows that sample; rank 0
+                             gathers the slices (distributed.gather_logits), where sampling runs
 
 A rank's model is the plain LlamaForCausalLM built from `local_config` (its head and intermediate
-counts divided by N) with its embedding rows in place of the table (`shard_embedding`), fed weights
-that `shard_weights` cut from the full checkpoint tensors; after loading, the row-parallel
+counts divided by N) with its vocabulary rows in place of the table and the head (`shard_vocab`),
+fed weights that `shard_weights` cut from the full checkpoint tensors; after loading, the row-parallel
 projections are wrapped (`parallelize`) so that forward() sums over the ranks. The all-reduce
 runs through an `AllReduce` callable, so the layers know nothing of process groups
 (distributed.TPGroup.all_reduce is one, over the device group).
@@ -69,14 +70,12 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
 
 
 def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
-    """The config a rank's model is built from: its heads and intermediate slice. Rank 0 holds an
-    untied LM head (the whole table, since its embedding holds only its rows); the other ranks hold
-    none (tied, so no lm_head parameter)."""
+    """The config a rank's model is built from: its heads and intermediate slice (the vocabulary
+    stays whole: shard_vocab cuts it)."""
     check_divisible(cfg, shard.size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // shard.size,
                                num_kv_heads=cfg.num_kv_heads // shard.size,
-                               intermediate_size=cfg.intermediate_size // shard.size,
-                               tie_word_embeddings=shard.rank != 0)
+                               intermediate_size=cfg.intermediate_size // shard.size)
 
 
 # Checkpoint names (after "model.") and how each is cut: columns of a fused output, or input columns.
@@ -86,8 +85,7 @@ _ROW_PARALLEL = {"self_attn.o_proj": "q", "mlp.down_proj": "mlp"}
 
 
 def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, shard: TPShard) -> torch.Tensor | None:
-    """This rank's part of checkpoint tensor `name` (Hugging Face naming, full model `cfg`), or None
-    for a tensor the rank does not hold (the LM head off rank 0)."""
+    """This rank's part of checkpoint tensor `name` (Hugging Face naming, full model `cfg`)."""
     name = name.removeprefix("model.")
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     sizes = {"q": q_size, "kv": kv_size, "mlp": cfg.intermediate_size}
@@ -99,24 +97,17 @@ def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, shard: TPSha
     for part, kind in _ROW_PARALLEL.items():
         if f"{part}." in name:
             return tensor.narrow(1, *shard.split(sizes[kind]))       # input columns (no bias in these models)
-    if name == "embed_tokens.weight":
+    if name in ("embed_tokens.weight", "lm_head.weight"):
         start, end = shard.vocab_range(cfg.vocab_size)
         return tensor.narrow(0, start, end - start)
-    if name == "lm_head.weight":
-        return tensor if shard.rank == 0 else None
     return tensor                                                     # norms: replicated
 
 
 def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
                   shard: TPShard) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors cut for this rank (shard_tensor). A tied model's embedding table
-    also becomes rank 0's LM head, whole."""
+    """The checkpoint's tensors cut for this rank (shard_tensor)."""
     for name, tensor in weights:
-        if name.removeprefix("model.") == "embed_tokens.weight" and cfg.tie_word_embeddings and shard.rank == 0:
-            yield "lm_head.weight", tensor
-        part = shard_tensor(name, tensor, cfg, shard)
-        if part is not None:
-            yield name, part
+        yield name, shard_tensor(name, tensor, cfg, shard)
 
 
 class RowParallel(nn.Module):
@@ -149,11 +140,14 @@ class VocabParallelEmbedding(nn.Module):
         return self.all_reduce(x)
 
 
-def shard_embedding(model: nn.Module, cfg: ModelConfig, shard: TPShard, all_reduce: AllReduce) -> None:
+def shard_vocab(model: nn.Module, cfg: ModelConfig, shard: TPShard, all_reduce: AllReduce) -> None:
     """Before loading (the model built from local_config, on any device): the rank's rows of the
-    embedding table in place of the whole one, so that load_weights fills them from shard_weights."""
+    embedding table and of an untied head in place of the whole ones, so that load_weights fills
+    them from shard_weights; a tied head reads the embedding's rows, which are the same."""
     start, end = shard.vocab_range(cfg.vocab_size)
     model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, start, end, all_reduce)
+    if model.lm_head is not None:
+        model.lm_head = nn.Linear(cfg.hidden_size, end - start, bias=False)
 
 
 def parallelize(model: nn.Module, all_reduce: AllReduce) -> None:

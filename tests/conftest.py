@@ -22,6 +22,8 @@ TINY_CONFIGS = {
                   rope_theta=500000.0),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=24, rope_theta=1000000.0),
+    "phi3": dict(model_type="phi3", tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0,
+                 sliding_window=None),
 }
 
 

@@ -57,6 +57,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False       # Qwen2: bias on q, k, v projections
     qk_norm: bool = False              # Qwen3: RMSNorm on each head of q and k
+    rotary_dim: int | None = None      # dims of each head that rotate (Phi-4-mini: 3/4); None: all of them
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 

@@ -24,7 +24,7 @@ from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import ModelWorker
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3"]
 
 
 def hf_model(path):
@@ -281,6 +281,32 @@ def test_yarn_rope_scaling_gives_hfs_logits(tmp_path, extra):
                             rope_scaling={**YARN, **extra}, rope_theta=1e6)
     rng = random.Random(1)
     prompt = [rng.randrange(2, 384) for _ in range(100)]
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
+    for kernels in ("torch", "auto"):
+        got = prompt_logits(path, prompt, kernels)
+        assert rel_err(got, ref) <= 1e-5, f"{kernels}: {rel_err(got, ref):.2e}"
+
+
+@pytest.mark.parametrize("partial, scaling", [
+    (1.0, None), (0.5, None), (1.0, "longrope"), (0.75, "longrope")],
+    ids=["phi3", "partial_rotary", "longrope", "phi4_mini_like"])
+def test_phi3_gives_hfs_logits_with_fused_checkpoint_weights_partial_rotary_and_longrope(tmp_path, partial, scaling):
+    """Phi-3's fused qkv_proj and gate_up_proj, split at load; heads that rotate only part of their
+    dims (Phi-4-mini: 3/4); LongRoPE's short factors and attention factor inside the original
+    context (64 of 256 positions here; the prompt stays inside it: past it transformers turns every
+    position of the sequence to the long factors, this engine only the positions past it)."""
+    head_dim = 16  # hidden 96 / 6 heads
+    rotary_pairs = int(head_dim * partial) // 2
+    extra = {"partial_rotary_factor": partial, "max_position_embeddings": 256, "original_max_position_embeddings": 64}
+    if scaling:  # factor 256 / 64: attention factor sqrt(1 + ln 4 / ln 64)
+        rng = random.Random(3)
+        extra["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": 64,
+                                 "short_factor": [1 + rng.random() for _ in range(rotary_pairs)],
+                                 "long_factor": [2 + 4 * rng.random() for _ in range(rotary_pairs)]}
+    path = build_tiny_model(tmp_path / "phi3", "phi3", **extra)
+    rng = random.Random(1)
+    prompt = [rng.randrange(2, 384) for _ in range(50)]
     with torch.no_grad():
         ref = hf_model(path)(torch.tensor([prompt])).logits[0]
     for kernels in ("torch", "auto"):

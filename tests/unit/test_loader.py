@@ -316,7 +316,7 @@ def test_gguf_rope_scaling_is_applied_as_transformers_does_or_refused(tmp_path, 
     write_gguf(path, "qwen2", dict.fromkeys(KINDS, "F32"), True, True, rope_scaling=kind)
     checkpoint = open_checkpoint(path)
     if kind == "longrope":
-        with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope'"):
+        with pytest.raises(ValueError, match="unsupported rope scaling: longrope without short_factor"):
             load_model(checkpoint, 64, torch.float32, torch.device("cpu"), kernels="torch")
         return
     model = load_model(checkpoint, 64, torch.float32, torch.device("cpu"), kernels="torch")
@@ -363,3 +363,18 @@ def test_a_missing_weight_is_named_as_the_checkpoint_names_it():
     message = str(error.value)
     assert "layers.0.self_attn.k_proj.weight" in message and "layers.0.mlp.up_proj.weight" in message
     assert "qkv_proj" not in message and "gate_up_proj" not in message
+
+
+def test_longrope_angles_use_the_short_factors_inside_the_original_context_and_the_long_ones_past_it():
+    from tokenmill.models.llama import longrope_angles
+    scaling = {"original_max_position_embeddings": 4, "short_factor": [1.0, 2.0], "long_factor": [4.0, 8.0]}
+    angles = longrope_angles(torch.arange(6, dtype=torch.float64), 4, 100.0, scaling)
+    inv_freq = torch.tensor([1.0, 0.1], dtype=torch.float64)  # 1 / 100 ** (0 / 4), 1 / 100 ** (2 / 4)
+    assert torch.allclose(angles[3], 3 * inv_freq / torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert torch.allclose(angles[4], 4 * inv_freq / torch.tensor([4.0, 8.0], dtype=torch.float64))
+
+
+def test_partial_rotary_order_puts_the_checkpoints_rotated_pairs_on_ours_and_the_rest_after():
+    from tokenmill.models.llama import partial_rotary_order
+    # head 8, 4 rotate: the checkpoint pairs (0, 2), (1, 3); ours pair (j, j + 4)
+    assert partial_rotary_order(8, 4).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]

@@ -85,17 +85,58 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         index = torch.arange(head_dim // 2, dtype=torch.float64, device="cpu")
         ramp = ((index - low) / (high - low or 0.001)).clamp(0, 1)
         return inv_freq / factor * ramp + inv_freq * (1 - ramp)  # high frequencies kept, low ones interpolated
+    if kind == "longrope":  # Phi-3: the short factors (Rotary switches to the long ones past the original context)
+        return inv_freq / _longrope_factors(scaling)[0]
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
-                     "freq_factors)")
+                     "longrope, freq_factors)")
+
+
+def longrope_angles(positions: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """LongRoPE's angles (Phi-3): each frequency divided by its short factor at positions inside the
+    original context and by its long factor from there on. Transformers switches every position of
+    a sequence to the long factors once the sequence outgrows the original context; with a KV cache
+    the K of earlier positions keep what they were computed with, so here a position's angle depends
+    on the position alone, as vLLM computes it."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    short, long = _longrope_factors(scaling)
+    if short.shape != inv_freq.shape or long.shape != inv_freq.shape:
+        raise ValueError(f"longrope: {short.numel()} short and {long.numel()} long factors for {inv_freq.numel()} "
+                         "rotary frequencies")
+    inside = (positions < scaling["original_max_position_embeddings"]).unsqueeze(1)
+    return torch.where(inside, torch.outer(positions, inv_freq / short), torch.outer(positions, inv_freq / long))
+
+
+def _longrope_factors(scaling: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    if "short_factor" not in scaling or "long_factor" not in scaling:
+        raise ValueError("unsupported rope scaling: longrope without short_factor and long_factor (a GGUF file "
+                         "keeps them in tensors this loader does not read)")
+    return tuple(torch.tensor(scaling[k], dtype=torch.float64, device="cpu") for k in ("short_factor", "long_factor"))
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Where each of our head dims comes from in a checkpoint whose heads rotate only their first
+    `rotary_dim` dims, pairing dim i with i + rotary_dim / 2 (Phi-4-mini). Our rotation pairs i with
+    i + head_dim / 2 over the whole head; q and k rows reordered by this put the checkpoint's pairs on
+    ours (the first rotary_dim / 2 of our pairs) and its unrotated dims on the rest, whose frequency
+    is 0. q.k is unchanged by one order applied to both."""
+    half, r, rest = head_dim // 2, rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = list(range(r)) + [rotary_dim + m for m in range(rest)]
+    second = [r + m for m in range(r)] + [rotary_dim + rest + m for m in range(rest)]
+    assert len(first) == len(second) == half
+    return torch.tensor(first + second)
 
 
 def rope_attention_factor(scaling: dict | None) -> float:
-    """What YaRN scales cos and sin by (so q.k by its square): 1 + 0.1 ln(factor), or the config's
-    own attention_factor; 1 for every other scaling."""
-    if rope_kind(scaling) != "yarn":
+    """What YaRN and LongRoPE scale cos and sin by (so q.k by its square), or the config's own
+    attention_factor; 1 for every other scaling."""
+    kind = rope_kind(scaling)
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "longrope":  # sqrt(1 + ln(factor) / ln(original context)), as transformers
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
     factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
 
     def get_mscale(m: float) -> float:
@@ -106,20 +147,27 @@ def rope_attention_factor(scaling: dict | None) -> float:
 class Rotary(nn.Module):
     """Precomputed cos/sin per position; applied with the half-split layout Hugging Face uses."""
 
-    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict | None,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_len, self.theta, self.scaling = head_dim, max_len, theta, scaling
+        self.rotary_dim = rotary_dim or head_dim  # the rest turn at frequency 0 (partial_rotary_order)
         self.build()
 
     def build(self, device: torch.device | None = None) -> None:
         """(Re)compute the float32 tables, e.g. after the model was created on the meta device.
         Computed on the CPU whatever the default device: arange on the meta device goes through
         torch's Python reference ops, whose first use imports torch._dynamo (a second of startup)."""
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float64, device="cpu"), inv_freq)  # (max_len, D/2)
-        scale = rope_attention_factor(self.scaling)
-        self.register_buffer("cos", (angles.cos() * scale).float().to(device), persistent=False)
-        self.register_buffer("sin", (angles.sin() * scale).float().to(device), persistent=False)
+        positions = torch.arange(self.max_len, dtype=torch.float64, device="cpu")
+        if rope_kind(self.scaling) == "longrope":
+            angles = longrope_angles(positions, self.rotary_dim, self.theta, self.scaling)
+        else:
+            angles = torch.outer(positions, rope_inv_freq(self.rotary_dim, self.theta, self.scaling))
+        scale, unrotated = rope_attention_factor(self.scaling), (0, (self.head_dim - self.rotary_dim) // 2)
+        cos = F.pad(angles.cos() * scale, unrotated, value=1.0)  # (max_len, D/2); unrotated dims pass as they are
+        sin = F.pad(angles.sin() * scale, unrotated, value=0.0)
+        self.register_buffer("cos", cos.float().to(device), persistent=False)
+        self.register_buffer("sin", sin.float().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at each position, (T, D/2), cast once per step to the model's dtype."""
@@ -205,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
         self.packed_lm_head: nn.Module | None = None  # set by cpu_packing.pack_for_cpu
         self.ops = TorchOps()                         # element-wise steps; fused ones set by the loader
         self.fused_layers: list | None = None         # each layer as one C++ object (cpu_packing.fuse_layers)

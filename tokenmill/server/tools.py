@@ -233,8 +233,9 @@ def plan_tools(tools: list | None, tool_choice, parser: str | None, parallel: bo
     if choice not in ("none", "auto", "required"):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}")
     if choice == "auto" and parser is None:
-        raise ValueError("tool_choice 'auto' (the default with tools) needs the server started with "
-                         f"--tool-call-parser ({' or '.join(PARSERS)}); 'required' and a named function work without")
+        raise ValueError("tool_choice 'auto' (the default with tools) needs the model's tool-call format, and its "
+                         "chat template shows none tokenmill parses: start the server with --tool-call-parser "
+                         f"({' or '.join(PARSERS)}); 'required' and a named function work without")
     return ToolPlan(choice, tools, parser=parser, parallel=parallel)
 
 

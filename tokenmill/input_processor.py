@@ -26,6 +26,20 @@ class FieldError(ValueError):
         self.field = field
 
 
+class ContextLengthError(FieldError):
+    """A prompt that leaves no room for output in the model's context, or whose max_tokens would
+    run past it; its numbers let the server answer in OpenAI's words (errors.context_length_error)."""
+
+    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> None:
+        self.max_model_len, self.prompt_tokens, self.max_tokens = max_model_len, prompt_tokens, max_tokens
+        if max_tokens is None:
+            super().__init__("prompt", f"prompt has {prompt_tokens} tokens but the model's context length is "
+                                       f"{max_model_len}: no room for any output")
+        else:
+            super().__init__("max_tokens", f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+                                           f"exceeds the model's context length ({max_model_len})")
+
+
 @dataclass
 class InputProcessor:
     tokenizer: object
@@ -75,11 +89,9 @@ class InputProcessor:
         self._check_allowed_tokens(params, {seq[0] for seq in bad_words if len(seq) == 1})
         room = self.max_model_len - len(ids)
         if room < 1:
-            raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "
-                             f"{self.max_model_len}: no room for any output")
+            raise ContextLengthError(self.max_model_len, len(ids), None)
         if params.max_tokens is not None and params.max_tokens > room and not fit_to_context:
-            raise FieldError("max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                             f"exceeds the model's context length ({self.max_model_len})")
+            raise ContextLengthError(self.max_model_len, len(ids), params.max_tokens)
         grammar = (self.grammars.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params,

@@ -288,7 +288,7 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": "w5"}], "top_p": 1.5}, 400, "top_p"),
     ("beyond context", "/v1/completions", {"prompt": [5] * 8000, "max_tokens": 500}, 400, None),
     ("max_tokens past the context", "/v1/completions", {"prompt": [5] * 10, "max_tokens": 100_000}, 400,
-     "max_tokens"),
+     "prompt"),  # OpenAI's param: the input to shorten
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}, 400, None),
@@ -357,18 +357,20 @@ def test_a_wrong_method_gets_405_with_an_allow_header_and_an_openai_error_body(s
 
 
 def test_max_tokens_past_the_context_and_an_unknown_model_answer_with_openais_error_fields(server):
-    """max_tokens past the context names its field in `param`, as vLLM's does; an unknown model is
-    OpenAI's 404 with type invalid_request_error and code model_not_found (OpenAI's param there is
-    null: vLLM's, "model", is kept)."""
+    """max_tokens past the context is OpenAI's context_length_exceeded, its param the input to
+    shorten; an unknown model is OpenAI's 404 with type invalid_request_error and code
+    model_not_found (OpenAI's param there is null: vLLM's, "model", is kept)."""
     messages = [{"role": "user", "content": "w5"}]
     templated = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["count"]
-    for path, body, prompt in (("/v1/completions", {"prompt": [5] * 10}, 10),
-                               ("/v1/chat/completions", {"messages": messages}, templated)):
+    for path, body, prompt, name in (("/v1/completions", {"prompt": [5] * 10}, 10, "prompt"),
+                                     ("/v1/chat/completions", {"messages": messages}, templated, "messages")):
         r = httpx.post(server.url + path, json={**body, "max_tokens": 100_000})
         assert r.status_code == 400 and r.json() == {"error": {
-            "message": f"prompt ({prompt} tokens) plus max_tokens (100000) exceeds the model's context length "
-                       f"({server.engine.max_model_len})", "type": "invalid_request_error", "param": "max_tokens",
-            "code": None}}
+            "message": f"This model's maximum context length is {server.engine.max_model_len} tokens. However, you "
+                       f"requested {prompt + 100_000} tokens ({prompt} in the {name}, 100000 in the completion): the "
+                       f"prompt is too long for that completion. Please reduce the length of the {name} or the "
+                       "completion's maximum tokens.",
+            "type": "invalid_request_error", "param": name, "code": "context_length_exceeded"}}
     unknown = {"error": {"message": "the model 'gpt-9' does not exist (this server serves 'tiny')",
                          "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
     for method, path, body in (("POST", "/v1/completions", {"prompt": "w5"}),

@@ -78,6 +78,7 @@ class InputProcessor:
         if priority and self.scheduling_policy != "priority":  # as vLLM: not silently ignored
             raise FieldError("priority", f"priority {priority} needs scheduling_policy 'priority' "
                              f"(this engine runs '{self.scheduling_policy}')")
+        self._check_limits(params)
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -100,6 +101,16 @@ class InputProcessor:
                           grammar=grammar, bad_words_token_ids=bad_words)
         request.timeline.add(time.monotonic(), "tokenized")
         return request
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        """Values SamplingParams cannot check without the model: a top_k past the vocabulary (0
+        or -1 keep every token) and a truncation past the context (vLLM refuses it too)."""
+        if params.top_k > self.vocab_size:
+            raise FieldError("top_k", f"top_k must be <= the vocabulary size ({self.vocab_size}), or 0 or -1 "
+                                      f"for every token, got {params.top_k}")
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
+            raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens must be <= the model's context "
+                             f"length ({self.max_model_len}), got {params.truncate_prompt_tokens}")
 
     def _check_token_ids(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size

@@ -234,11 +234,11 @@ def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
     wait_for("POST /v1/completions 413 ")
 
 
-def test_huge_top_k_and_tiny_temperature_are_served(server, client):
-    """A top_k past int64 means "all tokens"; a temperature below 1e-5 samples greedily (logits
-    divided by it would overflow float32)."""
+def test_a_top_k_of_the_whole_vocabulary_and_a_tiny_temperature_are_served(server, client):
+    """A top_k of the whole vocabulary keeps every token; a temperature below 1e-5 samples greedily
+    (logits divided by it would overflow float32)."""
     greedy = client.completions.create(model="tiny", prompt="w5 w9", max_tokens=6, temperature=0)
-    for extra in ({"top_k": 2 ** 63}, {"temperature": 1e-50}):
+    for extra in ({"top_k": server.engine.model_config.vocab_size}, {"temperature": 1e-50}):
         body = {"model": "tiny", "prompt": "w5 w9", "max_tokens": 6, **extra}
         if "temperature" not in extra:
             body["temperature"] = 0
@@ -278,6 +278,14 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(server):
 
 
 # ---- bad input -------------------------------------------------------------------------------
+
+def nested_schema(levels: int) -> dict:
+    """An object schema `levels` objects deep (twice that in JSON: each schema and its properties)."""
+    schema = {"type": "object"}
+    for _ in range(levels - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
 
 BAD_REQUESTS = [
     ("malformed json", "/v1/completions", b'{"prompt": "w5", ', 400, None),
@@ -333,6 +341,31 @@ BAD_REQUESTS = [
     ("a template from the request", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "w5"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400,
      "chat_template"),
+    # values past any use, once served as if they were sane (200), or failing deep inside (500)
+    ("tool call arguments nested past JSON's decoder", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "w5"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "w6"}]}, 400,
+     "messages.1.tool_calls.0.function.arguments"),
+    ("a temperature of 1e308", "/v1/completions", {"prompt": "w5", "temperature": 1e308}, 400, "temperature"),
+    ("a temperature past OpenAI's 2", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}], "temperature": 2.5}, 400, "temperature"),
+    ("a top_k of 1e11", "/v1/completions", {"prompt": "w5", "top_k": 1e11}, 400, "top_k"),
+    ("a top_k past the vocabulary", "/v1/completions", {"prompt": "w5", "top_k": 2 ** 63}, 400, "top_k"),
+    ("a truncate_prompt_tokens of 1e11", "/v1/completions", {"prompt": "w5", "truncate_prompt_tokens": 1e11}, 400,
+     "truncate_prompt_tokens"),
+    ("a tool schema nested 500 deep", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}], "tool_choice": "required", "tools": [
+         {"type": "function", "function": {"name": "f", "parameters": nested_schema(250)}}]}, 400,
+     "tools.0.function.parameters"),
+    ("a response_format schema nested 500 deep", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(250)}}}, 400,
+     "response_format.json_schema.schema"),
+    ("a body nested 5000 deep", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "w5"}], "metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+     None),
 ]
 
 

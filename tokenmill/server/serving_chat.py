@@ -38,8 +38,9 @@ def render_messages(tokenizer, messages, add_generation_prompt: bool = True, too
     try:  # (with the messages' other fields: an assistant's tool_calls, a tool's tool_call_id)
         return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages],
                            add_generation_prompt, tools, template_kwargs)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
+    except ValueError as exc:  # (the message names the place of a bad tool call: messages.1.tool_calls.0...)
+        where = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), param=where if where.startswith("messages.") else "messages") from None
 
 
 def _chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
@@ -61,8 +62,10 @@ def _with_tools(req: ChatCompletionRequest, params: SamplingParams,
     'required' or a named function makes the calls a structured output)."""
     try:
         plan = plan_tools(req.tools, req.tool_choice, tool_call_parser, req.parallel_tool_calls is not False)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
+    except ValueError as exc:  # (a schema too deep is named by its place: tools.0.function.parameters)
+        where, message = str(exc).split(" ", 1)[0], str(exc)
+        param = where if where.startswith("tools.") else "tool_choice" if "tool_choice" in message else "tools"
+        raise APIError(400, message, param=param) from None
     calls_constraint = plan.constraint() if plan is not None else None
     if calls_constraint is not None:
         if params.structured_outputs is not None:

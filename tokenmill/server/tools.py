@@ -22,6 +22,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from tokenmill.sampling_params import check_schema_depth
 from tokenmill.server.reasoning import partial_tag
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
@@ -107,7 +108,7 @@ class ToolPlan:
         if self.choice == "required":
             try:
                 calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-            except (ValueError, TypeError, KeyError):  # cut short by max_tokens
+            except (ValueError, TypeError, KeyError, RecursionError):  # cut short by max_tokens, or too deep
                 return text, []
             return None, calls
         if self.choice != "auto":
@@ -134,7 +135,7 @@ def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
             body = text[at + len(HERMES_START):end if end != -1 else len(text)]
             calls.append(_call(json.loads(body)))
             at = -1 if end == -1 else text.find(HERMES_START, end)
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model's JSON nested past the decoder's limit)
         return text, []
     return text[:start] or None, calls
 
@@ -151,7 +152,7 @@ def _parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
             calls.append(_call(obj))
             while at < len(body) and body[at] in " \n;":
                 at += 1
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model's JSON nested past the decoder's limit)
         return text, []
     return None, calls
 
@@ -180,7 +181,7 @@ def _parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
             if not name or not isinstance(arguments, dict):
                 raise ValueError("not a call")
             calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model's JSON nested past the decoder's limit)
         return text, []
     return text[:start] or None, calls
 
@@ -222,6 +223,8 @@ def plan_tools(tools: list | None, tool_choice, parser: str | None, parallel: bo
                 or not isinstance(function.get("name"), str) or not function["name"]
                 or not isinstance(function.get("parameters", {}), dict)):
             raise ValueError(f"tools must be functions with a name and a parameters schema, got {tool!r}")
+    for i, tool in enumerate(tools):
+        check_schema_depth(tool["function"].get("parameters", {}), f"tools.{i}.function.parameters")
     names = [t["function"]["name"] for t in tools]
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")

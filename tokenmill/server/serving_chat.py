@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered through the model's chat template, answered
 streamed or whole, with tool calls (server/tools.py) and reasoning content
-(server/reasoning.py) split out of the text when the server was started with their parsers.
+(server/reasoning.py) split out of the text when the server knows their format: the tool-call
+format its chat template shows (server/tool_detection.py) or a flag names, the reasoning one a flag.
 
 A stream opens each choice with a delta holding only the role, then sends content (or
 reasoning, or tool-call) deltas, and closes the choice with an empty delta carrying the

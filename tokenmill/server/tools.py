@@ -6,7 +6,8 @@ The tools go to the chat template; `tool_choice` decides how calls come out:
   "required"        the output is constrained to a JSON array of {"name", "parameters"} calls,
                     at least one, each naming one of the tools
   "auto"            the model decides, and its text is parsed for calls in its own format:
-                    the server's tool-call parser (PARSERS):
+                    the server's tool-call parser (PARSERS; read from the chat template by
+                    tool_detection.py unless --tool-call-parser names it):
                       hermes       <tool_call>{...}</tool_call> blocks after the content (Qwen 2.5 / 3, Hermes)
                       llama3_json  the message is a JSON call, or several joined by ";" (Llama 3.1+)
                       mistral      [TOOL_CALLS] then a JSON array of calls (Mistral 7B v0.3, Nemo), or

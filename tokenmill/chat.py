@@ -28,17 +28,22 @@ def content_text(content) -> str:
     return "\n".join(parts)
 
 
-def _with_argument_objects(tool_calls: list) -> list:
+def _with_argument_objects(tool_calls: list, where: str) -> list:
     """An assistant message's tool calls with their JSON-text arguments (OpenAI's form) as objects,
-    the form chat templates (Qwen's, Llama's) write out."""
+    the form chat templates (Qwen's, Llama's) write out; arguments that are no JSON stay text.
+    ValueError naming the call (`where`: the message's place) for arguments nested past JSON's
+    decoder (RecursionError)."""
     out = []
-    for call in tool_calls:
+    for k, call in enumerate(tool_calls):
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
             try:
                 function = {**function, "arguments": json.loads(function["arguments"])}
             except ValueError:
                 pass
+            except RecursionError:
+                raise ValueError(f"{where}.tool_calls.{k}.function.arguments nests objects and arrays too deeply "
+                                 "to read") from None
             call = {**call, "function": function}
         out.append(call)
     return out
@@ -59,12 +64,12 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
     such as Qwen3's enable_thinking); ValueError for a message without a role, a content part that
     is not text, or a conversation the template rejects."""
     messages = []
-    for m in conversation:
+    for i, m in enumerate(conversation):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"a chat message needs a 'role' and a 'content', got {m!r}")
         messages.append({**m, "content": content_text(m.get("content"))})
         if isinstance(m.get("tool_calls"), list):
-            messages[-1]["tool_calls"] = _with_argument_objects(m["tool_calls"])
+            messages[-1]["tool_calls"] = _with_argument_objects(m["tool_calls"], f"messages.{i}")
     reserved = _template_options(tokenizer) & set(template_kwargs or {})
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: only the template's "

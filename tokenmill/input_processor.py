@@ -26,6 +26,20 @@ class FieldError(ValueError):
         self.field = field
 
 
+class ContextLengthError(FieldError):
+    """A prompt that leaves no room for output in the model's context, or whose max_tokens would
+    run past it; its numbers let the server answer in OpenAI's words (errors.context_length_error)."""
+
+    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> None:
+        self.max_model_len, self.prompt_tokens, self.max_tokens = max_model_len, prompt_tokens, max_tokens
+        if max_tokens is None:
+            super().__init__("prompt", f"prompt has {prompt_tokens} tokens but the model's context length is "
+                                       f"{max_model_len}: no room for any output")
+        else:
+            super().__init__("max_tokens", f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+                                           f"exceeds the model's context length ({max_model_len})")
+
+
 @dataclass
 class InputProcessor:
     tokenizer: object
@@ -64,6 +78,7 @@ class InputProcessor:
         if priority and self.scheduling_policy != "priority":  # as vLLM: not silently ignored
             raise FieldError("priority", f"priority {priority} needs scheduling_policy 'priority' "
                              f"(this engine runs '{self.scheduling_policy}')")
+        self._check_limits(params)
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -75,11 +90,9 @@ class InputProcessor:
         self._check_allowed_tokens(params, {seq[0] for seq in bad_words if len(seq) == 1})
         room = self.max_model_len - len(ids)
         if room < 1:
-            raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is "
-                             f"{self.max_model_len}: no room for any output")
+            raise ContextLengthError(self.max_model_len, len(ids), None)
         if params.max_tokens is not None and params.max_tokens > room and not fit_to_context:
-            raise FieldError("max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                             f"exceeds the model's context length ({self.max_model_len})")
+            raise ContextLengthError(self.max_model_len, len(ids), params.max_tokens)
         grammar = (self.grammars.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params,
@@ -88,6 +101,16 @@ class InputProcessor:
                           grammar=grammar, bad_words_token_ids=bad_words)
         request.timeline.add(time.monotonic(), "tokenized")
         return request
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        """Values SamplingParams cannot check without the model: a top_k past the vocabulary (0
+        or -1 keep every token) and a truncation past the context (vLLM refuses it too)."""
+        if params.top_k > self.vocab_size:
+            raise FieldError("top_k", f"top_k must be <= the vocabulary size ({self.vocab_size}), or 0 or -1 "
+                                      f"for every token, got {params.top_k}")
+        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
+            raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens must be <= the model's context "
+                             f"length ({self.max_model_len}), got {params.truncate_prompt_tokens}")
 
     def _check_token_ids(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size

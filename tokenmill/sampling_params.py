@@ -12,6 +12,10 @@ from dataclasses import dataclass, field, replace
 MAX_N = 128            # completions per prompt: each is a request of its own
 _GREEDY_BELOW = 1e-5   # temperatures below this sample greedily
 _FLOAT32_TINY, _FLOAT32_MAX = 1.1754944e-38, 3.4028235e38  # the sampler's float32 positive range
+MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]; past it sampling is near uniform
+# JSON schemas (structured outputs, tool parameters) nest objects and arrays at most this deep:
+# OpenAI's structured outputs take 10 levels of nested schemas, about 20 of JSON
+MAX_SCHEMA_DEPTH = 64
 
 
 def is_unicode(text: str) -> bool:
@@ -25,6 +29,27 @@ def is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def nesting_depth(value, limit: int) -> int:
+    """How deep objects (dicts) and arrays (lists) nest in `value` (a scalar: 0), counted up to
+    limit + 1 at most. A loop, not recursion: a body may nest as deep as JSON lets it."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= limit:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack += [(child, depth + 1) for child in children if isinstance(child, (dict, list))]
+    return deepest
+
+
+def check_schema_depth(schema, where: str) -> None:
+    """ValueError naming `where` for a JSON schema nested past MAX_SCHEMA_DEPTH: compiling one
+    (and closing its objects, structured.py) recurses once per level."""
+    if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{where} nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels")
 
 
 def _is_token_id(t) -> bool:
@@ -63,6 +88,8 @@ class StructuredOutputsParams:
         if (not isinstance(value, types) or (isinstance(value, (str, list)) and not value)
                 or (name == "choice" and not all(isinstance(c, str) and c for c in value))):
             raise ValueError(f"structured_outputs.{name} must be {what}, got {value!r}")
+        if name == "json":
+            check_schema_depth(value, "structured_outputs.json")
 
     @classmethod
     def from_dict(cls, fields: dict) -> "StructuredOutputsParams":
@@ -121,7 +148,7 @@ class SamplingParams:
         self._check_int("min_tokens", minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        self._check_float("temperature", 0.0, None)
+        self._check_float("temperature", 0.0, MAX_TEMPERATURE, note=" (OpenAI's range)")
         if self.temperature < _GREEDY_BELOW:  # logits / T would overflow float32 to inf, and NaN
             self.temperature = 0.0
         self._check_float("top_p", 0.0, 1.0, low_open=True)
@@ -187,13 +214,13 @@ class SamplingParams:
         if value < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
-    def _check_float(self, name: str, low: float, high: float | None, low_open: bool = False) -> None:
+    def _check_float(self, name: str, low: float, high: float | None, low_open: bool = False, note: str = "") -> None:
         value = getattr(self, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value!r}")
         if value < low or (low_open and value == low) or (high is not None and value > high):
             interval = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
-            raise ValueError(f"{name} must be in {interval}, got {value}")
+            raise ValueError(f"{name} must be in {interval}{note}, got {value}")
         setattr(self, name, float(value))
 
     @property

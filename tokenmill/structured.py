@@ -20,7 +20,7 @@ import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
-from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, check_schema_depth
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,10 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            except RecursionError:  # nested past the decoder's own limit, far past ours
+                raise ValueError(f"the JSON schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} "
+                                 "levels") from None
+            check_schema_depth(schema, "the JSON schema")
         if spec.disable_additional_properties and isinstance(schema, dict):
             schema = forbid_undeclared_properties(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)

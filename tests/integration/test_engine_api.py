@@ -156,6 +156,8 @@ def test_final_only_outputs_report_a_request_once_it_ended(llm):
     ([5], SamplingParams(allowed_token_ids=[1], ignore_eos=True, min_tokens=2), "allowed_token_ids"),
     ([5], SamplingParams(allowed_token_ids=[1, 9], bad_words=["w9"], min_tokens=2), "allowed_token_ids"),
     ("w5 \udcff", SamplingParams(), "not valid UTF-8"),   # a shell argument's bytes that were no UTF-8
+    ([5], SamplingParams(top_k=385), r"top_k must be <= the vocabulary size \(384\), or 0 or -1 for every token"),
+    ([5], SamplingParams(truncate_prompt_tokens=10**11), "truncate_prompt_tokens must be <= the model.s context"),
 ])
 def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):

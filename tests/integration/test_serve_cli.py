@@ -80,12 +80,7 @@ def test_a_port_in_use_is_one_error_before_the_model_loads(tmp_path):
     assert out.stderr.strip() == f"tokenmill: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
-def test_auto_tool_choice_without_a_parser_fails_before_the_model_loads(tmp_path):
-    """vLLM's --enable-auto-tool-choice needs a format to parse; said at once, not after a load
-    (the model path does not even exist)."""
-    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", str(tmp_path / "none"),
-                          "--enable-auto-tool-choice"], capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "--tool-call-parser" in out.stderr
+def test_an_unknown_tool_call_parser_fails_before_the_model_loads():
     out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--tool-call-parser", "xml"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "hermes" in out.stderr

@@ -234,11 +234,11 @@ def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
     wait_for("POST /v1/completions 413 ")
 
 
-def test_huge_top_k_and_tiny_temperature_are_served(server, client):
-    """A top_k past int64 means "all tokens"; a temperature below 1e-5 samples greedily (logits
-    divided by it would overflow float32)."""
+def test_a_top_k_of_the_whole_vocabulary_and_a_tiny_temperature_are_served(server, client):
+    """A top_k of the whole vocabulary keeps every token; a temperature below 1e-5 samples greedily
+    (logits divided by it would overflow float32)."""
     greedy = client.completions.create(model="tiny", prompt="w5 w9", max_tokens=6, temperature=0)
-    for extra in ({"top_k": 2 ** 63}, {"temperature": 1e-50}):
+    for extra in ({"top_k": server.engine.model_config.vocab_size}, {"temperature": 1e-50}):
         body = {"model": "tiny", "prompt": "w5 w9", "max_tokens": 6, **extra}
         if "temperature" not in extra:
             body["temperature"] = 0
@@ -279,6 +279,14 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(server):
 
 # ---- bad input -------------------------------------------------------------------------------
 
+def nested_schema(levels: int) -> dict:
+    """An object schema `levels` objects deep (twice that in JSON: each schema and its properties)."""
+    schema = {"type": "object"}
+    for _ in range(levels - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 BAD_REQUESTS = [
     ("malformed json", "/v1/completions", b'{"prompt": "w5", ', 400, None),
     ("missing prompt", "/v1/completions", {"model": "tiny"}, 400, "prompt"),
@@ -288,7 +296,7 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": "w5"}], "top_p": 1.5}, 400, "top_p"),
     ("beyond context", "/v1/completions", {"prompt": [5] * 8000, "max_tokens": 500}, 400, None),
     ("max_tokens past the context", "/v1/completions", {"prompt": [5] * 10, "max_tokens": 100_000}, 400,
-     "max_tokens"),
+     "prompt"),  # OpenAI's param: the input to shorten
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w5"}]}, 400, None),
@@ -333,6 +341,31 @@ BAD_REQUESTS = [
     ("a template from the request", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "w5"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400,
      "chat_template"),
+    # values past any use, once served as if they were sane (200), or failing deep inside (500)
+    ("tool call arguments nested past JSON's decoder", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "w5"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "w6"}]}, 400,
+     "messages.1.tool_calls.0.function.arguments"),
+    ("a temperature of 1e308", "/v1/completions", {"prompt": "w5", "temperature": 1e308}, 400, "temperature"),
+    ("a temperature past OpenAI's 2", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}], "temperature": 2.5}, 400, "temperature"),
+    ("a top_k of 1e11", "/v1/completions", {"prompt": "w5", "top_k": 1e11}, 400, "top_k"),
+    ("a top_k past the vocabulary", "/v1/completions", {"prompt": "w5", "top_k": 2 ** 63}, 400, "top_k"),
+    ("a truncate_prompt_tokens of 1e11", "/v1/completions", {"prompt": "w5", "truncate_prompt_tokens": 1e11}, 400,
+     "truncate_prompt_tokens"),
+    ("a tool schema nested 500 deep", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}], "tool_choice": "required", "tools": [
+         {"type": "function", "function": {"name": "f", "parameters": nested_schema(250)}}]}, 400,
+     "tools.0.function.parameters"),
+    ("a response_format schema nested 500 deep", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "w5"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(250)}}}, 400,
+     "response_format.json_schema.schema"),
+    ("a body nested 5000 deep", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "w5"}], "metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+     None),
 ]
 
 
@@ -357,18 +390,20 @@ def test_a_wrong_method_gets_405_with_an_allow_header_and_an_openai_error_body(s
 
 
 def test_max_tokens_past_the_context_and_an_unknown_model_answer_with_openais_error_fields(server):
-    """max_tokens past the context names its field in `param`, as vLLM's does; an unknown model is
-    OpenAI's 404 with type invalid_request_error and code model_not_found (OpenAI's param there is
-    null: vLLM's, "model", is kept)."""
+    """max_tokens past the context is OpenAI's context_length_exceeded, its param the input to
+    shorten; an unknown model is OpenAI's 404 with type invalid_request_error and code
+    model_not_found (OpenAI's param there is null: vLLM's, "model", is kept)."""
     messages = [{"role": "user", "content": "w5"}]
     templated = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["count"]
-    for path, body, prompt in (("/v1/completions", {"prompt": [5] * 10}, 10),
-                               ("/v1/chat/completions", {"messages": messages}, templated)):
+    for path, body, prompt, name in (("/v1/completions", {"prompt": [5] * 10}, 10, "prompt"),
+                                     ("/v1/chat/completions", {"messages": messages}, templated, "messages")):
         r = httpx.post(server.url + path, json={**body, "max_tokens": 100_000})
         assert r.status_code == 400 and r.json() == {"error": {
-            "message": f"prompt ({prompt} tokens) plus max_tokens (100000) exceeds the model's context length "
-                       f"({server.engine.max_model_len})", "type": "invalid_request_error", "param": "max_tokens",
-            "code": None}}
+            "message": f"This model's maximum context length is {server.engine.max_model_len} tokens. However, you "
+                       f"requested {prompt + 100_000} tokens ({prompt} in the {name}, 100000 in the completion): the "
+                       f"prompt is too long for that completion. Please reduce the length of the {name} or the "
+                       "completion's maximum tokens.",
+            "type": "invalid_request_error", "param": name, "code": "context_length_exceeded"}}
     unknown = {"error": {"message": "the model 'gpt-9' does not exist (this server serves 'tiny')",
                          "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
     for method, path, body in (("POST", "/v1/completions", {"prompt": "w5"}),

@@ -49,6 +49,11 @@ def walk(grammar, tokenizer, text: str) -> bool:
     return True
 
 
+DEEP_SCHEMA = {}
+for _ in range(64):  # 65 levels of JSON: a schema as deep as this would be compiled, and closed, recursively
+    DEEP_SCHEMA = {"items": DEEP_SCHEMA}
+
+
 @pytest.mark.parametrize("spec, message", [
     ({}, "exactly one of"),
     ({"regex": "a", "choice": ["b"]}, "got regex, choice"),
@@ -57,6 +62,8 @@ def walk(grammar, tokenizer, text: str) -> bool:
     ({"json": 3}, "json must be a JSON schema"),
     ({"regex": ""}, "regex must be a string"),
     ({"schema": {}}, "unknown fields: schema"),
+    ({"json": DEEP_SCHEMA},
+     "structured_outputs.json nests objects and arrays deeper than 64 levels"),
 ])
 def test_specs_name_their_problem(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -67,6 +74,8 @@ def test_specs_name_their_problem(spec, message):
     ({"regex": "a(b"}, "unclosed group"),
     ({"json": {"type": "nonsense"}}, "nonsense"),
     ({"json": "{not json"}, "not valid JSON"),
+    ({"json": json.dumps(DEEP_SCHEMA)}, "the JSON schema nests objects and arrays deeper than 64 levels"),
+    ({"json": '{"items": ' * 100_000}, "the JSON schema nests objects and arrays deeper than 64 levels"),
     ({"grammar": "start: undefined_rule"}, "undefined_rule"),
 ])
 def test_invalid_grammars_are_value_errors(compiler, spec, message):

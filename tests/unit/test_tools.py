@@ -25,13 +25,43 @@ def calls(parsed) -> list[tuple[str, dict]]:
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, None, "'nope', which is not among"),
     ([WEATHER], {"type": "function", "function": "get_weather"}, None, "None, which is not among"),
     ([WEATHER], "sometimes", "hermes", "tool_choice must be"),
-    ([WEATHER], None, None, "needs the server started with --tool-call-parser"),
+    ([WEATHER], None, None, "start the server with --tool-call-parser"),
     ([{"type": "function", "function": {"parameters": {}}}], "required", None, "tools must be functions"),
     ([{"type": "retrieval"}], "required", None, "tools must be functions"),
 ])
 def test_plans_refuse_what_cannot_be_served(tools, choice, parser, message):
     with pytest.raises(ValueError, match=message):
         plan_tools(tools, choice, parser)
+
+
+def test_a_parameters_schema_nested_past_the_limit_is_refused_naming_the_tool():
+    from tokenmill.sampling_params import MAX_SCHEMA_DEPTH
+
+    def tool(levels: int) -> dict:
+        """A function whose parameters nest `levels` objects deep: 2 * levels - 1 of JSON (a
+        schema and its properties each)."""
+        schema = {"type": "object"}
+        for _ in range(levels - 1):
+            schema = {"type": "object", "properties": {"a": schema}}
+        return {"type": "function", "function": {"name": "deep", "parameters": schema}}
+    fits = (MAX_SCHEMA_DEPTH + 1) // 2
+    assert plan_tools([tool(fits)], "auto", "hermes").choice == "auto"
+    with pytest.raises(ValueError, match=f"tools.1.function.parameters nests objects and arrays deeper than "
+                                         f"{MAX_SCHEMA_DEPTH} levels"):
+        plan_tools([WEATHER, tool(fits + 1)], "auto", "hermes")
+    with pytest.raises(ValueError, match="nests objects and arrays deeper"):  # a thousand deep: refused, not compiled
+        plan_tools([tool(1000)], "required", None)
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", "<tool_call>" + "[" * 5000), ("llama3_json", "{" + '"a":' * 5000),
+    ("mistral", "[TOOL_CALLS]" + "[" * 5000), ("pythonic", "[f(a=" + "[" * 5000 + "])]"),
+])
+def test_model_output_nested_past_jsons_limit_stays_content(parser, text):
+    """A model can write brackets until max_tokens: past the decoder's recursion limit the text is
+    content, not a 500."""
+    assert plan_tools([WEATHER], "auto", parser).parse(text) == (text, [])
+    assert plan_tools([WEATHER], "required", None).parse("[" * 5000) == ("[" * 5000, [])
 
 
 def test_constraints_of_named_and_required_choices():

@@ -42,6 +42,7 @@ from tokenmill.server.serving_models import ModelsHandler
 from tokenmill.server.serving_tokenization import TokenizationHandler
 from tokenmill.server.step_history import StepHistory
 from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
+from tokenmill.server.tool_detection import tool_parser_of
 from tokenmill.server.tools import PARSERS
 
 logger = logging.getLogger("tokenmill.server")
@@ -59,7 +60,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     answers (any port; None: every name). A stream whose client takes nothing for
     `stream_write_timeout` seconds is ended and its requests aborted. GET /v1/requests/{id} keeps
     the timelines of the last `request_log_size` responses that ended (0: none). spans: where each
-    request's OpenTelemetry span goes when it ends (server/otel.py; shut down with the app)."""
+    request's OpenTelemetry span goes when it ends (server/otel.py; shut down with the app).
+    tool_call_parser: the model's tool-call format (tools.PARSERS) for tool_choice 'auto'; None:
+    the one its chat template shows (server/tool_detection.py), if any."""
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("protect_metrics_and_docs needs an api_key")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -91,6 +94,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     serving = ServingEngine(engine, async_engine, write_timeout=stream_write_timeout, request_log=request_log,
                             spans=spans)
     tokenizer = engine.tokenizer
+    tool_call_parser = tool_call_parser or tool_parser_of(tokenizer)
+    app.state.tool_call_parser = tool_call_parser
     thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     completion = CompletionHandler(serving, tokenizer, served_model_name)
     chat = ChatHandler(serving, tokenizer, served_model_name, tool_call_parser, thinking)

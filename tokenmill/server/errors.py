@@ -1,11 +1,14 @@
 """The server's errors, each answered with an OpenAI-style error body.
 
-Handlers raise APIError with the status and the body's fields; `add_error_handlers` turns it,
-the engine loop's death (503), pydantic's validation errors (400) and Starlette's own HTTP
-errors (404, 405, ...) into JSON responses of the same shape.
+Handlers raise APIError with the status and the body's fields (`context_length_error` builds
+OpenAI's answer to a prompt past the context, for every generating endpoint);
+`add_error_handlers` turns it, the engine loop's death (503), pydantic's validation errors (400)
+and Starlette's own HTTP errors (404, 405, ...) into JSON responses of the same shape.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.async_engine import EngineDeadError
 from tokenmill.server.protocol import error_body
+
+if TYPE_CHECKING:
+    from tokenmill.input_processor import ContextLengthError
 
 
 class APIError(Exception):
@@ -29,6 +35,25 @@ def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise APIError(404, f"the model '{requested}' does not exist (this server serves '{served}')",
                        param="model", code="model_not_found")
+
+
+def context_length_error(exc: ContextLengthError, input_name: str) -> APIError:
+    """A prompt past the model's context as OpenAI answers it: a 400 with code
+    context_length_exceeded, `param` the endpoint's input (`input_name`: "prompt", "messages",
+    "input"), and a message that opens with "This model's maximum context length is N tokens",
+    which clients look for before they trim the conversation and retry: LiteLLM raises its
+    ContextWindowExceededError on those words, LangChain its ContextOverflowError on the code in
+    the error's text or on "prompt is too long" (the openai SDK's error text is now the message
+    alone, without the code)."""
+    head = f"This model's maximum context length is {exc.max_model_len} tokens. However, "
+    if exc.max_tokens is None:
+        message = (f"{head}your {input_name} resulted in {exc.prompt_tokens} tokens: the prompt is too long, with "
+                   f"no room for output. Please reduce the length of the {input_name}.")
+    else:
+        message = (f"{head}you requested {exc.prompt_tokens + exc.max_tokens} tokens ({exc.prompt_tokens} in the "
+                   f"{input_name}, {exc.max_tokens} in the completion): the prompt is too long for that completion. "
+                   f"Please reduce the length of the {input_name} or the completion's maximum tokens.")
+    return APIError(400, message, param=input_name, code="context_length_exceeded")
 
 
 def _is_type_name(part) -> bool:

@@ -120,13 +120,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="end a stream whose client takes no output for this many seconds, and abort its "
                              "requests (until then a client that stops reading holds one output per request)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
-                        help="the model's tool-call format, for tool_choice 'auto' (hermes: Qwen 2.5/3, Hermes; "
+                        help="the model's tool-call format, for tool_choice 'auto' (default: the one its chat template "
+                             "shows; hermes: Qwen 2.5/3, Hermes; "
                              "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2/4)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="return <think> blocks as reasoning_content (qwen3; deepseek_r1: templates that open "
                              "the block themselves)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="vLLM's flag, accepted: tool_choice 'auto' is on whenever --tool-call-parser is given")
+                        help="vLLM's flag, accepted: tool_choice 'auto' is on whenever the tool-call format is known "
+                             "(from the chat template or --tool-call-parser)")
 
 
 def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
@@ -162,8 +164,6 @@ def resolve_allowed_hosts(flag: str | None, host: str, address: str, api_key: st
 
 
 def run_server(args: argparse.Namespace, config) -> int:
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (" + " or ".join(PARSERS) + ")")
     args.api_key = resolve_api_key(args, os.environ)
     if args.protect_metrics_and_docs and args.api_key is None:
         raise SystemExit(f"--protect-metrics-and-docs needs an API key (--api-key, --api-key-file or {API_KEY_ENV})")

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
-from tokenmill.sampling_params import SamplingParams, is_unicode
+from tokenmill.sampling_params import SamplingParams, check_schema_depth, is_unicode
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -141,11 +141,14 @@ class SamplingFields(APIRequest):
                 spec = fmt.get("json_schema")
                 if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                     raise ValueError("response_format needs json_schema.schema, a JSON schema object")
+                check_schema_depth(spec["schema"], "response_format.json_schema.schema")
                 given["response_format"] = {"json": spec["schema"]}
             elif kind != "text":
                 raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
         if self.structured_outputs is not None:
             given["structured_outputs"] = self.structured_outputs
+        if isinstance(self.guided_json, dict):
+            check_schema_depth(self.guided_json, "guided_json")
         for kind in ("json", "regex", "choice", "grammar"):
             if getattr(self, f"guided_{kind}") is not None:
                 given[f"guided_{kind}"] = {kind: getattr(self, f"guided_{kind}")}

@@ -22,8 +22,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tokenmill.async_engine import AsyncLLMEngine, EngineDeadError
+from tokenmill.input_processor import ContextLengthError
 from tokenmill.outputs import RequestOutput
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, context_length_error
 from tokenmill.server.otel import RequestSpans
 from tokenmill.server.protocol import error_body
 from tokenmill.server.request_log import RequestLog
@@ -115,8 +116,9 @@ class ServingEngine:
     spans: RequestSpans | None = None   # --otlp-traces-endpoint (server/otel.py)
 
     async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
-                             prefix: str) -> list[EngineRequest]:
-        """One engine request per (prompt, sample); raises APIError(400) for any invalid one.
+                             prefix: str, input_name: str = "prompt") -> list[EngineRequest]:
+        """One engine request per (prompt, sample); raises APIError(400) for any invalid one, a
+        prompt past the context as OpenAI answers it, naming the endpoint's input (`input_name`).
         Tokenizing runs on a worker thread, so that a body of a few MB does not stall every open
         stream for seconds; the number of requests is capped, as a body of a few MB could ask for
         millions."""
@@ -124,12 +126,13 @@ class ServingEngine:
             raise APIError(400, f"at most {MAX_COMPLETIONS} completions per request (prompts x n), "
                                 f"got {len(prompts)} x {params.n}", param="prompt")
         arrival = time.monotonic()  # the requests' timelines start here, before tokenizing
-        requests = await asyncio.to_thread(self._make_requests, prompts, params, priority, prefix, arrival)
+        requests = await asyncio.to_thread(self._make_requests, prompts, params, priority, prefix, arrival,
+                                           input_name)
         self.request_log.add(prefix, requests)
         return requests
 
     def _make_requests(self, prompts: list, params: SamplingParams, priority: int, prefix: str,
-                       arrival: float) -> list[EngineRequest]:
+                       arrival: float, input_name: str) -> list[EngineRequest]:
         requests = []
         try:
             for i, prompt in enumerate(prompts):
@@ -139,6 +142,8 @@ class ServingEngine:
                     requests.append(self.async_engine.make_request(f"{prefix}-{i}-{j}",
                                                                    {"prompt": text, "prompt_token_ids": ids}, sub,
                                                                    priority=priority, arrival_time=arrival))
+        except ContextLengthError as exc:
+            raise context_length_error(exc, input_name) from None
         except ValueError as exc:
             field = getattr(exc, "field", None)  # an input_processor.FieldError names its field
             raise APIError(400, str(exc), param=field) from None

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered through the model's chat template, answered
 streamed or whole, with tool calls (server/tools.py) and reasoning content
-(server/reasoning.py) split out of the text when the server was started with their parsers.
+(server/reasoning.py) split out of the text when the server knows their format: the tool-call
+format its chat template shows (server/tool_detection.py) or a flag names, the reasoning one a flag.
 
 A stream opens each choice with a delta holding only the role, then sends content (or
 reasoning, or tool-call) deltas, and closes the choice with an empty delta carrying the
@@ -38,8 +39,9 @@ def render_messages(tokenizer, messages, add_generation_prompt: bool = True, too
     try:  # (with the messages' other fields: an assistant's tool_calls, a tool's tool_call_id)
         return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages],
                            add_generation_prompt, tools, template_kwargs)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
+    except ValueError as exc:  # (the message names the place of a bad tool call: messages.1.tool_calls.0...)
+        where = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), param=where if where.startswith("messages.") else "messages") from None
 
 
 def _chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
@@ -61,8 +63,10 @@ def _with_tools(req: ChatCompletionRequest, params: SamplingParams,
     'required' or a named function makes the calls a structured output)."""
     try:
         plan = plan_tools(req.tools, req.tool_choice, tool_call_parser, req.parallel_tool_calls is not False)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
+    except ValueError as exc:  # (a schema too deep is named by its place: tools.0.function.parameters)
+        where, message = str(exc).split(" ", 1)[0], str(exc)
+        param = where if where.startswith("tools.") else "tool_choice" if "tool_choice" in message else "tools"
+        raise APIError(400, message, param=param) from None
     calls_constraint = plan.constraint() if plan is not None else None
     if calls_constraint is not None:
         if params.structured_outputs is not None:
@@ -90,7 +94,8 @@ class ChatHandler:
             plan = None
         if plan is not None and plan.keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)
-        requests = await self.serving.build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}")
+        requests = await self.serving.build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}",
+                                                     input_name="messages")
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name}
         # a structured output constrains the output from its first token: thinking only where the

@@ -6,7 +6,8 @@ The tools go to the chat template; `tool_choice` decides how calls come out:
   "required"        the output is constrained to a JSON array of {"name", "parameters"} calls,
                     at least one, each naming one of the tools
   "auto"            the model decides, and its text is parsed for calls in its own format:
-                    the server's tool-call parser (PARSERS):
+                    the server's tool-call parser (PARSERS; read from the chat template by
+                    tool_detection.py unless --tool-call-parser names it):
                       hermes       <tool_call>{...}</tool_call> blocks after the content (Qwen 2.5 / 3, Hermes)
                       llama3_json  the message is a JSON call, or several joined by ";" (Llama 3.1+)
                       mistral      [TOOL_CALLS] then a JSON array of calls (Mistral 7B v0.3, Nemo), or
@@ -22,6 +23,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from tokenmill.sampling_params import check_schema_depth
 from tokenmill.server.reasoning import partial_tag
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
@@ -107,7 +109,7 @@ class ToolPlan:
         if self.choice == "required":
             try:
                 calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-            except (ValueError, TypeError, KeyError):  # cut short by max_tokens
+            except (ValueError, TypeError, KeyError, RecursionError):  # cut short by max_tokens, or too deep
                 return text, []
             return None, calls
         if self.choice != "auto":
@@ -134,7 +136,7 @@ def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
             body = text[at + len(HERMES_START):end if end != -1 else len(text)]
             calls.append(_call(json.loads(body)))
             at = -1 if end == -1 else text.find(HERMES_START, end)
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model's JSON nested past the decoder's limit)
         return text, []
     return text[:start] or None, calls
 
@@ -151,7 +153,7 @@ def _parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
             calls.append(_call(obj))
             while at < len(body) and body[at] in " \n;":
                 at += 1
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model's JSON nested past the decoder's limit)
         return text, []
     return None, calls
 
@@ -180,7 +182,7 @@ def _parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
             if not name or not isinstance(arguments, dict):
                 raise ValueError("not a call")
             calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model's JSON nested past the decoder's limit)
         return text, []
     return text[:start] or None, calls
 
@@ -222,6 +224,8 @@ def plan_tools(tools: list | None, tool_choice, parser: str | None, parallel: bo
                 or not isinstance(function.get("name"), str) or not function["name"]
                 or not isinstance(function.get("parameters", {}), dict)):
             raise ValueError(f"tools must be functions with a name and a parameters schema, got {tool!r}")
+    for i, tool in enumerate(tools):
+        check_schema_depth(tool["function"].get("parameters", {}), f"tools.{i}.function.parameters")
     names = [t["function"]["name"] for t in tools]
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")
@@ -233,8 +237,9 @@ def plan_tools(tools: list | None, tool_choice, parser: str | None, parallel: bo
     if choice not in ("none", "auto", "required"):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {tool_choice!r}")
     if choice == "auto" and parser is None:
-        raise ValueError("tool_choice 'auto' (the default with tools) needs the server started with "
-                         f"--tool-call-parser ({' or '.join(PARSERS)}); 'required' and a named function work without")
+        raise ValueError("tool_choice 'auto' (the default with tools) needs the model's tool-call format, and its "
+                         "chat template shows none tokenmill parses: start the server with --tool-call-parser "
+                         f"({' or '.join(PARSERS)}); 'required' and a named function work without")
     return ToolPlan(choice, tools, parser=parser, parallel=parallel)
 
 

@@ -84,4 +84,5 @@ class OutputProcessor:
                              timeline=timeline,
                              prompt_logprobs=request.prompt_logprobs if request.params.prompt_logprobs is not None
                              else None,
-                             error=f"its structured output's grammar failed: {grammar.error}" if failed else None)
+                             error=f"its structured output's grammar failed: {grammar.error}" if failed else None,
+                             embedding=request.embedding)

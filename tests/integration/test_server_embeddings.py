@@ -5,12 +5,13 @@ cannot give, empty input, input past the context)."""
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from test_server import running_server
+from test_server import metric, running_server
 
 WIDTH = 96  # the tiny model's hidden size
 
@@ -88,3 +89,13 @@ def test_other_bad_fields_are_400s_naming_them_and_the_server_goes_on(client, se
     r = httpx.post(server.url + "/v1/embeddings", json={"model": "tiny", **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param
     assert len(client.embeddings.create(model="tiny", input="w5").data) == 1
+
+
+def test_embedded_prompt_tokens_are_counted_in_the_metrics(client, server):
+    before = metric(server.url, "tokenmill_prompt_tokens_total")
+    usage = client.embeddings.create(model="tiny", input=["w5 w6", "w7 w8 w9"]).usage
+    assert usage.prompt_tokens == 5
+    deadline = time.monotonic() + 5  # (counted on the engine thread, just after the answer went out)
+    while (counted := metric(server.url, "tokenmill_prompt_tokens_total") - before) != 5:
+        assert time.monotonic() < deadline, counted
+        time.sleep(0.05)

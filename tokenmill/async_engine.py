@@ -126,7 +126,7 @@ class AsyncLLMEngine:
     def make_embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams | None = None,
                                arrival_time: float | None = None) -> Request:
         """An embedding request, validated on the caller's thread; `generate` runs it."""
-        return self.engine.make_embedding_request(request_id, prompt, pooling, arrival_time)
+        return self.engine.input_processor.make_embedding_request(request_id, prompt, pooling, arrival_time)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs (from make_request) step by step until it finishes.

@@ -31,7 +31,6 @@ from tokenmill.input_processor import InputProcessor, Prompt
 from tokenmill.model_runner import PendingStep
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepStats
-from tokenmill.pooling_params import PoolingParams
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured import GrammarCompiler
@@ -87,12 +86,6 @@ class LLMEngine:
         could never serve. Touches no engine state: the server calls it on its own thread."""
         return self.input_processor.make_request(request_id, prompt, params, arrival_time, priority, deadline,
                                                  fit_to_context)
-
-    def make_embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams | None = None,
-                               arrival_time: float | None = None) -> Request:
-        """An embedding request (InputProcessor.make_embedding_request): it runs its prompt and
-        ends with the pooled vector in its output's `embedding`. Touches no engine state."""
-        return self.input_processor.make_embedding_request(request_id, prompt, pooling, arrival_time)
 
     def add(self, request: Request) -> None:
         """Queue a request built by make_request."""

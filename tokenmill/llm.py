@@ -51,8 +51,8 @@ class LLM:
             for j in range(p.n):
                 sub = (p if p.n == 1 else p.for_sample(j)).clone(output_kind="final")  # no output per step
                 # as vLLM offline: max_tokens past the context ends the output there ("length")
-                requests.append(self.engine.make_request(self._next_id(), prompt, sub, priority=rank,
-                                                         fit_to_context=True))
+                make = self.engine.input_processor.make_request
+                requests.append(make(self._next_id(), prompt, sub, priority=rank, fit_to_context=True))
                 jobs.append((i, j, requests[-1].request_id))
         finished = self._run(requests, "generating", use_tqdm)
 
@@ -74,7 +74,8 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
-        requests = [self.engine.make_embedding_request(self._next_id(), prompt, pooling) for prompt in prompts]
+        make = self.engine.input_processor.make_embedding_request
+        requests = [make(self._next_id(), prompt, pooling) for prompt in prompts]
         finished = self._run(requests, "embedding", use_tqdm)
         return [finished[r.request_id].embedding for r in requests]
 

@@ -65,7 +65,7 @@ def test_embeddings_beside_generation_in_the_same_steps_both_equal_hf_under_pree
     engine = llm.engine
     requests = [engine.make_request(f"g{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=24, temperature=0))
                 for i, p in enumerate(gen_prompts)]
-    requests += [engine.make_embedding_request(f"e{i}", {"prompt_token_ids": p}, pool)
+    requests += [engine.input_processor.make_embedding_request(f"e{i}", {"prompt_token_ids": p}, pool)
                  for i, (p, pool) in enumerate(zip(emb_prompts, pooling))]
     mixed = []
     original = engine.scheduler.schedule

@@ -62,10 +62,10 @@ def test_embeddings_beside_generation_in_the_same_steps_both_equal_hf_under_pree
     pooling = [PoolingParams("mean"), PoolingParams("last"), PoolingParams("last"), PoolingParams("mean")]
     llm = LLM(str(tiny_llama), max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=16, block_size=16,
               long_prefill_token_threshold=0, async_scheduling=ahead)
-    engine = llm.engine
-    requests = [engine.make_request(f"g{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=24, temperature=0))
-                for i, p in enumerate(gen_prompts)]
-    requests += [engine.input_processor.make_embedding_request(f"e{i}", {"prompt_token_ids": p}, pool)
+    engine, inputs = llm.engine, llm.engine.input_processor
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    requests = [inputs.make_request(f"g{i}", {"prompt_token_ids": p}, greedy) for i, p in enumerate(gen_prompts)]
+    requests += [inputs.make_embedding_request(f"e{i}", {"prompt_token_ids": p}, pool)
                  for i, (p, pool) in enumerate(zip(emb_prompts, pooling))]
     mixed = []
     original = engine.scheduler.schedule

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tokenmill.config import SchedulerConfig
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler
@@ -25,12 +26,21 @@ def fake_token(request: Request) -> int:
     return 10 + (sum(request.token_ids) * 31 + request.num_tokens) % 50
 
 
+def fake_vector(request: Request) -> list[float]:
+    """An embedding request's vector: its prompt's length and first token."""
+    return [float(request.num_prompt_tokens), float(request.prompt_token_ids[0])]
+
+
 def fake_run(sched: SchedulerOutput) -> RunnerOutput:
-    """Sample for every request whose scheduled chunk reaches the end of its tokens."""
+    """Sample for every request whose scheduled chunk reaches the end of its tokens (an embedding
+    request gets its vector instead)."""
     out = RunnerOutput(sampled_token_ids={})
     for r, n in zip(sched.requests, sched.num_scheduled_tokens):
         if r.num_computed_tokens + n == r.num_tokens:
-            out.sampled_token_ids[r.request_id] = [fake_token(r)]
+            if r.pooling is not None:
+                out.pooled[r.request_id] = fake_vector(r)
+            else:
+                out.sampled_token_ids[r.request_id] = [fake_token(r)]
     return out
 
 
@@ -40,6 +50,13 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 4, arrival:
     return Request(request_id=request_id, prompt_token_ids=[2 + i % 90 for i in range(prompt_len)],
                    params=params, max_tokens=max_tokens, eos_token_ids=frozenset({EOS}),
                    arrival_time=arrival, **kwargs)
+
+
+def make_embedding_request(request_id: str, prompt_len: int, pooling: str = "last", arrival: float = 0.0) -> Request:
+    """An embedding request as the input processor builds it: its prompt only, max_tokens 0."""
+    return Request(request_id=request_id, prompt_token_ids=[2 + i % 90 for i in range(prompt_len)],
+                   params=SamplingParams(max_tokens=1), max_tokens=0, eos_token_ids=frozenset({EOS}),
+                   arrival_time=arrival, pooling=PoolingParams(pooling))
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,

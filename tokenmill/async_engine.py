@@ -29,6 +29,7 @@ import torch
 from tokenmill.engine import LLMEngine
 from tokenmill.input_processor import Prompt
 from tokenmill.outputs import RequestOutput, StepStats
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
@@ -123,6 +124,11 @@ class AsyncLLMEngine:
         """Validate on the caller's thread (ValueError for a request that can never be served)."""
         return self.engine.input_processor.make_request(request_id, prompt, params, arrival_time=arrival_time,
                                                         priority=priority, deadline=deadline)
+
+    def make_embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams | None = None,
+                               arrival_time: float | None = None) -> Request:
+        """An embedding request, validated on the caller's thread; `generate` runs it."""
+        return self.engine.input_processor.make_embedding_request(request_id, prompt, pooling, arrival_time)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs (from make_request) step by step until it finishes.

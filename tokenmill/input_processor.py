@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.request import Request
 from tokenmill.sampler import bad_words_token_ids
 from tokenmill.sampling_params import SamplingParams, is_unicode
@@ -111,6 +112,24 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
             raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens must be <= the model's context "
                              f"length ({self.max_model_len}), got {params.truncate_prompt_tokens}")
+
+    def make_embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams | None = None,
+                               arrival_time: float | None = None) -> Request:
+        """Tokenize and validate an embedding request: its prompt only, which may fill the whole
+        context (it generates nothing)."""
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        params = SamplingParams(max_tokens=1)  # (never sampled: the request ends when its prompt has run)
+        self._check_token_ids(ids, params)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is {self.max_model_len}")
+        request = Request(request_id=request_id, prompt_token_ids=ids, params=params, max_tokens=0,
+                          eos_token_ids=self.eos_token_ids, prompt=text, arrival_time=arrival_time,
+                          pooling=pooling or PoolingParams())
+        request.timeline.add(time.monotonic(), "tokenized")
+        return request
 
     def _check_token_ids(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size

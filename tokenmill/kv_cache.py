@@ -235,9 +235,10 @@ class KVCacheManager:
 
         At most `num_tokens - 1` tokens are reused, so at least one token is computed and the
         step that finishes the prompt has logits to sample from. A request that wants its prompt's
-        logprobs reuses nothing: it needs the logits at every prompt position.
+        logprobs, or the mean of its prompt's hidden states, reuses nothing: it needs the model's
+        output at every prompt position.
         """
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.needs_every_position:
             return PrefixHit([], 0)
         self._extend_hashes(request, request.num_tokens - 1)
         blocks = []

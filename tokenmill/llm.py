@@ -4,6 +4,7 @@ outputs in input order.
     llm = LLM()                                   # the default model
     outs = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=32, temperature=0))
     outs[0].outputs[0].text
+    llm.embed(["a text to embed"])                # [[...hidden size floats...]]
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine import LLMEngine
 from tokenmill.input_processor import Prompt
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
+from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -43,29 +46,15 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
 
         # n > 1 fans out into n requests; a seeded request gets seeds seed, seed+1, ...
-        jobs = []  # (prompt index, sample index, request id)
-        finished: dict[str, RequestOutput] = {}
-        try:
-            for i, (prompt, p, rank) in enumerate(zip(prompts, params_list, priorities)):
-                for j in range(p.n):
-                    sub = (p if p.n == 1 else p.for_sample(j)).clone(output_kind="final")  # no output per step
-                    request_id = f"llm-{self._counter}"
-                    self._counter += 1
-                    # as vLLM offline: max_tokens past the context ends the output there ("length")
-                    make = self.engine.input_processor.make_request
-                    self.engine.add(make(request_id, prompt, sub, priority=rank, fit_to_context=True))
-                    jobs.append((i, j, request_id))
-            with tqdm(total=len(jobs), desc="generating", unit="req", disable=not use_tqdm or len(jobs) < 2) as bar:
-                while self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        if out.finished:
-                            finished[out.request_id] = out
-                            bar.update(1)
-        except BaseException:  # a bad prompt, Ctrl-C: what this call queued must not run on in later calls
-            for _, _, request_id in jobs:
-                if request_id not in finished:
-                    self.engine.abort(request_id)
-            raise
+        jobs, requests = [], []  # (prompt index, sample index, request id), and the requests
+        for i, (prompt, p, rank) in enumerate(zip(prompts, params_list, priorities)):
+            for j in range(p.n):
+                sub = (p if p.n == 1 else p.for_sample(j)).clone(output_kind="final")  # no output per step
+                # as vLLM offline: max_tokens past the context ends the output there ("length")
+                make = self.engine.input_processor.make_request
+                requests.append(make(self._next_id(), prompt, sub, priority=rank, fit_to_context=True))
+                jobs.append((i, j, requests[-1].request_id))
+        finished = self._run(requests, "generating", use_tqdm)
 
         results: list[RequestOutput | None] = [None] * len(prompts)
         for i, j, request_id in jobs:
@@ -76,6 +65,42 @@ class LLM:
             else:
                 results[i].outputs.append(out.outputs[0])
         return results
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[list[float]]:
+        """One vector per prompt (prompts as in generate): the final hidden states of the prompt
+        pooled as `pooling` says (default: the last token's, L2-normalised; pooling_params.py).
+        Embedding requests run through the same engine, and may share a batch with generation."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        make = self.engine.input_processor.make_embedding_request
+        requests = [make(self._next_id(), prompt, pooling) for prompt in prompts]
+        finished = self._run(requests, "embedding", use_tqdm)
+        return [finished[r.request_id].embedding for r in requests]
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"llm-{self._counter - 1}"
+
+    def _run(self, requests: list[Request], desc: str, use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Queue the requests and step the engine until all have ended; their final outputs by id."""
+        finished: dict[str, RequestOutput] = {}
+        try:
+            for request in requests:
+                self.engine.add(request)
+            with tqdm(total=len(requests), desc=desc, unit="req", disable=not use_tqdm or len(requests) < 2) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # Ctrl-C: what this call queued must not run on in later calls
+            for request in requests:
+                if request.request_id not in finished:
+                    self.engine.abort(request.request_id)
+            raise
+        return finished
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer (vLLM's name for it)."""

@@ -13,6 +13,9 @@ A speculating sequence brings its drafts after its last token ([b9 d1 d2]) and h
 read at all three rows; the verifier (spec_decode.py) keeps the drafts that the model
 itself would have produced, plus one token of its own.
 
+An embedding request (request.pooling) never samples: its rows go to the pooler (pooler.py),
+which reports its vector in the step that runs the end of its prompt.
+
 Sequences with short queries (decodes) are put first so the attention backend can run
 them through its batched kernel; outputs are keyed by request id, so order is free. A step
 of nothing but decodes (the usual one) gets the same tensors from a shortcut over short lists.
@@ -34,6 +37,7 @@ from tokenmill.attention import AttentionMetadata
 from tokenmill.config import EngineConfig, parse_size
 from tokenmill.host_memory import to_device
 from tokenmill.outputs import RunnerOutput, SchedulerOutput
+from tokenmill.pooler import PoolChunk, Pooled, Pooler
 from tokenmill.request import Request
 from tokenmill.sampler import HostTokens, Sampler, SamplingMetadata
 from tokenmill.spec_decode import verify
@@ -53,6 +57,7 @@ class StepInputs:
     num_rows: list[int]              # logits rows of each: 1, or 1 + its drafts
     prompt_rows: list[tuple[Request, int, int, int]] = field(default_factory=list)  # prompt logprobs:
                                      # (request, first prompt token scored, its flat-batch row range)
+    pool_chunks: list[PoolChunk] = field(default_factory=list)  # embedding requests' rows
 
 
 @dataclass
@@ -65,6 +70,7 @@ class PendingStep:
     host: HostTokens | None = None         # their sampled tokens, being copied to the host
     prompt_scores: list[tuple[str, int, list[HostTokens], int]] = field(default_factory=list)
                                            # (request id, first prompt token, its tables, top-n)
+    pooled: Pooled | None = None           # embedding vectors of requests whose prompt ended
 
 
 class ModelRunner:
@@ -78,6 +84,7 @@ class ModelRunner:
         kernels = getattr(worker.backend, "kernel", None) if self.device.type == "cpu" else None
         self.sampler = Sampler(seed, self.device, kernels=kernels)
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+        self.pooler = Pooler()
         # The last step's sampled tokens, still on the device, and each sampling request's row in them:
         # under async scheduling the next step is prepared before they reach the host.
         self._last_tokens: torch.Tensor | None = None
@@ -92,13 +99,15 @@ class ModelRunner:
         blocks out) returns None."""
         for request_id in sched.finished_request_ids:
             self.generators.pop(request_id, None)
+        self.pooler.forget(sched.finished_request_ids)
         worker = self.worker
         worker.begin_step()
         t0 = time.perf_counter()
         worker.swap(sched.swap_out, sched.swap_in)
         if not sched.requests:
             return None
-        inputs = self.prepare(sched.requests, sched.num_scheduled_tokens, sched.num_draft_tokens)
+        inputs = self.prepare(sched.requests, sched.num_scheduled_tokens, sched.num_draft_tokens,
+                              pooling=bool(sched.pooling))
         requests, num_rows = inputs.sampling_requests, inputs.num_rows
         plain = [i for i, n in enumerate(num_rows) if n == 1]  # sampled in one batch; the others verify drafts
         plain_requests = [requests[i] for i in plain]
@@ -123,6 +132,8 @@ class ModelRunner:
             if n > 1:
                 self._verify(logits[ends[i] - n:ends[i]], requests[i], pending.result)
         pending.prompt_scores = [self._score_prompt(hidden, *rows) for rows in inputs.prompt_rows]
+        if inputs.pool_chunks:
+            pending.pooled = self.pooler.pool(hidden, inputs.pool_chunks)
         pending.result.time_sample = time.perf_counter() - t2
         return pending
 
@@ -138,6 +149,8 @@ class ModelRunner:
         for request_id, first, tables, n in pending.prompt_scores:
             entries = [e for host in tables for e in self.sampler.collect(host, [n] * len(host.tokens)).logprobs]
             result.prompt_logprobs[request_id] = (first, entries)
+        if pending.pooled is not None:
+            result.pooled = dict(zip(pending.pooled.request_ids, pending.pooled.vectors.cpu().tolist()))
         result.time_sample += time.perf_counter() - start  # with the wait for the device
         return result
 
@@ -173,17 +186,19 @@ class ModelRunner:
         result.num_accepted_tokens += len(tokens) - 1
 
     def prepare(self, requests: list[Request], num_tokens: list[int],
-                num_drafts: list[int] | None = None) -> StepInputs:
-        """Flatten the scheduled chunks into step tensors (see the module docstring)."""
+                num_drafts: list[int] | None = None, pooling: bool = False) -> StepInputs:
+        """Flatten the scheduled chunks into step tensors (see the module docstring). pooling:
+        some of the requests are embedding requests."""
         short_max = self.worker.short_query_max
-        if (not any(num_drafts or ()) and all(n == 1 for n in num_tokens)
+        if (not pooling and not any(num_drafts or ()) and all(n == 1 for n in num_tokens)
                 and all(r.num_computed_tokens + 1 == r.num_tokens and not r.num_pending_tokens for r in requests)):
             return self._prepare_decodes(requests, short_max)
-        return self._prepare_chunks(requests, num_tokens, num_drafts, short_max)
+        return self._prepare_chunks(requests, num_tokens, num_drafts, short_max, pooling)
 
     def _prepare_chunks(self, requests: list[Request], num_tokens: list[int], num_drafts: list[int] | None,
-                        short_max: int) -> StepInputs:
-        """prepare for any step: prompt chunks, decodes, drafts and pending tokens, with numpy."""
+                        short_max: int, pooling: bool = False) -> StepInputs:
+        """prepare for any step: prompt chunks, decodes, drafts, pending tokens and embedding
+        requests' chunks, with numpy."""
         order = sorted(range(len(requests)), key=lambda i: num_tokens[i] > short_max)  # stable
         requests = [requests[i] for i in order]
         counts = np.array([num_tokens[i] for i in order], dtype=np.int64)
@@ -217,6 +232,12 @@ class ModelRunner:
         slot_block = tables[seq_of_token, positions // bs].astype(np.int64)
 
         samples = seq_lens - drafts == np.array([r.num_tokens + r.num_pending_tokens for r in requests])
+        pool_chunks = []
+        if pooling:  # embedding requests pool their rows instead of sampling
+            for i, r in enumerate(requests):
+                if r.pooling is not None:
+                    pool_chunks.append(PoolChunk(r, int(cu[i]), int(cu[i + 1]), int(starts[i]), bool(samples[i])))
+                    samples[i] = False
         sampling_requests = [r for r, s in zip(requests, samples) if s]
         num_rows = (1 + drafts[samples]).tolist()
         # the last 1 + d rows of each sampling sequence
@@ -239,7 +260,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=input_ids, positions=to_dev(positions), meta=meta,
             logits_indices=to_dev(logits_rows), sampling_requests=sampling_requests, num_rows=num_rows,
-            prompt_rows=prompt_rows)
+            prompt_rows=prompt_rows, pool_chunks=pool_chunks)
 
     def _prepare_decodes(self, requests: list[Request], short_max: int) -> StepInputs:
         """prepare for a step of plain decodes (each request's last token, no drafts, none

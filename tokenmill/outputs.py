@@ -25,6 +25,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block copies, before
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device) the forward pass
     finished_request_ids: list[str] = field(default_factory=list)   # ended since the last step
+    pooling: list[Request] = field(default_factory=list)  # those of `requests` that pool their prompt
+                                         # instead of sampling (embeddings), same order
 
     @property
     def total_num_tokens(self) -> int:
@@ -51,6 +53,8 @@ class RunnerOutput:
     time_sample: float = 0.0                 # seconds in the sampler (incl. the host sync)
     num_draft_tokens: int = 0                # speculative tokens proposed this step
     num_accepted_tokens: int = 0             # of which accepted
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # per embedding request whose prompt
+                                             # ended this step: its pooled vector (hidden size floats)
 
 
 @dataclass
@@ -184,6 +188,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, if asked (first: None)
     kv_transfer_params: dict | None = None      # disaggregation: where this request's prompt K/V waits
                                                 # for a decode instance (kv_connector.py), once finished
+    embedding: list[float] | None = None        # an embedding request's pooled vector, once it finished
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This output and the `later` one of the same request as one output, for a consumer that

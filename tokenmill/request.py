@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.timeline import Timeline
 
@@ -65,6 +66,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     grammar: Grammar | None = None          # structured outputs: follows the output (structured.py)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    pooling: PoolingParams | None = None    # an embedding request: pools its prompt, samples nothing
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the model sees
@@ -87,6 +89,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] = field(init=False)  # entry j: prompt token j given
                                             # those before it (None for the first); filled chunk by chunk
     timeline: Timeline = field(init=False)  # events and token times on the monotonic clock (timeline.py)
+    embedding: list[float] | None = None    # an embedding request's pooled vector, once its prompt ran
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -118,6 +121,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether it reads the model's output at every prompt position (prompt logprobs, mean
+        pooling): then none of its prompt may come from a cache."""
+        return self.params.prompt_logprobs is not None or (self.pooling is not None
+                                                            and self.pooling.needs_every_position)
 
     @property
     def finish_reason(self) -> str | None:

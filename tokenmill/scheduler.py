@@ -36,6 +36,9 @@ pool alone.
 `update()` advances the counters with what the runner computed, appends sampled
 tokens, and finishes requests on EOS, stop tokens, max_tokens or max_model_len.
 Finished requests leave in the same step; their blocks are free for the next one.
+An embedding request (`request.pooling`) is scheduled as any prompt and samples nothing: it
+ends ("stop") at the update of the step that ran the end of its prompt, with the pooled vector
+the runner reports.
 
 Async scheduling (the engine's, on a GPU) schedules step N+1 while step N runs: `advance()`
 counts N's tokens as computed at launch, and a token N samples is pending until N's
@@ -299,7 +302,7 @@ class Scheduler:
 
     def _external_tokens(self, request: Request, num_local: int) -> int:
         """Prompt tokens the KV connector supplies past the local hit, leaving the last one to compute."""
-        if self.connector is None or request.params.prompt_logprobs is not None:  # those need every prompt logit
+        if self.connector is None or request.needs_every_position:
             return 0
         offered = self.connector.num_matched_tokens(request, num_local)
         return max(0, min(offered, request.num_tokens - 1 - num_local))
@@ -320,7 +323,8 @@ class Scheduler:
             num_decode_tokens=sum(1 + drafts[r] for r in scheduled if r.num_output_tokens + r.num_pending_tokens > 0
                                   and r.num_remaining_prefill == 1),
             preempted_request_ids=[r.request_id for r in plan.preempted], finished_request_ids=finished,
-            swap_out=self._swap_out, swap_in=plan.swap_in)
+            swap_out=self._swap_out, swap_in=plan.swap_in,
+            pooling=[r for r in scheduled if r.pooling is not None])
 
     def _chunk(self, request: Request, remaining: int, plan: _StepPlan) -> tuple[int, bool]:
         """Tokens to compute for a request with `remaining` to go, within the budget, and whether
@@ -409,10 +413,12 @@ class Scheduler:
     def advance(self, sched: SchedulerOutput) -> None:
         """Async scheduling: count a launched step's tokens as computed before its sampled tokens
         reach the host, so that the next step can be scheduled meanwhile; a sequence that samples
-        holds a pending token until `update(..., advanced=True)` appends it. No speculation here."""
+        holds a pending token until `update(..., advanced=True)` appends it (an embedding request
+        samples none: its update ends it). No speculation here."""
         for request, num_new in zip(sched.requests, sched.num_scheduled_tokens):
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+            if (request.num_computed_tokens == request.num_tokens + request.num_pending_tokens
+                    and request.pooling is None):
                 request.num_pending_tokens += 1
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput, advanced: bool = False) -> list[Request]:
@@ -443,6 +449,11 @@ class Scheduler:
                 first, entries = scores  # a recomputed prompt (after preemption) is scored once
                 if first <= len(request.prompt_logprobs):
                     request.prompt_logprobs.extend(entries[len(request.prompt_logprobs) - first:])
+            if result.pooled and request.request_id in result.pooled:  # an embedding's prompt has run
+                request.embedding = result.pooled[request.request_id]
+                self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                changed.append(request)
+                continue
             if not new_tokens:
                 continue  # a prompt chunk that did not reach the end
             # Sampled tokens are appended (each checked for a stop); the last one's K/V is computed next step.

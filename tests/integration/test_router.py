@@ -177,6 +177,14 @@ def test_greedy_outputs_through_the_router_equal_one_servers_streamed_or_not(clu
     assert [c["text"] for c in routed] == direct and len(direct) == 4
 
 
+def test_embeddings_through_the_router_equal_one_servers(cluster):
+    body = {"model": "tiny", "input": ["w5 w6 w7", "w8 w9"]}
+    direct = httpx.post(cluster.replicas[0] + "/v1/embeddings", json=body, timeout=60).json()
+    routed = httpx.post(cluster.routers["cache_aware"] + "/v1/embeddings", json=body, timeout=60).json()
+    assert [d["embedding"] for d in routed["data"]] == [d["embedding"] for d in direct["data"]]
+    assert len(direct["data"]) == 2 and routed["usage"] == direct["usage"]
+
+
 def test_the_router_answers_bad_input_itself_in_openai_shape_and_passes_a_replicas_4xx_unchanged(cluster):
     router = cluster.routers["cache_aware"]
 

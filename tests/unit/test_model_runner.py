@@ -30,8 +30,8 @@ def test_decode_steps_get_the_same_tensors_from_either_path(tiny_llama, backend)
         shortcuts.append(len(requests))
         return prepare_decodes(requests, short)
 
-    def checked_prepare(requests, num_tokens, num_drafts=None):
-        inputs = prepare(requests, num_tokens, num_drafts)
+    def checked_prepare(requests, num_tokens, num_drafts=None, pooling=False):
+        inputs = prepare(requests, num_tokens, num_drafts, pooling)
         if all(n == 1 for n in num_tokens):
             general = runner._prepare_chunks(requests, num_tokens, num_drafts, short_max)
             assert inputs.sampling_requests == general.sampling_requests == requests

@@ -4,7 +4,7 @@ preemption and requeue, static batching. Exact expectations, no torch."""
 from __future__ import annotations
 
 import pytest
-from fakes import make_request, make_scheduler, run_to_completion
+from fakes import fake_vector, make_embedding_request, make_request, make_scheduler, run_to_completion
 
 from tokenmill.config import EngineConfig, SchedulerConfig
 from tokenmill.request import RequestStatus
@@ -260,7 +260,7 @@ def test_engine_default_threshold_is_one_steps_budget():
 def run_ahead(scheduler, check=None) -> dict[str, int]:
     """Async scheduling as the engine runs it: each step is scheduled and launched (advance)
     before the one in flight is updated. Returns the tokens computed for each request."""
-    from fakes import fake_token
+    from fakes import fake_token, fake_vector
 
     from tokenmill.outputs import RunnerOutput
     computed: dict[str, int] = {}
@@ -268,8 +268,10 @@ def run_ahead(scheduler, check=None) -> dict[str, int]:
     while scheduler.has_unfinished_requests():
         assert len(computed) < 10_000
         sched = scheduler.schedule()
-        result = RunnerOutput({r.request_id: [fake_token(r)] for r, n in zip(sched.requests, sched.num_scheduled_tokens)
-                               if r.num_computed_tokens + n == r.num_tokens + r.num_pending_tokens})
+        ends = [r for r, n in zip(sched.requests, sched.num_scheduled_tokens)
+                if r.num_computed_tokens + n == r.num_tokens + r.num_pending_tokens]
+        result = RunnerOutput({r.request_id: [fake_token(r)] for r in ends if r.pooling is None},
+                              pooled={r.request_id: fake_vector(r) for r in ends if r.pooling is not None})
         for r, n in zip(sched.requests, sched.num_scheduled_tokens):
             assert n <= r.num_remaining_prefill
             computed[r.request_id] = computed.get(r.request_id, 0) + n
@@ -351,3 +353,56 @@ def test_under_priority_an_urgent_prompt_goes_before_less_urgent_decodes(policy)
     else:
         assert admitted["urgent"] == chunks["urgent"] == 8
         assert sum(v for k, v in chunks.items() if k.startswith("d")) == 10
+
+
+# ---- embedding requests ----------------------------------------------------------------------
+
+def test_an_embedding_request_runs_its_prompt_in_chunks_samples_nothing_and_stops_with_its_vector():
+    s = make_scheduler(budget=10)
+    e = make_embedding_request("e", prompt_len=25)
+    s.add_request(e)
+    steps = [step(s) for _ in range(3)]
+    assert [scheduled(sched) for sched in steps] == [{"e": 10}, {"e": 10}, {"e": 5}]
+    assert [[r.request_id for r in sched.pooling] for sched in steps] == [["e"], ["e"], ["e"]]
+    assert e.status == RequestStatus.FINISHED_STOPPED and e.finish_reason == "stop"
+    assert e.output_token_ids == [] and e.embedding == fake_vector(e)
+    assert not s.has_unfinished_requests() and s.kv.pool.num_used_blocks == 0
+
+
+def test_embedding_and_generation_requests_share_steps_and_each_gets_its_own_result():
+    s = make_scheduler(budget=16)
+    g, e = make_request("g", prompt_len=6, max_tokens=3, ignore_eos=True), make_embedding_request("e", prompt_len=14)
+    s.add_request(g)
+    s.add_request(e)
+    first, second, third = step(s), step(s), step(s)
+    assert scheduled(first) == {"g": 6, "e": 10} and first.pooling == [e]
+    assert scheduled(second) == {"g": 1, "e": 4} and second.pooling == [e]
+    assert scheduled(third) == {"g": 1} and third.pooling == []
+    assert e.finish_reason == "stop" and e.output_token_ids == [] and e.embedding == fake_vector(e)
+    assert g.finish_reason == "length" and g.num_output_tokens == 3 and g.embedding is None
+
+
+def test_a_mean_pooled_embedding_takes_nothing_from_the_prefix_cache_and_a_last_pooled_one_does():
+    """Mean pooling reads every prompt position's hidden state, so the whole prompt is computed;
+    the last token's state needs only the last token (the cache leaves at least one to compute)."""
+    s = make_scheduler(budget=64, block_size=4, prefix_caching=True)
+    s.add_request(make_request("g", prompt_len=12, max_tokens=1))
+    run_to_completion(s)  # its 2 full blocks of prompt stay cached
+    s.add_request(make_embedding_request("last", prompt_len=12))
+    s.add_request(make_embedding_request("mean", prompt_len=12, pooling="mean"))
+    assert scheduled(step(s)) == {"last": 4, "mean": 12}
+    assert not s.has_unfinished_requests()
+
+
+def test_under_async_scheduling_an_embedding_request_holds_no_pending_token_and_ends_at_its_update():
+    s = make_scheduler(budget=8)
+    s.add_request(make_request("g", prompt_len=4, max_tokens=3, ignore_eos=True))
+    e = make_embedding_request("e", prompt_len=12)
+    s.add_request(e)
+
+    def check(scheduler):
+        assert e.num_pending_tokens == 0 and e.num_computed_tokens <= e.num_tokens
+    computed = run_ahead(s, check)
+    assert computed == {"g": 4 + 3 - 1, "e": 12}  # its prompt once, nothing after it
+    assert e.status == RequestStatus.FINISHED_STOPPED and e.embedding == fake_vector(e)
+    assert s.kv.pool.num_used_blocks == 0

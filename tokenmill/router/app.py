@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible app: the replicas' API behind one address.
 
     POST /v1/completions, /v1/chat/completions    routed by the policy, streams relayed by event
-    GET  /v1/models, /v1/models/{id}; POST /tokenize, /detokenize    to the least loaded replica
+    GET  /v1/models, /v1/models/{id}; POST /v1/embeddings, /tokenize, /detokenize
+                                                  to the least loaded replica
     GET  /health     200 while some replica is in routing, with each replica's state; else 503
     GET  /metrics    the router's own figures (metrics.py)
 
@@ -140,6 +141,8 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     app.add_api_route("/v1/models", handler.passed_on, methods=["GET"], responses=error_responses(503))
     app.add_api_route("/v1/models/{model_id:path}", handler.passed_on, methods=["GET"],
                       responses=error_responses(404, 503))
+    app.add_api_route("/v1/embeddings", handler.passed_on, methods=["POST"],
+                      responses=error_responses(400, 404, 413, 500, 503))
     app.add_api_route("/tokenize", handler.passed_on, methods=["POST"], responses=error_responses(400, 404, 503))
     app.add_api_route("/detokenize", handler.passed_on, methods=["POST"], responses=error_responses(400, 404, 503))
     app.add_api_route("/health", handler.health, methods=["GET"], responses=error_responses(503))

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
     POST /v1/completions, /v1/chat/completions    (streaming with SSE, or whole)
+    POST /v1/embeddings                           (pooled hidden states of the loaded model)
     GET  /v1/models, /health, /metrics, /version; POST /tokenize, /detokenize
     GET  /v1/requests/{id}                        (a response's request timelines)
     GET  /dashboard, /dashboard/state             (a live page of the scheduler, and its data)
@@ -11,9 +12,9 @@ for an unknown model, 413 for an oversized body, 500 when the step that ran a re
 (streams get an error event instead). A client that disconnects has its requests aborted.
 
 The endpoints live by family in module-level handlers, each holding what it uses:
-serving_completion.py, serving_chat.py, serving_models.py and serving_tokenization.py (the
-generating ones share serving.py; errors.py answers every error). `create_app` builds the
-handlers and wires their routes.
+serving_completion.py, serving_chat.py, serving_embeddings.py, serving_models.py and
+serving_tokenization.py (those that run requests share serving.py; errors.py answers every
+error). `create_app` builds the handlers and wires their routes.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tokenmill.server.request_log import RequestLog, RequestLogHandler
 from tokenmill.server.serving import ServingEngine
 from tokenmill.server.serving_chat import ChatHandler
 from tokenmill.server.serving_completion import CompletionHandler
+from tokenmill.server.serving_embeddings import EmbeddingHandler
 from tokenmill.server.serving_models import ModelsHandler
 from tokenmill.server.serving_tokenization import TokenizationHandler
 from tokenmill.server.step_history import StepHistory
@@ -108,6 +110,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                       responses=generating)
     app.add_api_route("/v1/chat/completions", chat.create, methods=["POST"], name="chat_completions",
                       responses=generating)
+    embeddings = EmbeddingHandler(serving, served_model_name, engine.model_config.hidden_size)
+    app.add_api_route("/v1/embeddings", embeddings.create, methods=["POST"], name="embeddings",
+                      responses=error_responses(400, 404, 413, 500, 503))
     app.add_api_route("/v1/models", models.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", models.model, methods=["GET"], responses=error_responses(404))
     app.add_api_route("/health", models.health, methods=["GET"], responses=error_responses(503))

@@ -108,6 +108,8 @@ class ServerMetrics:
     def on_finished(self, out: RequestOutput) -> None:
         self._tokens_seen.pop(out.request_id, None)
         self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
+        if out.embedding is not None:  # an embedding request: no first token to count its prompt at
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
         timeline = out.timeline
         if timeline is None:
             return

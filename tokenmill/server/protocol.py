@@ -232,6 +232,32 @@ class DetokenizeRequest(APIRequest):
     tokens: list[TokenId]
 
 
+class EmbeddingRequest(APIRequest):
+    """POST /v1/embeddings: OpenAI's fields, vLLM's `normalize`, and tokenmill's `pooling`."""
+
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    pooling: Literal["last", "mean"] = "last"  # the last token's hidden state, or the mean of the prompt's
+    normalize: bool = True                     # L2-normalise the vector
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, v):
+        if len(v) == 0:
+            raise ValueError("input must not be empty")
+        if isinstance(v, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in v):
+            raise ValueError("input must not contain empty inputs")
+        return v
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per vector: a string or a list of token ids."""
+        v = self.input
+        return [v] if isinstance(v, str) or all(isinstance(x, int) for x in v) else list(v)
+
+
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error"]
 
 

@@ -170,6 +170,16 @@ class ServingEngine:
             body["kv_transfer_params"] = outputs[0].kv_transfer_params
         return body
 
+    async def collect(self, requests: list[EngineRequest], raw: Request) -> list[RequestOutput]:
+        """The final outputs of requests answered whole by an endpoint that streams nothing
+        (embeddings): their spans started, a 500 if a step failed, all of them aborted if the
+        client disconnects first."""
+        if self.spans is not None:
+            self.spans.start([r.request_id for r in requests], raw.headers)
+        outputs = await self._collect(requests, raw)
+        raise_if_failed(outputs)
+        return outputs
+
     def _outputs(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) of the requests' outputs as they come; those a consumer that lags has
         not taken yet are merged into one per request."""

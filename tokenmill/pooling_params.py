@@ -1,0 +1,31 @@
+"""How an embedding request turns its prompt's hidden states into one vector, validated when built.
+
+An embedding request runs its prompt like any other (chunked prefill, prefix cache, preemption)
+and samples nothing: the runner pools the final hidden states (after the model's last norm)
+of its prompt into one vector, which ends the request. As vLLM does for a generative model used
+for embeddings, the default is the last token's state, L2-normalised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POOLING_KINDS = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    pooling: str = "last"     # "last": the last prompt token's hidden state; "mean": the mean over
+                              # every prompt token (such a request computes its whole prompt: no prefix cache)
+    normalize: bool = True    # scale the vector to unit L2 norm
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLING_KINDS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_KINDS)}, got {self.pooling!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be a boolean, got {self.normalize!r}")
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether the vector reads every prompt position's hidden state (not just the last one)."""
+        return self.pooling == "mean"

@@ -1,0 +1,84 @@
+"""POST /v1/embeddings: one vector per input, from the loaded generative model.
+
+Each input is an embedding request through the same engine, and the same batches, as generation:
+its prompt runs (chunked, from the prefix cache, preempted as any other), nothing is sampled,
+and the final hidden states of the prompt are pooled (pooling_params.py): the last token's by
+default, L2-normalised, as vLLM does for a generative model used for embeddings.
+
+Vectors come as JSON numbers, or with encoding_format "base64" as the bytes of little-endian
+float32 values (what the openai SDK decodes). The model was not trained for shorter vectors
+(matryoshka), so `dimensions` other than its own width is a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tokenmill.pooling_params import PoolingParams
+from tokenmill.server.errors import APIError, check_model
+from tokenmill.server.protocol import EmbeddingRequest
+from tokenmill.server.serving import ServingEngine
+
+if TYPE_CHECKING:
+    from tokenmill.request import Request as EngineRequest
+
+MAX_INPUTS = 2048  # inputs one request may embed (OpenAI's limit)
+
+
+@dataclass
+class EmbeddingHandler:
+    serving: ServingEngine
+    model_name: str   # the name clients send
+    hidden_size: int  # the vectors' width
+
+    async def create(self, req: EmbeddingRequest, raw: Request) -> JSONResponse:
+        check_model(req.model, self.model_name)
+        if req.dimensions is not None and req.dimensions != self.hidden_size:
+            raise APIError(400, f"dimensions: this model does not support shortening its embeddings "
+                                f"(its vectors have {self.hidden_size} dimensions), got {req.dimensions}",
+                           param="dimensions")
+        inputs = req.inputs()
+        if len(inputs) > MAX_INPUTS:
+            raise APIError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
+        prefix = f"embd-{uuid.uuid4().hex}"
+        requests = await self._build_requests(inputs, PoolingParams(req.pooling, req.normalize), prefix)
+        outputs = await self.serving.collect(requests, raw)
+        data = [{"object": "embedding", "index": i, "embedding": encode(out.embedding, req.encoding_format)}
+                for i, out in enumerate(outputs)]
+        tokens = sum(len(out.prompt_token_ids) for out in outputs)
+        # (JSONResponse: FastAPI's own encoder would walk every number of every vector)
+        return JSONResponse({"id": prefix, "object": "list", "created": int(time.time()), "model": self.model_name,
+                             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def _build_requests(self, inputs: list[str | list[int]], pooling: PoolingParams,
+                              prefix: str) -> list[EngineRequest]:
+        """One engine request per input, tokenized on a worker thread (a body of a few MB would
+        stall every open stream); an input the engine refuses (too long, a token id past the
+        vocabulary) is a 400. The requests go into the request log under the response's id."""
+        arrival = time.monotonic()
+
+        def build() -> list[EngineRequest]:
+            try:
+                return [self.serving.async_engine.make_embedding_request(f"{prefix}-{i}", prompt, pooling, arrival)
+                        for i, prompt in enumerate(inputs)]
+            except ValueError as exc:
+                raise APIError(400, f"input: {exc}", param="input") from None
+        requests = await asyncio.to_thread(build)
+        self.serving.request_log.add(prefix, requests)
+        return requests
+
+
+def encode(vector: list[float], encoding_format: str) -> list[float] | str:
+    """A vector as JSON numbers ("float") or as base64 of its little-endian float32 bytes ("base64")."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector

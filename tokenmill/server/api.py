@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
     POST /v1/completions, /v1/chat/completions    (streaming with SSE, or whole)
+    POST /v1/responses                            (OpenAI's Responses API; typed SSE events, or whole)
     GET  /v1/models, /health, /metrics, /version; POST /tokenize, /detokenize
     GET  /v1/requests/{id}                        (a response's request timelines)
     GET  /dashboard, /dashboard/state             (a live page of the scheduler, and its data)
@@ -11,9 +12,9 @@ for an unknown model, 413 for an oversized body, 500 when the step that ran a re
 (streams get an error event instead). A client that disconnects has its requests aborted.
 
 The endpoints live by family in module-level handlers, each holding what it uses:
-serving_completion.py, serving_chat.py, serving_models.py and serving_tokenization.py (the
-generating ones share serving.py; errors.py answers every error). `create_app` builds the
-handlers and wires their routes.
+serving_completion.py, serving_chat.py, serving_responses.py, serving_models.py and
+serving_tokenization.py (the generating ones share serving.py; errors.py answers every error).
+`create_app` builds the handlers and wires their routes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tokenmill.server.serving import ServingEngine
 from tokenmill.server.serving_chat import ChatHandler
 from tokenmill.server.serving_completion import CompletionHandler
 from tokenmill.server.serving_models import ModelsHandler
+from tokenmill.server.serving_responses import ResponsesHandler, ResponseStore
 from tokenmill.server.serving_tokenization import TokenizationHandler
 from tokenmill.server.step_history import StepHistory
 from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
@@ -51,7 +53,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, protect_metrics_and_docs: bool = False,
                allowed_hosts: list[str] | None = None, stream_write_timeout: float = 60.0,
-               request_log_size: int = 1000, spans: RequestSpans | None = None) -> FastAPI:
+               request_log_size: int = 1000, spans: RequestSpans | None = None,
+               responses_store_size: int = 1000) -> FastAPI:
     """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
 
     api_key: required on /v1 routes, /tokenize, /detokenize and /dashboard/state, and with protect_metrics_and_docs
@@ -59,7 +62,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     answers (any port; None: every name). A stream whose client takes nothing for
     `stream_write_timeout` seconds is ended and its requests aborted. GET /v1/requests/{id} keeps
     the timelines of the last `request_log_size` responses that ended (0: none). spans: where each
-    request's OpenTelemetry span goes when it ends (server/otel.py; shut down with the app)."""
+    request's OpenTelemetry span goes when it ends (server/otel.py; shut down with the app).
+    previous_response_id finds the last `responses_store_size` stored responses (0: none)."""
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("protect_metrics_and_docs needs an api_key")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -94,6 +98,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     completion = CompletionHandler(serving, tokenizer, served_model_name)
     chat = ChatHandler(serving, tokenizer, served_model_name, tool_call_parser, thinking)
+    responses = ResponsesHandler(serving, tokenizer, served_model_name, tool_call_parser,
+                                 ResponseStore(responses_store_size))
     machine = {"device": str(engine.device), "cpu": this_cpu().as_dict()}
     models = ModelsHandler(served_model_name, engine.max_model_len, async_engine, metrics, machine)
     tokenization = TokenizationHandler(tokenizer, served_model_name, engine.max_model_len,
@@ -103,6 +109,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                       responses=generating)
     app.add_api_route("/v1/chat/completions", chat.create, methods=["POST"], name="chat_completions",
                       responses=generating)
+    app.add_api_route("/v1/responses", responses.create, methods=["POST"], name="responses", responses=generating)
     app.add_api_route("/v1/models", models.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", models.model, methods=["GET"], responses=error_responses(404))
     app.add_api_route("/health", models.health, methods=["GET"], responses=error_responses(503))

@@ -216,9 +216,9 @@ TOOL = TOOLS[0]
 BAD_REQUESTS = [
     ("unknown role", {"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
     ("item without its fields", {"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
-    ("unknown item type", {"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ("unknown item type", {"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),
     ("image part", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input.0.content"),
+     "input.0.content.0.type"),
     ("empty input", {"input": []}, "input"),
     ("max_output_tokens 0", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ("max_output_tokens past the context", {"input": "hi", "max_output_tokens": 100_000}, "max_output_tokens"),
@@ -262,3 +262,18 @@ def test_the_openapi_schema_documents_the_endpoint(server):
     assert set(operation["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     body = operation["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/ResponsesRequest"}
+
+
+def test_a_reasoning_parser_splits_the_thinking_off_as_a_reasoning_item(tiny_bytes):
+    """deepseek_r1 takes all of an output that never closes its block as thinking (a random model's)."""
+    with running_server(tiny_bytes, reasoning_parser="deepseek_r1") as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        options = dict(model="tiny", input="hi", max_output_tokens=5, temperature=0)
+        response = client.responses.create(**options)
+        answer = chat(client, [{"role": "user", "content": "hi"}], 5).choices[0].message
+        reasoning, message = response.output
+        assert reasoning.type == "reasoning" and reasoning.content[0].text == answer.reasoning_content
+        assert message.type == "message" and response.output_text == "" == answer.content
+        events = list(client.responses.create(**options, stream=True))
+        deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+        assert "".join(deltas) == reasoning.content[0].text and events[-1].response.output[0].type == "reasoning"

@@ -7,6 +7,7 @@ import json
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol_responses import ResponsesRequest
+from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.responses_output import ResponseEvents, ResponseHead, output_items
 from tokenmill.server.tools import ToolPlan
 
@@ -113,3 +114,34 @@ def test_a_failed_request_ends_the_stream_with_response_failed():
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"] == {"code": "server_error", "message": "the step failed"}
     assert events.final is None
+
+
+def test_thinking_streams_as_a_reasoning_item_before_the_message():
+    head = ResponseHead.of(ResponsesRequest(input="hi"), SamplingParams(), "resp_x", "tiny")
+    events = ResponseEvents(head, None, ReasoningParser("qwen3"))
+    sent = events.start() + [e for out in outputs(["<think>", "<think>hm", "<think>hm</thi", "<think>hm</think>ok"])
+                             for e in events.step(out)]
+    parsed = [json.loads(event.split("data: ", 1)[1]) for event in sent]
+    assert [e["type"] for e in parsed] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    reasoning, message = parsed[-1]["response"]["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": "hm"}]
+    assert message["content"][0]["text"] == "ok" and parsed[3]["part"] == {"type": "reasoning_text", "text": ""}
+    whole = output_items(None, "<think>hm</think>ok", "completed", ReasoningParser("qwen3"))
+    assert [(item["type"], item["content"]) for item in whole] == [(item["type"], item["content"])
+                                                                   for item in (reasoning, message)]
+
+
+def test_a_response_that_only_thinks_ends_with_an_empty_message():
+    head = ResponseHead.of(ResponsesRequest(input="hi"), SamplingParams(), "resp_x", "tiny")
+    events = ResponseEvents(head, None, ReasoningParser("deepseek_r1"))
+    sent = events.start() + [e for out in outputs(["hm", "hm more"], "length") for e in events.step(out)]
+    final = json.loads(sent[-1].split("data: ", 1)[1])["response"]
+    assert [(item["type"], item["content"][0]["text"]) for item in final["output"]] == [
+        ("reasoning", "hm more"), ("message", "")]
+    assert [item["type"] for item in output_items(None, "hm more", "incomplete", ReasoningParser("deepseek_r1"))] == [
+        "reasoning", "message"]

@@ -12,9 +12,10 @@ def test_a_string_input_is_one_user_message():
     assert input_messages(ResponsesRequest(input="hi").input) == [{"role": "user", "content": "hi"}]
 
 
-def test_items_become_messages_tool_calls_and_tool_messages():
+def test_items_become_messages_tool_calls_and_tool_messages_and_reasoning_is_dropped():
     req = ResponsesRequest(input=[
         {"role": "developer", "content": "be brief"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
                                                          {"type": "input_text", "text": "b"}]},
         {"role": "assistant", "content": "let me look"},

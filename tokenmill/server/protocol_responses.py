@@ -35,9 +35,10 @@ class StrictModel(BaseModel):
 
 
 class TextPart(StrictModel):
-    """A text content part: `input_text` in what the user sends, `output_text` in an assistant's."""
+    """A text content part: `input_text` in what the user sends, `output_text` in an assistant's,
+    `reasoning_text` in a reasoning item's."""
 
-    type: Literal["input_text", "output_text"]
+    type: Literal["input_text", "output_text", "reasoning_text"]
     text: str
 
 
@@ -45,14 +46,15 @@ Text = text_or_list(TextPart)
 
 
 ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
-               "function_call_output": ("call_id", "output")}
+               "function_call_output": ("call_id", "output"), "reasoning": ()}
 
 
 class InputItem(StrictModel):
     """One item of `input`: a message (its `type` may be left out), a function call the model made
-    in an earlier turn (an output item sent back), or the output of such a call."""
+    in an earlier turn (an output item sent back), the output of such a call, or an earlier turn's
+    reasoning (sent back with the output; the conversation drops it)."""
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None   # message
     content: Text | None = None                                              # message
     call_id: str | None = None                                               # function_call(_output)

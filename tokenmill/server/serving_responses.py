@@ -5,8 +5,9 @@ conversation of its `previous_response_id` (that response's input and output; no
 instructions, as OpenAI's API reads them), then its `input`, where a message item is a message, a
 function_call item an assistant's tool call and a function_call_output item a tool message. The
 conversation goes through the model's chat template (chat.py) with the tools; `text.format` is a
-structured output (structured.py) and the tools and tool_choice a tool plan (tools.py), as in
-chat completions.
+structured output (structured.py) and the tools and tool_choice a tool plan (tools.py), and a
+server started with a reasoning parser splits the thinking off as a `reasoning` item, as in chat
+completions. Reasoning items in the input are dropped, as chat templates drop earlier thinking.
 
 The answer is a Response object whose output is a `message` item (its text as one `output_text`
 part) and/or `function_call` items; cut short by max_output_tokens it is "incomplete". A stream
@@ -29,6 +30,7 @@ from tokenmill.chat import render_chat
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.protocol_responses import FunctionChoice, InputItem, ResponsesRequest
+from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.responses_output import ResponseEvents, ResponseHead, new_id, output_items, status_of, usage
 from tokenmill.server.serving import ServingEngine, TimedStreamingResponse, raise_if_failed
 from tokenmill.server.tools import ToolPlan, plan_tools
@@ -75,7 +77,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict]:
     """`input` as chat messages. A string is a user message; a developer message is a system one
     (chat templates know no developer role); function_call items are an assistant message's
     tool_calls (calls in a row, and calls right after an assistant's text, in one message) and
-    function_call_output items tool messages."""
+    function_call_output items tool messages; reasoning items are dropped."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
@@ -88,7 +90,7 @@ def input_messages(items: str | list[InputItem]) -> list[dict]:
                 messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append(
                 {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
-        else:
+        elif item.type == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
     return messages
 
@@ -152,6 +154,7 @@ class ResponsesHandler:
     model_name: str                      # the name clients send
     tool_call_parser: str | None         # the model's tool-call format (tools.PARSERS), for tool_choice 'auto'
     store: ResponseStore                 # the conversations previous_response_id reads
+    thinking: ReasoningParser | None = None  # splits <think> blocks off as reasoning items
 
     async def create(self, req: ResponsesRequest, raw: Request):
         check_model(req.model, self.model_name)
@@ -173,13 +176,16 @@ class ResponsesHandler:
             self.serving.spans.start([request.request_id], raw.headers)
         head = ResponseHead.of(req, params, response_id, self.model_name)
         kept = conversation if req.store else None
+        # as in chat: under a structured output, thinking only where the grammar itself opens a block
+        split = (self.thinking if self.thinking is None or params.structured_outputs is None
+                 else ReasoningParser("qwen3"))
         if req.stream:
-            return TimedStreamingResponse(self._stream(request, ResponseEvents(head, plan), kept),
+            return TimedStreamingResponse(self._stream(request, ResponseEvents(head, plan, split), kept),
                                           self.serving.write_timeout, media_type="text/event-stream")
         out = (await self.serving.collect([request], raw))[0]
         raise_if_failed([out])
         status = status_of(out.outputs[0].finish_reason)
-        output = output_items(plan, out.outputs[0].text, status)
+        output = output_items(plan, out.outputs[0].text, status, split)
         if kept is not None:
             self.store.put(response_id, kept + [output_message(output)])
         return head.snapshot(status, output, usage(out), out.outputs[0].finish_reason)

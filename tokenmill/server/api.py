@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
     POST /v1/completions, /v1/chat/completions    (streaming with SSE, or whole)
-    POST /v1/responses                            (OpenAI's Responses API; typed SSE events, or whole)
     GET  /v1/models, /health, /metrics, /version; POST /tokenize, /detokenize
     GET  /v1/requests/{id}                        (a response's request timelines)
     GET  /dashboard, /dashboard/state             (a live page of the scheduler, and its data)
+    POST /v1/responses                            (OpenAI's Responses API, serving_responses.py)
 
 Every bad input gets an OpenAI-style error body: 400 for invalid requests (and for a Host
 header the server does not answer for, access.py), 401 for a missing or wrong API key, 404
@@ -12,9 +12,9 @@ for an unknown model, 413 for an oversized body, 500 when the step that ran a re
 (streams get an error event instead). A client that disconnects has its requests aborted.
 
 The endpoints live by family in module-level handlers, each holding what it uses:
-serving_completion.py, serving_chat.py, serving_responses.py, serving_models.py and
-serving_tokenization.py (the generating ones share serving.py; errors.py answers every error).
-`create_app` builds the handlers and wires their routes.
+serving_completion.py, serving_chat.py, serving_models.py and serving_tokenization.py (the
+generating ones share serving.py; errors.py answers every error). `create_app` builds the
+handlers and wires their routes.
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                responses_store_size: int = 1000) -> FastAPI:
     """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
 
+    responses_store_size: how many stored /v1/responses answers previous_response_id finds (0: none).
     api_key: required on /v1 routes, /tokenize, /detokenize and /dashboard/state, and with protect_metrics_and_docs
     on /metrics, /docs, /redoc and /openapi.json too. allowed_hosts: the Host header names the app
     answers (any port; None: every name). A stream whose client takes nothing for
     `stream_write_timeout` seconds is ended and its requests aborted. GET /v1/requests/{id} keeps
     the timelines of the last `request_log_size` responses that ended (0: none). spans: where each
-    request's OpenTelemetry span goes when it ends (server/otel.py; shut down with the app).
-    previous_response_id finds the last `responses_store_size` stored responses (0: none)."""
+    request's OpenTelemetry span goes when it ends (server/otel.py; shut down with the app)."""
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("protect_metrics_and_docs needs an api_key")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -109,7 +109,6 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                       responses=generating)
     app.add_api_route("/v1/chat/completions", chat.create, methods=["POST"], name="chat_completions",
                       responses=generating)
-    app.add_api_route("/v1/responses", responses.create, methods=["POST"], name="responses", responses=generating)
     app.add_api_route("/v1/models", models.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", models.model, methods=["GET"], responses=error_responses(404))
     app.add_api_route("/health", models.health, methods=["GET"], responses=error_responses(503))
@@ -118,6 +117,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_api_route("/version", models.version, methods=["GET"])
     app.add_api_route("/v1/requests/{response_id}", RequestLogHandler(request_log).request, methods=["GET"],
                       name="request_timeline", responses=error_responses(404))
+    app.add_api_route("/v1/responses", responses.create, methods=["POST"], name="responses", responses=generating)
     scheduler = engine.scheduler
     dashboard = DashboardHandler(async_engine, scheduler, history, scheduler.config.max_num_seqs,
                                  scheduler.config.max_num_batched_tokens)

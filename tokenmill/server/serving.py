@@ -5,8 +5,8 @@ are done, as one JSON body.
 Each endpoint describes its own answer with a `Response` (serving_completion.py,
 serving_chat.py): the chunks one output adds to the stream, and the choice a final output makes
 in the whole body. `ServingEngine.respond` runs the requests and uses whichever the client asked
-for. The Responses API (serving_responses.py), whose answers are shaped otherwise, builds its
-requests here and reads their outputs with `outputs` and `collect`.
+for. Endpoints that answer in shapes of their own take the outputs with `collect` (whole) or
+`stream` (as they come).
 """
 
 from __future__ import annotations
@@ -158,22 +158,32 @@ class ServingEngine:
                      if include_usage else None)
             return TimedStreamingResponse(self._event_stream(requests, response, final), self.write_timeout,
                                           media_type="text/event-stream")
-        outputs = await self.collect(requests, raw)
+        outputs = await self._collect(requests, raw)
         raise_if_failed(outputs)
         return {**response.base, "choices": [response.choice(i, out) for i, out in enumerate(outputs)],
                 "usage": usage(outputs, n, generated)}
 
-    def outputs(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def collect(self, requests: list[EngineRequest], raw: Request) -> list[RequestOutput]:
+        """The final outputs of requests answered whole by an endpoint that streams nothing
+        (embeddings): their spans started, a 500 if a step failed, all of them aborted if the
+        client disconnects first."""
+        if self.spans is not None:
+            self.spans.start([r.request_id for r in requests], raw.headers)
+        outputs = await self._collect(requests, raw)
+        raise_if_failed(outputs)
+        return outputs
+
+    def _outputs(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(index, output) of the requests' outputs as they come; those a consumer that lags has
         not taken yet are merged into one per request."""
         return merge_streams([self.async_engine.generate(r) for r in requests], RequestOutput.merged)
 
-    async def collect(self, requests: list[EngineRequest], raw: Request) -> list[RequestOutput]:
+    async def _collect(self, requests: list[EngineRequest], raw: Request) -> list[RequestOutput]:
         """Final outputs of every request; aborts them all if the client disconnects first."""
         finals: dict[int, RequestOutput] = {}
 
         async def run():
-            async for i, out in self.outputs(requests):
+            async for i, out in self._outputs(requests):
                 if out.finished:
                     finals[i] = out
         task = asyncio.create_task(run())
@@ -190,7 +200,7 @@ class ServingEngine:
         """SSE: chunks as outputs arrive, an error event if a step failed, optional usage, [DONE]."""
         finals: dict[int, RequestOutput] = {}  # (for the usage)
         try:
-            async for i, out in self.outputs(requests):
+            async for i, out in self._outputs(requests):
                 if out.error is not None:
                     yield sse(error_body(out.error, "server_error"))
                     return
@@ -204,3 +214,10 @@ class ServingEngine:
         if final_usage is not None:
             yield sse(final_usage([finals[i] for i in range(len(requests))]))
         yield sse("[DONE]")
+
+    def stream(self, requests: list[EngineRequest], raw: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) of requests whose endpoint streams events of its own (the Responses API),
+        as they come: their spans started; closing the iterator (a client that went away) aborts them."""
+        if self.spans is not None:
+            self.spans.start([r.request_id for r in requests], raw.headers)
+        return self._outputs(requests)

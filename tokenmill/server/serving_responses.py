@@ -27,12 +27,13 @@ from fastapi import Request
 
 from tokenmill.async_engine import EngineDeadError
 from tokenmill.chat import render_chat
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.protocol_responses import FunctionChoice, InputItem, ResponsesRequest
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.responses_output import ResponseEvents, ResponseHead, new_id, output_items, status_of, usage
-from tokenmill.server.serving import ServingEngine, TimedStreamingResponse, raise_if_failed
+from tokenmill.server.serving import ServingEngine, TimedStreamingResponse
 from tokenmill.server.tools import ToolPlan, plan_tools
 
 # SamplingParams' and the engine's names for the request's fields
@@ -172,18 +173,15 @@ class ResponsesHandler:
             params = params.clone(skip_special_tokens=False)
         response_id = new_id("resp")
         request = await self._request(prompt, params, response_id)
-        if self.serving.spans is not None:
-            self.serving.spans.start([request.request_id], raw.headers)
         head = ResponseHead.of(req, params, response_id, self.model_name)
         kept = conversation if req.store else None
         # as in chat: under a structured output, thinking only where the grammar itself opens a block
         split = (self.thinking if self.thinking is None or params.structured_outputs is None
                  else ReasoningParser("qwen3"))
         if req.stream:
-            return TimedStreamingResponse(self._stream(request, ResponseEvents(head, plan, split), kept),
-                                          self.serving.write_timeout, media_type="text/event-stream")
-        out = (await self.serving.collect([request], raw))[0]
-        raise_if_failed([out])
+            events = self._stream(self.serving.stream([request], raw), ResponseEvents(head, plan, split), kept)
+            return TimedStreamingResponse(events, self.serving.write_timeout, media_type="text/event-stream")
+        out = (await self.serving.collect([request], raw))[0]  # (a 500 if a step failed)
         status = status_of(out.outputs[0].finish_reason)
         output = output_items(plan, out.outputs[0].text, status, split)
         if kept is not None:
@@ -208,12 +206,13 @@ class ResponsesHandler:
             error["param"] = FIELD_NAMES.get(error["param"], error["param"])
             raise
 
-    async def _stream(self, request, events, kept: list[dict] | None) -> AsyncIterator[str]:
-        """The response's events as its outputs come; a stored response is kept once it ended.
-        Closing it (a client that went away) aborts the request."""
+    async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], events: ResponseEvents,
+                      kept: list[dict] | None) -> AsyncIterator[str]:
+        """The response's events as its request's `outputs` come; a stored response is kept once it
+        ended. Closing it (a client that went away) closes `outputs`, which aborts the request."""
         yield "".join(events.start())
         try:
-            async for _, out in self.serving.outputs([request]):
+            async for _, out in outputs:
                 yield "".join(events.step(out))
         except EngineDeadError as exc:
             yield "".join(events.failed(str(exc)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import httpx
 import pytest
 from test_serve_cli import wait_until_up
 from test_server import free_port
@@ -35,6 +36,7 @@ def test_every_answer_agrees_with_the_openapi_schema_and_none_is_a_server_error(
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(proc, url)
+        paths = httpx.get(url + "/openapi.json").json()["paths"]
         run = subprocess.run([sys.executable, "-m", "schemathesis.cli", "run", url + "/openapi.json",
                               "--checks", CHECKS, "--max-examples", "30", "--seed", "35", "--workers", "1",
                               "--request-timeout", "30", "--generation-database", "none"],
@@ -43,4 +45,5 @@ def test_every_answer_agrees_with_the_openapi_schema_and_none_is_a_server_error(
         proc.terminate()
         proc.wait(30)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert "Tested: 11" in run.stdout and " passed" in run.stdout
+    operations = sum(len(methods) for methods in paths.values())  # every operation the schema lists
+    assert f"Tested: {operations}" in run.stdout and " passed" in run.stdout

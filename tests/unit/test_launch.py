@@ -1,5 +1,5 @@
 """server/launch.py: where `tokenmill serve` takes its API key from, which Host names it answers, its
-connection limits and its stream write timeout."""
+connection limits, its stream write timeout and the sizes of what it keeps."""
 
 import argparse
 
@@ -91,4 +91,15 @@ def test_the_request_log_keeps_1000_ended_responses_by_default_and_takes_no_nega
     for bad in ("-1", "many", "1.5"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--request-log-size", bad])
+        assert "expected an integer >= 0" in capsys.readouterr().err
+
+
+def test_the_responses_store_keeps_1000_responses_by_default_and_takes_no_negative_size(capsys):
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args([]).responses_store_size == 1000
+    assert parser.parse_args(["--responses-store-size", "0"]).responses_store_size == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--responses-store-size", bad])
         assert "expected an integer >= 0" in capsys.readouterr().err

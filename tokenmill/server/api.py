@@ -5,6 +5,7 @@
     GET  /v1/models, /health, /metrics, /version; POST /tokenize, /detokenize
     GET  /v1/requests/{id}                        (a response's request timelines)
     GET  /dashboard, /dashboard/state             (a live page of the scheduler, and its data)
+    POST /v1/responses                            (OpenAI's Responses API, serving_responses.py)
 
 Every bad input gets an OpenAI-style error body: 400 for invalid requests (and for a Host
 header the server does not answer for, access.py), 401 for a missing or wrong API key, 404
@@ -41,6 +42,7 @@ from tokenmill.server.serving_chat import ChatHandler
 from tokenmill.server.serving_completion import CompletionHandler
 from tokenmill.server.serving_embeddings import EmbeddingHandler
 from tokenmill.server.serving_models import ModelsHandler
+from tokenmill.server.serving_responses import ResponsesHandler, ResponseStore
 from tokenmill.server.serving_tokenization import TokenizationHandler
 from tokenmill.server.step_history import StepHistory
 from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
@@ -54,9 +56,11 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, protect_metrics_and_docs: bool = False,
                allowed_hosts: list[str] | None = None, stream_write_timeout: float = 60.0,
-               request_log_size: int = 1000, spans: RequestSpans | None = None) -> FastAPI:
+               request_log_size: int = 1000, spans: RequestSpans | None = None,
+               responses_store_size: int = 1000) -> FastAPI:
     """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
 
+    responses_store_size: how many stored /v1/responses answers previous_response_id finds (0: none).
     api_key: required on /v1 routes, /tokenize, /detokenize and /dashboard/state, and with protect_metrics_and_docs
     on /metrics, /docs, /redoc and /openapi.json too. allowed_hosts: the Host header names the app
     answers (any port; None: every name). A stream whose client takes nothing for
@@ -101,6 +105,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
     completion = CompletionHandler(serving, tokenizer, served_model_name)
     chat = ChatHandler(serving, tokenizer, served_model_name, tool_call_parser, thinking)
+    responses = ResponsesHandler(serving, tokenizer, served_model_name, tool_call_parser,
+                                 ResponseStore(responses_store_size), thinking)
     machine = {"device": str(engine.device), "cpu": this_cpu().as_dict()}
     models = ModelsHandler(served_model_name, engine.max_model_len, async_engine, metrics, machine)
     tokenization = TokenizationHandler(tokenizer, served_model_name, engine.max_model_len,
@@ -121,6 +127,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_api_route("/version", models.version, methods=["GET"])
     app.add_api_route("/v1/requests/{response_id}", RequestLogHandler(request_log).request, methods=["GET"],
                       name="request_timeline", responses=error_responses(404))
+    app.add_api_route("/v1/responses", responses.create, methods=["POST"], name="responses", responses=generating)
     scheduler = engine.scheduler
     dashboard = DashboardHandler(async_engine, scheduler, history, scheduler.config.max_num_seqs,
                                  scheduler.config.max_num_batched_tokens)

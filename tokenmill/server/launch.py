@@ -116,6 +116,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-log-size", type=count, default=1000,
                         help="GET /v1/requests/{id} answers for live requests and the last this many responses "
                              "that ended (0: none)")
+    parser.add_argument("--responses-store-size", type=count, default=1000,
+                        help="keep the conversations of the last this many stored /v1/responses answers for "
+                             "previous_response_id (0: none; least recently used forgotten first)")
     parser.add_argument("--stream-write-timeout", type=seconds, default=60.0,
                         help="end a stream whose client takes no output for this many seconds, and abort its "
                              "requests (until then a client that stops reading holds one output per request)")
@@ -185,6 +188,7 @@ def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      protect_metrics_and_docs=args.protect_metrics_and_docs, allowed_hosts=args.allowed_hosts,
                      stream_write_timeout=args.stream_write_timeout, request_log_size=args.request_log_size,
+                     responses_store_size=args.responses_store_size,
                      spans=RequestSpans(otlp_exporter(args.otlp_traces_endpoint)) if args.otlp_traces_endpoint
                      else None)
 

@@ -35,9 +35,14 @@ ERROR_DESCRIPTIONS = {
     503: "The engine loop is not running",
 }
 
-# Generating routes answer JSON, or with "stream": true server-sent events ("data: {...}" lines, then "data: [DONE]").
+# One server-sent event, as OpenAPI 3.1 reads an event stream's schema: its fields ("event" is "message"
+# when the server names none).
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}}}
+# Generating routes answer JSON, or with "stream": true server-sent events ("data: {...}" lines, then "data: [DONE]";
+# the Responses API's: "event: TYPE" and "data: {...}" lines).
 STREAM_RESPONSES = {200: {"description": "The completion (JSON), or its stream of chunks (server-sent events)",
-                          "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                          "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict]:

@@ -5,7 +5,8 @@ are done, as one JSON body.
 Each endpoint describes its own answer with a `Response` (serving_completion.py,
 serving_chat.py): the chunks one output adds to the stream, and the choice a final output makes
 in the whole body. `ServingEngine.respond` runs the requests and uses whichever the client asked
-for.
+for. Endpoints that answer in shapes of their own take the outputs with `collect` (whole) or
+`stream` (as they come).
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class ServingEngine:
 
     async def collect(self, requests: list[EngineRequest], raw: Request) -> list[RequestOutput]:
         """The final outputs of requests answered whole by an endpoint that streams nothing
-        (embeddings): their spans started, a 500 if a step failed, all of them aborted if the
+        (embeddings, a Responses API answer): their spans started, a 500 if a step failed, all of them aborted if the
         client disconnects first."""
         if self.spans is not None:
             self.spans.start([r.request_id for r in requests], raw.headers)
@@ -221,3 +222,10 @@ class ServingEngine:
         if final_usage is not None:
             yield sse(final_usage([finals[i] for i in range(len(requests))]))
         yield sse("[DONE]")
+
+    def stream(self, requests: list[EngineRequest], raw: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) of requests whose endpoint streams events of its own (the Responses API),
+        as they come: their spans started; closing the iterator (a client that went away) aborts them."""
+        if self.spans is not None:
+            self.spans.start([r.request_id for r in requests], raw.headers)
+        return self._outputs(requests)

@@ -1,0 +1,61 @@
+"""The Responses API's request side: its input as chat messages, and the store of conversations."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.server.protocol_responses import ResponsesRequest
+from tokenmill.server.serving_responses import ResponseStore, input_messages, output_message
+
+
+def test_a_string_input_is_one_user_message():
+    assert input_messages(ResponsesRequest(input="hi").input) == [{"role": "user", "content": "hi"}]
+
+
+def test_items_become_messages_tool_calls_and_tool_messages_and_reasoning_is_dropped():
+    req = ResponsesRequest(input=[
+        {"role": "developer", "content": "be brief"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                         {"type": "input_text", "text": "b"}]},
+        {"role": "assistant", "content": "let me look"},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}", "id": "fc_1"},
+        {"type": "function_call", "call_id": "call_2", "name": "g", "arguments": '{"x": 1}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "one"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "two"}]},
+        {"type": "function_call", "call_id": "call_3", "name": "f", "arguments": "{}"}])
+    assert input_messages(req.input) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "let me look", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "one"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "two"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+
+
+def test_output_items_become_one_assistant_message():
+    output = [{"type": "message", "content": [{"type": "output_text", "text": "OK"}]},
+              {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}]
+    assert output_message(output) == {"role": "assistant", "content": "OK", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert output_message(output[:1]) == {"role": "assistant", "content": "OK"}
+
+
+def test_the_store_forgets_the_least_recently_used_first():
+    store = ResponseStore(2)
+    store.put("a", [{"role": "user", "content": "1"}])
+    store.put("b", [])
+    assert store.get("a") == [{"role": "user", "content": "1"}]  # a is now the most recent
+    store.put("c", [])
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") == [] and len(store) == 2
+
+
+def test_a_store_of_size_0_keeps_nothing_and_a_negative_size_is_refused():
+    store = ResponseStore(0)
+    store.put("a", [])
+    assert store.get("a") is None and len(store) == 0
+    with pytest.raises(ValueError, match="capacity"):
+        ResponseStore(-1)

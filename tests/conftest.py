@@ -185,7 +185,8 @@ def _gguf_metadata(w, c, head_dim: int) -> None:
 def _gguf_tensors(state: dict, c) -> list[tuple[str, str, object]]:
     """(our name in `state`, GGUF name, numpy array) of each tensor to write; a transformers model's
     merged experts (E, 2I, H) gate_up and (E, H, I) down become ffn_gate_exps, ffn_up_exps and
-    ffn_down_exps (E, rows, cols), "name:gate" and "name:up" the two halves of gate_up."""
+    ffn_down_exps (E, rows, cols), "name:gate" and "name:up" the two halves of gate_up; the shared
+    expert's one-row gate a vector, as llama.cpp has it."""
     out = []
     for name, tensor in state.items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -203,7 +204,8 @@ def _gguf_tensors(state: dict, c) -> list[tuple[str, str, object]]:
                      "lm_head.weight": "output.weight"}.get(name)
         if gguf_name is None:
             gguf_name = f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
-        out.append((name, gguf_name, tensor.numpy()))
+        data = tensor.numpy()
+        out.append((name, gguf_name, data.reshape(-1) if ".shared_expert_gate." in name else data))  # a vector
     return out
 
 

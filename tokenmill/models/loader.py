@@ -297,7 +297,7 @@ def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -
         data = data.reshape([int(d) for d in reversed(tensor.shape)])
         if heads:
             data = _unpermute(data, heads)
-        if name.endswith("shared_expert_gate.weight"):  # llama.cpp may keep its one row as a vector
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps its one row as a vector
             data = data.reshape(1, -1)
         for index, part in wanted:
             values = data[index] if "{}" in name else data                # (rows, cols) of expert `index`

@@ -205,22 +205,24 @@ def _gguf_rope_scaling(meta) -> dict | None:
     return scaling
 
 
-def _gguf_moe(meta, arch: str, tensor_names: set[str]) -> MoEConfig:
+def _gguf_moe(meta, arch: str, reader) -> MoEConfig:
     """The experts of a GGUF file, as llama.cpp runs them: softmax over the router's logits, the
     top expert_used_count, renormalised per expert_weights_norm (or the architecture's rule); a
-    layer without ffn_gate_inp is dense. Other gating functions and weight scales are refused."""
+    layer without ffn_gate_inp is dense. The experts' widths are read from their tensors' shapes
+    ((hidden, width, experts)), whatever metadata the file has. Other gating functions and weight
+    scales are refused."""
     gating, scale = meta("expert_gating_func"), meta("expert_weights_scale")
     if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise ValueError(f"unsupported GGUF expert_gating_func {gating} (supported: 1, softmax)")
     if scale not in (None, 0.0, 1.0):
         raise ValueError(f"unsupported GGUF expert_weights_scale {scale} (supported: 1)")
-    layers = meta("block_count")
-    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names)
-    shared = meta("expert_shared_feed_forward_length", 0) if any("_shexp." in n for n in tensor_names) else 0
-    return MoEConfig(meta("expert_count"), meta("expert_used_count"),
-                     meta("expert_feed_forward_length") or meta("feed_forward_length"),
+    widths = {t.name.split(".")[2]: int(t.shape[1]) for t in reader.tensors
+              if t.name.endswith((".ffn_gate_exps.weight", ".ffn_gate_shexp.weight"))}
+    routers = {t.name for t in reader.tensors if t.name.endswith(".ffn_gate_inp.weight")}
+    dense = tuple(i for i in range(meta("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in routers)
+    return MoEConfig(meta("expert_count"), meta("expert_used_count"), widths.get("ffn_gate_exps", 0),
                      bool(meta("expert_weights_norm", _GGUF_NORM_TOPK[arch])), float32_weights=arch == "mixtral",
-                     shared_expert_intermediate_size=shared, dense_layers=dense)
+                     shared_expert_intermediate_size=widths.get("ffn_gate_shexp", 0), dense_layers=dense)
 
 
 def gguf_model_config(reader) -> ModelConfig:
@@ -234,7 +236,7 @@ def gguf_model_config(reader) -> ModelConfig:
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     scaling = _gguf_rope_scaling(meta)
     tensor_names = {t.name for t in reader.tensors}
-    moe = _gguf_moe(meta, arch, tensor_names) if arch in MOE_SUPPORTED else None
+    moe = _gguf_moe(meta, arch, reader) if arch in MOE_SUPPORTED else None
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp keeps its rope scaling as a divisor per frequency
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors",

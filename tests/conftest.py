@@ -209,12 +209,13 @@ def _gguf_tensors(state: dict, c) -> list[tuple[str, str, object]]:
     return out
 
 
-def write_gguf_from_hf(model, path: Path, qtype: str = "F32") -> None:
+def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bool = True) -> None:
     """Write a transformers model as llama.cpp's convert_hf_to_gguf.py does (its metadata, llama's
     and Mixtral's q/k rows and biases permuted for interleaved rotary pairs, YaRN rope scaling,
-    experts merged into one tensor per projection), matrices in `qtype` (F32, F16 or a type gguf
-    quantizes to); then put the dequantized values back into `model`, which becomes the oracle
-    for the file."""
+    experts merged into one tensor per projection, or with `merged_experts` False one tensor per
+    expert, blk.L.ffn_gate.E.weight, as older Mixtral files have them), matrices in `qtype` (F32,
+    F16 or a type gguf quantizes to); then put the dequantized values back into `model`, which
+    becomes the oracle for the file."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -231,22 +232,28 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32") -> None:
         shape = (n, a.shape[0] // n // 2, 2) if inverse else (n, 2, a.shape[0] // n // 2)
         return a.reshape(*shape, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
+    def write(gguf_name: str, data):
+        """Add one tensor; returns the values the file holds."""
+        if data.ndim == 1 or qtype == "F32" or ".ffn_gate_inp" in gguf_name:  # routers stay float32
+            w.add_tensor(gguf_name, np.ascontiguousarray(data, np.float32))
+            return data
+        if qtype == "F16":
+            w.add_tensor(gguf_name, data.astype(np.float16))
+            return data.astype(np.float16).astype(np.float32)
+        raw = quantize(np.ascontiguousarray(data), GGMLQuantizationType[qtype])
+        w.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[qtype])
+        return dequantize(raw, GGMLQuantizationType[qtype]).reshape(data.shape)
+
     state = model.state_dict()
     values_of = {}
     for name, gguf_name, data in _gguf_tensors(state, c):
         heads_of = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else 0
         if heads_of:
             data = permute(data, heads_of)
-        if data.ndim == 1 or qtype == "F32" or ".ffn_gate_inp" in gguf_name:  # routers stay float32
-            w.add_tensor(gguf_name, np.ascontiguousarray(data, np.float32))
-            values = data
-        elif qtype == "F16":
-            w.add_tensor(gguf_name, data.astype(np.float16))
-            values = data.astype(np.float16).astype(np.float32)
+        if "_exps." in gguf_name and not merged_experts:
+            values = np.stack([write(gguf_name.replace("_exps.", f".{e}."), d) for e, d in enumerate(data)])
         else:
-            raw = quantize(np.ascontiguousarray(data), GGMLQuantizationType[qtype])
-            w.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[qtype])
-            values = dequantize(raw, GGMLQuantizationType[qtype]).reshape(data.shape)
+            values = write(gguf_name, data)
         values_of[name] = permute(values, heads_of, inverse=True) if heads_of else values
     with torch.no_grad():
         for name, tensor in state.items():

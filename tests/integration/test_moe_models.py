@@ -189,13 +189,15 @@ def prompt_logits(path, prompt: list[int], kernels: str) -> tuple[torch.Tensor, 
         return model.compute_logits(runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)), model
 
 
-@pytest.mark.parametrize("arch, qtype", [("mixtral", "Q4_1"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q4_1"),
-                                         ("olmoe", "Q8_0")])
-def test_gguf_written_as_llama_cpp_does_gives_hfs_logits_with_experts_in_their_blocks(tmp_path, arch, qtype):
+@pytest.mark.parametrize("arch, qtype, merged", [("mixtral", "Q4_1", True), ("qwen2_moe", "Q8_0", True),
+                                                 ("qwen3_moe", "Q4_1", True), ("olmoe", "Q8_0", True),
+                                                 ("mixtral", "Q8_0", False)])
+def test_gguf_written_as_llama_cpp_does_gives_hfs_logits_with_experts_in_their_blocks(tmp_path, arch, qtype, merged):
     """A tiny MoE model written to GGUF as llama.cpp's converter writes it (merged expert tensors
-    ffn_{gate,up,down}_exps, the router ffn_gate_inp in float32, Qwen2-MoE's *_shexp tensors,
-    Mixtral as a llama with permuted q/k) gives the logits of the same model holding the file's
-    dequantized weights; on the CPU kernels' path each expert keeps its blocks."""
+    ffn_{gate,up,down}_exps, or one tensor per expert as older Mixtral files have them; the router
+    ffn_gate_inp in float32, Qwen2-MoE's *_shexp tensors, Mixtral as a llama with permuted q/k)
+    gives the logits of the same model holding the file's dequantized weights; on the CPU kernels'
+    path each expert keeps its blocks."""
     from conftest import _TINY_MOE_SHAPE, write_gguf_from_hf
     from transformers import AutoConfig
 
@@ -207,7 +209,7 @@ def test_gguf_written_as_llama_cpp_does_gives_hfs_logits_with_experts_in_their_b
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     path = tmp_path / f"{arch}.gguf"
-    write_gguf_from_hf(hf, path, qtype)
+    write_gguf_from_hf(hf, path, qtype, merged_experts=merged)
     prompt = [random.Random(0).randrange(96) for _ in range(40)]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]

@@ -216,8 +216,11 @@ def _gguf_moe(meta, arch: str, reader) -> MoEConfig:
         raise ValueError(f"unsupported GGUF expert_gating_func {gating} (supported: 1, softmax)")
     if scale not in (None, 0.0, 1.0):
         raise ValueError(f"unsupported GGUF expert_weights_scale {scale} (supported: 1)")
-    widths = {t.name.split(".")[2]: int(t.shape[1]) for t in reader.tensors
-              if t.name.endswith((".ffn_gate_exps.weight", ".ffn_gate_shexp.weight"))}
+    widths = {}  # ffn_gate_exps / ffn_gate_shexp -> width; older Mixtral files: blk.L.ffn_gate.E.weight per expert
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and (parts[2] in ("ffn_gate_exps", "ffn_gate_shexp") or parts[2:4] == ["ffn_gate", "0"]):
+            widths["ffn_gate_exps" if parts[2] == "ffn_gate" else parts[2]] = int(t.shape[1])
     routers = {t.name for t in reader.tensors if t.name.endswith(".ffn_gate_inp.weight")}
     dense = tuple(i for i in range(meta("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in routers)
     return MoEConfig(meta("expert_count"), meta("expert_used_count"), widths.get("ffn_gate_exps", 0),
@@ -273,7 +276,9 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
     if parts[0] != "blk":  # None for e.g. rope_freqs: read into the config's rope scaling instead
         return {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}.get(gguf_name), 0
-    layer, kind, suffix = parts[1], parts[2], parts[3]
+    layer, kind, suffix = parts[1], parts[2], parts[-1]
+    if len(parts) == 5:  # one expert's own tensor, as older Mixtral files have them: blk.0.ffn_gate.3.weight
+        return f"model.layers.{layer}.mlp.experts.{parts[3]}.{_GGUF_NAMES[kind].removeprefix('mlp.')}.{suffix}", 0
     heads = 0
     if cfg.architecture in ("llama", "mistral", "mixtral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
         heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads

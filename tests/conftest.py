@@ -25,6 +25,17 @@ TINY_CONFIGS = {
     "phi3": dict(model_type="phi3", tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0,
                  sliding_window=None),
 }
+# Mixture-of-experts models: hidden 64, 8 experts, top-2; Qwen2-MoE with a dense first layer
+# (mlp_only_layers) and its shared expert, Qwen3-MoE sparse every second layer (decoder_sparse_step)
+_TINY_MOE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_experts_per_tok=2)
+TINY_MOE_CONFIGS = {
+    "mixtral": dict(model_type="mixtral", num_local_experts=8, intermediate_size=64, rope_theta=1000000.0),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=8, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=96, mlp_only_layers=[0], tie_word_embeddings=True),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=2, head_dim=24),
+    "olmoe": dict(model_type="olmoe", num_experts=8, intermediate_size=32),
+}
 
 
 def triton_usable() -> bool:
@@ -103,11 +114,12 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra = dict(TINY_CONFIGS[arch])
+    extra = dict(TINY_CONFIGS[arch]) if arch in TINY_CONFIGS else {**_TINY_MOE_SHAPE, **TINY_MOE_CONFIGS[arch]}
     model_type = extra.pop("model_type")
     options = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-                   bos_token_id=0, eos_token_id=1, initializer_range=0.2, **extra)
+                   bos_token_id=0, eos_token_id=1, initializer_range=0.2)
+    options.update(extra)
     options.update(overrides)
     config = AutoConfig.for_model(model_type, **options)
     torch.manual_seed(seed)
@@ -135,30 +147,23 @@ _GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+# transformers' model_type -> llama.cpp's architecture (Mixtral: a llama with experts)
+_GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 
-def write_gguf_from_hf(model, path: Path, qtype: str = "F32") -> None:
-    """Write a transformers model as llama.cpp's convert_hf_to_gguf.py does (its metadata, llama's
-    q/k rows and biases permuted for interleaved rotary pairs, YaRN rope scaling), matrices in
-    `qtype` (F32, F16 or a type gguf quantizes to); then put the dequantized values back into
-    `model`, which becomes the oracle for the file."""
-    import numpy as np
-    import torch
-    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
-    from gguf.quants import dequantize, quantize
-
-    c = model.config
-    arch, heads, kv_heads = c.model_type, c.num_attention_heads, c.num_key_value_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+def _gguf_metadata(w, c, head_dim: int) -> None:
+    """The hyperparameters convert_hf_to_gguf.py writes for transformers config `c`."""
+    from gguf import RopeScalingType
     rope = c.rope_parameters
-    w = GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
@@ -169,6 +174,59 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32") -> None:
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+
+
+def _gguf_tensors(state: dict, c) -> list[tuple[str, str, object]]:
+    """(our name in `state`, GGUF name, numpy array) of each tensor to write; a transformers model's
+    merged experts (E, 2I, H) gate_up and (E, H, I) down become ffn_gate_exps, ffn_up_exps and
+    ffn_down_exps (E, rows, cols), "name:gate" and "name:up" the two halves of gate_up; the shared
+    expert's one-row gate a vector, as llama.cpp has it."""
+    out = []
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.numpy().reshape(tensor.shape[0], 2, -1, tensor.shape[2]).swapaxes(0, 1)
+            out += [(f"{name}:gate", f"blk.{parts[2]}.ffn_gate_exps.weight", gate),
+                    (f"{name}:up", f"blk.{parts[2]}.ffn_up_exps.weight", up)]
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            out.append((name, f"blk.{parts[2]}.ffn_down_exps.weight", tensor.numpy()))
+            continue
+        gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}.get(name)
+        if gguf_name is None:
+            gguf_name = f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+        data = tensor.numpy()
+        out.append((name, gguf_name, data.reshape(-1) if ".shared_expert_gate." in name else data))  # a vector
+    return out
+
+
+def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bool = True) -> None:
+    """Write a transformers model as llama.cpp's convert_hf_to_gguf.py does (its metadata, llama's
+    and Mixtral's q/k rows and biases permuted for interleaved rotary pairs, YaRN rope scaling,
+    experts merged into one tensor per projection, or with `merged_experts` False one tensor per
+    expert, blk.L.ffn_gate.E.weight, as older Mixtral files have them), matrices in `qtype` (F32,
+    F16 or a type gguf quantizes to); then put the dequantized values back into `model`, which
+    becomes the oracle for the file."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    c = model.config
+    arch, heads, kv_heads = _GGUF_ARCHS.get(c.model_type, c.model_type), c.num_attention_heads, c.num_key_value_heads
+    w = GGUFWriter(str(path), arch)
+    _gguf_metadata(w, c, getattr(c, "head_dim", None) or c.hidden_size // heads)
 
     def permute(a, n: int, inverse: bool = False):
         if arch != "llama":
@@ -176,32 +234,37 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32") -> None:
         shape = (n, a.shape[0] // n // 2, 2) if inverse else (n, 2, a.shape[0] // n // 2)
         return a.reshape(*shape, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
+    def write(gguf_name: str, data):
+        """Add one tensor; returns the values the file holds."""
+        if data.ndim == 1 or qtype == "F32" or ".ffn_gate_inp" in gguf_name:  # routers stay float32
+            w.add_tensor(gguf_name, np.ascontiguousarray(data, np.float32))
+            return data
+        if qtype == "F16":
+            w.add_tensor(gguf_name, data.astype(np.float16))
+            return data.astype(np.float16).astype(np.float32)
+        raw = quantize(np.ascontiguousarray(data), GGMLQuantizationType[qtype])
+        w.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[qtype])
+        return dequantize(raw, GGMLQuantizationType[qtype]).reshape(data.shape)
+
     state = model.state_dict()
-    for name, tensor in state.items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        parts = name.split(".")
-        gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}.get(name)
-        if gguf_name is None:
-            gguf_name = f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+    values_of = {}
+    for name, gguf_name, data in _gguf_tensors(state, c):
         heads_of = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else 0
-        data = tensor.numpy()
         if heads_of:
             data = permute(data, heads_of)
-        if data.ndim == 1 or qtype == "F32":
-            w.add_tensor(gguf_name, data)
-            values = data
-        elif qtype == "F16":
-            w.add_tensor(gguf_name, data.astype(np.float16))
-            values = data.astype(np.float16).astype(np.float32)
+        if "_exps." in gguf_name and not merged_experts:
+            values = np.stack([write(gguf_name.replace("_exps.", f".{e}."), d) for e, d in enumerate(data)])
         else:
-            raw = quantize(data, GGMLQuantizationType[qtype])
-            w.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[qtype])
-            values = dequantize(raw, GGMLQuantizationType[qtype])
-        if heads_of:
-            values = permute(values, heads_of, inverse=True)
-        with torch.no_grad():
+            values = write(gguf_name, data)
+        values_of[name] = permute(values, heads_of, inverse=True) if heads_of else values
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if f"{name}:gate" in values_of:  # gate_up from its two halves
+                values = np.concatenate([values_of[f"{name}:gate"], values_of[f"{name}:up"]], axis=1)
+            elif name in values_of:
+                values = values_of[name]
+            else:
+                continue
             tensor.copy_(torch.from_numpy(np.ascontiguousarray(values)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -239,6 +302,12 @@ def engine_device():
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: build_tiny_model(root / arch, arch) for arch in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_moe")
+    return {arch: build_tiny_model(root / arch, arch) for arch in TINY_MOE_CONFIGS}
 
 
 @pytest.fixture(scope="session")

@@ -39,10 +39,37 @@ def parse_size(value: int | str) -> int:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward: a router picks `top_k` of `num_experts` SwiGLU experts
+    for each token and sums their outputs, weighted by its softmax probabilities."""
+
+    num_experts: int
+    top_k: int                            # experts per token
+    expert_intermediate_size: int         # each routed expert's SwiGLU width
+    norm_topk_prob: bool                  # the top-k probabilities renormalised to sum to 1
+    float32_weights: bool = False         # Mixtral: outputs scaled by the float32 weights (else cast first)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token runs, scaled by a
+                                          # sigmoid gate; 0: none
+    dense_layers: tuple[int, ...] = ()    # layers with a dense MLP (ModelConfig.intermediate_size) instead
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "expert_intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model config: num_experts_per_tok ({self.top_k}) exceeds num_experts "
+                             f"({self.num_experts})")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` routes to experts (else it has a dense MLP)."""
+        return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder-only transformer, read from config.json or GGUF metadata."""
 
-    architecture: str                  # "llama", "mistral", "qwen2", "qwen3"
+    architecture: str                  # "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -58,6 +85,8 @@ class ModelConfig:
     attention_bias: bool = False       # Qwen2: bias on q, k, v projections
     qk_norm: bool = False              # Qwen3: RMSNorm on each head of q and k
     rotary_dim: int | None = None      # dims of each head that rotate (Phi-4-mini: 3/4); None: all of them
+    qk_norm_whole: bool = False        # OLMoE: RMSNorm over all of q and all of k, before the heads split
+    moe: MoEConfig | None = None       # mixture-of-experts feed-forward (None: a dense MLP in every layer)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 

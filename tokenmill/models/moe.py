@@ -1,0 +1,106 @@
+"""The mixture-of-experts feed-forward block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
+
+A router (one linear layer, `gate`) scores every expert for every token; softmax in float32,
+the top k kept, renormalised to sum to 1 where the model does it. A step then runs only the
+experts its tokens chose, each once over all the rows routed to it:
+
+    (token, slot) pairs, T * k      sorted by expert:  e0 e0 e0 | e2 | e3 e3 | ...
+    rows = x[token of each pair]    one product per active expert over its run of rows
+    out[token] += weight * y        index_add back into (T, hidden)
+
+So an expert's weights are read once a step however many tokens chose it, and an expert no
+token chose is not read at all. The experts are the dense layers' SwiGLU modules (gate and up
+fused into one matrix), built by the caller: on a CPU the loader packs them for the panel
+kernel like any other projection.
+
+While a CUDA graph is being captured the counts per expert cannot be read on the host, so each
+expert runs over every row, weighted by zero where it was not chosen: the same sums, slower.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.config import MoEConfig
+
+# Mixtral's checkpoint names for what the other models call mlp, gate_proj, up_proj and down_proj
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+def checkpoint_name(name: str) -> str:
+    """A Hugging Face tensor name with Mixtral's expert names replaced by Qwen's
+    (layers.0.block_sparse_moe.experts.3.w1.weight -> layers.0.mlp.experts.3.gate_proj.weight)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for old, new in _MIXTRAL_NAMES.items():
+        name = name.replace(old, new)
+    return name
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, E) -> (weights (T, k) float32, expert ids (T, k) int64): softmax in
+    float32 over all experts, the k most probable, divided by their sum when `renormalise`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed SwiGLU experts (and Qwen2-MoE's shared expert, gated by a sigmoid) over a flat
+    batch of T tokens. `experts` and `shared_expert` are modules with forward(x, ops), such as
+    llama.MLP."""
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int, experts: list[nn.Module],
+                 shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        if len(experts) != cfg.num_experts:
+            raise ValueError(f"SparseMoeBlock: {len(experts)} experts given, the config has {cfg.num_experts}")
+        self.top_k, self.norm_topk_prob, self.float32_weights = cfg.top_k, cfg.norm_topk_prob, cfg.float32_weights
+        self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(experts)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        weights, experts = route(self.gate.forward(x), self.top_k, self.norm_topk_prob)  # (T, k) each
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = self._every_expert(x, weights, experts, ops)
+        else:
+            out = self._routed_experts(x, weights, experts, ops)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * self.shared_expert.forward(x, ops)
+        return out
+
+    def _scaled(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert outputs (N, hidden) times their weights (N,) float32, in y's dtype: Mixtral
+        multiplies by the float32 weights, the others by the weights cast to y's dtype."""
+        if self.float32_weights:
+            return (y * weights.unsqueeze(1)).to(y.dtype)
+        return y * weights.to(y.dtype).unsqueeze(1)
+
+    def _routed_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops) -> torch.Tensor:
+        """Tokens grouped by expert, one product per active expert, weighted and added back."""
+        flat = experts.flatten()                                        # (T * k,) expert of each pair
+        order = flat.argsort(stable=True)                               # pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync a layer
+        tokens = order // self.top_k                                    # (T * k,) token of each pair
+        rows = x.index_select(0, tokens)                                # (T * k, hidden) grouped by expert
+        y = torch.empty_like(rows)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                y[start:start + count] = expert.forward(rows[start:start + count], ops)  # (count, hidden)
+                start += count
+        return torch.zeros_like(x).index_add_(0, tokens, self._scaled(y, weights.flatten()[order]))
+
+    def _every_expert(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops) -> torch.Tensor:
+        """Every expert over every row, weighted by zero where it was not chosen: no host sync."""
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            chosen = (weights * (experts == index)).sum(dim=-1)          # (T,) this expert's weight, or 0
+            out += self._scaled(expert.forward(x, ops), chosen)
+        return out

@@ -165,7 +165,8 @@ class NixlConnector:
         self.transfer_timeout = transfer_timeout
         self.clock = clock
         self.engine_id = uuid.uuid4().hex
-        pool = worker.kv_cache            # (layers, 2, blocks + 1, kv_heads, block_size, head_dim)
+        pool = self.pool = worker.kv_cache  # (layers, 2, blocks + 1, kv_heads, block_size, head_dim), registered:
+                                            # kept alive here as long as the agent may read or write it
         self.num_layers, self.num_blocks = pool.shape[0], pool.shape[2]
         self.link = _Agent(self.engine_id, pool)
         self._close_link = weakref.finalize(self, self.link.close)

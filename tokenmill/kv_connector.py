@@ -11,7 +11,8 @@ The field names are vLLM's, so a proxy written for vLLM pairs tokenmill instance
                                "remote_host": ..., "remote_port": ...}
     to the decode instance    that answer's kv_transfer_params
 
-The scheduler calls a connector at three points, all on its own thread:
+The scheduler calls a connector at four points, all on its own thread (and the engine's close()
+calls its close()):
 
     admission   num_matched_tokens(request, local)  prompt tokens past the local prefix hit whose
                                                     K/V the connector can bring in
@@ -28,7 +29,8 @@ The scheduler calls a connector at three points, all on its own thread:
 
 Held blocks stay out of the pool, owned by the scheduler as before (SchedulerStats counts them),
 until the connector names their request in released(); the scheduler asks once per schedule()
-and while the engine idles. A connector never touches the pool's bookkeeping itself.
+(only while it holds some) and while the engine idles. A connector never touches the pool's
+bookkeeping itself.
 
     blocks      [local hit ][external n ][computed by this instance ...]
     counter     num_computed_tokens moves past the hit and the external tokens at admission

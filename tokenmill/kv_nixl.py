@@ -294,7 +294,7 @@ class NixlConnector:
         return FinishResult({
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_host": self.host, "remote_port": self.port, "remote_block_ids": held,
-            "remote_request_id": request.request_id}, hold_blocks=bool(held))
+            "remote_request_id": request.request_id, "tp_size": 1}, hold_blocks=bool(held))
 
     def released(self) -> list[str]:
         if not self.holds:

@@ -127,7 +127,11 @@ class _Agent:
     release them in order and drop the agent (its destructor disconnects from every peer)."""
 
     def __init__(self, name: str, pool) -> None:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise ImportError("kv_connector 'nixl' needs nixl-cu12: pip install nixl-cu12 (or tokenmill[disagg]; "
+                              f"not the 'nixl' meta-package, which pulls both CUDA variants): {exc}") from exc
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         self.registered = self.agent.register_memory(pool)
         self.local = self.agent.prep_xfer_dlist(

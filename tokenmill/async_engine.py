@@ -179,6 +179,7 @@ class AsyncLLMEngine:
             while not self._stopping:
                 self._drain_commands()
                 if not engine.has_unfinished_requests():
+                    engine.idle()
                     self._wake.wait(self.idle_wait)
                     self._wake.clear()
                     continue

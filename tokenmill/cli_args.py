@@ -31,8 +31,13 @@ _ENGINE_HELP = {
     "distributed_timeout": "tensor parallelism: seconds a rank waits on a collective or startup before failing",
     "kv_role": "disaggregated prefill/decode: 'prefill' keeps finished prompts' K/V for a decode instance "
                "(requests with kv_transfer_params do_remote_decode), 'decode' loads it (do_remote_prefill), 'both'",
-    "kv_connector": "how K/V moves between instances: 'shared_storage' (block files in --kv-storage-path)",
+    "kv_connector": "how K/V moves between instances: 'shared_storage' (block files in --kv-storage-path), "
+                    "'nixl' (the decode instance reads the prefill instance's blocks over NIXL)",
     "kv_storage_path": "shared_storage: a directory both the prefill and the decode instance see",
+    "kv_side_channel_host": "nixl, prefill: the address decode instances fetch this instance's NIXL metadata at",
+    "kv_side_channel_port": "nixl, prefill: the TCP port for that metadata (0: any free one; the params name it)",
+    "kv_hold_timeout": "nixl, prefill: seconds a finished prompt's blocks are held for a decode instance to read",
+    "kv_transfer_timeout": "nixl, decode: seconds a read of remote blocks may take before the prompt is computed here",
     "enforce_eager": "CUDA: launch every step from Python, no decode graphs",
     "async_output": "build a step's outputs while the next step runs (default: on for CUDA)",
     "async_scheduling": "schedule and launch the next step before this one's tokens reach the host "

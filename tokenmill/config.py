@@ -19,7 +19,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, 
 SCHEDULING_POLICIES = ("fcfs", "priority", "srpf", "edf")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_ROLES = ("prefill", "decode", "both")
-KV_CONNECTORS = ("shared_storage",)
+KV_CONNECTORS = ("shared_storage", "nixl")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "fp32": "float32"}  # vLLM's names (auto: float32 on CPU, bfloat16 on CUDA)
@@ -166,8 +166,13 @@ class EngineConfig:
     kv_role: str | None = None               # disaggregated prefill/decode (kv_connector.py): "prefill" keeps
                                              # finished prompts' K/V for a decode instance, "decode" loads
                                              # them into its requests' blocks, "both"; None: no transfer
-    kv_connector: str = "shared_storage"     # how K/V moves between instances: "shared_storage" (block files)
+    kv_connector: str = "shared_storage"     # how K/V moves between instances: "shared_storage" (block files),
+                                             # "nixl" (the decode instance reads the prefill one's pool: kv_nixl.py)
     kv_storage_path: str | None = None       # shared_storage: a directory both instances read and write
+    kv_side_channel_host: str = "127.0.0.1"  # nixl, prefill: where decode instances fetch this agent's metadata
+    kv_side_channel_port: int = 0            # nixl, prefill: its TCP port (0: any free one, reported in the params)
+    kv_hold_timeout: float = 30.0            # nixl, prefill: seconds a finished prompt's blocks wait to be read
+    kv_transfer_timeout: float = 10.0        # nixl, decode: seconds a read may take before the prompt is computed
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -245,6 +250,11 @@ class EngineConfig:
             raise ValueError(f"kv_connector must be one of {KV_CONNECTORS}, got {self.kv_connector!r}")
         if self.kv_connector == "shared_storage" and not self.kv_storage_path:
             raise ValueError("kv_connector 'shared_storage' needs kv_storage_path: a directory both instances see")
+        if not 0 <= self.kv_side_channel_port < 65536:
+            raise ValueError(f"kv_side_channel_port must be in [0, 65535], got {self.kv_side_channel_port}")
+        for name in ("kv_hold_timeout", "kv_transfer_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
         if self.tensor_parallel_size > 1:
             raise ValueError("kv_role does not combine with tensor_parallel_size > 1 yet")
 

@@ -98,11 +98,18 @@ class LLMEngine:
         """Let the OpenMP threads that building the engine started exit (ModelWorker.release_threads)."""
         self.runner.worker.release_threads()
 
+    def idle(self) -> None:
+        """Between steps with no request to run: blocks a KV connector held for a peer and has since
+        released go back to the pool (Scheduler.release_held)."""
+        self.scheduler.release_held()
+
     def close(self) -> None:
-        """End the tensor-parallel ranks this engine started (nothing without them) and close the
-        trace file; the engine runs no step after it."""
+        """End the tensor-parallel ranks this engine started (nothing without them), let go of the KV
+        connector's agents and listeners, and close the trace file; the engine runs no step after it."""
         if self._close_ranks is not None:
             self._close_ranks()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.close()
         if self.trace is not None:
             self.trace.close()
 

@@ -11,7 +11,8 @@ The field names are vLLM's, so a proxy written for vLLM pairs tokenmill instance
                                "remote_host": ..., "remote_port": ...}
     to the decode instance    that answer's kv_transfer_params
 
-The scheduler calls a connector at three points, all on its own thread:
+The scheduler calls a connector at four points, all on its own thread (and the engine's close()
+calls its close()):
 
     admission   num_matched_tokens(request, local)  prompt tokens past the local prefix hit whose
                                                     K/V the connector can bring in
@@ -19,9 +20,17 @@ The scheduler calls a connector at three points, all on its own thread:
                                                     of the n tokens after the first `local`; False
                                                     if it could not (the scheduler then computes
                                                     them here: nothing is lost, only time)
-    finish      on_finish(request, blocks)          the request ends, its blocks are freed right
-                                                    after; returns the kv_transfer_params for its
-                                                    output, or None
+    finish      on_finish(request, blocks)          the request ends; returns a FinishResult: the
+                                                    kv_transfer_params for its output, and whether
+                                                    its blocks are held for a peer to read (else
+                                                    they are freed right after)
+    each step   released()                          ids of requests whose held blocks may be freed
+                                                    now (the peer read them, or it took too long)
+
+Held blocks stay out of the pool, owned by the scheduler as before (SchedulerStats counts them),
+until the connector names their request in released(); the scheduler asks once per schedule()
+(only while it holds some) and while the engine idles. A connector never touches the pool's
+bookkeeping itself.
 
     blocks      [local hit ][external n ][computed by this instance ...]
     counter     num_computed_tokens moves past the hit and the external tokens at admission
@@ -32,6 +41,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.outputs import FinishResult
 from tokenmill.request import Request
 
 
@@ -47,9 +57,17 @@ class KVConnector(Protocol):
         blocks (`block_ids`, which cover them); False, with nothing promised, if it failed."""
         ...
 
-    def on_finish(self, request: Request, block_ids: list[int]) -> dict | None:
-        """The request ended (any reason); its blocks are freed after this returns. The
-        kv_transfer_params its output reports, or None."""
+    def on_finish(self, request: Request, block_ids: list[int]) -> FinishResult:
+        """The request ended (any reason): the params its output reports, and whether its blocks
+        are held (not freed when this returns) until released() names it."""
+        ...
+
+    def released(self) -> list[str]:
+        """Ids of held requests whose blocks may be freed now; each is named once."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what the connector holds outside the pool (agents, listeners); idempotent."""
         ...
 
 
@@ -58,9 +76,13 @@ def make_connector(config: EngineConfig, model_config: ModelConfig, worker, mode
     None without a kv_role."""
     if config.kv_role is None:
         return None
-    from tokenmill.kv_storage import SharedStorageConnector  # the only kind (config.KV_CONNECTORS)
-    return SharedStorageConnector(config.kv_storage_path, config.kv_role, worker, config.block_size,
-                                  pool_fingerprint(model_name, model_config, config.block_size, config.kv_dtype_name))
+    fingerprint = pool_fingerprint(model_name, model_config, config.block_size, config.kv_dtype_name)
+    if config.kv_connector == "nixl":
+        from tokenmill.kv_nixl import NixlConnector
+        return NixlConnector(config.kv_role, worker, config.block_size, fingerprint, config.kv_side_channel_host,
+                             config.kv_side_channel_port, config.kv_hold_timeout, config.kv_transfer_timeout)
+    from tokenmill.kv_storage import SharedStorageConnector
+    return SharedStorageConnector(config.kv_storage_path, config.kv_role, worker, config.block_size, fingerprint)
 
 
 def pool_fingerprint(model_name: str, model_config: ModelConfig, block_size: int, kv_dtype: str) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.kv_cache import hash_block
+from tokenmill.outputs import FinishResult
 from tokenmill.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -77,12 +78,12 @@ class SharedStorageConnector:
 
     # ---- prefill side ---------------------------------------------------------------------
 
-    def on_finish(self, request: Request, block_ids: list[int]) -> dict | None:
+    def on_finish(self, request: Request, block_ids: list[int]) -> FinishResult:
         params = request.params.kv_transfer_params
         if self.role == "decode" or not params or not params.get("do_remote_decode"):
-            return None
+            return FinishResult()
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            return None  # aborted or failed: nothing to hand over
+            return FinishResult()  # aborted or failed: nothing to hand over
         # Full blocks of the prompt whose every token is computed (all of them once a token was sampled).
         num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
         hashes = self._hashes(request, num_full)
@@ -92,8 +93,14 @@ class SharedStorageConnector:
             for j, (_, block_hash) in enumerate(todo):
                 self._write(block_hash, blocks[:, :, j].clone())
         self.num_blocks_saved += len(todo)
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-                "remote_block_ids": [], "remote_host": None, "remote_port": None}
+        return FinishResult({"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                             "remote_block_ids": [], "remote_host": None, "remote_port": None})
+
+    def released(self) -> list[str]:
+        return []  # the files are the hand-off: no block is ever held
+
+    def close(self) -> None:
+        pass
 
     # ---- files ----------------------------------------------------------------------------
 

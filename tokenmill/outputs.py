@@ -73,6 +73,16 @@ class SchedulerStats:
     num_evictions: int                # cumulative: cached blocks evicted to make room
     num_preemptions: int              # cumulative
     num_external_tokens: int = 0      # cumulative: prompt tokens whose K/V a KV connector brought in
+    num_held_requests: int = 0        # finished requests whose blocks a KV connector holds for a peer
+    kv_blocks_held: int = 0           # their blocks (among kv_blocks_used, shared ones counted per request)
+
+
+@dataclass(frozen=True)
+class FinishResult:
+    """What a KV connector says of a request that ended (kv_connector.KVConnector.on_finish)."""
+
+    kv_transfer_params: dict | None = None  # for the request's output (the proxy passes them on)
+    hold_blocks: bool = False               # keep its blocks until the connector's released() names it
 
 
 @dataclass(slots=True)

@@ -35,7 +35,10 @@ pool alone.
 
 `update()` advances the counters with what the runner computed, appends sampled
 tokens, and finishes requests on EOS, stop tokens, max_tokens or max_model_len.
-Finished requests leave in the same step; their blocks are free for the next one.
+Finished requests leave in the same step; their blocks are free for the next one, unless a KV
+connector holds them for a peer to read (disaggregated prefill, kv_connector.py): then they stay
+allocated, in `held`, until the connector names the request in released(), which schedule()
+and release_held() ask.
 An embedding request (`request.pooling`) is scheduled as any prompt and samples nothing: it
 ends ("stop") at the update of the step that ran the end of its prompt, with the pooled vector
 the runner reports.
@@ -95,6 +98,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []         # admission order
         self.requests: dict[str, Request] = {}   # every unfinished request
+        self.held: dict[str, Request] = {}       # finished, blocks kept for a KV connector's peer
         self._finished_ids: list[str] = []       # ended since the last schedule()
         self.num_steps = 0                       # steps scheduled (timelines name a chunk's step)
         self.num_preemptions = 0
@@ -127,13 +131,26 @@ class Scheduler:
         request.status = status
         now = self.clock()
         request.timeline.add(now, "finished", finish_reason=request.finish_reason)
-        if self.connector is not None:
-            request.kv_transfer_params = self.connector.on_finish(request, request.block_ids)
-        self._free(request)  # (a failed step has already made the whole pool forget its hashes)
+        result = self.connector.on_finish(request, request.block_ids) if self.connector is not None else None
+        request.kv_transfer_params = result.kv_transfer_params if result is not None else None
+        if result is not None and result.hold_blocks:
+            self.held[request_id] = request  # freed when the connector releases it (release_held)
+        else:
+            self._free(request)  # (a failed step has already made the whole pool forget its hashes)
         if request.deadline is not None and now > request.deadline:
             self.missed_deadlines.append(request_id)
         self._finished_ids.append(request_id)
         return request
+
+    def release_held(self) -> None:
+        """Free the blocks of held requests the connector has released (once per schedule(), and
+        while the engine idles)."""
+        if self.connector is None or not self.held:
+            return
+        for request_id in self.connector.released():
+            request = self.held.pop(request_id, None)
+            if request is not None:
+                self._free(request)
 
     def prompt_tokens_waiting(self) -> int:
         """Prompt tokens still to compute: the waiting requests' and the running ones' mid-prompt."""
@@ -175,7 +192,8 @@ class Scheduler:
             kv_blocks_total=pool.num_blocks,
             kv_slots_used=self.kv.slots_filled(self.running), prefix_tokens_queried=self.kv.prompt_tokens_queried,
             prefix_tokens_hit=self.kv.prompt_tokens_hit, num_evictions=pool.num_evictions,
-            num_preemptions=self.num_preemptions, num_external_tokens=self.num_external_tokens)
+            num_preemptions=self.num_preemptions, num_external_tokens=self.num_external_tokens,
+            num_held_requests=len(self.held), kv_blocks_held=sum(len(r.block_ids) for r in self.held.values()))
 
     def snapshot(self, max_waiting: int = 256) -> SchedulerSnapshot:
         """The pool's block states and the requests' progress, copied: call it between steps, on
@@ -192,6 +210,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Build the next step: room made at admission (if the policy preempts there), then
         running requests, then waiting ones, as the module's docstring describes."""
+        self.release_held()
         static = self.config.static_batching
         plan = _StepPlan(budget=self.config.max_num_batched_tokens if not static else 1 << 62)
         self._swap_out = []

@@ -1,9 +1,11 @@
 """Disaggregated serving with real processes on 127.0.0.1: a `--kv-role prefill` server, a
-`--kv-role decode` server over one storage directory, and `tokenmill router --prefill` in front.
+`--kv-role decode` server, and `tokenmill router --prefill` in front; each test once with the
+K/V handed over as files in one storage directory, once read over NIXL (when nixl-cu12 imports).
 Bounded: a handful of short completions on the tiny llama."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import subprocess
@@ -24,12 +26,17 @@ def counter(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in {url}/metrics")
 
 
-@pytest.fixture(scope="module")
-def pd(tiny_llama, tmp_path_factory):
-    """(router URL, prefill URL, decode URL, processes)."""
+NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None,
+                          reason="the NIXL connector needs nixl-cu12 (pip install nixl-cu12)")
+
+
+@pytest.fixture(scope="module", params=["shared_storage", pytest.param("nixl", marks=NIXL)])
+def pd(request, tiny_llama, tmp_path_factory):
+    """(router URL, prefill URL, decode URL, processes), for each connector."""
     logs, storage = tmp_path_factory.mktemp("pd"), tmp_path_factory.mktemp("kv")
     ports = [free_port(), free_port(), free_port()]
-    shared = ("--kv-storage-path", str(storage))
+    shared = (("--kv-storage-path", str(storage)) if request.param == "shared_storage"
+              else ("--kv-connector", "nixl"))
     procs = [serve(tiny_llama, ports[0], logs / "prefill.log", "--kv-role", "prefill", *shared),
              serve(tiny_llama, ports[1], logs / "decode.log", "--kv-role", "decode", *shared)]
     procs.append(subprocess.Popen(

@@ -219,5 +219,12 @@ def test_kv_transfer_options_are_checked_before_anything_loads():
         EngineConfig(kv_role="prefill")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(kv_role="both", kv_storage_path="/tmp", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"kv_side_channel_port must be in \[0, 65535\], got 70000"):
+        EngineConfig(kv_role="prefill", kv_connector="nixl", kv_side_channel_port=70000)
+    with pytest.raises(ValueError, match="kv_hold_timeout must be positive seconds, got 0"):
+        EngineConfig(kv_role="prefill", kv_connector="nixl", kv_hold_timeout=0)
+    with pytest.raises(ValueError, match="kv_transfer_timeout must be positive seconds, got -1"):
+        EngineConfig(kv_role="decode", kv_connector="nixl", kv_transfer_timeout=-1)
+    assert EngineConfig(kv_role="decode", kv_connector="nixl").kv_side_channel_port == 0  # no directory needed
     with pytest.raises(ValueError, match="kv_transfer_params"):
         SamplingParams(kv_transfer_params=["do_remote_decode"])

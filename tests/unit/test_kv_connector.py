@@ -5,14 +5,20 @@ from __future__ import annotations
 
 from fakes import fake_run, make_request, make_scheduler, run_to_completion
 
+from tokenmill.outputs import FinishResult
+from tokenmill.request import RequestStatus
+
 
 class Recorder:
-    """Offers `offer` tokens to every request, loads them (or fails to, with `fail`), and records
+    """Offers `offer` tokens to every request, loads them (or fails to, with `fail`), holds the
+    blocks of requests that end by length (with `hold`) until `release` names them, and records
     each call."""
 
-    def __init__(self, offer: int, fail: bool = False) -> None:
+    def __init__(self, offer: int, fail: bool = False, hold: bool = False) -> None:
         self.offer = offer
         self.fail = fail
+        self.hold = hold
+        self.release: list[str] = []
         self.calls: list[tuple] = []
 
     def num_matched_tokens(self, request, num_local_tokens):
@@ -25,7 +31,13 @@ class Recorder:
 
     def on_finish(self, request, block_ids):
         self.calls.append(("finished", request.request_id, list(block_ids), request.status.name))
-        return {"do_remote_prefill": True} if request.status.name == "FINISHED_LENGTH" else None
+        by_length = request.status.name == "FINISHED_LENGTH"
+        return FinishResult({"do_remote_prefill": True} if by_length else None, hold_blocks=self.hold and by_length)
+
+    def released(self):
+        self.calls.append(("released",))
+        released, self.release = self.release, []
+        return released
 
 
 def test_external_tokens_are_counted_computed_and_get_blocks_at_admission():
@@ -87,3 +99,33 @@ def test_a_failed_load_computes_the_tokens_here_and_caches_none_of_the_promised_
     steps = run_to_completion(s)
     assert [step.num_scheduled_tokens for step in steps] == [[8], [4], [1]]  # the rest of the prompt, then a decode
     assert s.stats().num_external_tokens == 0
+
+
+def test_held_blocks_stay_out_of_the_pool_until_the_connector_releases_them():
+    connector = Recorder(offer=0, hold=True)
+    s = make_scheduler(budget=32, block_size=4, connector=connector)
+    s.add_request(make_request("a", prompt_len=6, max_tokens=1))
+    s.add_request(make_request("b", prompt_len=10, max_tokens=1))
+    sched = s.schedule()
+    s.update(sched, fake_run(sched))
+    assert not s.has_unfinished_requests()
+    stats = s.stats()
+    assert (stats.num_held_requests, stats.kv_blocks_held, stats.kv_blocks_used) == (2, 2 + 3, 2 + 3)
+    connector.release = ["b", "unknown"]
+    s.schedule()  # asks the connector once, first
+    assert connector.calls[-1] == ("released",)
+    assert list(s.held) == ["a"] and s.stats().kv_blocks_used == 2
+    connector.release = ["a"]
+    s.release_held()  # what the engine does while it idles
+    assert not s.held and s.stats().kv_blocks_used == 0 and s.stats().kv_blocks_held == 0
+
+
+def test_an_aborted_request_is_never_held_and_nothing_is_asked_while_nothing_is():
+    connector = Recorder(offer=0, hold=True)
+    s = make_scheduler(budget=32, block_size=4, connector=connector)
+    s.add_request(make_request("a", prompt_len=6, max_tokens=4))
+    s.schedule()
+    s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    s.schedule()
+    assert not s.held and s.stats().kv_blocks_used == 0
+    assert ("released",) not in connector.calls

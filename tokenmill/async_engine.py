@@ -24,8 +24,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import torch
-
 from tokenmill.engine import LLMEngine
 from tokenmill.input_processor import Prompt
 from tokenmill.outputs import RequestOutput, StepStats
@@ -174,8 +172,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self.engine
         try:
-            if engine.device.type == "cuda":  # Triton launches, CUDA events and graph captures act on
-                torch.cuda.set_device(engine.device)  # the current device, not their tensors'
+            engine.use_device()
             while not self._stopping:
                 self._drain_commands()
                 if not engine.has_unfinished_requests():

@@ -113,6 +113,11 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.close()
 
+    def use_device(self) -> None:
+        """Make the engine's device the calling thread's current one (the async engine's thread):
+        Triton launches, CUDA events and graph captures act on the current device."""
+        self.runner.worker.use_device()
+
     def unfinished_request_ids(self) -> list[str]:
         """Every request whose final output is still to come."""
         return list(self.output_processor.detokenizers)

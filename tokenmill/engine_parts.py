@@ -151,7 +151,7 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
         max_len = num_blocks * config.block_size
     cache_config = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
     runner, scheduler = _runner_and_scheduler(config, model, local_config, cache_config, device, dtype, kv_dtype,
-                                              max_len, threads, ranks)
+                                              max_len, threads, ranks, checkpoint.path.name)
     speculator = None
     if proposer is not None:
         proposer.allocate(num_blocks, config.block_size)
@@ -163,10 +163,11 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
 def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
                           cache_config: CacheConfig, device: torch.device, dtype: torch.dtype,
                           kv_dtype: torch.dtype, max_len: int, threads: ThreadGovernor | None,
-                          ranks: RankProcesses | None = None) -> tuple[ModelRunner, Scheduler]:
+                          ranks: RankProcesses | None = None, model_name: str = "") -> tuple[ModelRunner, Scheduler]:
     """The worker with the KV pool's tensors (this rank's KV heads) and the runner over it; the
-    scheduler with the pool's bookkeeping. Under tensor parallelism the worker sends each step to
-    the other ranks, and no CUDA graphs are captured (their collectives would be in them)."""
+    scheduler with the pool's bookkeeping and the KV connector (named after `model_name`, the
+    checkpoint's file or directory). Under tensor parallelism the worker sends each step to the
+    other ranks."""
     num_blocks, block_size = cache_config.num_blocks, cache_config.block_size
     bytes_per_block = block_size * model_config.kv_bytes_per_token * kv_dtype.itemsize
     num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
@@ -177,9 +178,11 @@ def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_co
         kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, num_host_blocks)
     except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
         raise MemoryError(pool_too_big(config, device, num_blocks, num_host_blocks, bytes_per_block, exc)) from exc
+    # (no graphs under tensor parallelism, whose collectives would be captured, nor for MoE models,
+    # whose captured step would run every expert on every row)
     if (device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False)
-            and ranks is None):
+            and ranks is None and model_config.moe is None):
         worker.capture_graphs(config.max_num_seqs, max_len)
-    connector = make_connector(config, model_config, worker, Path(config.model).name)
+    connector = make_connector(config, model_config, worker, model_name)
     return ModelRunner(worker, config.seed), Scheduler(SchedulerConfig.from_engine(config, max_len), kv,
                                                        connector=connector)

@@ -124,7 +124,7 @@ class InputProcessor:
         params = SamplingParams(max_tokens=1)  # (never sampled: the request ends when its prompt has run)
         self._check_token_ids(ids, params)
         if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but the model's context length is {self.max_model_len}")
+            raise ContextLengthError(self.max_model_len, len(ids), None)
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params, max_tokens=0,
                           eos_token_ids=self.eos_token_ids, prompt=text, arrival_time=arrival_time,
                           pooling=pooling or PoolingParams())

@@ -38,11 +38,14 @@ bookkeeping itself.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.outputs import FinishResult
 from tokenmill.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 class KVConnector(Protocol):
@@ -71,18 +74,55 @@ class KVConnector(Protocol):
         ...
 
 
+class GuardedConnector:
+    """A connector whose failures stay its own: an exception in any call (a client's malformed
+    kv_transfer_params, a full disk, a bug) is logged and answered as "nothing to bring in",
+    "not loaded", "nothing to hand over" or "nothing released", so it never ends the engine loop.
+    Other attributes (the connectors' counters) are the inner connector's."""
+
+    def __init__(self, inner: KVConnector) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def num_matched_tokens(self, request: Request, num_local_tokens: int) -> int:
+        return self._call(0, self.inner.num_matched_tokens, request, num_local_tokens)
+
+    def load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
+        return self._call(False, self.inner.load, request, block_ids, num_local_tokens, num_external_tokens)
+
+    def on_finish(self, request: Request, block_ids: list[int]) -> FinishResult:
+        return self._call(FinishResult(), self.inner.on_finish, request, block_ids)
+
+    def released(self) -> list[str]:
+        return self._call([], self.inner.released)
+
+    def close(self) -> None:
+        self._call(None, self.inner.close)
+
+    def _call(self, default, method, *args):
+        try:
+            return method(*args)
+        except Exception:
+            logger.exception("KV connector %s failed; going on without it for this call", method.__name__)
+            return default
+
+
 def make_connector(config: EngineConfig, model_config: ModelConfig, worker, model_name: str) -> KVConnector | None:
-    """The connector `config.kv_role` and `config.kv_connector` ask for, over the worker's pool;
-    None without a kv_role."""
+    """The connector `config.kv_role` and `config.kv_connector` ask for, over the worker's pool,
+    guarded (GuardedConnector); None without a kv_role."""
     if config.kv_role is None:
         return None
     fingerprint = pool_fingerprint(model_name, model_config, config.block_size, config.kv_dtype_name)
     if config.kv_connector == "nixl":
         from tokenmill.kv_nixl import NixlConnector
-        return NixlConnector(config.kv_role, worker, config.block_size, fingerprint, config.kv_side_channel_host,
-                             config.kv_side_channel_port, config.kv_hold_timeout, config.kv_transfer_timeout)
+        return GuardedConnector(NixlConnector(
+            config.kv_role, worker, config.block_size, fingerprint, config.kv_side_channel_host,
+            config.kv_side_channel_port, config.kv_hold_timeout, config.kv_transfer_timeout))
     from tokenmill.kv_storage import SharedStorageConnector
-    return SharedStorageConnector(config.kv_storage_path, config.kv_role, worker, config.block_size, fingerprint)
+    return GuardedConnector(SharedStorageConnector(config.kv_storage_path, config.kv_role, worker, config.block_size,
+                                                   fingerprint))
 
 
 def pool_fingerprint(model_name: str, model_config: ModelConfig, block_size: int, kv_dtype: str) -> str:

@@ -44,6 +44,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,16 +54,29 @@ from tokenmill.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-PARAM_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id")
+READ_MEMORY = 65536          # remote requests remembered as read (a sibling of one reads nothing)
+FAILED_ENGINE_PAUSE = 30.0   # seconds a prefill engine that failed a fetch or read is not tried again
 
 
-def pool_regions(address: int, shape: tuple[int, ...], element_size: int) -> np.ndarray:
+def well_formed(params: dict | None) -> bool:
+    """Whether a request's kv_transfer_params name remote blocks to read, with the types this
+    connector writes them in (they come from clients: anything else reads nothing)."""
+    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+        return False
+    ids = params.get("remote_block_ids")
+    return (isinstance(params.get("remote_engine_id"), str) and isinstance(params.get("remote_host"), str)
+            and isinstance(params.get("remote_port"), int) and isinstance(params.get("remote_request_id"), (str, int))
+            and isinstance(params.get("remote_expires_at"), (int, float)) and isinstance(ids, list)
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in ids))
+
+
+def pool_regions(address: int, shape: tuple[int, ...], element_size: int, device_id: int = 0) -> np.ndarray:
     """The (address, length, device id) of every (layer, K|V, block) region of a contiguous pool of
     `shape` at `address`, in region order (module docstring): (layers * 2 * blocks, 3) int64."""
     layers, kv, blocks = shape[:3]
     length = int(np.prod(shape[3:])) * element_size  # one block of one layer's K or V
     starts = address + np.arange(layers * kv * blocks, dtype=np.int64) * length
-    return np.stack([starts, np.full_like(starts, length), np.zeros_like(starts)], axis=1)
+    return np.stack([starts, np.full_like(starts, length), np.full_like(starts, device_id)], axis=1)
 
 
 def region_indices(block_ids: list[int], layers: int, blocks: int) -> np.ndarray:
@@ -135,7 +149,8 @@ class _Agent:
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         self.registered = self.agent.register_memory(pool)
         self.local = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", pool_regions(pool.data_ptr(), tuple(pool.shape), pool.element_size()),
+            "NIXL_INIT_AGENT", pool_regions(pool.data_ptr(), tuple(pool.shape), pool.element_size(),
+                                            pool.device.index or 0),
             "DRAM" if pool.device.type == "cpu" else "VRAM")
         self.remotes: dict[str, _Remote] = {}  # by engine id
 
@@ -175,11 +190,15 @@ class NixlConnector:
         self.link = _Agent(self.engine_id, pool)
         self._close_link = weakref.finalize(self, self.link.close)
         self.host, self.channel = host, None
+        # what decode instances connect to: a wildcard bind is reachable at this host's name
+        self.advertised_host = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
         if role != "decode":
             self.channel = SideChannel(host, port, self._payload(pool))
             self._close_channel = weakref.finalize(self, self.channel.close)
         self.holds: dict[str, float] = {}  # prefill: held request id -> when it stops waiting for the read
         self.tried: set[str] = set()       # decode: requests whose load was attempted (never twice)
+        self.read: OrderedDict[tuple[str, str], None] = OrderedDict()  # decode: (engine, remote request) read
+        self.failed_engines: dict[str, float] = {}  # decode: engine id -> until when it is not tried again
         self.num_blocks_held = 0           # cumulative, for tests and metrics
         self.num_blocks_loaded = 0
         self.num_load_failures = 0
@@ -195,6 +214,7 @@ class NixlConnector:
             "engine_id": self.engine_id, "fingerprint": self.fingerprint,
             "agent_metadata": base64.b64encode(self.link.agent.get_agent_metadata()).decode(),
             "pool_address": pool.data_ptr(), "pool_shape": list(pool.shape), "element_size": pool.element_size(),
+            "device_id": pool.device.index or 0,
             "memory": "DRAM" if pool.device.type == "cpu" else "VRAM"}).encode()
 
     def close(self) -> None:
@@ -206,14 +226,21 @@ class NixlConnector:
 
     def num_matched_tokens(self, request: Request, num_local_tokens: int) -> int:
         params = request.params.kv_transfer_params
-        if (self.role == "prefill" or self.link.agent is None or request.request_id in self.tried or not params
-                or not params.get("do_remote_prefill") or any(params.get(key) is None for key in PARAM_KEYS)):
-            return 0
+        if (self.role == "prefill" or self.link.agent is None or request.request_id in self.tried
+                or not well_formed(params) or time.time() > params["remote_expires_at"]
+                or (params["remote_engine_id"], str(params["remote_request_id"])) in self.read
+                or self.failed_engines.get(params["remote_engine_id"], 0.0) > self.clock()):
+            return 0  # (expired: the prefill instance may have freed and reused the blocks)
         return max(0, len(params["remote_block_ids"]) * self.block_size - num_local_tokens)
 
     def load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
         self.tried.add(request.request_id)
         params = request.params.kv_transfer_params
+        # One read per remote request: its notice lets the prefill instance free the blocks, so a
+        # sibling (n > 1) takes them from this instance's prefix cache instead.
+        self.read[(params["remote_engine_id"], str(params["remote_request_id"]))] = None
+        while len(self.read) > READ_MEMORY:
+            self.read.popitem(last=False)
         first = num_local_tokens // self.block_size
         last = -(-(num_local_tokens + num_external_tokens) // self.block_size)
         engine_id, notice = params["remote_engine_id"], str(params["remote_request_id"]).encode()
@@ -226,6 +253,8 @@ class NixlConnector:
                            request.request_id, last - first, engine_id, type(exc).__name__, exc)
             self._notify_anyway(engine_id, notice)
             self.link.forget(engine_id)  # fetched again next time: it may have restarted
+            if isinstance(exc, (OSError, RuntimeError)):  # unreachable or broken (not a bad request): paused,
+                self.failed_engines[engine_id] = self.clock() + FAILED_ENGINE_PAUSE  # not a stall per request
             return False
         self.num_blocks_loaded += last - first
         return True
@@ -244,7 +273,8 @@ class NixlConnector:
         name = agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
         name = name.decode() if isinstance(name, bytes) else name
         shape = tuple(meta["pool_shape"])
-        regions = agent.prep_xfer_dlist(name, pool_regions(meta["pool_address"], shape, meta["element_size"]),
+        regions = agent.prep_xfer_dlist(name, pool_regions(meta["pool_address"], shape, meta["element_size"],
+                                                           meta.get("device_id", 0)),
                                         meta["memory"])
         remote = self.link.remotes[engine_id] = _Remote(name, regions, shape[0], shape[2])
         return remote
@@ -295,10 +325,13 @@ class NixlConnector:
         if held:
             self.holds[request.request_id] = self.clock() + self.hold_timeout
             self.num_blocks_held += len(held)
+        # the decode side reads no later than this (wall clock), so never after the blocks are freed
+        expires = time.time() + max(0.0, self.hold_timeout - self.transfer_timeout - 1.0)
         return FinishResult({
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-            "remote_host": self.host, "remote_port": self.port, "remote_block_ids": held,
-            "remote_request_id": request.request_id, "tp_size": 1}, hold_blocks=bool(held))
+            "remote_host": self.advertised_host, "remote_port": self.port, "remote_block_ids": held,
+            "remote_request_id": request.request_id, "remote_expires_at": expires, "tp_size": 1},
+            hold_blocks=bool(held))
 
     def released(self) -> list[str]:
         if not self.holds:

@@ -8,7 +8,8 @@ A block's name is the prefix cache's chained hash of its tokens and of every tok
 (kv_cache.hash_block), so the decode instance finds a prompt's blocks from its own tokens and
 needs nothing but `do_remote_prefill` from the params. Files are written to a temporary name and
 renamed, so a reader never sees half a block. The storage is a hand-off, not a cache: the decode
-instance deletes the files it loaded (its own prefix cache keeps the blocks from then on).
+instance deletes a prompt's files once it loaded them (its own prefix cache keeps the blocks from
+then on), and the prefill instance deletes files nobody took within FILE_TTL.
 
 The prefill side writes when a request that asked for it (`do_remote_decode`) ends with its
 prompt computed; the decode side reads at admission, on the scheduler's thread, before the step
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -30,6 +32,8 @@ from tokenmill.outputs import FinishResult
 from tokenmill.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+FILE_TTL = 600.0  # seconds a block file waits for a decode instance before the prefill side deletes it
 
 
 class SharedStorageConnector:
@@ -43,6 +47,7 @@ class SharedStorageConnector:
         self.num_blocks_saved = 0         # cumulative, for tests and metrics
         self.num_blocks_loaded = 0
         self.num_load_failures = 0
+        self._next_prune = 0.0            # wall clock: when _prune next looks at the directory
 
     # ---- decode side ----------------------------------------------------------------------
 
@@ -72,7 +77,7 @@ class SharedStorageConnector:
                            request.request_id, len(hashes), type(exc).__name__, exc)
             return False
         self.num_blocks_loaded += len(hashes)
-        for block_hash in hashes:
+        for block_hash in self._hashes(request, last):  # (those of the local hit too: this instance has them)
             self._file(block_hash).unlink(missing_ok=True)
         return True
 
@@ -93,6 +98,7 @@ class SharedStorageConnector:
             for j, (_, block_hash) in enumerate(todo):
                 self._write(block_hash, blocks[:, :, j].clone())
         self.num_blocks_saved += len(todo)
+        self._prune()
         return FinishResult({"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
                              "remote_block_ids": [], "remote_host": None, "remote_port": None})
 
@@ -112,6 +118,20 @@ class SharedStorageConnector:
         for i in range(num_blocks):
             hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
         return hashes
+
+    def _prune(self) -> None:
+        """At most once a minute: delete block files no decode instance took within FILE_TTL (their
+        request's decode leg never came: the client left, or the router computed it elsewhere)."""
+        now = time.time()
+        if now < self._next_prune:
+            return
+        self._next_prune = now + 60.0
+        for path in self.dir.iterdir():
+            try:
+                if path.stat().st_mtime < now - FILE_TTL:
+                    path.unlink(missing_ok=True)
+            except FileNotFoundError:  # (taken meanwhile)
+                pass
 
     def _file(self, block_hash: bytes) -> Path:
         return self.dir / f"{block_hash.hex()}.pt"

@@ -71,6 +71,11 @@ class ModelWorker:
         if self.threads is not None:
             self.threads.update()
 
+    def use_device(self) -> None:
+        """Make this worker's GPU the calling thread's current device (nothing on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def release_threads(self) -> None:
         """Let the OpenMP worker threads that the calling thread started exit (building the engine
         ran parallel kernels on it), before the engine steps on a thread of its own: each thread that

@@ -128,5 +128,6 @@ def test_a_prefill_instance_that_is_gone_leaves_the_prompt_to_the_decode_instanc
     outs = llm.generate(PROMPTS[1:], [GREEDY.clone(kv_transfer_params=p) for p in params[1:]], use_tqdm=False)
     llm.engine.close()
     assert [out.outputs[0].token_ids for out in outs] == colocated[1:]
-    assert llm.engine.scheduler.connector.num_load_failures == 2
+    # the first read fails; the second is not tried, its engine having failed moments before
+    assert llm.engine.scheduler.connector.num_load_failures == 1
     assert llm.engine.scheduler.stats().num_external_tokens == 32

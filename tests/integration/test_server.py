@@ -341,7 +341,7 @@ BAD_REQUESTS = [
     ("a template from the request", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "w5"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400,
      "chat_template"),
-    # values past any use, once served as if they were sane (200), or failing deep inside (500)
+    # values past any use: each is named, not served as if sane nor failing deep inside
     ("tool call arguments nested past JSON's decoder", "/v1/chat/completions", {"messages": [
         {"role": "user", "content": "w5"},
         {"role": "assistant", "content": None, "tool_calls": [

@@ -129,3 +129,22 @@ def test_an_aborted_request_is_never_held_and_nothing_is_asked_while_nothing_is(
     s.schedule()
     assert not s.held and s.stats().kv_blocks_used == 0
     assert ("released",) not in connector.calls
+
+
+class Broken(Recorder):
+    """Raises in every call, as a connector given a client's malformed params might."""
+
+    def num_matched_tokens(self, request, num_local_tokens):
+        raise TypeError("object of type 'int' has no len()")
+
+    def on_finish(self, request, block_ids):
+        raise OSError("No space left on device")
+
+
+def test_a_connector_that_raises_leaves_the_request_to_be_computed_here_and_the_scheduler_running():
+    from tokenmill.kv_connector import GuardedConnector
+    s = make_scheduler(budget=32, block_size=4, connector=GuardedConnector(Broken(offer=8)))
+    s.add_request(make_request("a", prompt_len=10, max_tokens=2))
+    steps = run_to_completion(s)
+    assert [step.num_scheduled_tokens for step in steps] == [[10], [1]]
+    assert s.stats().num_external_tokens == 0 and s.stats().kv_blocks_used == 0

@@ -33,3 +33,15 @@ def test_the_side_channel_hands_its_payload_to_each_caller_until_closed():
     finally:
         channel.close()
     assert not channel.thread.is_alive()
+
+
+def test_transfer_params_read_only_as_the_prefill_side_writes_them():
+    from tokenmill.kv_nixl import well_formed
+    good = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 5555,
+            "remote_block_ids": [3, 4], "remote_request_id": "r1", "remote_expires_at": 1e12}
+    assert well_formed(good)
+    for bad in ({"remote_block_ids": 5}, {"remote_block_ids": ["3"]}, {"remote_block_ids": [True]},
+                {"remote_port": "5555"}, {"remote_engine_id": None}, {"remote_expires_at": "soon"},
+                {"do_remote_prefill": 1}):
+        assert not well_formed({**good, **bad}), bad
+    assert not well_formed(None) and not well_formed([good])

@@ -99,7 +99,7 @@ def longrope_angles(positions: torch.Tensor, head_dim: int, theta: float, scalin
     original context and by its long factor from there on. Transformers switches every position of
     a sequence to the long factors once the sequence outgrows the original context; with a KV cache
     the K of earlier positions keep what they were computed with, so here a position's angle depends
-    on the position alone, as vLLM computes it."""
+    on the position alone."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     short, long = _longrope_factors(scaling)
     if short.shape != inv_freq.shape or long.shape != inv_freq.shape:
@@ -125,7 +125,8 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     half, r, rest = head_dim // 2, rotary_dim // 2, (head_dim - rotary_dim) // 2
     first = list(range(r)) + [rotary_dim + m for m in range(rest)]
     second = [r + m for m in range(r)] + [rotary_dim + rest + m for m in range(rest)]
-    assert len(first) == len(second) == half
+    if len(first) != half or len(second) != half:
+        raise ValueError(f"{rotary_dim} rotating dims of {head_dim}: rotary_dim and the rest must both be even")
     return torch.tensor(first + second)
 
 

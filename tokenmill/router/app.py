@@ -83,8 +83,11 @@ class RouterHandler:
         text = routing_text(raw.url.path, body)
         hashes = chunk_hashes(text)
         if self.prefill is not None:
-            content = await self.prefill.prepare(raw.url.path, body, content, request_headers(raw.headers), hashes,
-                                                 len(text))
+            leg = self.prefill.prepare(raw.url.path, body, content, request_headers(raw.headers), hashes, len(text))
+            try:
+                content = await unless_disconnected(leg, raw.receive)
+            except ClientGone:
+                return Response(status_code=499)
         return await self._forward(raw, content, hashes)
 
     async def _forward(self, raw: Request, content: bytes, hashes: list[bytes] | None) -> Response:

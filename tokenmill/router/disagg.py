@@ -12,8 +12,9 @@ instances (`--kv-role decode`), and a generating request goes in two legs, as vL
 A request skips the first leg when the part of its prompt no decode instance is known to hold is
 short (under `min_uncached_chars` characters of the routing text, by the prefix sets the cache-aware
 policy keeps): a transfer would cost more than computing it where it lands. When the first leg
-fails (no prefill instance healthy, one that dies, an error answer) the request goes to a decode
-instance without params, which computes the prompt itself: slower, never wrong or lost.
+fails (no prefill instance healthy, one that dies, an error answer, no answer within
+PREFILL_TIMEOUT) the request goes to a decode instance without params, which computes the prompt
+itself: slower, never wrong or lost. A client that leaves during the first leg ends it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from tokenmill.router.prefix import CHUNK_CHARS
 from tokenmill.router.replicas import Replica
 
 logger = logging.getLogger("tokenmill.router")
+
+PREFILL_TIMEOUT = 300.0  # seconds a prefill leg may take before the decode instance computes the prompt
 
 
 @dataclass
@@ -67,11 +70,13 @@ class PrefillStage:
             return None
         replica = least_loaded(candidates)
         leg = {key: value for key, value in body.items()
-               if key not in ("stream", "stream_options", "max_completion_tokens", "n", "logprobs", "top_logprobs")}
+               if key not in ("stream", "stream_options", "max_completion_tokens", "min_tokens", "n", "logprobs",
+                              "top_logprobs")}
         leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         replica.in_flight += 1
         try:
-            answer = await self.client.post(replica.url + path, json=leg, headers=headers)
+            answer = await self.client.post(replica.url + path, json=leg, headers=headers,
+                                            timeout=httpx.Timeout(PREFILL_TIMEOUT, connect=5.0))
             data = answer.json() if answer.status_code == 200 else None
             params = data.get("kv_transfer_params") if isinstance(data, dict) else None
         except (httpx.HTTPError, ValueError) as exc:

@@ -141,11 +141,13 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
-    """The engine loop runs while the app does; at shutdown every request still in flight ends."""
+    """The engine loop runs while the app does; at shutdown every request still in flight ends, and
+    the engine lets go of its ranks, KV connector and trace file."""
     async_engine = app.state.async_engine
     async_engine.start()
     yield
     async_engine.abort_all()
     async_engine.stop()
+    async_engine.engine.close()
     if app.state.spans is not None:
         app.state.spans.shutdown()

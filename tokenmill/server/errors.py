@@ -43,8 +43,8 @@ def context_length_error(exc: ContextLengthError, input_name: str) -> APIError:
     "input"), and a message that opens with "This model's maximum context length is N tokens",
     which clients look for before they trim the conversation and retry: LiteLLM raises its
     ContextWindowExceededError on those words, LangChain its ContextOverflowError on the code in
-    the error's text or on "prompt is too long" (the openai SDK's error text is now the message
-    alone, without the code)."""
+    the error's text or on "prompt is too long" (the openai SDK's error text is the message alone,
+    without the code)."""
     head = f"This model's maximum context length is {exc.max_model_len} tokens. However, "
     if exc.max_tokens is None:
         message = (f"{head}your {input_name} resulted in {exc.prompt_tokens} tokens: the prompt is too long, with "

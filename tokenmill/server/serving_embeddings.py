@@ -23,8 +23,9 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from tokenmill.input_processor import ContextLengthError
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.server.errors import APIError, check_model
+from tokenmill.server.errors import APIError, check_model, context_length_error
 from tokenmill.server.protocol import EmbeddingRequest
 from tokenmill.server.serving import ServingEngine
 
@@ -70,6 +71,8 @@ class EmbeddingHandler:
             try:
                 return [self.serving.async_engine.make_embedding_request(f"{prefix}-{i}", prompt, pooling, arrival)
                         for i, prompt in enumerate(inputs)]
+            except ContextLengthError as exc:
+                raise context_length_error(exc, "input") from None
             except ValueError as exc:
                 raise APIError(400, f"input: {exc}", param="input") from None
         requests = await asyncio.to_thread(build)

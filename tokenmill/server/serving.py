@@ -30,6 +30,7 @@ from tokenmill.server.otel import RequestSpans
 from tokenmill.server.protocol import error_body
 from tokenmill.server.request_log import RequestLog
 from tokenmill.server.streaming import merge_streams
+from tokenmill.server.tools import ToolPlan, plan_tools
 
 if TYPE_CHECKING:
     from tokenmill.engine import LLMEngine
@@ -61,6 +62,26 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
         return req.sampling_params(max_tokens, logprobs, default_max_tokens=None, prompt_logprobs=prompt_logprobs)
     except ValueError as exc:  # SamplingParams names the field first in its message
         raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+
+def with_tool_plan(params: SamplingParams, tools: list | None, choice, parser: str | None, parallel: bool,
+                   own_format: str) -> tuple[ToolPlan | None, SamplingParams]:
+    """How a request's tools (chat form) are called, and its params with the calls' constraint:
+    tool_choice "required" or a named function makes the calls a structured output, which the
+    request's own format (`own_format`, the field that names it) must then leave out."""
+    try:
+        plan = plan_tools(tools, choice, parser, parallel)
+    except ValueError as exc:  # (a schema too deep is named by its place: tools.0.function.parameters)
+        where, message = str(exc).split(" ", 1)[0], str(exc)
+        param = where if where.startswith("tools.") else "tool_choice" if "tool_choice" in message else "tools"
+        raise APIError(400, message, param=param) from None
+    constraint = plan.constraint() if plan is not None else None
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, "tool_choice 'required' or a named function makes the output a structured "
+                           f"output already: drop {own_format}", param="tool_choice")
+        params = params.clone(structured_outputs=constraint)
+    return plan, params
 
 
 def raise_if_failed(outputs: list[RequestOutput]) -> None:

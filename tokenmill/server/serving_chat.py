@@ -24,8 +24,8 @@ from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
-from tokenmill.server.serving import ServingEngine, sampling_params
-from tokenmill.server.tools import ToolPlan, ToolStream, plan_tools
+from tokenmill.server.serving import ServingEngine, sampling_params, with_tool_plan
+from tokenmill.server.tools import ToolPlan, ToolStream
 from tokenmill.server.tools import finish_reason as tool_finish_reason
 
 if TYPE_CHECKING:
@@ -57,25 +57,6 @@ def _chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     return sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
 
 
-def _with_tools(req: ChatCompletionRequest, params: SamplingParams,
-                tool_call_parser: str | None) -> tuple[ToolPlan | None, SamplingParams]:
-    """How the request's tools are called, and its params with the calls' constraint (tool_choice
-    'required' or a named function makes the calls a structured output)."""
-    try:
-        plan = plan_tools(req.tools, req.tool_choice, tool_call_parser, req.parallel_tool_calls is not False)
-    except ValueError as exc:  # (a schema too deep is named by its place: tools.0.function.parameters)
-        where, message = str(exc).split(" ", 1)[0], str(exc)
-        param = where if where.startswith("tools.") else "tool_choice" if "tool_choice" in message else "tools"
-        raise APIError(400, message, param=param) from None
-    calls_constraint = plan.constraint() if plan is not None else None
-    if calls_constraint is not None:
-        if params.structured_outputs is not None:
-            raise APIError(400, "tool_choice 'required' or a named function makes the output a structured "
-                           "output already: drop response_format or structured_outputs", param="tool_choice")
-        params = params.clone(structured_outputs=calls_constraint)
-    return plan, params
-
-
 @dataclass
 class ChatHandler:
     serving: ServingEngine
@@ -87,7 +68,9 @@ class ChatHandler:
     async def create(self, req: ChatCompletionRequest, raw: Request):
         check_model(req.model, self.model_name)
         params = _chat_sampling_params(req)
-        plan, params = _with_tools(req, params, self.tool_call_parser)
+        plan, params = with_tool_plan(params, req.tools, req.tool_choice, self.tool_call_parser,
+                                      req.parallel_tool_calls is not False,
+                                      "response_format or structured_outputs")
         prompt = await asyncio.to_thread(render_messages, self.tokenizer, req.messages,  # tokenizes
                                          req.add_generation_prompt, req.tools, req.chat_template_kwargs)
         if plan is not None and plan.choice == "none":

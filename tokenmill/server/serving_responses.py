@@ -33,8 +33,8 @@ from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.protocol_responses import FunctionChoice, InputItem, ResponsesRequest
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.responses_output import ResponseEvents, ResponseHead, new_id, output_items, status_of, usage
-from tokenmill.server.serving import ServingEngine, TimedStreamingResponse
-from tokenmill.server.tools import ToolPlan, plan_tools
+from tokenmill.server.serving import ServingEngine, TimedStreamingResponse, with_tool_plan
+from tokenmill.server.tools import ToolPlan
 
 # SamplingParams' and the engine's names for the request's fields
 FIELD_NAMES = {"max_tokens": "max_output_tokens", "structured_outputs": "text.format"}
@@ -133,17 +133,8 @@ def _with_tools(req: ResponsesRequest, params: SamplingParams,
     choice = req.tool_choice
     if isinstance(choice, FunctionChoice):
         choice = {"type": "function", "function": {"name": choice.name}}
-    try:
-        plan = plan_tools([tool.as_chat_tool() for tool in req.tools or []], choice, parser, req.parallel_tool_calls)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
-    constraint = plan.constraint() if plan is not None else None
-    if constraint is not None:
-        if params.structured_outputs is not None:
-            raise APIError(400, "tool_choice 'required' or a named function makes the output a structured output "
-                           "already: drop text.format", param="tool_choice")
-        params = params.clone(structured_outputs=constraint)
-    return plan, params
+    return with_tool_plan(params, [tool.as_chat_tool() for tool in req.tools or []], choice, parser,
+                          req.parallel_tool_calls, "text.format")
 
 
 # ---- the handler ---------------------------------------------------------------------------------

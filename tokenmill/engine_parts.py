@@ -26,7 +26,9 @@ from tokenmill.cpu_threads import ThreadGovernor
 from tokenmill.device import context_length, resolve_device, thread_governor
 from tokenmill.input_processor import InputProcessor
 from tokenmill.kv_cache import KVCacheManager
-from tokenmill.kv_connector import make_connector
+from tokenmill.kv_connector import GuardedConnector, KVConnector, pool_fingerprint
+from tokenmill.kv_nixl import NixlConnector
+from tokenmill.kv_storage import SharedStorageConnector
 from tokenmill.model_runner import ModelRunner, kv_pool_blocks, pool_too_big
 from tokenmill.models.loader import (
     BROKEN_FILE_ERRORS,
@@ -183,6 +185,20 @@ def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_co
     if (device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False)
             and ranks is None and model_config.moe is None):
         worker.capture_graphs(config.max_num_seqs, max_len)
-    connector = make_connector(config, model_config, worker, model_name)
+    connector = _connector(config, model_config, worker, model_name)
     return ModelRunner(worker, config.seed), Scheduler(SchedulerConfig.from_engine(config, max_len), kv,
                                                        connector=connector)
+
+
+def _connector(config: EngineConfig, model_config: ModelConfig, worker, model_name: str) -> KVConnector | None:
+    """The connector `config.kv_role` and `config.kv_connector` ask for, over the worker's pool,
+    guarded (GuardedConnector); None without a kv_role."""
+    if config.kv_role is None:
+        return None
+    fingerprint = pool_fingerprint(model_name, model_config, config.block_size, config.kv_dtype_name)
+    if config.kv_connector == "nixl":
+        return GuardedConnector(NixlConnector(
+            config.kv_role, worker, config.block_size, fingerprint, config.kv_side_channel_host,
+            config.kv_side_channel_port, config.kv_hold_timeout, config.kv_transfer_timeout))
+    return GuardedConnector(SharedStorageConnector(config.kv_storage_path, config.kv_role, worker, config.block_size,
+                                                   fingerprint))

@@ -41,9 +41,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import ModelConfig
 from tokenmill.outputs import FinishResult
-from tokenmill.request import Request
+from tokenmill.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,25 @@ class KVConnector(Protocol):
     def close(self) -> None:
         """Let go of what the connector holds outside the pool (agents, listeners); idempotent."""
         ...
+
+
+def hands_over(request: Request) -> bool:
+    """Whether a request that ended asked for its prompt's K/V to be handed to a decode instance
+    (do_remote_decode) and ended with it computed (not aborted, not failed)."""
+    params = request.params.kv_transfer_params
+    return (isinstance(params, dict) and params.get("do_remote_decode") is True
+            and request.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED))
+
+
+def prompt_blocks_computed(request: Request, block_size: int) -> int:
+    """The prompt's full blocks whose every token is computed (all of them once a token was sampled)."""
+    return min(request.num_computed_tokens, request.num_prompt_tokens) // block_size
+
+
+def external_block_span(num_local_tokens: int, num_external_tokens: int, block_size: int) -> tuple[int, int]:
+    """[first, last) of the request's blocks that a load writes: after the local hit (whole blocks),
+    through the block holding the last external token."""
+    return num_local_tokens // block_size, -(-(num_local_tokens + num_external_tokens) // block_size)
 
 
 class GuardedConnector:
@@ -107,22 +126,6 @@ class GuardedConnector:
         except Exception:
             logger.exception("KV connector %s failed; going on without it for this call", method.__name__)
             return default
-
-
-def make_connector(config: EngineConfig, model_config: ModelConfig, worker, model_name: str) -> KVConnector | None:
-    """The connector `config.kv_role` and `config.kv_connector` ask for, over the worker's pool,
-    guarded (GuardedConnector); None without a kv_role."""
-    if config.kv_role is None:
-        return None
-    fingerprint = pool_fingerprint(model_name, model_config, config.block_size, config.kv_dtype_name)
-    if config.kv_connector == "nixl":
-        from tokenmill.kv_nixl import NixlConnector
-        return GuardedConnector(NixlConnector(
-            config.kv_role, worker, config.block_size, fingerprint, config.kv_side_channel_host,
-            config.kv_side_channel_port, config.kv_hold_timeout, config.kv_transfer_timeout))
-    from tokenmill.kv_storage import SharedStorageConnector
-    return GuardedConnector(SharedStorageConnector(config.kv_storage_path, config.kv_role, worker, config.block_size,
-                                                   fingerprint))
 
 
 def pool_fingerprint(model_name: str, model_config: ModelConfig, block_size: int, kv_dtype: str) -> str:

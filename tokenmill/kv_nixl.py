@@ -49,8 +49,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenmill.kv_connector import external_block_span, hands_over, prompt_blocks_computed
 from tokenmill.outputs import FinishResult
-from tokenmill.request import Request, RequestStatus
+from tokenmill.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -241,8 +242,7 @@ class NixlConnector:
         self.read[(params["remote_engine_id"], str(params["remote_request_id"]))] = None
         while len(self.read) > READ_MEMORY:
             self.read.popitem(last=False)
-        first = num_local_tokens // self.block_size
-        last = -(-(num_local_tokens + num_external_tokens) // self.block_size)
+        first, last = external_block_span(num_local_tokens, num_external_tokens, self.block_size)
         engine_id, notice = params["remote_engine_id"], str(params["remote_request_id"]).encode()
         try:
             remote = self._remote(engine_id, params["remote_host"], int(params["remote_port"]))
@@ -253,8 +253,8 @@ class NixlConnector:
                            request.request_id, last - first, engine_id, type(exc).__name__, exc)
             self._notify_anyway(engine_id, notice)
             self.link.forget(engine_id)  # fetched again next time: it may have restarted
-            if isinstance(exc, (OSError, RuntimeError)):  # unreachable or broken (not a bad request): paused,
-                self.failed_engines[engine_id] = self.clock() + FAILED_ENGINE_PAUSE  # not a stall per request
+            if not isinstance(exc, (ValueError, LookupError)):  # unreachable or broken, not a request's bad
+                self.failed_engines[engine_id] = self.clock() + FAILED_ENGINE_PAUSE  # params: not a stall each
             return False
         self.num_blocks_loaded += last - first
         return True
@@ -316,17 +316,15 @@ class NixlConnector:
 
     def on_finish(self, request: Request, block_ids: list[int]) -> FinishResult:
         self.tried.discard(request.request_id)
-        params = request.params.kv_transfer_params
-        if (self.role == "decode" or self.link.agent is None or not params or not params.get("do_remote_decode")
-                or request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)):
+        if self.role == "decode" or self.link.agent is None or not hands_over(request):
             return FinishResult()  # nothing asked, or aborted or failed: nothing to hand over
-        # Full blocks of the prompt whose every token is computed (all of them once a token was sampled).
-        held = list(block_ids[:min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size])
+        held = list(block_ids[:prompt_blocks_computed(request, self.block_size)])
         if held:
             self.holds[request.request_id] = self.clock() + self.hold_timeout
             self.num_blocks_held += len(held)
-        # the decode side reads no later than this (wall clock), so never after the blocks are freed
-        expires = time.time() + max(0.0, self.hold_timeout - self.transfer_timeout - 1.0)
+        # the decode side starts no read after this (wall clock): one started then ends before the
+        # blocks are freed, unless it outlasts what is left of the hold (its half at least)
+        expires = time.time() + max(self.hold_timeout / 2, self.hold_timeout - self.transfer_timeout - 1.0)
         return FinishResult({
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_host": self.advertised_host, "remote_port": self.port, "remote_block_ids": held,

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from tokenmill.kv_cache import hash_block
+from tokenmill.kv_connector import external_block_span, hands_over, prompt_blocks_computed
 from tokenmill.outputs import FinishResult
-from tokenmill.request import Request, RequestStatus
+from tokenmill.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,7 @@ class SharedStorageConnector:
         return n * self.block_size
 
     def load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
-        first = num_local_tokens // self.block_size
-        last = -(-(num_local_tokens + num_external_tokens) // self.block_size)
+        first, last = external_block_span(num_local_tokens, num_external_tokens, self.block_size)
         hashes = self._hashes(request, last)[first:last]
         try:
             blocks = torch.stack([torch.load(self._file(h), weights_only=True) for h in hashes], dim=2)
@@ -84,13 +84,9 @@ class SharedStorageConnector:
     # ---- prefill side ---------------------------------------------------------------------
 
     def on_finish(self, request: Request, block_ids: list[int]) -> FinishResult:
-        params = request.params.kv_transfer_params
-        if self.role == "decode" or not params or not params.get("do_remote_decode"):
+        if self.role == "decode" or not hands_over(request):
             return FinishResult()
-        if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            return FinishResult()  # aborted or failed: nothing to hand over
-        # Full blocks of the prompt whose every token is computed (all of them once a token was sampled).
-        num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
+        num_full = prompt_blocks_computed(request, self.block_size)
         hashes = self._hashes(request, num_full)
         todo = [(i, h) for i, h in enumerate(hashes) if not self._file(h).exists()]
         if todo:

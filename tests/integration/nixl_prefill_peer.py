@@ -41,7 +41,7 @@ def main(model: str, options: str) -> None:
         elif command["op"] == "held":
             answer = held(llm, command["within"], command.get("until", 0))
         elif command["op"] == "hold_timeout":
-            connector = llm.engine.scheduler.connector
+            connector = llm.engine.scheduler.connector.inner  # (the NixlConnector inside the guard)
             answer, connector.hold_timeout = connector.hold_timeout, command["seconds"]
         else:
             llm.engine.close()

@@ -98,7 +98,7 @@ def test_a_request_preempted_on_the_decode_instance_still_answers_right(tiny_mod
 
 def test_blocks_that_cannot_be_read_are_computed_here_and_freed_on_notice_or_timeout(tiny_models, peer, colocated):
     llm = LLM(str(tiny_models["llama"]), kv_role="decode", kv_connector="nixl", **OPTIONS)
-    before = peer.ask(op="hold_timeout", seconds=3.0)
+    before = peer.ask(op="hold_timeout", seconds=6.0)  # (params then expire after 3 s)
     try:
         params = peer.ask(op="prefill", prompts=PROMPTS)
         wrong = [{**params[0], "remote_engine_id": "f" * 32},         # another instance answers there

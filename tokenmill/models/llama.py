@@ -1,5 +1,6 @@
 """The Llama-family decoder over a flat, ragged batch: Llama 2/3, SmolLM2, TinyLlama, Mistral,
-Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each q/k head), all with GQA and RoPE.
+Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each q/k head), all with GQA and RoPE, and
+per-layer sliding-window attention (Mistral v0.1, Qwen2/3 with use_sliding_window).
 
 The model sees one flat batch of T tokens (every scheduled sequence's new tokens back
 to back) and never a (batch, seq) grid: only attention needs to know where one
@@ -137,6 +138,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window: int | None = None  # sliding window in tokens, set by the model from cfg.layer_windows
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend, ops) -> torch.Tensor:
@@ -144,7 +146,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x)                          # (T, (Hq + 2 Hkv) * D)
         q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                                  self.q_norm, self.k_norm)      # Qwen3: RMSNorm on each q/k head first
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # (T, Hq, D)
         return self.o_proj.forward(out.view(t, self.q_size))
 
 
@@ -203,6 +205,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.window = cfg.window(i)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
@@ -216,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,). Returns the final hidden states (T, hidden)."""
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions, x.dtype)
-        in_kernel = backend.name == "cpu" and backend.all_in_kernel(meta)  # what a fused layer can run
+        # what a fused layer can run (its kernel attends to the whole context: no window)
+        in_kernel = backend.name == "cpu" and backend.all_in_kernel(meta) and not self.config.layer_windows
         if in_kernel and self.fused_stack is not None:
             return self.fused_stack.forward(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
                                             meta.slot_block, meta.slot_offset, meta.block_tables,

@@ -101,11 +101,6 @@ def hf_model_config(path: Path) -> ModelConfig:
     theta, scaling = _hf_rope(cfg)
     heads = cfg["num_attention_heads"]
     max_len = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    if window and window < max_len:  # e.g. Mistral 7B v0.1: past the window its attention differs from ours
-        logger.warning("%s: sliding-window attention (%d tokens) is not implemented; context capped at %d",
-                       path, window, window)
-        max_len = window
     return ModelConfig(
         architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
@@ -115,7 +110,35 @@ def hf_model_config(path: Path) -> ModelConfig:
         max_position_embeddings=max_len,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_windows=hf_layer_windows(cfg))
+
+
+# transformers' names for a layer's attention (config.layer_types) that tokenmill runs
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Each layer's attention window as transformers applies it: Mistral slides every layer by
+    `sliding_window`; Qwen2/3 only with `use_sliding_window`, the layers from `max_window_layers`
+    on (or those config.layer_types names "sliding_attention"). () when no layer slides. Other
+    local-attention schemes (chunked attention) are refused by name."""
+    for key in ("attention_chunk_size", "sliding_window_pattern"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"unsupported attention variant {key}={cfg[key]!r} (supported: sliding_window, "
+                             "use_sliding_window with max_window_layers or layer_types)")
+    arch, num_layers, window = cfg.get("model_type"), cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if arch == "mistral":
+        return (window,) * num_layers if window is not None else ()
+    if arch not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window") or window is None:
+        return ()
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
+                                       else "full_attention" for i in range(num_layers)]
+    if unknown := sorted(set(types) - set(_LAYER_TYPES)):
+        raise ValueError(f"unsupported layer_types {unknown} (supported: {', '.join(_LAYER_TYPES)})")
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types names {len(types)} layers, num_hidden_layers is {num_layers}")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -174,7 +174,10 @@ def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_co
     try:  # the pool's tensors first, then its bookkeeping (a list entry per block)
         worker = ModelWorker(model, model_config, cache_config, backend, device, kv_dtype, num_host_blocks, threads,
                              ranks.sender() if ranks is not None else None)
-        kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, num_host_blocks)
+        # Blocks outside every layer's window are given back as sequences grow, except where a KV
+        # connector may still save a finished request's blocks (all of them).
+        window = model_config.kv_window if config.kv_role is None else None
+        kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, num_host_blocks, window)
     except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
         raise MemoryError(pool_too_big(config, device, num_blocks, num_host_blocks, bytes_per_block, exc)) from exc
     if (device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False)

@@ -212,14 +212,24 @@ class KVCacheManager:
     With `num_host_blocks`, a second pool in host memory receives the blocks of requests
     preempted by swapping; the copies themselves are the runner's job, given as
     (source block, destination block) pairs.
+
+    With `window` (a model whose every layer has a sliding window, the widest of them), a running
+    request's leading blocks that no future query can see are given back as it grows
+    (`release_outside_window`), so that it holds about a window of K/V whatever its length. Their
+    entries in block_ids become `null_block` (the pool tensors' scratch block, one past the last),
+    keeping every later block at its position; the windowed kernels never read them. A released
+    block keeps its hash: a prefix hit may revive it (its K/V is still the prefix's) until it is
+    evicted, and then the hit stops before it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, window: int | None = None) -> None:
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self.null_block = num_blocks
         self.prompt_tokens_queried = 0   # prompt tokens looked up at admission
         self.prompt_tokens_hit = 0       # of which served from the cache
 
@@ -287,18 +297,39 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return all of a request's blocks (and host blocks, if swapped); tail blocks first in
         eviction order (least shareable). Its counter is the scheduler's to reset."""
-        self.pool.free(list(reversed(request.block_ids)))
+        self.pool.free(list(reversed(request.block_ids[request.num_released_blocks:])))
         if request.swapped_block_ids:
             self.host_pool.free(request.swapped_block_ids)
             request.swapped_block_ids = []
         request.block_ids.clear()
-        request.num_registered_blocks = 0
+        request.num_registered_blocks = request.num_released_blocks = 0
+
+    def release_outside_window(self, request: Request) -> int:
+        """Give back the request's leading blocks that lie wholly before the window of its next
+        query (position num_computed_tokens, the lowest any later step computes); returns how
+        many. Nothing without a window.
+
+            window 6, block_size 4, 13 tokens computed: the next query (13) sees 8..13
+            token index   0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13
+            block_ids      [null]    [null]    [42]        [8]    <- blocks 0 and 1 given back
+        """
+        if self.window is None:
+            return 0
+        first_seen = max(0, request.num_computed_tokens - self.window + 1)
+        num_outside = min(first_seen // self.block_size, len(request.block_ids))
+        start = request.num_released_blocks
+        if num_outside <= start:
+            return 0
+        self.pool.free(request.block_ids[start:num_outside])  # oldest first: the first to be evicted
+        request.block_ids[start:num_outside] = [self.null_block] * (num_outside - start)
+        request.num_released_blocks = num_outside
+        return num_outside - start
 
     def blocks_held_alone(self, request: Request, keep: set[int] = frozenset()) -> int:
         """Blocks that freeing `request` would return to the pool (no other request shares them),
         not counting those in `keep`."""
         refs = self.pool.ref_counts
-        return sum(1 for b in request.block_ids if refs[b] == 1 and b not in keep)
+        return sum(1 for b in request.block_ids[request.num_released_blocks:] if refs[b] == 1 and b not in keep)
 
     def forget_cached(self, holders: list[Request]) -> None:
         """Forget every cached hash (a failed step may have left blocks half written); `holders`,
@@ -312,7 +343,7 @@ class KVCacheManager:
         were registered for K/V that will not be there (a KV connector's load failed)."""
         keep = num_tokens // self.block_size
         if request.num_registered_blocks > keep:
-            self.pool.uncache(request.block_ids[keep:request.num_registered_blocks])
+            self.pool.uncache(request.block_ids[max(keep, request.num_released_blocks):request.num_registered_blocks])
             request.num_registered_blocks = keep
 
     def trim(self, request: Request) -> None:
@@ -324,7 +355,10 @@ class KVCacheManager:
             del request.block_ids[keep:]
 
     def can_swap_out(self, request: Request) -> bool:
-        return self.host_pool is not None and self.host_pool.num_free_blocks >= len(request.block_ids)
+        """Whether the host pool takes the request's blocks; never once some were released (its
+        K/V is no longer whole: preempted, it computes its tokens again)."""
+        return (self.host_pool is not None and not request.num_released_blocks
+                and self.host_pool.num_free_blocks >= len(request.block_ids))
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move a request's blocks to the host pool, keeping its computed tokens.
@@ -354,7 +388,8 @@ class KVCacheManager:
 
     def slots_filled(self, requests: list[Request]) -> int:
         """Pool slots holding a computed token, shared blocks counted once (they are full)."""
-        return sum(r.num_computed_tokens for r in requests) - self.pool.num_shared_refs * self.block_size
+        released = sum(r.num_released_blocks for r in requests)
+        return sum(r.num_computed_tokens for r in requests) - (self.pool.num_shared_refs + released) * self.block_size
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
         shared = hit.block_ids if hit is not None else []
@@ -377,7 +412,7 @@ class KVCacheManager:
         if num_full <= request.num_registered_blocks:
             return
         self._extend_hashes(request, num_full * self.block_size)
-        for i in range(request.num_registered_blocks, num_full):
+        for i in range(max(request.num_registered_blocks, request.num_released_blocks), num_full):
             self.pool.cache(request.block_ids[i], request.block_hashes[i])
         request.num_registered_blocks = num_full
 

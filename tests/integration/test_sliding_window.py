@@ -85,7 +85,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("arch,backend", [("mistral", "cpu"), ("qwen2", "torch"), ("mistral", "reference")])
 def test_greedy_generation_equals_hf_under_chunking_prefix_caching_and_preemption(windowed_models, arch, backend):
     """Prompts of up to seven windows, three sharing a 64-token prefix, in 32-token chunks through
-    a pool too small for all of them at once: every output as transformers' generate."""
+    a pool too small for all of them at once, blocks outside the window given back as they go
+    (Mistral): every output as transformers' generate."""
     from tokenmill import LLM
 
     path = windowed_models[arch]
@@ -93,11 +94,15 @@ def test_greedy_generation_equals_hf_under_chunking_prefix_caching_and_preemptio
     shared = [rng.randrange(2, 384) for _ in range(64)]
     prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (3, 30, 70, 130, 170)]
     prompts += [shared + [rng.randrange(2, 384) for _ in range(n)] for n in (5, 40, 90)]
-    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=14, block_size=16,
+    llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=14, block_size=16,
               attention_backend=backend, long_prefill_token_threshold=0)
     engine = llm.engine
+    kv, released = engine.scheduler.kv, []
+    release = kv.release_outside_window
+    kv.release_outside_window = lambda r: released.append(release(r)) or released[-1]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    assert (sum(released) > 0) == (arch == "mistral")  # with a global layer (Qwen2) every block stays
     assert engine.scheduler.num_preemptions > 0, "no request was preempted"
     assert engine.scheduler.kv.prompt_tokens_hit > 0, "no prefix was reused"
     assert engine.scheduler.stats().kv_blocks_used == 0
@@ -105,3 +110,36 @@ def test_greedy_generation_equals_hf_under_chunking_prefix_caching_and_preemptio
     hf = hf_model(path)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+def test_a_long_output_holds_only_the_blocks_its_window_spans(windowed_models, arch):
+    """A 40-token prompt and 200 output tokens, 16-token blocks: with every layer windowed (Mistral,
+    24 tokens) a step that computes c.. holds exactly the blocks from the one with position
+    c - 23 on, 2 or 3 of them, and the pool no more; with a global layer (this Qwen2) every block
+    stays. The output is transformers' either way."""
+    from tokenmill import LLM
+
+    path = windowed_models[arch]
+    llm = LLM(str(path), max_num_seqs=1, max_num_batched_tokens=32, num_kv_blocks=32, block_size=16)
+    scheduler = llm.engine.scheduler
+    held, expected = [], []
+    original = scheduler.schedule
+
+    def spy():
+        sched = original()
+        for r, n in zip(sched.requests, sched.num_scheduled_tokens):
+            c, null = r.num_computed_tokens, scheduler.kv.null_block
+            first = max(0, c - 23) // 16 if arch == "mistral" else 0
+            expected.append(-(-(c + n) // 16) - first)
+            held.append(len([b for b in r.block_ids if b != null]))
+            assert scheduler.kv.pool.num_used_blocks == held[-1]
+        return sched
+    scheduler.schedule = spy
+
+    prompt = [random.Random(3).randrange(2, 384) for _ in range(40)]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=200, temperature=0.0,
+                                                                    ignore_eos=True), use_tqdm=False)
+    assert held == expected
+    assert max(held) == (3 if arch == "mistral" else 15)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf_model(path), prompt, 200)

@@ -142,3 +142,41 @@ def test_block_hash_chains_through_the_parent():
     h1 = hash_block(None, [1, 2, 3, 4])
     assert hash_block(h1, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 9, 9, 9]), [5, 6, 7, 8])
     assert hash_block(None, [1, 2, 3, 4]) == h1
+
+
+def test_blocks_outside_the_window_are_given_back_and_their_entries_point_at_the_null_block():
+    """Window 6, block_size 4: the next query, at position num_computed_tokens = c, sees c - 5 .. c,
+    so block 0 (0..3) is outside from c = 9 on, block 1 from c = 13 on."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, window=6)
+    r = make_request("a", prompt_len=16)
+    assert kv.allocate(r, 8, kv.find_prefix(r))
+    r.num_computed_tokens = 8
+    assert kv.release_outside_window(r) == 0 and r.block_ids == [0, 1]  # query 8 sees 3..8
+    assert kv.allocate(r, 1)
+    r.num_computed_tokens = 9
+    assert kv.release_outside_window(r) == 1 and r.block_ids == [8, 1, 2] and r.num_released_blocks == 1
+    assert kv.pool.ref_counts[0] == 0 and kv.pool.num_evictable_blocks == 1  # still cached: a prefix
+    assert kv.release_outside_window(r) == 0
+    assert kv.allocate(r, 4) and r.block_ids == [8, 1, 2, 3]
+    r.num_computed_tokens = 13
+    assert kv.release_outside_window(r) == 1 and r.block_ids == [8, 8, 2, 3]
+    assert kv.num_free_blocks == 8 - 2 and not kv.can_swap_out(r)
+    kv.free(r)                                        # the released entries are not freed twice
+    assert r.block_ids == [] and r.num_released_blocks == 0 and kv.num_free_blocks == 8
+    kv.pool.check_invariants()
+
+
+def test_a_prefix_hit_stops_at_a_released_block_once_it_is_evicted():
+    """A released block keeps its hash (its K/V is still that prefix's) until evicted; after that
+    a request with the same prompt hits nothing, not the later blocks that are still cached."""
+    kv = KVCacheManager(num_blocks=5, block_size=4, window=4)
+    first = make_request("a", prompt_len=13)
+    assert kv.allocate(first, 13, kv.find_prefix(first))
+    first.num_computed_tokens = 13                    # next query 13 sees 10..13
+    assert kv.release_outside_window(first) == 2 and first.block_ids == [5, 5, 2, 3]
+    same = make_request("b", prompt_len=13)
+    assert kv.find_prefix(same).block_ids == [0, 1, 2]  # revivable while cached
+    assert kv.allocate(make_request("c", prompt_len=1), 1)  # the free block (4)
+    assert kv.allocate(make_request("d", prompt_len=1), 1)  # evicts block 0, the oldest released
+    assert kv.find_prefix(same).block_ids == []
+    kv.pool.check_invariants()

@@ -200,10 +200,13 @@ class BlockPool:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Cached blocks that cover a request's first `num_tokens` prompt tokens."""
+    """Cached blocks that cover a request's first `num_tokens` prompt tokens: `block_ids` are the
+    blocks after the first `num_skipped` (those wholly before the window of the first query to
+    compute, with a window; none without), which need not be cached."""
 
     block_ids: list[int]
     num_tokens: int
+    num_skipped: int = 0
 
 
 class KVCacheManager:
@@ -250,13 +253,23 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return PrefixHit([], 0)
         self._extend_hashes(request, request.num_tokens - 1)
-        blocks = []
-        for block_hash in request.block_hashes[:(request.num_tokens - 1) // self.block_size]:
-            block = self.pool.lookup(block_hash)
+        blocks = [self.pool.lookup(h) for h in request.block_hashes[:(request.num_tokens - 1) // self.block_size]]
+        if self.window is None:
+            n = blocks.index(None) if None in blocks else len(blocks)
+            return PrefixHit(blocks[:n], n * self.block_size)
+        # With a window, a hit of n blocks needs only those from the one holding position
+        # n * block_size - window + 1 (the first the next query sees): the chained hashes vouch
+        # for everything before them. The longest n whose needed blocks are all cached wins.
+        best, run_start = PrefixHit([], 0), 0
+        for i, block in enumerate(blocks):
             if block is None:
-                break
-            blocks.append(block)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+                run_start = i + 1
+                continue
+            n = i + 1
+            skip = max(0, n * self.block_size - self.window + 1) // self.block_size
+            if skip >= run_start:
+                best = PrefixHit(blocks[skip:n], n * self.block_size, skip)
+        return best
 
     def can_allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
                      reserve: int = 0) -> bool:
@@ -280,13 +293,17 @@ class KVCacheManager:
 
             block_ids   [hit 0][hit 1][new 2][new 3]
             tokens      |<- hit.num_tokens ->|<- num_new_tokens ->|
+
+        A hit that skips its first blocks (outside the window) puts null_block in their place,
+        counted as released.
         """
         if not self.can_allocate(request, num_new_tokens, hit):
             return False
         skipped = 0
         if hit is not None:
             self.pool.share(hit.block_ids)
-            request.block_ids.extend(hit.block_ids)
+            request.block_ids.extend([self.null_block] * hit.num_skipped + hit.block_ids)
+            request.num_released_blocks = hit.num_skipped
             self.prompt_tokens_queried += request.num_tokens
             self.prompt_tokens_hit += hit.num_tokens
             skipped = hit.num_tokens
@@ -392,9 +409,9 @@ class KVCacheManager:
         return sum(r.num_computed_tokens for r in requests) - (self.pool.num_shared_refs + released) * self.block_size
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
-        shared = hit.block_ids if hit is not None else []
+        covered = len(hit.block_ids) + hit.num_skipped if hit is not None else 0
         computed = request.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
-        return max(0, self.blocks_needed(computed + num_new_tokens) - len(request.block_ids) - len(shared))
+        return max(0, self.blocks_needed(computed + num_new_tokens) - len(request.block_ids) - covered)
 
     def _available(self, hit: PrefixHit | None) -> int:
         """Free blocks, not counting evictable ones the hit is about to revive."""

@@ -117,11 +117,15 @@ def test_a_long_output_holds_only_the_blocks_its_window_spans(windowed_models, a
     """A 40-token prompt and 200 output tokens, 16-token blocks: with every layer windowed (Mistral,
     24 tokens) a step that computes c.. holds exactly the blocks from the one with position
     c - 23 on, 2 or 3 of them, and the pool no more; with a global layer (this Qwen2) every block
-    stays. The output is transformers' either way."""
+    stays. The output is transformers' either way. A windowed model's context is not lowered to
+    what the pool holds, only to the window and a step."""
     from tokenmill import LLM
 
     path = windowed_models[arch]
-    llm = LLM(str(path), max_num_seqs=1, max_num_batched_tokens=32, num_kv_blocks=32, block_size=16)
+    # a pool of 6 blocks (96 tokens) serves Mistral's whole context: 24 + 32 tokens and two part blocks
+    llm = LLM(str(path), max_num_seqs=1, max_num_batched_tokens=32, num_kv_blocks=6 if arch == "mistral" else 16,
+              block_size=16)
+    assert llm.engine.max_model_len == (1024 if arch == "mistral" else 256)
     scheduler = llm.engine.scheduler
     held, expected = [], []
     original = scheduler.schedule

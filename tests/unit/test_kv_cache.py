@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fakes import make_request
 
-from tokenmill.kv_cache import BlockPool, KVCacheManager, hash_block
+from tokenmill.kv_cache import BlockPool, KVCacheManager, PrefixHit, hash_block
 
 
 def test_pool_hands_out_blocks_in_order_and_reuses_the_last_freed_first():
@@ -166,17 +166,24 @@ def test_blocks_outside_the_window_are_given_back_and_their_entries_point_at_the
     kv.pool.check_invariants()
 
 
-def test_a_prefix_hit_stops_at_a_released_block_once_it_is_evicted():
-    """A released block keeps its hash (its K/V is still that prefix's) until evicted; after that
-    a request with the same prompt hits nothing, not the later blocks that are still cached."""
-    kv = KVCacheManager(num_blocks=5, block_size=4, window=4)
+def test_a_windowed_prefix_hit_needs_only_the_blocks_its_window_sees():
+    """Window 4, block_size 4: a hit of 12 tokens leaves the next query (12) seeing 9..12, so only
+    block 2 of the prefix must be cached; the hit skips blocks 0 and 1 (null entries), survives
+    their eviction, and stops only once block 2 is evicted too."""
+    kv = KVCacheManager(num_blocks=6, block_size=4, window=4)
     first = make_request("a", prompt_len=13)
     assert kv.allocate(first, 13, kv.find_prefix(first))
     first.num_computed_tokens = 13                    # next query 13 sees 10..13
-    assert kv.release_outside_window(first) == 2 and first.block_ids == [5, 5, 2, 3]
+    assert kv.release_outside_window(first) == 2 and first.block_ids == [6, 6, 2, 3]
     same = make_request("b", prompt_len=13)
-    assert kv.find_prefix(same).block_ids == [0, 1, 2]  # revivable while cached
-    assert kv.allocate(make_request("c", prompt_len=1), 1)  # the free block (4)
-    assert kv.allocate(make_request("d", prompt_len=1), 1)  # evicts block 0, the oldest released
-    assert kv.find_prefix(same).block_ids == []
+    hit = kv.find_prefix(same)
+    assert hit == PrefixHit([2], 12, 2)
+    assert kv.allocate(same, 1, hit) and same.block_ids == [6, 6, 2, 4] and same.num_released_blocks == 2
+    assert kv.pool.ref_counts[2] == 2
+    kv.free(same)
+    kv.free(first)
+    assert sorted(kv.pool.allocate(5)) == [0, 1, 3, 4, 5]  # the free ones, then 0 and 1 evicted
+    assert kv.find_prefix(same) == PrefixHit([2], 12, 2)
+    assert kv.pool.allocate(1) == [2]
+    assert kv.find_prefix(same) == PrefixHit([], 0)
     kv.pool.check_invariants()

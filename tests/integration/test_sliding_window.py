@@ -147,3 +147,31 @@ def test_a_long_output_holds_only_the_blocks_its_window_spans(windowed_models, a
     assert held == expected
     assert max(held) == (3 if arch == "mistral" else 15)
     assert out[0].outputs[0].token_ids == hf_greedy(hf_model(path), prompt, 200)
+
+
+def test_fused_layers_apply_the_window_as_the_python_layers_do(windowed_models):
+    """The one-call C++ layer stack passes each layer's window to the kernel: a step of a prompt
+    chunk and a decode, both past the window, gives the Python layers' hidden states bit for bit."""
+    checkpoint = open_checkpoint(windowed_models["mistral"])
+    model = load_model(checkpoint, 256, torch.float32, torch.device("cpu"), kernels="auto")
+    stack = model.fused_stack
+    assert stack is not None and [f.window for f in model.fused_layers] == [24, 24]
+    kv = KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=False)
+    backend = make_backend("cpu", torch.device("cpu"))
+    runner = ModelRunner(ModelWorker(model, checkpoint.config, CacheConfig(32, 16), backend, torch.device("cpu"),
+                                     torch.float32), seed=0)
+    rng = random.Random(5)
+    a, b = (Request(request_id=rid, prompt_token_ids=[rng.randrange(2, 384) for _ in range(n)], params=SamplingParams(),
+                    max_tokens=8) for rid, n in (("a", 60), ("b", 31)))
+
+    def forward(counts, use_fused):
+        model.fused_stack = stack if use_fused else None
+        inputs = runner.prepare([b, a], counts)
+        with torch.inference_mode():
+            return runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)
+
+    assert kv.allocate(a, 32) and kv.allocate(b, 30)
+    forward([30, 32], False)                                # fills the pool
+    a.num_computed_tokens, b.num_computed_tokens = 32, 30   # a: a 28-token chunk; b: its last prompt token
+    assert kv.allocate(a, 28) and kv.allocate(b, 1)
+    assert torch.equal(forward([1, 28], True), forward([1, 28], False))

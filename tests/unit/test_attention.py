@@ -141,6 +141,21 @@ def test_backend_restricted_to_a_sliding_window_matches_dense_oracle(backend_nam
     assert torch.allclose(out.cpu().double(), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [5, 100, 300])
+@pytest.mark.parametrize("query_lens,seq_lens", [([1], [1000]), ([1, 1, 20, 9], [300, 70, 420, 9])])
+def test_cpu_kernel_restricted_to_a_window(window, query_lens, seq_lens):
+    """The C++ kernel with a window, every sequence in it: a lone decode whose window is split in
+    parts (300 keys: 2 parts of whole blocks) or not, and prompt tiles of a head size that would
+    take the tile products without a window; blocks before the window hold NaN."""
+    backend = make_backend("cpu", torch.device("cpu"))
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(query_lens, seq_lens, seed=7, hkv=2, hq=8, d=64)
+    meta.num_short, meta.num_short_tokens = len(query_lens), sum(query_lens)
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.125, window)
+    k_cache, v_cache = poison_outside_window(k_cache, v_cache, meta, window)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
 @needs_triton
 @pytest.mark.parametrize("num_sms", [1, 12, 64])  # 1, 2 and 16 splits of each context for 3 decodes
 def test_triton_decode_splits_contexts(num_sms):

@@ -24,7 +24,7 @@ Backends share that contract and differ in speed:
   * cpu:       a C++ kernel reads K/V straight from the pool for decodes, speculative
                verification and, when the head size is a multiple of 32, prompt chunks of
                any length (as small matrix products); otherwise chunks longer than 32 tokens
-               go through SDPA as in the reference. Windowed layers run the torch paths.
+               go through SDPA as in the reference.
   * torch:     decodes batched by gathering a padded context (fine where memory bandwidth
                is plentiful, i.e. on a GPU); prompt chunks as in the reference.
   * triton:    (CUDA) Triton kernels read K/V in place from the pool: one for decodes, one

@@ -1,7 +1,6 @@
 """CPU backend: a C++ kernel (csrc/paged_attention_cpu.cpp) for every query it runs well, SDPA
-for the rest (long prompt chunks of head sizes that are not a multiple of 32). The kernel attends
-to a sequence's whole context: layers with a sliding window run in torch instead, over the
-blocks their windows span only."""
+for the rest (long prompt chunks of head sizes that are not a multiple of 32). A layer's sliding
+window is the kernel's too (its prompt tiles then take the per-row path, not the tile products)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import torch
 
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.reference import attend_sequences
-from tokenmill.attention.torch_batched import windowed_decode
 
 
 class CpuPagedAttention:
@@ -34,29 +32,13 @@ class CpuPagedAttention:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
         self.kernel.write_kv(k, v, k_cache, v_cache, meta.slot_block, meta.slot_offset)
-        if window is not None:
-            return self._windowed(q, k_cache, v_cache, meta, scale, window)
-        b, t = meta.num_short, meta.num_short_tokens
+        b, t, w = meta.num_short, meta.num_short_tokens, window or 0  # the kernel's window: 0 for none
         if self.all_in_kernel(meta):
             return self.kernel.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                               meta.seq_lens, scale)
+                                               meta.seq_lens, scale, w)
         out = torch.empty_like(q)
         if b:
             out[:t] = self.kernel.paged_attention(q[:t], k_cache, v_cache, meta.block_tables[:b],
-                                                  meta.query_start_loc[:b + 1], meta.seq_lens[:b], scale)
-        attend_sequences(q, k_cache, v_cache, meta, scale, out, first=b)
-        return out
-
-    @staticmethod
-    def _windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, window: int) -> torch.Tensor:
-        """A sliding-window layer, in torch: single-token queries batched over the blocks their
-        windows span, longer ones one sequence at a time from their windows' first blocks."""
-        out = torch.empty_like(q)
-        b = 0
-        while b < meta.num_seqs and meta.query_start_loc_host[b + 1] - meta.query_start_loc_host[b] == 1:
-            b += 1
-        if b:
-            out[:b] = windowed_decode(q[:b], k_cache, v_cache, meta, scale, window)
+                                                  meta.query_start_loc[:b + 1], meta.seq_lens[:b], scale, w)
         attend_sequences(q, k_cache, v_cache, meta, scale, out, first=b, window=window)
         return out

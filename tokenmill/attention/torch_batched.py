@@ -2,8 +2,7 @@
 (B, L, Hkv, D) tensor and run one masked SDPA. The gather copies the context, which costs
 memory bandwidth: cheap on a GPU, expensive on a CPU (where the C++ kernel reads the pool
 in place). Prompt chunks go one by one through the reference path. A layer with a sliding
-window gathers only the blocks its window spans (`windowed_decode`), which the CPU backend
-also uses for such layers.
+window gathers only the blocks its window spans (`windowed_decode`).
 
 The padding reads slots past each sequence's end; they are masked out, but a NaN there
 would still poison the product with V, so this backend asks for a zero-initialised pool

@@ -220,8 +220,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,). Returns the final hidden states (T, hidden)."""
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions, x.dtype)
-        # what a fused layer can run (its kernel attends to the whole context: no window)
-        in_kernel = backend.name == "cpu" and backend.all_in_kernel(meta) and not self.config.layer_windows
+        in_kernel = backend.name == "cpu" and backend.all_in_kernel(meta)  # what a fused layer can run
         if in_kernel and self.fused_stack is not None:
             return self.fused_stack.forward(x, cos, sin, [k for k, _ in kv_caches], [v for _, v in kv_caches],
                                             meta.slot_block, meta.slot_offset, meta.block_tables,

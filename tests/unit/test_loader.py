@@ -232,6 +232,14 @@ WINDOW_CASES = [  # config.json changes -> each layer's window (2 layers), as tr
       "layer_types": ["sliding_attention", "full_attention"]}, (8, None)),
     ({"model_type": "llama", "sliding_window": 32}, ()),                   # transformers' Llama has no window
 ]
+# architectures this branch's loader does not take yet, whose windows it reads as transformers does
+OTHER_WINDOW_CASES = [
+    ({"model_type": "phi3", "sliding_window": 2047}, (2047, 2047)),
+    ({"model_type": "mixtral", "sliding_window": None}, ()),
+    ({"model_type": "qwen3_moe", "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1}, (8, 8)),
+    ({"model_type": "qwen2_moe", "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2}, (8, None)),
+    ({"model_type": "qwen2_moe", "sliding_window": 8, "use_sliding_window": False}, ()),
+]
 
 
 @pytest.mark.parametrize("changes,windows", WINDOW_CASES)
@@ -243,6 +251,12 @@ def test_layer_windows_are_read_as_transformers_applies_them(tiny_llama, tmp_pat
     assert cfg.layer_windows == windows
     assert cfg.max_position_embeddings == 1024
     assert cfg.kv_window == (None if not windows or None in windows else max(windows))
+
+
+@pytest.mark.parametrize("cfg,windows", OTHER_WINDOW_CASES)
+def test_layer_windows_of_other_architectures_follow_transformers(cfg, windows):
+    from tokenmill.models.loader import hf_layer_windows
+    assert hf_layer_windows({"num_hidden_layers": 2, **cfg}) == windows
 
 
 @pytest.mark.parametrize("changes,match", [

@@ -115,24 +115,31 @@ def hf_model_config(path: Path) -> ModelConfig:
 
 # transformers' names for a layer's attention (config.layer_types) that tokenmill runs
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+# How each architecture's transformers implementation picks its sliding layers from config.json:
+# "all" slides every layer by sliding_window when it is set; the others only with
+# use_sliding_window, every layer ("all_if_used") or, unless layer_types names them, the layers
+# from max_window_layers on ("from_max") or the even layers below it ("even_below_max").
+_WINDOW_RULES = {"mistral": "all", "mixtral": "all", "phi3": "all", "qwen3_moe": "all_if_used",
+                 "qwen2": "from_max", "qwen3": "from_max", "qwen2_moe": "even_below_max"}
 
 
 def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
-    """Each layer's attention window as transformers applies it: Mistral slides every layer by
-    `sliding_window`; Qwen2/3 only with `use_sliding_window`, the layers from `max_window_layers`
-    on (or those config.layer_types names "sliding_attention"). () when no layer slides. Other
-    local-attention schemes (chunked attention) are refused by name."""
+    """Each layer's attention window as transformers applies it (_WINDOW_RULES); () when no layer
+    slides. Other local-attention schemes (chunked attention) are refused by name."""
     for key in ("attention_chunk_size", "sliding_window_pattern"):
         if cfg.get(key) is not None:
             raise ValueError(f"unsupported attention variant {key}={cfg[key]!r} (supported: sliding_window, "
                              "use_sliding_window with max_window_layers or layer_types)")
-    arch, num_layers, window = cfg.get("model_type"), cfg["num_hidden_layers"], cfg.get("sliding_window")
-    if arch == "mistral":
-        return (window,) * num_layers if window is not None else ()
-    if arch not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window") or window is None:
+    rule, window = _WINDOW_RULES.get(cfg.get("model_type")), cfg.get("sliding_window")
+    num_layers = cfg["num_hidden_layers"]
+    if rule is None or not window or (rule != "all" and not cfg.get("use_sliding_window")):
         return ()
-    types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
-                                       else "full_attention" for i in range(num_layers)]
+    if rule in ("all", "all_if_used"):
+        return (window,) * num_layers
+    top = cfg.get("max_window_layers", 28)
+    default = [("sliding_attention" if (i >= top if rule == "from_max" else i % 2 == 0 and i < top)
+                else "full_attention") for i in range(num_layers)]
+    types = cfg.get("layer_types") or default
     if unknown := sorted(set(types) - set(_LAYER_TYPES)):
         raise ValueError(f"unsupported layer_types {unknown} (supported: {', '.join(_LAYER_TYPES)})")
     if len(types) != num_layers:

@@ -114,7 +114,8 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra = dict(TINY_CONFIGS[arch]) if arch in TINY_CONFIGS else {**_TINY_MOE_SHAPE, **TINY_MOE_CONFIGS[arch]}
+    extra = (dict(TINY_CONFIGS[arch]) if arch in TINY_CONFIGS else {**_TINY_MOE_SHAPE, **TINY_MOE_CONFIGS[arch]}
+             if arch in TINY_MOE_CONFIGS else {"model_type": arch})  # others: transformers defaults
     model_type = extra.pop("model_type")
     options = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,

@@ -61,10 +61,11 @@ def make_embedding_request(request_id: str, prompt_len: int, pooling: str = "las
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    budget: int = 32, max_model_len: int = 256, prefix_caching: bool = False,
-                   clock: FakeClock | None = None, connector=None, **kwargs) -> Scheduler:
+                   clock: FakeClock | None = None, connector=None, window: int | None = None,
+                   **kwargs) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_model_len=max_model_len, kv_watermark=kwargs.pop("kv_watermark", 0.0), **kwargs)
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, window=window)
     return Scheduler(config, kv, clock=clock or FakeClock(), connector=connector)
 
 

@@ -89,15 +89,35 @@ class ModelConfig:
     moe: MoEConfig | None = None       # mixture-of-experts feed-forward (None: a dense MLP in every layer)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layer_windows: tuple[int | None, ...] = ()  # per layer: the query at position p sees keys
+                                       # p - w + 1 .. p (w tokens, itself included); None: all of
+                                       # 0 .. p. Empty: every layer global
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"model config: layer_windows has {len(self.layer_windows)} entries for "
+                             f"{self.num_layers} layers")
+        if any(w is not None and w <= 0 for w in self.layer_windows):
+            raise ValueError(f"model config: layer_windows must be positive or None, got {self.layer_windows}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window in tokens, None for a global layer."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """How many of a sequence's newest tokens any layer still reads, when every layer has a
+        window (the widest); None when a layer is global and so every token stays needed."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -147,7 +147,11 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
     if ranks is not None:
         with ranks.sender().failures():
             num_blocks = ranks.group.min_over_ranks(num_blocks)
-    if num_blocks * config.block_size < max_len:
+    window = _released_window(config, local_config)
+    # the most tokens one sequence holds blocks for: with blocks outside the window given back, the
+    # window and a step's tokens, and the partial blocks at both ends
+    held = max_len if window is None else min(max_len, window + config.max_num_batched_tokens + 2 * config.block_size)
+    if num_blocks * config.block_size < held:
         logger.warning("KV pool holds %d tokens: max_model_len lowered from %d", num_blocks * config.block_size,
                        max_len)
         max_len = num_blocks * config.block_size
@@ -160,6 +164,13 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
         speculator = Speculator(proposer, SpeculationPolicy(config.num_speculative_tokens),
                                 adaptive=config.speculative_adaptive)
     return runner, scheduler, speculator, cache_config, max_len
+
+
+def _released_window(config: EngineConfig, model_config: ModelConfig) -> int | None:
+    """The window outside which a sequence's blocks are given back as it grows (every layer
+    windowed), or None: a model with a global layer, or a KV connector that may still save a
+    finished request's blocks (all of them)."""
+    return model_config.kv_window if config.kv_role is None else None
 
 
 def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
@@ -177,7 +188,8 @@ def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_co
     try:  # the pool's tensors first, then its bookkeeping (a list entry per block)
         worker = ModelWorker(model, model_config, cache_config, backend, device, kv_dtype, num_host_blocks, threads,
                              ranks.sender() if ranks is not None else None)
-        kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, num_host_blocks)
+        kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, num_host_blocks,
+                            _released_window(config, model_config))
     except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
         raise MemoryError(pool_too_big(config, device, num_blocks, num_host_blocks, bytes_per_block, exc)) from exc
     # (no graphs under tensor parallelism, whose collectives would be captured, nor for MoE models,

@@ -200,10 +200,13 @@ class BlockPool:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Cached blocks that cover a request's first `num_tokens` prompt tokens."""
+    """Cached blocks that cover a request's first `num_tokens` prompt tokens: `block_ids` are the
+    blocks after the first `num_skipped` (those wholly before the window of the first query to
+    compute, with a window; none without), which need not be cached."""
 
     block_ids: list[int]
     num_tokens: int
+    num_skipped: int = 0
 
 
 class KVCacheManager:
@@ -212,14 +215,24 @@ class KVCacheManager:
     With `num_host_blocks`, a second pool in host memory receives the blocks of requests
     preempted by swapping; the copies themselves are the runner's job, given as
     (source block, destination block) pairs.
+
+    With `window` (a model whose every layer has a sliding window, the widest of them), a running
+    request's leading blocks that no future query can see are given back as it grows
+    (`release_outside_window`), so that it holds about a window of K/V whatever its length. Their
+    entries in block_ids become `null_block` (the pool tensors' scratch block, one past the last),
+    keeping every later block at its position; the windowed kernels never read them. A released
+    block keeps its hash: a prefix hit may revive it (its K/V is still the prefix's) until it is
+    evicted, and then the hit stops before it.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, window: int | None = None) -> None:
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self.null_block = num_blocks
         self.prompt_tokens_queried = 0   # prompt tokens looked up at admission
         self.prompt_tokens_hit = 0       # of which served from the cache
 
@@ -241,13 +254,23 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.needs_every_position:
             return PrefixHit([], 0)
         self._extend_hashes(request, request.num_tokens - 1)
-        blocks = []
-        for block_hash in request.block_hashes[:(request.num_tokens - 1) // self.block_size]:
-            block = self.pool.lookup(block_hash)
+        blocks = [self.pool.lookup(h) for h in request.block_hashes[:(request.num_tokens - 1) // self.block_size]]
+        if self.window is None:
+            n = blocks.index(None) if None in blocks else len(blocks)
+            return PrefixHit(blocks[:n], n * self.block_size)
+        # With a window, a hit of n blocks needs only those from the one holding position
+        # n * block_size - window + 1 (the first the next query sees): the chained hashes vouch
+        # for everything before them. The longest n whose needed blocks are all cached wins.
+        best, run_start = PrefixHit([], 0), 0
+        for i, block in enumerate(blocks):
             if block is None:
-                break
-            blocks.append(block)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+                run_start = i + 1
+                continue
+            n = i + 1
+            skip = max(0, n * self.block_size - self.window + 1) // self.block_size
+            if skip >= run_start:
+                best = PrefixHit(blocks[skip:n], n * self.block_size, skip)
+        return best
 
     def can_allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
                      reserve: int = 0) -> bool:
@@ -271,13 +294,17 @@ class KVCacheManager:
 
             block_ids   [hit 0][hit 1][new 2][new 3]
             tokens      |<- hit.num_tokens ->|<- num_new_tokens ->|
+
+        A hit that skips its first blocks (outside the window) puts null_block in their place,
+        counted as released.
         """
         if not self.can_allocate(request, num_new_tokens, hit):
             return False
         skipped = 0
         if hit is not None:
             self.pool.share(hit.block_ids)
-            request.block_ids.extend(hit.block_ids)
+            request.block_ids.extend([self.null_block] * hit.num_skipped + hit.block_ids)
+            request.num_released_blocks = hit.num_skipped
             self.prompt_tokens_queried += request.num_tokens
             self.prompt_tokens_hit += hit.num_tokens
             skipped = hit.num_tokens
@@ -288,18 +315,39 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return all of a request's blocks (and host blocks, if swapped); tail blocks first in
         eviction order (least shareable). Its counter is the scheduler's to reset."""
-        self.pool.free(list(reversed(request.block_ids)))
+        self.pool.free(list(reversed(request.block_ids[request.num_released_blocks:])))
         if request.swapped_block_ids:
             self.host_pool.free(request.swapped_block_ids)
             request.swapped_block_ids = []
         request.block_ids.clear()
-        request.num_registered_blocks = 0
+        request.num_registered_blocks = request.num_released_blocks = 0
+
+    def release_outside_window(self, request: Request) -> int:
+        """Give back the request's leading blocks that lie wholly before the window of its next
+        query (position num_computed_tokens, the lowest any later step computes); returns how
+        many. Nothing without a window.
+
+            window 6, block_size 4, 13 tokens computed: the next query (13) sees 8..13
+            token index   0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13
+            block_ids      [null]    [null]    [42]        [8]    <- blocks 0 and 1 given back
+        """
+        if self.window is None:
+            return 0
+        first_seen = max(0, request.num_computed_tokens - self.window + 1)
+        num_outside = min(first_seen // self.block_size, len(request.block_ids))
+        start = request.num_released_blocks
+        if num_outside <= start:
+            return 0
+        self.pool.free(request.block_ids[start:num_outside])  # oldest first: the first to be evicted
+        request.block_ids[start:num_outside] = [self.null_block] * (num_outside - start)
+        request.num_released_blocks = num_outside
+        return num_outside - start
 
     def blocks_held_alone(self, request: Request, keep: set[int] = frozenset()) -> int:
         """Blocks that freeing `request` would return to the pool (no other request shares them),
         not counting those in `keep`."""
         refs = self.pool.ref_counts
-        return sum(1 for b in request.block_ids if refs[b] == 1 and b not in keep)
+        return sum(1 for b in request.block_ids[request.num_released_blocks:] if refs[b] == 1 and b not in keep)
 
     def forget_cached(self, holders: list[Request]) -> None:
         """Forget every cached hash (a failed step may have left blocks half written); `holders`,
@@ -313,7 +361,7 @@ class KVCacheManager:
         were registered for K/V that will not be there (a KV connector's load failed)."""
         keep = num_tokens // self.block_size
         if request.num_registered_blocks > keep:
-            self.pool.uncache(request.block_ids[keep:request.num_registered_blocks])
+            self.pool.uncache(request.block_ids[max(keep, request.num_released_blocks):request.num_registered_blocks])
             request.num_registered_blocks = keep
 
     def trim(self, request: Request) -> None:
@@ -325,7 +373,10 @@ class KVCacheManager:
             del request.block_ids[keep:]
 
     def can_swap_out(self, request: Request) -> bool:
-        return self.host_pool is not None and self.host_pool.num_free_blocks >= len(request.block_ids)
+        """Whether the host pool takes the request's blocks; never once some were released (its
+        K/V is no longer whole: preempted, it computes its tokens again)."""
+        return (self.host_pool is not None and not request.num_released_blocks
+                and self.host_pool.num_free_blocks >= len(request.block_ids))
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move a request's blocks to the host pool, keeping its computed tokens.
@@ -355,12 +406,13 @@ class KVCacheManager:
 
     def slots_filled(self, requests: list[Request]) -> int:
         """Pool slots holding a computed token, shared blocks counted once (they are full)."""
-        return sum(r.num_computed_tokens for r in requests) - self.pool.num_shared_refs * self.block_size
+        released = sum(r.num_released_blocks for r in requests)
+        return sum(r.num_computed_tokens for r in requests) - (self.pool.num_shared_refs + released) * self.block_size
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
-        shared = hit.block_ids if hit is not None else []
+        covered = len(hit.block_ids) + hit.num_skipped if hit is not None else 0
         computed = request.num_computed_tokens + (hit.num_tokens if hit is not None else 0)
-        return max(0, self.blocks_needed(computed + num_new_tokens) - len(request.block_ids) - len(shared))
+        return max(0, self.blocks_needed(computed + num_new_tokens) - len(request.block_ids) - covered)
 
     def _available(self, hit: PrefixHit | None) -> int:
         """Free blocks, not counting evictable ones the hit is about to revive."""
@@ -378,7 +430,7 @@ class KVCacheManager:
         if num_full <= request.num_registered_blocks:
             return
         self._extend_hashes(request, num_full * self.block_size)
-        for i in range(request.num_registered_blocks, num_full):
+        for i in range(max(request.num_registered_blocks, request.num_released_blocks), num_full):
             self.pool.cache(request.block_ids[i], request.block_hashes[i])
         request.num_registered_blocks = num_full
 

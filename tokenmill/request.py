@@ -79,6 +79,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks
     num_registered_blocks: int = 0          # leading block_ids already offered to the prefix cache
+    num_released_blocks: int = 0            # leading block_ids given back as outside every layer's window
+                                            # (each now KVCacheManager.null_block, never read)
     swapped_block_ids: list[int] = field(default_factory=list)  # host blocks while swapped out
     draft_token_ids: list[int] = field(default_factory=list)    # speculative proposal for this step
     draft_probs: object | None = None       # (k, vocab) tensor: the draft model's distributions, if any

@@ -240,6 +240,7 @@ class Scheduler:
                 # Speculation: the last sampled token plus the drafts to verify, within the budget.
                 request.draft_token_ids = request.draft_token_ids[:plan.budget - 1]
                 num_new = 1 + len(request.draft_token_ids)
+            self.kv.release_outside_window(request)  # windowed models: blocks no later query sees
             num_new = self._allocate_running(request, num_new, plan)
             if num_new == 0:
                 continue

@@ -60,7 +60,7 @@ def _to(meta: AttentionMetadata, device) -> AttentionMetadata:
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
-def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale):
+def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None):
     slots = meta.slot_block * BS + meta.slot_offset
     k_cache, v_cache = by_slot(k_cache).double(), by_slot(v_cache).double()
     k_cache[slots] = k.double()
@@ -72,9 +72,10 @@ def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale):
         keys, values = k_cache[ctx], v_cache[ctx]  # (L, Hkv, D)
         for j, t in enumerate(range(start, end)):
             visible = len(ctx) - (end - start) + j + 1
+            seen = slice(0 if window is None else max(0, visible - window), visible)
             for h in range(q.shape[1]):
-                scores = keys[:visible, h // group] @ q[t, h].double() * scale
-                out[t, h] = scores.softmax(0) @ values[:visible, h // group]
+                scores = keys[seen, h // group] @ q[t, h].double() * scale
+                out[t, h] = scores.softmax(0) @ values[seen, h // group]
     return out
 
 
@@ -108,6 +109,51 @@ def test_backend_matches_dense_oracle(backend_name, case):
     # the step's K/V landed in the pool
     slots = (meta.slot_block * BS + meta.slot_offset).cpu()
     assert torch.equal(by_slot(k_cache.cpu())[slots], k.cpu()) and torch.equal(by_slot(v_cache.cpu())[slots], v.cpu())
+
+
+def poison_outside_window(k_cache, v_cache, meta, window):
+    """Point each sequence's blocks that no query of the step can see (wholly before its first
+    query's window) at a NaN-filled block, as a pool does once it gives them back: a backend that
+    reads one returns NaN. Returns the pools with that block appended."""
+    poison = k_cache.shape[0]
+    for i in range(meta.num_seqs):
+        q_len = meta.query_start_loc_host[i + 1] - meta.query_start_loc_host[i]
+        first_seen = max(0, meta.seq_lens_host[i] - q_len - window + 1)
+        meta.block_tables[i, :first_seen // BS] = poison
+    nan = torch.full_like(k_cache[:1], float("nan"))
+    return torch.cat([k_cache, nan]), torch.cat([v_cache, nan])
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("window", [1, 16, 37])
+@pytest.mark.parametrize("case", ["mixed", "long_chunks"])
+def test_backend_restricted_to_a_sliding_window_matches_dense_oracle(backend_name, window, case):
+    """Each query sees its last `window` positions only (itself included, as transformers'
+    sliding-window mask), and blocks wholly before the window are never read."""
+    device = torch.device("cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu")
+    backend = make_backend(backend_name, device, block_size=BS, head_dim=D)
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(*CASES[case], seed=window)
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.25, window)
+    k_cache, v_cache = poison_outside_window(k_cache, v_cache, meta, window)
+    if getattr(backend, "short_query_max", 0) < 1:
+        meta.num_short = meta.num_short_tokens = 0
+    out = backend.forward(*(x.to(device) for x in (q, k, v, k_cache, v_cache)), _to(meta, device), 0.25, window)
+    assert torch.allclose(out.cpu().double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [5, 100, 300])
+@pytest.mark.parametrize("query_lens,seq_lens", [([1], [1000]), ([1, 1, 20, 9], [300, 70, 420, 9])])
+def test_cpu_kernel_restricted_to_a_window(window, query_lens, seq_lens):
+    """The C++ kernel with a window, every sequence in it: a lone decode whose window is split in
+    parts (300 keys: 2 parts of whole blocks) or not, and prompt tiles of a head size that would
+    take the tile products without a window; blocks before the window hold NaN."""
+    backend = make_backend("cpu", torch.device("cpu"))
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(query_lens, seq_lens, seed=7, hkv=2, hq=8, d=64)
+    meta.num_short, meta.num_short_tokens = len(query_lens), sum(query_lens)
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.125, window)
+    k_cache, v_cache = poison_outside_window(k_cache, v_cache, meta, window)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
 @needs_triton

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.config import EngineConfig, parse_size
+from tokenmill.config import EngineConfig, ModelConfig, parse_size
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -228,3 +228,22 @@ def test_kv_transfer_options_are_checked_before_anything_loads():
     assert EngineConfig(kv_role="decode", kv_connector="nixl").kv_side_channel_port == 0  # no directory needed
     with pytest.raises(ValueError, match="kv_transfer_params"):
         SamplingParams(kv_transfer_params=["do_remote_decode"])
+
+
+def _model_config(**kwargs) -> ModelConfig:
+    return ModelConfig(architecture="mistral", vocab_size=80, hidden_size=64, intermediate_size=96, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, **kwargs)
+
+
+def test_layer_windows_give_each_layers_window_and_the_kv_window_only_when_all_slide():
+    assert _model_config().window(1) is None and _model_config().kv_window is None
+    mixed = _model_config(layer_windows=(None, 32))
+    assert (mixed.window(0), mixed.window(1), mixed.kv_window) == (None, 32, None)
+    assert _model_config(layer_windows=(16, 32)).kv_window == 32
+
+
+@pytest.mark.parametrize("windows,match", [((32,), "layer_windows has 1 entries for 2 layers"),
+                                           ((32, 0), "layer_windows must be positive or None")])
+def test_bad_layer_windows_are_refused(windows, match):
+    with pytest.raises(ValueError, match=match):
+        _model_config(layer_windows=windows)

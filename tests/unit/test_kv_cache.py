@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fakes import make_request
 
-from tokenmill.kv_cache import BlockPool, KVCacheManager, hash_block
+from tokenmill.kv_cache import BlockPool, KVCacheManager, PrefixHit, hash_block
 
 
 def test_pool_hands_out_blocks_in_order_and_reuses_the_last_freed_first():
@@ -142,3 +142,48 @@ def test_block_hash_chains_through_the_parent():
     h1 = hash_block(None, [1, 2, 3, 4])
     assert hash_block(h1, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 9, 9, 9]), [5, 6, 7, 8])
     assert hash_block(None, [1, 2, 3, 4]) == h1
+
+
+def test_blocks_outside_the_window_are_given_back_and_their_entries_point_at_the_null_block():
+    """Window 6, block_size 4: the next query, at position num_computed_tokens = c, sees c - 5 .. c,
+    so block 0 (0..3) is outside from c = 9 on, block 1 from c = 13 on."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, window=6)
+    r = make_request("a", prompt_len=16)
+    assert kv.allocate(r, 8, kv.find_prefix(r))
+    r.num_computed_tokens = 8
+    assert kv.release_outside_window(r) == 0 and r.block_ids == [0, 1]  # query 8 sees 3..8
+    assert kv.allocate(r, 1)
+    r.num_computed_tokens = 9
+    assert kv.release_outside_window(r) == 1 and r.block_ids == [8, 1, 2] and r.num_released_blocks == 1
+    assert kv.pool.ref_counts[0] == 0 and kv.pool.num_evictable_blocks == 1  # still cached: a prefix
+    assert kv.release_outside_window(r) == 0
+    assert kv.allocate(r, 4) and r.block_ids == [8, 1, 2, 3]
+    r.num_computed_tokens = 13
+    assert kv.release_outside_window(r) == 1 and r.block_ids == [8, 8, 2, 3]
+    assert kv.num_free_blocks == 8 - 2 and not kv.can_swap_out(r)
+    kv.free(r)                                        # the released entries are not freed twice
+    assert r.block_ids == [] and r.num_released_blocks == 0 and kv.num_free_blocks == 8
+    kv.pool.check_invariants()
+
+
+def test_a_windowed_prefix_hit_needs_only_the_blocks_its_window_sees():
+    """Window 4, block_size 4: a hit of 12 tokens leaves the next query (12) seeing 9..12, so only
+    block 2 of the prefix must be cached; the hit skips blocks 0 and 1 (null entries), survives
+    their eviction, and stops only once block 2 is evicted too."""
+    kv = KVCacheManager(num_blocks=6, block_size=4, window=4)
+    first = make_request("a", prompt_len=13)
+    assert kv.allocate(first, 13, kv.find_prefix(first))
+    first.num_computed_tokens = 13                    # next query 13 sees 10..13
+    assert kv.release_outside_window(first) == 2 and first.block_ids == [6, 6, 2, 3]
+    same = make_request("b", prompt_len=13)
+    hit = kv.find_prefix(same)
+    assert hit == PrefixHit([2], 12, 2)
+    assert kv.allocate(same, 1, hit) and same.block_ids == [6, 6, 2, 4] and same.num_released_blocks == 2
+    assert kv.pool.ref_counts[2] == 2
+    kv.free(same)
+    kv.free(first)
+    assert sorted(kv.pool.allocate(5)) == [0, 1, 3, 4, 5]  # the free ones, then 0 and 1 evicted
+    assert kv.find_prefix(same) == PrefixHit([2], 12, 2)
+    assert kv.pool.allocate(1) == [2]
+    assert kv.find_prefix(same) == PrefixHit([], 0)
+    kv.pool.check_invariants()

@@ -221,16 +221,53 @@ def test_hf_weights_read_the_models_shards_not_mistrals_consolidated_file(tiny_l
         assert {name for name, _ in hf_weights(model_dir)} == expected
 
 
-def test_a_sliding_window_caps_the_context(tiny_llama, tmp_path):
-    """Sliding-window attention (Mistral 7B v0.1) is not implemented: the context stops at the
-    window, where the model's attention and ours still agree; Qwen2's unused window changes nothing."""
+WINDOW_CASES = [  # config.json changes -> each layer's window (2 layers), as transformers applies them
+    ({"model_type": "mistral", "sliding_window": 32}, (32, 32)),
+    ({"model_type": "mistral", "sliding_window": None}, ()),
+    ({"model_type": "qwen2", "sliding_window": 32}, ()),                   # use_sliding_window off
+    ({"model_type": "qwen2", "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 1}, (None, 32)),
+    ({"model_type": "qwen2", "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 0}, (32, 32)),
+    ({"model_type": "qwen2", "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 2}, ()),
+    ({"model_type": "qwen3", "sliding_window": 8, "use_sliding_window": True,
+      "layer_types": ["sliding_attention", "full_attention"]}, (8, None)),
+    ({"model_type": "llama", "sliding_window": 32}, ()),                   # transformers' Llama has no window
+]
+# architectures this branch's loader does not take yet, whose windows it reads as transformers does
+OTHER_WINDOW_CASES = [
+    ({"model_type": "phi3", "sliding_window": 2047}, (2047, 2047)),
+    ({"model_type": "mixtral", "sliding_window": None}, ()),
+    ({"model_type": "qwen3_moe", "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1}, (8, 8)),
+    ({"model_type": "qwen2_moe", "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2}, (8, None)),
+    ({"model_type": "qwen2_moe", "sliding_window": 8, "use_sliding_window": False}, ()),
+]
+
+
+@pytest.mark.parametrize("changes,windows", WINDOW_CASES)
+def test_layer_windows_are_read_as_transformers_applies_them(tiny_llama, tmp_path, changes, windows):
+    """Mistral slides every layer; Qwen2/3 only with use_sliding_window, from max_window_layers on
+    or as layer_types says; the context is the model's whole context either way."""
     from tokenmill.models.loader import hf_model_config
-    default = hf_model_config(tiny_llama).max_position_embeddings
-    for extra, expected in (({"sliding_window": 32}, 32), ({"sliding_window": 32, "use_sliding_window": False}, None),
-                            ({"sliding_window": None}, None)):
-        model_dir = copy_model(tiny_llama, tmp_path / f"window_{len(extra)}_{extra['sliding_window']}", **extra)
-        got = hf_model_config(model_dir).max_position_embeddings
-        assert got == (expected or default)
+    cfg = hf_model_config(copy_model(tiny_llama, tmp_path / "m", **changes))
+    assert cfg.layer_windows == windows
+    assert cfg.max_position_embeddings == 1024
+    assert cfg.kv_window == (None if not windows or None in windows else max(windows))
+
+
+@pytest.mark.parametrize("cfg,windows", OTHER_WINDOW_CASES)
+def test_layer_windows_of_other_architectures_follow_transformers(cfg, windows):
+    from tokenmill.models.loader import hf_layer_windows
+    assert hf_layer_windows({"num_hidden_layers": 2, **cfg}) == windows
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"model_type": "qwen2", "sliding_window": 8, "use_sliding_window": True,
+      "layer_types": ["chunked_attention", "full_attention"]}, r"unsupported layer_types \['chunked_attention'\]"),
+    ({"attention_chunk_size": 8192}, "unsupported attention variant attention_chunk_size=8192"),
+])
+def test_other_local_attention_variants_are_refused_by_name(tiny_llama, tmp_path, changes, match):
+    from tokenmill.models.loader import hf_model_config
+    with pytest.raises(ValueError, match=match):
+        hf_model_config(copy_model(tiny_llama, tmp_path / "m", **changes))
 
 
 def test_building_a_model_does_not_import_torch_dynamo():

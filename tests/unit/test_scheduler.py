@@ -406,3 +406,19 @@ def test_under_async_scheduling_an_embedding_request_holds_no_pending_token_and_
     assert computed == {"g": 4 + 3 - 1, "e": 12}  # its prompt once, nothing after it
     assert e.status == RequestStatus.FINISHED_STOPPED and e.embedding == fake_vector(e)
     assert s.kv.pool.num_used_blocks == 0
+
+
+def test_a_windowed_request_gives_back_the_blocks_behind_its_window_as_it_grows():
+    """Window 8, 4-token blocks, 10-token chunks: before each step the blocks wholly before the
+    next query's window (first position computed - 7) go back to the pool, so the request never
+    holds more than the window's and the chunk's blocks; its table keeps every position."""
+    s = make_scheduler(budget=10, window=8)
+    s.add_request(make_request("a", prompt_len=25, max_tokens=6))
+    request, held = s.requests["a"], []
+    while s.has_unfinished_requests():
+        step(s)
+        held.append((request.num_released_blocks, s.kv.pool.num_used_blocks))
+    # computed before each step c = 0, 10, 20, 25, 26, 27, 28, 29: the next query sees c - 7 on, so
+    # (c - 7) // 4 blocks are released and blocks up to the step's last token held; freed when done
+    assert held == [(0, 3), (0, 5), (3, 4), (4, 3), (4, 3), (5, 2), (5, 3), (0, 0)]
+    assert s.kv.pool.num_free_blocks == 64

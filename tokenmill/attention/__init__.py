@@ -14,6 +14,11 @@ own sequence's context only, causally: the query at absolute position p sees pos
 The pool of one layer is (num_blocks, kv_heads, block_size, head_dim): the keys of one
 head in one block are 4 KB of contiguous memory, which the CPU kernel streams.
 
+A layer with a sliding window of w tokens (forward's `window`) lets the query at position p see
+only p - w + 1 .. p; every backend then starts reading a sequence at the block that holds the
+first position its queries see, so blocks before it (given back to the pool, their table entries
+a scratch block) are never read.
+
 Backends share that contract and differ in speed:
   * reference: per sequence, gather the context and call SDPA. Obvious; the oracle.
   * cpu:       a C++ kernel reads K/V straight from the pool for decodes, speculative

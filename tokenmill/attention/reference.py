@@ -24,44 +24,54 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 
 def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    """Causal attention of one sequence's n newest tokens over its whole context.
-
+                    block_table: torch.Tensor, seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's n newest tokens over its context.
     q: (n, Hq, D), the queries at positions seq_len - n .. seq_len - 1. Returns (n, Hq, D).
+    With a window, the query at position p sees only p - window + 1 .. p, and the context is
+    read from the block holding the first of those for the first query: the blocks before it
+    may have been given back to the pool.
     """
     n = q.shape[0]
+    first_block = 0 if window is None else max(0, seq_len - n - window + 1) // k_cache.shape[2]
+    start = first_block * k_cache.shape[2]
     # 4-d (batch of one) inputs: torch's CPU SDPA takes its blocked flash kernel only for those.
-    # (1, Hkv, seq_len, D), widened to the queries' dtype where the pool is narrower
-    k = gather_context(k_cache, block_table, seq_len).unsqueeze(0).to(q.dtype)
-    v = gather_context(v_cache, block_table, seq_len).unsqueeze(0).to(q.dtype)
+    # (1, Hkv, seq_len - start, D), widened to the queries' dtype where the pool is narrower
+    k = gather_context(k_cache, block_table[first_block:], seq_len - start).unsqueeze(0).to(q.dtype)
+    v = gather_context(v_cache, block_table[first_block:], seq_len - start).unsqueeze(0).to(q.dtype)
     q = q.transpose(0, 1).unsqueeze(0)                                # (1, Hq, n, D)
-    if n == seq_len:
+    if n == seq_len and window is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        # Query j sits at position seq_len - n + j and may see positions 0 .. seq_len - n + j.
+        # Query j sits at position seq_len - n + j and may see positions 0 .. seq_len - n + j
+        # (the last `window` of them).
         q_pos = torch.arange(seq_len - n, seq_len, device=q.device).unsqueeze(1)
-        mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos  # (n, seq_len)
+        k_pos = torch.arange(start, seq_len, device=q.device).unsqueeze(0)
+        mask = k_pos <= q_pos                                         # (n, seq_len - start)
+        if window is not None:
+            mask &= k_pos > q_pos - window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)                                     # (n, Hq, D)
 
 
-def attend_sequences(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float, out: torch.Tensor, first: int = 0) -> None:
+def attend_sequences(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, out: torch.Tensor, first: int = 0, window: int | None = None) -> None:
     """`attend_sequence` for sequences first.. of the batch, written into out (T, Hq, D)."""
     qsl = meta.query_start_loc_host
     for i in range(first, meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
         out[start:end] = attend_sequence(q[start:end], k_cache, v_cache, meta.block_tables[i],
-                                         meta.seq_lens_host[i], scale)
+                                         meta.seq_lens_host[i], scale, window)
 
 
 class ReferenceAttention:
     name = "reference"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: (T, Hq, D); k, v: (T, Hkv, D). Returns (T, Hq, D)."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        """q: (T, Hq, D); k, v: (T, Hkv, D); window: the layer's sliding window (None: global).
+        Returns (T, Hq, D)."""
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        attend_sequences(q, k_cache, v_cache, meta, scale, out)
+        attend_sequences(q, k_cache, v_cache, meta, scale, out, window=window)
         return out

@@ -13,6 +13,9 @@ per-sequence SDPA it replaces cost a Python loop and, on an H100, a first call o
 prompt length several times slower than the next (2-3 s per 16,384-token step in a fresh
 process against 0.2 s once seen).
 
+A layer's sliding window bounds both loops: they start at the first key in the window, so
+blocks before it (given back to the pool) are never read.
+
 The torch reference (attention/reference.py) is what tests compare both with.
 """
 
@@ -29,7 +32,7 @@ from tokenmill.attention.metadata import AttentionMetadata, write_kv
 # by 16; those that vary from step to step are kept out of that, or the first steps of a fresh
 # process each paid about a second of compiling.
 @triton.jit(do_not_specialize=["stride_table"])
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr, scale, window,
                          stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
@@ -37,9 +40,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr,
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # this program's share of the context, in whole steps of BLOCK_N keys (the last splits may get none)
-    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    first = tl.maximum(seq_len - window, 0)  # the first key in the window (keys before it are never read)
+    # this program's share of the window, in whole steps of BLOCK_N keys (the last splits may get none)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
@@ -105,9 +109,10 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: in
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, block_n: int = 64, num_splits: int = 1,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q: (B, Hq, D), one query per sequence (its last position); caches (blocks, Hkv, bs, D).
-    Writes into `out` (B, Hq, D) when given, a view of the step's output for a mixed step."""
+    Writes into `out` (B, Hq, D) when given, a view of the step's output for a mixed step.
+    With a window, each query reads only its last `window` keys."""
     b, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -118,7 +123,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(b, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, scale, _window_arg(window),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs,
         BLOCK_N=max(block_n, bs), SPLITS=num_splits, PRECISION=_precision(q.dtype))
@@ -128,7 +133,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 @triton.jit(do_not_specialize=["first_seq", "stride_table"])
-def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale, first_seq,
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale, window, first_seq,
                           stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh,
                           G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
@@ -151,15 +156,19 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
     denom = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     end = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_M, seq_len)  # keys the tile's last query sees
-    for start in range(0, end, BLOCK_N):
+    # the first key the tile's first query sees: with BLOCK_M <= BLOCK_N, every row of the tile sees
+    # some key of the first step
+    lo = tl.maximum(seq_len - q_len + tile * BLOCK_M - window + 1, 0)
+    for start in range(lo, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         keys = n < end
         block = tl.load(tables_ptr + seq * stride_table + n // BS, mask=keys, other=0).to(tl.int64)
         offset = block * stride_kb + kv_head * stride_kh + (n % BS) * stride_kt   # (BLOCK_N,)
         k = tl.load(k_ptr + offset[None, :] + d[:, None], mask=keys[None, :], other=0.0)   # (D, BLOCK_N)
         s = tl.dot(q, k, input_precision=PRECISION) * scale                    # (BLOCK_M, BLOCK_N)
-        s = tl.where(keys[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))   # finite from the first step on: key 0 is seen by every row
+        seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(keys[None, :] & seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))   # finite from the first step on (see lo)
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, 1)
@@ -172,17 +181,27 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, out: torch.Tensor, first: int = 0, block_m: int = 64, block_n: int = 64) -> None:
-    """Causal attention of sequences first.. of the step (prompt chunks) into out (T, Hq, D)."""
+                  scale: float, out: torch.Tensor, first: int = 0, block_m: int = 64, block_n: int = 64,
+                  window: int | None = None) -> None:
+    """Causal attention of sequences first.. of the step (prompt chunks) into out (T, Hq, D), each
+    query over its last `window` keys when given."""
+    if block_m > block_n:
+        raise ValueError(f"block_m ({block_m}) must not exceed block_n ({block_n})")
     qsl = meta.query_start_loc_host
     longest = max(qsl[i + 1] - qsl[i] for i in range(first, meta.num_seqs))
     hq, d = q.shape[1], q.shape[2]
     grid = (meta.num_seqs - first, triton.cdiv(longest, block_m), hq)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale, first,
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale, _window_arg(window),
+        first,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1), G=hq // k_cache.shape[1], D=d,
         BS=k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype))
+
+
+def _window_arg(window: int | None) -> int:
+    """The kernels' window: wider than any context for a global layer."""
+    return window if window is not None else 1 << 30
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -203,7 +222,8 @@ class TritonPagedAttention:
         self.num_sms = num_sms  # read from the device at the first step unless given
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta)
         b = meta.num_short
         if self.num_sms is None:
@@ -211,10 +231,11 @@ class TritonPagedAttention:
         # The split count depends on the batch size alone, so a captured graph keeps a valid one.
         splits = decode_splits(b, k_cache.shape[1], self.num_sms) if b else 1
         if b == meta.num_seqs:
-            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits)
+            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits,
+                                window=window)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if b:
             paged_decode(q[:b], k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], scale,
-                         num_splits=splits, out=out[:b])
-        paged_prefill(q, k_cache, v_cache, meta, scale, out, first=b)
+                         num_splits=splits, out=out[:b], window=window)
+        paged_prefill(q, k_cache, v_cache, meta, scale, out, first=b, window=window)
         return out

@@ -13,7 +13,9 @@
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)");
+  m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0);
   m.def("write_kv", &write_kv, "Store a step's K/V into the block pool");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight");
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");
@@ -49,7 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("projections"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none())
-      .def_readwrite("int8_rows", &CpuDecoderLayer::int8_rows);
+      .def_readwrite("int8_rows", &CpuDecoderLayer::int8_rows)
+      .def_readwrite("window", &CpuDecoderLayer::window);
   py::class_<CpuDecoderStack>(m, "DecoderStack", "A model's DecoderLayers and final norm, in one call")
       .def(py::init<std::vector<std::shared_ptr<CpuDecoderLayer>>, torch::Tensor, double>(), py::arg("layers"),
            py::arg("final_norm"), py::arg("eps"))

@@ -58,7 +58,7 @@ std::tuple<torch::Tensor, torch::Tensor> CpuDecoderLayer::forward(
   rotary_qkv_(qkv_rows, cos, sin, num_heads, num_kv_heads, head_dim);
   write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
            k_cache, v_cache, slot_block, slot_offset);
-  torch::Tensor attn = paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale);
+  torch::Tensor attn = paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
   h = add_rms_norm(project(o, attn.view({T, num_heads * head_dim})), stream, post_norm, eps);
   return {project(down, silu_mul(project(gate_up, h))), stream};
 }

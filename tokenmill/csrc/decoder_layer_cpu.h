@@ -30,6 +30,7 @@ struct CpuDecoderLayer {
   int64_t num_heads, num_kv_heads, head_dim;
   double scale;
   int64_t int8_rows = 0;  // see panel_linear
+  int64_t window = 0;     // the layer's sliding window (0: none), see paged_attention
 
  private:
   torch::Tensor project(const Projection& p, const torch::Tensor& x) const;

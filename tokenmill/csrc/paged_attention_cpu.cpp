@@ -37,7 +37,10 @@
 //   block_tables (B, max_blocks)                    int32
 //   query_start  (B + 1,)                           int32, sequence b owns tokens [qs[b], qs[b+1])
 //   seq_lens     (B,)                               int32, context length including the new tokens
-// Query j of sequence b sits at position seq_lens[b] - qlen + j and sees positions 0..itself.
+//   window       keys a query sees, itself included (0: all of them)
+// Query j of sequence b sits at position seq_lens[b] - qlen + j and sees positions 0..itself, or
+// with a window only the last `window` of those: reading starts at the block holding the first
+// key the tile's first query sees (blocks before it may have been given back to the pool).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -395,7 +398,7 @@ constexpr int64_t kParallelWriteTokens = 8;  // write_kv splits keys and values 
 template <typename KV>
 torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor query_start,
-                                   torch::Tensor seq_lens, double scale) {
+                                   torch::Tensor seq_lens, double scale, int64_t window) {
   TM_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
   TM_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
            "paged_attention: the pool and block tables must be contiguous");
@@ -436,6 +439,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   const int64_t num_tiles = static_cast<int64_t>(tile_seq.size());
   // keys token t sees: its sequence's context up to and including itself
   const auto kv_len_of = [&](int64_t t, int64_t b) { return sl[b] - (qs[b + 1] - t) + 1; };
+  // the first key it sees, and the first position of the block holding it
+  const auto first_key_of = [&](int64_t t, int64_t b) {
+    return window > 0 ? std::max<int64_t>(0, kv_len_of(t, b) - window) : int64_t{0};
+  };
+  const auto first_read_of = [&](int64_t t, int64_t b) { return first_key_of(t, b) / block_size * block_size; };
   const auto tile_end = [&](int64_t i) { return static_cast<int64_t>(tile_stop[i]); };
 
   const int64_t threads = at::get_num_threads();
@@ -449,7 +457,9 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   std::vector<int32_t> item_tile, item_part, tile_parts(num_tiles, 1);
   for (int64_t i = 0; i < num_tiles; ++i) {
     if (split) {
-      const int64_t blocks = (kv_len_of(tile_start[i], tile_seq[i]) + block_size - 1) / block_size;
+      const int64_t blocks =
+          (kv_len_of(tile_start[i], tile_seq[i]) - first_read_of(tile_start[i], tile_seq[i]) + block_size - 1) /
+          block_size;
       const int64_t want = (4 * threads + num_tiles - 1) / num_tiles;
       tile_parts[i] = static_cast<int32_t>(std::clamp<int64_t>(blocks / kMinPartBlocks, 1, want));
     }
@@ -460,10 +470,12 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
       }
   }
   const int64_t num_items = static_cast<int64_t>(item_tile.size());
-  // key range [begin, end) of part `part` of `parts` over a context of last_len keys, in whole blocks
-  const auto part_range = [&](int64_t last_len, int64_t part, int64_t parts) {
-    const int64_t blocks = (last_len + block_size - 1) / block_size;
-    return std::make_pair(blocks * part / parts * block_size, std::min(last_len, blocks * (part + 1) / parts * block_size));
+  // key range [begin, end) of part `part` of `parts` over keys first..last_len, in whole blocks
+  // (first is a block's first position)
+  const auto part_range = [&](int64_t first, int64_t last_len, int64_t part, int64_t parts) {
+    const int64_t blocks = (last_len - first + block_size - 1) / block_size;
+    return std::make_pair(first + blocks * part / parts * block_size,
+                          std::min(last_len, first + blocks * (part + 1) / parts * block_size));
   };
   // prefix sums of each item's work: keys scored, summed over its tokens (a tile reads each block
   // once, but scores it once per token)
@@ -472,10 +484,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
     const int64_t i = item_tile[item];
     int64_t cost = 0;
     if (split) {
-      const auto [k0, k1] = part_range(kv_len_of(tile_start[i], tile_seq[i]), item_part[item], tile_parts[i]);
+      const auto [k0, k1] = part_range(first_read_of(tile_start[i], tile_seq[i]), kv_len_of(tile_start[i], tile_seq[i]),
+                                       item_part[item], tile_parts[i]);
       cost = k1 - k0;
     } else {
-      for (int64_t t = tile_start[i]; t < tile_end(i); ++t) cost += kv_len_of(t, tile_seq[i]);
+      for (int64_t t = tile_start[i]; t < tile_end(i); ++t) cost += kv_len_of(t, tile_seq[i]) - first_key_of(t, tile_seq[i]);
     }
     cost_before[item + 1] = cost_before[item] + cost;
   }
@@ -510,20 +523,24 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
       const int64_t tile = item_tile[item], h0 = split ? 0 : item_part[item] * H;
       const int64_t b = tile_seq[tile], t0 = tile_start[tile], nt = tile_end(tile) - t0;
       const int64_t last_len = kv_len_of(t0 + nt - 1, b);  // the tile's longest context
-      // the keys this item reads: all of them, or one part's
-      const auto [k_begin, k_end] = split ? part_range(last_len, item_part[item], tile_parts[tile])
-                                          : std::pair<int64_t, int64_t>{0, last_len};
+      // the keys this item reads: all of them (from the window's first block), or one part's
+      const int64_t first_read = first_read_of(t0, b);
+      const auto [k_begin, k_end] = split ? part_range(first_read, last_len, item_part[item], tile_parts[tile])
+                                          : std::pair<int64_t, int64_t>{first_read, last_len};
       const int32_t* table = bt + b * max_blocks;
       const auto head_base = [&](int64_t p0, int64_t h) {  // keys p0.. of kv head h0 + h
         return (static_cast<int64_t>(table[p0 / block_size]) * Hkv + h0 + h) * block_size * D;
       };
       const auto query = [&](int64_t j, int64_t g) { return qp + (t0 + j) * q_stride + (h0 * G + g) * D; };
-      // keys of block p0 that token j of the tile sees (0 when the block is past it)
+      // token j's first key (window) and the keys of block p0 that it sees, counted from the block's
+      // start (0 when the block is past it, or wholly before its window)
+      const auto first_key = [&](int64_t j) { return first_key_of(t0 + j, b); };
       const auto visible = [&](int64_t j, int64_t p0) {
+        if (p0 + block_size <= first_key(j)) return int64_t{0};
         return std::clamp<int64_t>(last_len - (nt - 1 - j) - p0, 0, block_size);
       };
 #ifdef TOKENMILL_AVX2
-      if (!split && nt * G >= kPromptRowsMin && D % 32 == 0) {
+      if (!split && window == 0 && nt * G >= kPromptRowsMin && D % 32 == 0) {
         for (int64_t h = 0; h < H; ++h) {
           prompt_tile_gemm<KV>(
               nt, G, D, last_len, block_size, fscale, [&](int64_t j, int64_t g) { return query(j, h * G + g); },
@@ -548,11 +565,16 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
           }
         }
       }
-      for (int64_t j = 0; j < nt; ++j)  // token j sees keys up to last_len - (nt - 1 - j)
-        for (int64_t g = 0; g < HG; ++g)
-          sums[j * HG + g] = prim.softmax_numerator(&scores[(j * HG + g) * row + k_begin],
-                                                    std::min(k_end, last_len - (nt - 1 - j)) - k_begin,
+      for (int64_t j = 0; j < nt; ++j) {  // token j sees keys first_key(j) .. last_len - (nt - 1 - j)
+        // scores of its window's first block before the window: read by pass 2, so zeroed
+        const int64_t lo = std::max(k_begin, first_key(j)), lo_block = std::max(k_begin, lo / block_size * block_size);
+        for (int64_t g = 0; g < HG; ++g) {
+          float* x = &scores[(j * HG + g) * row];
+          sums[j * HG + g] = prim.softmax_numerator(x + lo, std::min(k_end, last_len - (nt - 1 - j)) - lo,
                                                     &maxes[j * HG + g]);
+          std::fill(x + lo_block, x + lo, 0.0f);
+        }
+      }
       std::fill(acc.begin(), acc.begin() + nt * HG * D, 0.0f);
       for (int64_t p0 = k_begin; p0 < k_end; p0 += block_size) {  // pass 2: the weighted values
         for (int64_t h = 0; h < H; ++h) {
@@ -606,13 +628,14 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,
-                              torch::Tensor seq_lens, double scale) {
+                              torch::Tensor seq_lens, double scale, int64_t window) {
+  TM_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
   TM_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
                (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
            "paged_attention: float32 queries, a float32 or float16 pool");
   if (k_cache.dtype() == torch::kFloat16)
-    return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale);
-  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale);
+    return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
+  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
 }
 
 // Store this step's keys and values: token t goes to block slot_block[t], offset slot_offset[t].

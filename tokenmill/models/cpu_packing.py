@@ -153,6 +153,7 @@ def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
             layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
             layer.input_layernorm.eps, projections, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
             *norms))
+        fused[-1].window = attn.window or 0  # its sliding window, 0 for none
     model.fused_layers = fused
     model.fused_stack = kernels.DecoderStack(fused, model.norm.weight.detach(), model.norm.eps)
 

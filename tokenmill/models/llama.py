@@ -1,7 +1,8 @@
 """The Llama-family decoder over a flat, ragged batch: Llama 2/3, SmolLM2, TinyLlama, Mistral,
 Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each q/k head), all with GQA and RoPE; and their
 mixture-of-experts kin, whose layers route to experts (moe.py) instead of one MLP: Mixtral,
-Qwen2-MoE, Qwen3-MoE and OLMoE (RMSNorm over all of q and of k).
+Qwen2-MoE, Qwen3-MoE and OLMoE (RMSNorm over all of q and of k); Phi-3's rope; and per-layer
+sliding-window attention (Mistral v0.1, Qwen2/3 with use_sliding_window).
 
 The model sees one flat batch of T tokens (every scheduled sequence's new tokens back
 to back) and never a (batch, seq) grid: only attention needs to know where one
@@ -192,6 +193,7 @@ class Attention(nn.Module):
         self.qk_norm_whole = cfg.qk_norm_whole  # OLMoE: one norm over all of q, one over all of k
         if cfg.qk_norm_whole:
             self.q_norm, self.k_norm = RMSNorm(self.q_size, cfg.rms_norm_eps), RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        self.window: int | None = None  # sliding window in tokens, set by the model from cfg.layer_windows
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend, ops) -> torch.Tensor:
@@ -203,7 +205,7 @@ class Attention(nn.Module):
             qkv, head_norms = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1), (None, None)
         q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                                  *head_norms)                   # Qwen3: RMSNorm on each q/k head first
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # (T, Hq, D)
         return self.o_proj.forward(out.view(t, self.q_size))
 
 
@@ -273,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.window = cfg.window(i)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)

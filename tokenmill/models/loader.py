@@ -147,11 +147,6 @@ def hf_model_config(path: Path) -> ModelConfig:
     if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
         raise ValueError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} dims rotate")
     max_len = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    if window and window < max_len:  # e.g. Mistral 7B v0.1: past the window its attention differs from ours
-        logger.warning("%s: sliding-window attention (%d tokens) is not implemented; context capped at %d",
-                       path, window, window)
-        max_len = window
     return ModelConfig(
         architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
@@ -162,7 +157,42 @@ def hf_model_config(path: Path) -> ModelConfig:
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("qkv_bias", True) if arch == "qwen2_moe" else cfg.get("attention_bias", arch == "qwen2"),
         qk_norm=arch in ("qwen3", "qwen3_moe"), qk_norm_whole=arch == "olmoe", moe=_hf_moe(cfg, arch),
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_windows=hf_layer_windows(cfg))
+
+
+# transformers' names for a layer's attention (config.layer_types) that tokenmill runs
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+# How each architecture's transformers implementation picks its sliding layers from config.json:
+# "all" slides every layer by sliding_window when it is set; the others only with
+# use_sliding_window, every layer ("all_if_used") or, unless layer_types names them, the layers
+# from max_window_layers on ("from_max") or the even layers below it ("even_below_max").
+_WINDOW_RULES = {"mistral": "all", "mixtral": "all", "phi3": "all", "qwen3_moe": "all_if_used",
+                 "qwen2": "from_max", "qwen3": "from_max", "qwen2_moe": "even_below_max"}
+
+
+def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Each layer's attention window as transformers applies it (_WINDOW_RULES); () when no layer
+    slides. Other local-attention schemes (chunked attention) are refused by name."""
+    for key in ("attention_chunk_size", "sliding_window_pattern"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"unsupported attention variant {key}={cfg[key]!r} (supported: sliding_window, "
+                             "use_sliding_window with max_window_layers or layer_types)")
+    rule, window = _WINDOW_RULES.get(cfg.get("model_type")), cfg.get("sliding_window")
+    num_layers = cfg["num_hidden_layers"]
+    if rule is None or not window or (rule != "all" and not cfg.get("use_sliding_window")):
+        return ()
+    if rule in ("all", "all_if_used"):
+        return (window,) * num_layers
+    top = cfg.get("max_window_layers", 28)
+    default = [("sliding_attention" if (i >= top if rule == "from_max" else i % 2 == 0 and i < top)
+                else "full_attention") for i in range(num_layers)]
+    types = cfg.get("layer_types") or default
+    if unknown := sorted(set(types) - set(_LAYER_TYPES)):
+        raise ValueError(f"unsupported layer_types {unknown} (supported: {', '.join(_LAYER_TYPES)})")
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types names {len(types)} layers, num_hidden_layers is {num_layers}")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def hf_unfused(weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,5 +1,5 @@
 """The CPU panel kernel over float32 panels, Q4_1 blocks and K-quant blocks (re-cut into the
-kernel's formats, loader.k_quant_rows): the projections of 24 layers of a
+kernel's formats, gguf_loader.k_quant_rows): the projections of 24 layers of a
 Llama-shaped model with hidden 512 and FFN 1536 (K-quants need rows of 256s), from random Q4_K
 super-blocks (float32 and Q4_1 hold the same weights, dequantized) and random Q5_K and Q6_K
 super-blocks of the same shapes; the formats alternated, seven rounds, medians.
@@ -25,7 +25,7 @@ from conftest import random_k_quant_rows  # noqa: E402
 
 from tokenmill.cpu_kernels import load_cpu_kernels  # noqa: E402
 from tokenmill.host_memory import huge_page_copies  # noqa: E402
-from tokenmill.models.loader import k_quant_rows  # noqa: E402
+from tokenmill.models.gguf_loader import k_quant_rows  # noqa: E402
 from tokenmill.models.packed_linear import BLOCK_FORMATS  # noqa: E402
 
 SHAPES = [(1536, 512), (512, 512), (3072, 512), (512, 1536)]  # qkv, o, gate_up, down: (N, K)

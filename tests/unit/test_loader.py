@@ -295,7 +295,7 @@ def test_the_gguf_reader_through_a_plain_view_reads_what_ggufs_own_does(tmp_path
     changed would make it fall back to the stock reader, which this notices."""
     from gguf import GGUFReader
 
-    from tokenmill.models.loader import open_gguf
+    from tokenmill.models.gguf_loader import open_gguf
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", KINDS, tied=False, bias=True)
     from gguf import GGUFWriter  # plus the string arrays and scalars a tokenizer brings
@@ -376,7 +376,7 @@ def test_gguf_rope_scaling_is_applied_as_transformers_does_or_refused(tmp_path, 
 def test_gguf_end_of_turn_and_message_tokens_end_generation(tmp_path, ids, expected):
     """A Llama 3 GGUF may name <|end_of_text|> its eos and <|eot_id|> (<|eom_id|>) its eot (eom):
     llama.cpp stops on each of them, and so must a chat answer here, not run past its turn."""
-    from tokenmill.models.loader import gguf_model_config, open_gguf
+    from tokenmill.models.gguf_loader import gguf_model_config, open_gguf
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", dict.fromkeys(KINDS, "F32"), True, False, token_ids=ids)
     assert tuple(gguf_model_config(open_gguf(path)).eos_token_ids) == expected

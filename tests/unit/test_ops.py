@@ -96,7 +96,7 @@ def _gguf_rows(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from tokenmill.models.loader import k_quant_rows
+    from tokenmill.models.gguf_loader import k_quant_rows
     qtype, rng = GGMLQuantizationType[kind], np.random.default_rng(0)
     if kind.endswith("_K"):
         raw = random_k_quant_rows(rng, kind, n, k)
@@ -249,7 +249,7 @@ def test_k_quant_recut_in_cpp_gives_numpys_bytes(fused, kind):
         pytest.skip("block formats need AVX2")
     import numpy as np
 
-    from tokenmill.models.loader import k_quant_rows
+    from tokenmill.models.gguf_loader import k_quant_rows
     from tokenmill.models.packed_linear import BLOCK_FORMATS
     raw = random_k_quant_rows(np.random.default_rng(1), kind, 9, 768)
     supers = raw.reshape(9, 3, -1)

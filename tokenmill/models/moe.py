@@ -24,6 +24,8 @@ from torch import nn
 
 from tokenmill.config import MoEConfig
 
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # model_type values this block serves
+
 # Mixtral's checkpoint names for what the other models call mlp, gate_proj, up_proj and down_proj
 _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 

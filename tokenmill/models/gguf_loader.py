@@ -1,0 +1,289 @@
+"""GGUF files as llama.cpp writes them: the model config from the metadata, the tensors under
+Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted from llama.cpp's
+rotary layout, merged expert tensors split into one matrix per expert), and on the CPU the
+projections kept in their quantized blocks for the panel kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs).
+loader.py opens a file and picks these or the Hugging Face path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig, MoEConfig
+from tokenmill.host_memory import read_only_tensor
+from tokenmill.models.moe import MOE_ARCHITECTURES
+from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix
+
+GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+              "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# whether llama.cpp renormalises each MoE architecture's top-k weights, where a file does not say
+# (expert_weights_norm): as the transformers models do for Mixtral and for Qwen3-MoE's released configs
+_GGUF_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    # merged experts (E, rows, cols): one matrix per expert, {} its index
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj", "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+}
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_rope_scaling(meta) -> dict | None:
+    """The rope scaling llama.cpp would apply, in transformers' terms: linear, YaRN (converted Qwen
+    long-context models) or, for any other type, one the model refuses by name rather than runs
+    without."""
+    kind = meta("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": meta("rope.scaling.factor")}
+    if kind == "yarn":
+        scaling.update(original_max_position_embeddings=meta("rope.scaling.original_context_length"),
+                       beta_fast=meta("rope.scaling.yarn_beta_fast"), beta_slow=meta("rope.scaling.yarn_beta_slow"))
+    return scaling
+
+
+def _gguf_moe(meta, arch: str, reader) -> MoEConfig:
+    """The experts of a GGUF file, as llama.cpp runs them: softmax over the router's logits, the
+    top expert_used_count, renormalised per expert_weights_norm (or the architecture's rule); a
+    layer without ffn_gate_inp is dense. The experts' widths are read from their tensors' shapes
+    ((hidden, width, experts)), whatever metadata the file has. Other gating functions and weight
+    scales are refused."""
+    gating, scale = meta("expert_gating_func"), meta("expert_weights_scale")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"unsupported GGUF expert_gating_func {gating} (supported: 1, softmax)")
+    if scale not in (None, 0.0, 1.0):
+        raise ValueError(f"unsupported GGUF expert_weights_scale {scale} (supported: 1)")
+    widths = {}  # ffn_gate_exps / ffn_gate_shexp -> width; older Mixtral files: blk.L.ffn_gate.E.weight per expert
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and (parts[2] in ("ffn_gate_exps", "ffn_gate_shexp") or parts[2:4] == ["ffn_gate", "0"]):
+            widths["ffn_gate_exps" if parts[2] == "ffn_gate" else parts[2]] = int(t.shape[1])
+    routers = {t.name for t in reader.tensors if t.name.endswith(".ffn_gate_inp.weight")}
+    dense = tuple(i for i in range(meta("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in routers)
+    return MoEConfig(meta("expert_count"), meta("expert_used_count"), widths.get("ffn_gate_exps", 0),
+                     bool(meta("expert_weights_norm", _GGUF_NORM_TOPK[arch])), float32_weights=arch == "mixtral",
+                     shared_expert_intermediate_size=widths.get("ffn_gate_shexp", 0), dense_layers=dense)
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    name = _gguf_field(reader, "general.architecture")
+    if name not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {name!r} (supported: {', '.join(GGUF_ARCHS)})")
+
+    def meta(key, default=None):
+        return _gguf_field(reader, f"{name}.{key}", default)
+    arch = "mixtral" if name == "llama" and meta("expert_count") else GGUF_ARCHS[name]
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    scaling = _gguf_rope_scaling(meta)
+    tensor_names = {t.name for t in reader.tensors}
+    moe = _gguf_moe(meta, arch, reader) if arch in MOE_ARCHITECTURES else None
+    if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp keeps its rope scaling as a divisor per frequency
+        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = {"rope_type": "freq_factors",
+                   "factors": np.asarray(factors.data, dtype=np.float64).reshape(-1).tolist()}
+    vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    # end of generation, as llama.cpp has it: <|eot_id|> and <|eom_id|> end a Llama 3 turn even
+    # where the file's eos is <|end_of_text|>
+    ends = (_gguf_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom"))
+    eos_ids = tuple(dict.fromkeys(int(t) for t in ends if t is not None))
+    return ModelConfig(
+        architecture=arch, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length") or (moe.expert_intermediate_size if moe else 0),
+        num_layers=meta("block_count"),
+        num_heads=heads, num_kv_heads=meta("attention.head_count_kv") or heads,
+        head_dim=meta("attention.key_length") or hidden // heads,
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=meta("rope.freq_base", 10000.0), rope_scaling=scaling,
+        max_position_embeddings=meta("context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch != "olmoe" and "blk.0.attn_q_norm.weight" in tensor_names, qk_norm_whole=arch == "olmoe",
+        moe=moe, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids)
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q/k rows (interleaved rotary pairs -> half-split)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
+    """(Hugging Face name or None to skip, heads to un-permute the rows by or 0)."""
+    parts = gguf_name.split(".")
+    if parts[0] != "blk":  # None for e.g. rope_freqs: read into the config's rope scaling instead
+        return {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}.get(gguf_name), 0
+    layer, kind, suffix = parts[1], parts[2], parts[-1]
+    if len(parts) == 5:  # one expert's own tensor, as older Mixtral files have them: blk.0.ffn_gate.3.weight
+        return f"model.layers.{layer}.mlp.experts.{parts[3]}.{_GGUF_NAMES[kind].removeprefix('mlp.')}.{suffix}", 0
+    heads = 0
+    if cfg.architecture in ("llama", "mistral", "mixtral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
+        heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
+    return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
+
+
+def _expert_names(name: str, tensor) -> list[str]:
+    """The Hugging Face names a GGUF tensor holds: one per expert for merged experts (E, rows, cols)."""
+    return [name.format(e) for e in range(int(tensor.shape[2]))] if "{}" in name else [name]
+
+
+def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor but those named in `skip`, dequantized to float32 under its Hugging Face name;
+    merged experts as one matrix per expert."""
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        name, heads = _gguf_name(tensor.name, cfg)
+        wanted = [] if name is None else [(i, n) for i, n in enumerate(_expert_names(name, tensor)) if n not in skip]
+        if not wanted:
+            continue
+        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        data = data.reshape([int(d) for d in reversed(tensor.shape)])
+        if heads:
+            data = _unpermute(data, heads)
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps its one row as a vector
+            data = data.reshape(1, -1)
+        for index, part in wanted:
+            values = data[index] if "{}" in name else data                # (rows, cols) of expert `index`
+            yield part, torch.from_numpy(np.require(values, requirements=["C", "W"]))
+
+
+def _bit_fields(packed: np.ndarray, groups: int, shifts: list[int], mask: int) -> np.ndarray:
+    """(n, bytes) -> (n, groups * len(shifts) * width) codes: each of `groups` runs of bytes read
+    once per shift, shifted and masked, in gguf's order of the K-quants' values."""
+    fields = packed.reshape(packed.shape[0], groups, 1, -1) >> np.array(shifts, np.uint8).reshape(1, 1, -1, 1)
+    return (fields & np.uint8(mask)).reshape(packed.shape[0], -1)
+
+
+def k_quant_rows(rows: np.ndarray, kind: str) -> np.ndarray:
+    """Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> the rows the CPU kernel packs
+    (gemm_cpu.cpp, Format), codes unpacked as gguf's dequantization reads them. Per super-block of
+    256 weights, Q4_K and Q5_K: the fp16 d and dmin, the 8 scales, the 8 mins, then per 32 weights
+    Q4_1's 16 bytes of nibbles (Q4_K) or a byte per code (Q5_K); Q6_K: the fp16 d, the 16 int8
+    scales, a signed byte per code (q - 32). The kernel makes a block's d * sc and -(dmin * m)
+    from them, exactly gguf's products, so that its values are gguf's bit for bit."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import Q4_K
+    blocks = rows.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
+    if kind == "Q6_K":  # ql (128), qh (64), 16 int8 scales, d
+        low = _bit_fields(blocks[:, :128], 2, [0, 4], 0x0F)
+        high = _bit_fields(blocks[:, 128:192], 2, [0, 2, 4, 6], 0x03)
+        codes = ((low | (high << 4)).view(np.int8) - np.int8(32)).view(np.uint8)
+        return np.concatenate([blocks[:, 208:210], blocks[:, 192:208], codes], axis=1).reshape(rows.shape[0], -1)
+    # d, dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    codes = _bit_fields(blocks[:, -128:], 4, [0, 4], 0x0F).reshape(-1, 8, 32)
+    if kind == "Q5_K":
+        codes = codes | (_bit_fields(blocks[:, 16:48], 1, list(range(8)), 0x01).reshape(-1, 8, 32) << 4)
+    else:  # Q4_1's nibble order: byte i = weight i | weight i + 16 << 4
+        codes = codes[..., :16] | (codes[..., 16:] << 4)
+    parts = [blocks[:, 0:4], sc.reshape(-1, 8).astype(np.uint8), m.reshape(-1, 8).astype(np.uint8),
+             codes.reshape(blocks.shape[0], -1)]
+    return np.concatenate(parts, axis=1).reshape(rows.shape[0], -1)
+
+
+def q5_as_blocks_of_32(rows: np.ndarray, kind: str) -> np.ndarray:
+    """Q5_0 or Q5_1 rows (N, K / 32 * 22 or 24 bytes) -> the kernel's Q5F rows: float32 scale d and
+    offset, then a byte per 5-bit code (the low nibble, and bit i of qh as the fifth bit of weight
+    i). Q5_1's offset is its m; Q5_0's is -16 d, so that the kernel's d * q + offset is gguf's
+    (q - 16) * d exactly (d * q and 16 d are exact in float32, and so is their difference), but
+    for the sign of a zero weight (gguf's -0 where d < 0), which no sum starting from +0 shows."""
+    size = 22 if kind == "Q5_0" else 24
+    blocks = rows.reshape(-1, size)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    offset = -16 * d if kind == "Q5_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    codes = _bit_fields(blocks[:, size - 16:], 1, [0, 4], 0x0F)              # weights 0-15, 16-31
+    codes |= _bit_fields(blocks[:, size - 20:size - 16], 4, list(range(8)), 0x01) << 4  # qh: bit i, weight i
+    return np.concatenate([d.view(np.uint8), offset.view(np.uint8), codes], axis=1).reshape(rows.shape[0], -1)
+
+
+def q3_k_rows(rows: np.ndarray) -> np.ndarray:
+    """Q3_K rows (N, K / 256 * 110 bytes) -> the kernel's Q6F rows: per super-block of 256 weights
+    its fp16 d, an int8 scale per 16 weights (sc - 32), then a signed byte per code (q - 4, from -4
+    to 3), decoded as gguf does it, so that the kernel's (d * scale) * code is gguf's dl * q bit for bit."""
+    blocks = rows.reshape(-1, 110)
+    hmask, qs, packed = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
+    sc = _bit_fields(packed[:, :8], 1, [0, 4], 0x0F) | (_bit_fields(packed[:, 8:], 1, [0, 2, 4, 6], 0x03) << 4)
+    scales = (sc.astype(np.int8) - np.int8(32)).view(np.uint8)
+    ql = _bit_fields(qs, 2, [0, 2, 4, 6], 0x03)
+    qh = _bit_fields(hmask, 1, list(range(8)), 0x01) ^ 1                         # a set bit: no -4
+    codes = (ql.astype(np.int8) - (qh << 2).astype(np.int8)).view(np.uint8)
+    return np.concatenate([blocks[:, 108:110], scales, codes], axis=1).reshape(rows.shape[0], -1)
+
+
+def _block_rows(tensor, heads: int, kernels, expert: int | None = None) -> torch.Tensor:
+    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them (of one expert's matrix, for
+    merged experts): K-quants re-cut by the kernels' recut_k_quant (the same bytes as
+    k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, q/k rows un-permuted,
+    copied out of the file's read-only mapping."""
+    kind = tensor.tensor_type.name
+    rows = np.asarray(tensor.data)
+    rows = rows.reshape(int(tensor.shape[1]), -1) if expert is None else rows.reshape(
+        int(tensor.shape[2]), int(tensor.shape[1]), -1)[expert]
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        rows = kernels.recut_k_quant(read_only_tensor(rows), BLOCK_FORMATS[kind]).numpy()
+    elif kind in ("Q5_0", "Q5_1"):
+        rows = q5_as_blocks_of_32(rows, kind)
+    elif kind == "Q3_K":
+        rows = q3_k_rows(rows)
+    if heads:
+        rows = _unpermute(rows, heads)
+    return torch.from_numpy(np.require(rows, requirements=["C", "W"]))
+
+
+def gguf_weight_blocks(reader, cfg: ModelConfig, kernels) -> dict[str, GGUFMatrix]:
+    """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
+    rows (K-quants re-cut into blocks of 32 by `kernels`, the C++ module) are read when it is
+    packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py); merged
+    experts give one matrix per expert, so each expert keeps its blocks."""
+    out = {}
+    for tensor in reader.tensors:
+        name, heads = _gguf_name(tensor.name, cfg)
+        merged = name is not None and "{}" in name
+        if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != (3 if merged else 2):
+            continue
+        for index, part in enumerate(_expert_names(name, tensor)):
+            read = functools.partial(_block_rows, tensor, heads, kernels, index if merged else None)
+            out[part] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read)
+    return out
+
+
+def open_gguf(path: Path):
+    """gguf's GGUFReader, its slices of the file taken through a plain ndarray view of its memory
+    map: np.memmap's __getitem__ is Python code, and the reader slices the map three times per
+    string of metadata (a vocabulary of tens of thousands of tokens and merges), so this reads a
+    file's metadata in a fraction of the time (BENCHMARKS.md), the same fields and tensors (tested).
+    Only when the reader's private `_get` has the signature this was written against; otherwise the
+    reader as it is."""
+    from gguf import GGUFReader
+
+    class PlainViewReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    expected = ["self", "offset", "dtype", "count", "override_order"]
+    fits = list(inspect.signature(getattr(GGUFReader, "_get", lambda: None)).parameters) == expected
+    return (PlainViewReader if fits else GGUFReader)(str(path))

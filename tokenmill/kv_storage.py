@@ -1,8 +1,9 @@
 """The shared-storage KV connector: prompt blocks handed from a prefill instance to a decode
 instance as files in a directory both see (a local disk, /dev/shm, a network mount).
 
-    <kv_storage_path>/<pool fingerprint>/<block hash>.pt    one full block, every layer's K and V:
-                                                           (layers, 2, kv_heads, block_size, head_dim)
+    <kv_storage_path>/<pool fingerprint>/<block hash>.kv    one full block, every layer's K and V:
+                                                           (layers, 2, kv_heads, block_size, head_dim),
+                                                           its raw bytes in the pool's dtype
 
 A block's name is the prefix cache's chained hash of its tokens and of every token before it
 (kv_cache.hash_block), so the decode instance finds a prompt's blocks from its own tokens and
@@ -25,6 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tokenmill.kv_cache import hash_block
@@ -43,6 +45,8 @@ class SharedStorageConnector:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.role = role                  # "prefill", "decode" or "both"
         self.worker = worker              # reads and writes the pool's blocks (ModelWorker)
+        layers, kv, _, heads, size, dim = worker.kv_cache.shape
+        self.block_shape, self.dtype = (layers, kv, heads, size, dim), worker.kv_cache.dtype  # one block's file
         self.block_size = block_size
         self.engine_id = uuid.uuid4().hex
         self.num_blocks_saved = 0         # cumulative, for tests and metrics
@@ -69,7 +73,7 @@ class SharedStorageConnector:
         first, last = external_block_span(num_local_tokens, num_external_tokens, self.block_size)
         hashes = self._hashes(request, last)[first:last]
         try:
-            blocks = torch.stack([torch.load(self._file(h), weights_only=True) for h in hashes], dim=2)
+            blocks = torch.stack([self._read(h) for h in hashes], dim=2)
             self.worker.write_blocks(block_ids[first:last], blocks)
         except Exception as exc:  # (missing, truncated, another layout): computed here instead
             self.num_load_failures += 1
@@ -130,10 +134,18 @@ class SharedStorageConnector:
                 pass
 
     def _file(self, block_hash: bytes) -> Path:
-        return self.dir / f"{block_hash.hex()}.pt"
+        return self.dir / f"{block_hash.hex()}.kv"
 
     def _write(self, block_hash: bytes, block: torch.Tensor) -> None:
         path = self._file(block_hash)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        torch.save(block, tmp)
+        block.contiguous().view(torch.uint8).numpy().tofile(tmp)
         os.replace(tmp, path)
+
+    def _read(self, block_hash: bytes) -> torch.Tensor:
+        """One block as _write left it: its raw bytes, which must be exactly one block of this pool."""
+        raw = np.fromfile(self._file(block_hash), dtype=np.uint8)
+        expected = int(np.prod(self.block_shape)) * self.dtype.itemsize
+        if raw.size != expected:
+            raise ValueError(f"{self._file(block_hash).name} has {raw.size} bytes, a block of this pool {expected}")
+        return torch.from_numpy(raw).view(self.dtype).view(self.block_shape)

@@ -47,12 +47,12 @@ def test_the_decode_instance_computes_only_each_last_prompt_token_and_answers_as
     # full blocks of 16 below each prompt's last token: 32, 48, 48 of 40, 49, 58 tokens
     assert llm.engine.scheduler.stats().num_external_tokens == 32 + 48 + 48
     assert computed == (40 - 32) + (49 - 48) + (58 - 48)
-    assert not list(tmp_path.rglob("*.pt"))  # the hand-off is consumed
+    assert not list(tmp_path.rglob("*.kv"))  # the hand-off is consumed
 
 
 def test_missing_or_corrupt_blocks_are_computed_by_the_decode_instance(tiny_models, tmp_path, colocated):
     params = prefill(tiny_models, tmp_path)
-    files = sorted(tmp_path.rglob("*.pt"))
+    files = sorted(tmp_path.rglob("*.kv"))
     assert len(files) == 2 + 3 + 3
     files[0].unlink()
     files[1].write_bytes(files[1].read_bytes()[:100])

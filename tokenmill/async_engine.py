@@ -103,6 +103,11 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def rank_death(self) -> str | None:
+        """What ended a tensor-parallel rank the engine started (every step then fails), or None."""
+        ranks = self.engine.ranks
+        return ranks.death() if ranks is not None else None
+
     @property
     def is_alive(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()

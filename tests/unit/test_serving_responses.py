@@ -59,3 +59,14 @@ def test_a_store_of_size_0_keeps_nothing_and_a_negative_size_is_refused():
     assert store.get("a") is None and len(store) == 0
     with pytest.raises(ValueError, match="capacity"):
         ResponseStore(-1)
+
+
+def test_the_store_drops_the_oldest_conversations_past_its_characters_too():
+    store = ResponseStore(100, max_chars=250)
+    big = [{"role": "user", "content": "x" * 80}]  # 113 characters as JSON: two fit
+    store.put("a", big)
+    store.put("b", big)
+    store.put("c", big)
+    assert store.get("a") is None and store.get("b") == big and store.get("c") == big
+    store.put("d", [{"role": "user", "content": "x" * 500}])  # larger than the whole store
+    assert store.get("d") is None and len(store) == 2

@@ -37,8 +37,7 @@ class ModelsHandler:
         if not self.async_engine.is_alive:
             return JSONResponse(error_body(f"engine loop is not running: {self.async_engine.error!r}",
                                            "server_error"), status_code=503)
-        ranks = self.async_engine.engine.ranks
-        if ranks is not None and (death := ranks.death()) is not None:
+        if (death := self.async_engine.rank_death()) is not None:
             return JSONResponse(error_body(death, "server_error"), status_code=503)
         return {"status": "ok"}
 

@@ -19,6 +19,7 @@ app's ResponseStore, a bounded map that forgets the least recently used first.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -42,27 +43,36 @@ FIELD_NAMES = {"max_tokens": "max_output_tokens", "structured_outputs": "text.fo
 
 class ResponseStore:
     """The conversations (chat messages: input and output) of the last `capacity` stored
-    responses, by response id; reading one makes it the most recently used. Capacity 0 keeps none."""
+    responses, by response id, holding at most `max_chars` characters of them in all (a stored
+    conversation can be megabytes); reading one makes it the most recently used. Capacity 0 keeps
+    none."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_chars: int = 256 * 1024 * 1024) -> None:
         if capacity < 0:
             raise ValueError(f"the responses store's capacity must be >= 0, got {capacity}")
-        self.capacity = capacity
-        self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
+        self.capacity, self.max_chars = capacity, max_chars
+        self._conversations: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()  # id -> (messages, chars)
+        self._chars = 0
 
     def get(self, response_id: str) -> list[dict] | None:
-        conversation = self._conversations.get(response_id)
-        if conversation is not None:
-            self._conversations.move_to_end(response_id)
-        return conversation
+        entry = self._conversations.get(response_id)
+        if entry is None:
+            return None
+        self._conversations.move_to_end(response_id)
+        return entry[0]
 
     def put(self, response_id: str, conversation: list[dict]) -> None:
         if self.capacity == 0:
             return
-        self._conversations[response_id] = conversation
-        self._conversations.move_to_end(response_id)
-        while len(self._conversations) > self.capacity:
-            self._conversations.popitem(last=False)
+        chars = len(json.dumps(conversation, default=str))
+        if chars > self.max_chars:
+            return  # (larger than the whole store: kept nowhere)
+        old = self._conversations.pop(response_id, None)
+        self._chars += chars - (old[1] if old is not None else 0)
+        self._conversations[response_id] = (conversation, chars)
+        while len(self._conversations) > self.capacity or self._chars > self.max_chars:
+            _, (_, dropped) = self._conversations.popitem(last=False)
+            self._chars -= dropped
 
     def __len__(self) -> int:
         return len(self._conversations)

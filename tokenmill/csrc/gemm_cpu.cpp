@@ -770,8 +770,8 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
 }
 
 // Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> rows in the kernel's format Q4F, Q5K
-// or Q6F (row_unit_bytes): what loader.k_quant_rows makes with numpy, byte for byte (tested), in
-// a fraction of the time (a 7B model's re-cut took 32 s in numpy).
+// or Q6F (row_unit_bytes): what gguf_loader.k_quant_rows makes with numpy, byte for byte (tested),
+// in one pass over the rows instead of numpy's several.
 torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
   TM_CHECK(format == kQ4F || format == kQ5K || format == kQ6F, "recut_k_quant: format Q4F, Q5K or Q6F");
   const int64_t super_bytes = format == kQ4F ? 144 : format == kQ5K ? 176 : 210;

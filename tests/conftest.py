@@ -326,3 +326,19 @@ def tiny_bytes(tmp_path_factory) -> Path:
 import sys  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def watch_chunked_prompts(engine) -> set[str]:
+    """The ids of requests whose prompt a step of `engine` cut into chunks (a step that ends inside
+    the prompt), filled in as the engine steps from now on."""
+    chunked: set[str] = set()
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        sched = schedule()
+        for request, n in zip(sched.requests, sched.num_scheduled_tokens):
+            if request.num_computed_tokens + n < request.num_tokens:
+                chunked.add(request.request_id)
+        return sched
+    engine.scheduler.schedule = watched
+    return chunked

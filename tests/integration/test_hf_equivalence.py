@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from conftest import build_tiny_model, needs_triton, write_gguf_from_hf
+from conftest import build_tiny_model, needs_triton, watch_chunked_prompts, write_gguf_from_hf
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -121,16 +121,7 @@ def test_greedy_generation_equals_hf_under_chunking_and_preemption(tiny_models, 
     llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=40, block_size=16,
               attention_backend=backend, enable_prefix_caching=False, long_prefill_token_threshold=threshold)
     engine = llm.engine
-    chunked = set()
-    original = engine.scheduler.schedule
-
-    def spy():
-        sched = original()
-        for r, n in zip(sched.requests, sched.num_scheduled_tokens):
-            if r.num_computed_tokens + n < r.num_tokens:  # this step ends inside the prompt
-                chunked.add(r.request_id)
-        return sched
-    engine.scheduler.schedule = spy
+    chunked = watch_chunked_prompts(engine)
 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
@@ -232,6 +223,16 @@ def prompt_logits(path, prompt: list[int], kernels: str) -> torch.Tensor:
         return model.compute_logits(runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta))
 
 
+def assert_prompt_logits_match_hf(path, prompt: list[int]) -> None:
+    """Our logits of `prompt` in one step, on the torch path and the C++ one, within 1e-5 (relative)
+    of transformers' forward of the checkpoint at `path`."""
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
+    for kernels in ("torch", "auto"):
+        got = prompt_logits(path, prompt, kernels)
+        assert rel_err(got, ref) <= 1e-5, f"{kernels}: {rel_err(got, ref):.2e}"
+
+
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 GGUF_MODELS = {  # llama: biases on q and k, which llama.cpp permutes as it does their weights
     "llama_qk_bias": dict(model_type="llama", attention_bias=True, rope_theta=500000.0),
@@ -281,11 +282,7 @@ def test_yarn_rope_scaling_gives_hfs_logits(tmp_path, extra):
                             rope_scaling={**YARN, **extra}, rope_theta=1e6)
     rng = random.Random(1)
     prompt = [rng.randrange(2, 384) for _ in range(100)]
-    with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
-    for kernels in ("torch", "auto"):
-        got = prompt_logits(path, prompt, kernels)
-        assert rel_err(got, ref) <= 1e-5, f"{kernels}: {rel_err(got, ref):.2e}"
+    assert_prompt_logits_match_hf(path, prompt)
 
 
 @pytest.mark.parametrize("partial, scaling", [
@@ -307,8 +304,4 @@ def test_phi3_gives_hfs_logits_with_fused_checkpoint_weights_partial_rotary_and_
     path = build_tiny_model(tmp_path / "phi3", "phi3", **extra)
     rng = random.Random(1)
     prompt = [rng.randrange(2, 384) for _ in range(50)]
-    with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
-    for kernels in ("torch", "auto"):
-        got = prompt_logits(path, prompt, kernels)
-        assert rel_err(got, ref) <= 1e-5, f"{kernels}: {rel_err(got, ref):.2e}"
+    assert_prompt_logits_match_hf(path, prompt)

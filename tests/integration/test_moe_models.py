@@ -19,7 +19,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_MOE_CONFIGS, copy_model
+from conftest import TINY_MOE_CONFIGS, copy_model, watch_chunked_prompts
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -124,16 +124,7 @@ def test_greedy_generation_equals_hf_under_chunking_prefix_caching_and_preemptio
               attention_backend=backend, enable_prefix_caching=True, long_prefill_token_threshold=0)
     engine = llm.engine
     llm.generate([{"prompt_token_ids": shared + [5]}], SamplingParams(max_tokens=1), use_tqdm=False)  # caches it
-    chunked = set()
-    original = engine.scheduler.schedule
-
-    def spy():
-        sched = original()
-        for r, n in zip(sched.requests, sched.num_scheduled_tokens):
-            if r.num_computed_tokens + n < r.num_tokens:  # this step ends inside the prompt
-                chunked.add(r.request_id)
-        return sched
-    engine.scheduler.schedule = spy
+    chunked = watch_chunked_prompts(engine)
 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)

@@ -211,6 +211,9 @@ def test_the_router_answers_bad_input_itself_in_openai_shape_and_passes_a_replic
 
 
 def test_the_routers_metrics_count_requests_per_replica(cluster):
+    rng = random.Random(2)
+    landed = {complete(cluster.routers["cache_aware"], words(rng, 150)).headers[REPLICA_HEADER] for _ in range(3)}
+    assert landed == set(cluster.replicas)  # new prefixes spread over both
     page = httpx.get(cluster.routers["cache_aware"] + "/metrics").text
     routed = [line for line in page.splitlines() if line.startswith("tokenmill_router_requests_routed_total")]
     assert {r for r in cluster.replicas if any(f'replica="{r}"' in line for line in routed)} == set(cluster.replicas)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import mmap
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -62,6 +63,26 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous copies of `tensors` in one huge-page arena (huge_page_slots)."""
     slots = huge_page_slots([t.numel() * t.element_size() for t in tensors])
     return [slot.view(t.dtype).view(t.shape).copy_(t) for slot, t in zip(slots, tensors)]
+
+
+def memory_available(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process can still take: the kernel's MemAvailable (free memory and the page
+    cache it can drop, such as a memory-mapped model file's pages), lowered to what the cgroup's
+    limit leaves (cgroup v2 memory.max less memory.current) in a container. None where neither
+    can be read."""
+    found = []
+    try:
+        meminfo = dict(line.split(":", 1) for line in (proc / "meminfo").read_text().splitlines() if ":" in line)
+        found.append(int(meminfo["MemAvailable"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The huge-page backed pool allocation."""
+"""Host memory: huge-page backed allocations and the memory a process can still take."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from tokenmill.host_memory import huge_page_zeros
+from tokenmill.host_memory import huge_page_zeros, memory_available
 
 
 def test_huge_page_zeros_is_a_zeroed_aligned_tensor_that_outlives_its_mapping():
@@ -43,3 +43,21 @@ def test_huge_page_slots_hold_any_dtypes_side_by_side():
     slots = huge_page_slots([100, 1, 64])
     assert [s.numel() for s in slots] == [100, 1, 64]
     assert [s.data_ptr() - slots[0].data_ptr() for s in slots] == [0, 128, 192]
+
+
+def test_memory_available_is_meminfos_figure_lowered_to_what_the_cgroup_limit_leaves(tmp_path):
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir()
+    cgroup.mkdir()
+    (proc / "meminfo").write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    assert memory_available(proc, cgroup) == 20000000 * 1024  # no cgroup files: the machine's figure
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("1000\n")
+    assert memory_available(proc, cgroup) == 20000000 * 1024  # no limit
+    (cgroup / "memory.max").write_text(f"{8 << 30}\n")
+    (cgroup / "memory.current").write_text(f"{3 << 30}\n")
+    assert memory_available(proc, cgroup) == 5 << 30
+    (proc / "meminfo").unlink()
+    assert memory_available(proc, cgroup) == 5 << 30
+    (cgroup / "memory.max").unlink()
+    assert memory_available(proc, cgroup) is None

@@ -415,3 +415,32 @@ def test_partial_rotary_order_puts_the_checkpoints_rotated_pairs_on_ours_and_the
     from tokenmill.models.llama import partial_rotary_order
     # head 8, 4 rotate: the checkpoint pairs (0, 2), (1, 3); ours pair (j, j + 4)
     assert partial_rotary_order(8, 4).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("case", ["qwen2_k_quants_mixed", "llama_tied_mixed", "llama_untied", "llama_tied_tq2_0"])
+def test_the_memory_a_model_is_checked_against_is_what_its_loaded_weights_take(tmp_path, case, caplog):
+    """The figure checked before loading (GGUF blocks as panels, the rest in float32) is the bytes
+    the loaded model holds, and a model that needs more than is available is refused with both
+    figures before any of it is allocated."""
+    import logging
+
+    import tokenmill.models.loader as loader
+    kernels = load_cpu_kernels(required=False)
+    if kernels is None or not kernels.block_formats:
+        pytest.skip("needs the C++ kernels with AVX2")
+    arch, kinds, tied, bias, _ = CASES[case]
+    path = tmp_path / f"{case}.gguf"
+    write_gguf(path, arch, kinds, tied, bias)
+    caplog.set_level(logging.INFO, logger="tokenmill.models.loader")
+    model = load_model(open_checkpoint(path), 64, torch.float32, torch.device("cpu"), "auto")
+    held = {id(t): t.nbytes for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"}
+    held.update({id(m.panels): m.panels.nbytes for m in model.modules() if isinstance(m, PackedLinear)})
+    rotary = sum(t.nbytes for t in model.rotary.buffers())  # its tables are built after the check
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights loaded:"))
+    assert line.startswith(f"weights loaded: {(sum(held.values()) - rotary) / 2**20:.1f} MiB in memory")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "memory_available", lambda: 4096)
+        with pytest.raises(ValueError, match=r"the weights need [\d.]+ MiB of memory once loaded \([\d.]+ MiB of "
+                                             r"GGUF blocks, [\d.]+ MiB of torch.float32 tensors\), and 0.0 MiB is "
+                                             "available"):
+            load_model(open_checkpoint(path), 64, torch.float32, torch.device("cpu"), "auto")

@@ -296,7 +296,7 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
         raw, w = _gguf_rows(kind, *sizes[short]) if kind else (None, torch.randn(sizes[short]))
         weights.append((name, w))
         if kind:
-            blocks[name] = GGUFMatrix(kind, raw.shape[0], lambda raw=raw: raw)
+            blocks[name] = GGUFMatrix(kind, raw.shape[0], lambda raw=raw: raw, sizes[short][1])
     for norm in ("layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm"):
         weights.append((f"model.{norm}.weight", torch.rand(64) + 0.5))
     model.load_weights(weights)

@@ -13,6 +13,7 @@ weights on a CPU, through the hooks the model's forward reads (`packed_lm_head`,
 from __future__ import annotations
 
 import itertools
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +40,13 @@ def projection_blocks(name: str, blocks: dict[str, GGUFMatrix]
     if any(f is None for f in found):
         return None, names
     return [(kind, list(run)) for kind, run in itertools.groupby(found, key=lambda m: m.kind)], names
+
+
+def packed_bytes(blocks: dict[str, GGUFMatrix], kernels) -> int:
+    """Bytes the panels of GGUF matrices `blocks` take once packed by `kernels` (the C++ module):
+    about the file's own bytes for most types, more for those re-cut with wider scales (Q5_K,
+    Q6_K, Q3_K, Q5_0/1)."""
+    return sum(math.prod(kernels.panel_shape(m.rows, m.cols, BLOCK_FORMATS[m.kind])) for m in blocks.values())
 
 
 class GGUFEmbedding(nn.Module):

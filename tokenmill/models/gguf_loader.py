@@ -262,7 +262,7 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels) -> dict[str, GGUFMatri
             continue
         for index, part in enumerate(_expert_names(name, tensor)):
             read = functools.partial(_block_rows, tensor, heads, kernels, index if merged else None)
-            out[part] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read)
+            out[part] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read, int(tensor.shape[0]))
     return out
 
 

@@ -11,8 +11,10 @@ transformers in both cases (for GGUF, transformers rebuilds them from the metada
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import json
 import logging
+import resource
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +25,12 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.host_memory import memory_available
 from tokenmill.models.cpu_packing import (
     drop_block_weights,
     fuse_layers,
     pack_for_cpu,
+    packed_bytes,
     set_int8_rows,
     use_gguf_embedding,
 )
@@ -305,6 +309,12 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     embedding = ckpt.quantized_embedding() if use_blocks else None
     if embedding is not None and (not ckpt.config.tie_word_embeddings or "model.embed_tokens.weight" in blocks):
         skip.add(use_gguf_embedding(model, *embedding, kernels=cpu_kernels))  # looked up in the file's rows
+    if device.type == "cpu":
+        # the tied head is packed from the embeddings' blocks, or from a float32 copy of the table
+        tied_blocks = model.lm_head is None and "model.embed_tokens.weight" in blocks
+        panels = {name: blocks[name] for name in skip | ({"model.embed_tokens.weight"} if tied_blocks else set())}
+        head_copy = packing and model.lm_head is None and not tied_blocks
+        needed = check_fits(ckpt.path, model, dtype, panels, cpu_kernels, head_copy)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build(device)  # cos/sin tables in float32, cast per use
     weights = ckpt.weights(frozenset(skip))
@@ -328,7 +338,34 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
             pass
     if sharded:
         parallelize(model, all_reduce)
+    if device.type == "cpu":
+        logger.info("weights loaded: %s in memory; the process's peak resident memory %s", _size(needed),
+                    _size(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     return model.eval()
+
+
+def check_fits(path: Path, model: LlamaForCausalLM, dtype: torch.dtype, blocks: dict[str, GGUFMatrix],
+               kernels, head_copy: bool) -> int:
+    """The bytes a CPU model's weights take once loaded: its tensors in `dtype` (`model` on the
+    meta device, the projections kept in GGUF blocks already dropped), the panels of the GGUF
+    matrices `blocks` packs, and a copy of the embedding table where a tied head is packed from it
+    (`head_copy`). ValueError naming the figures where that is more than the memory available,
+    before a byte of it is allocated: past it the kernel's out-of-memory killer ends the process
+    part way through loading, or the machine swaps."""
+    floats = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers())) * dtype.itemsize
+    if head_copy:
+        floats += model.config.vocab_size * model.config.hidden_size * dtype.itemsize
+    panels = packed_bytes(blocks, kernels) if blocks else 0
+    available = memory_available()
+    if available is not None and floats + panels > available:
+        raise ValueError(f"{path}: the weights need {_size(floats + panels)} of memory once loaded "
+                         f"({_size(panels)} of GGUF blocks, {_size(floats)} of {dtype} tensors), and "
+                         f"{_size(available)} is available; free memory, or use a smaller quantization of the model")
+    return floats + panels
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = DEFAULT_CACHE_DIR):

@@ -114,13 +114,14 @@ class ConcatLinear(nn.Module):
 
 @dataclass(frozen=True)
 class GGUFMatrix:
-    """A GGUF matrix kept in its blocks: its type name, its row count, and a way to read its rows
-    (N, bytes) uint8 (K-quants re-cut, loader.py). Rows are read only when the matrix is packed,
-    and dropped right after, so that loading holds one matrix's rows at a time."""
+    """A GGUF matrix kept in its blocks: its type name, its row and column counts, and a way to
+    read its rows (N, bytes) uint8 (K-quants re-cut, loader.py). Rows are read only when the matrix
+    is packed, and dropped right after, so that loading holds one matrix's rows at a time."""
 
     kind: str
     rows: int
     read: Callable[[], torch.Tensor]
+    cols: int
 
 
 @dataclass

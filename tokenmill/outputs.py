@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tokenmill.request import Request
+from tokenmill.request import Request, RequestStatus
 from tokenmill.timeline import Timeline
 
 
@@ -98,6 +98,14 @@ class RequestProgress:
     num_cached_tokens: int            # prompt tokens the prefix cache served at admission
     num_preemptions: int
     preempted: bool                   # waiting again after a preemption
+
+    @classmethod
+    def of(cls, request: Request) -> RequestProgress:
+        return cls(request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
+                   num_computed_tokens=request.num_computed_tokens, num_output_tokens=request.num_output_tokens,
+                   max_tokens=request.max_tokens, num_blocks=len(request.block_ids),
+                   num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
+                   preempted=request.status == RequestStatus.PREEMPTED)
 
 
 @dataclass(frozen=True)

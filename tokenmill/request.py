@@ -144,6 +144,26 @@ class Request:
             entries, self.output_logprobs = self.output_logprobs[-k:], self.output_logprobs[:-k]
             self.cumulative_logprob -= sum(e[t] for t, e in zip(dropped[len(dropped) - k:], entries))
 
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """How `token`, just appended, ends this request, if it does (the scheduler then finishes
+        it). Length first, as in vLLM: a stop token that is also the last one allowed ends the
+        request by length (and stays in its text). A completed grammar ends it even under
+        min_tokens: no token may follow. A failed one ends it with an error, whatever else held."""
+        params = self.params
+        if self.grammar is not None and self.grammar.failed:
+            return RequestStatus.FINISHED_ERROR
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if self.grammar is not None and self.grammar.is_terminated:  # nothing may follow
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens > params.min_tokens:  # EOS and stop tokens only after min_tokens
+            if token in params.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        return None
+
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)
         if self.grammar is not None:

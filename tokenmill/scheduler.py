@@ -201,8 +201,8 @@ class Scheduler:
         `max_waiting` waiting requests only: a flood of thousands must not make each copy slow."""
         return SchedulerSnapshot(
             step=self.num_steps, block_size=self.kv.block_size, block_states=self.kv.pool.block_states(),
-            running=[_progress(r) for r in self.running],
-            waiting=[_progress(r) for r in self.waiting[:max_waiting]], num_waiting=len(self.waiting),
+            running=[RequestProgress.of(r) for r in self.running],
+            waiting=[RequestProgress.of(r) for r in self.waiting[:max_waiting]], num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions)
 
     # ---- schedule ---------------------------------------------------------------------
@@ -481,7 +481,7 @@ class Scheduler:
             for token in new_tokens:
                 request.append_token(token, now)
                 appended += 1
-                status = self._stop_status(request, token)
+                status = request.stop_status(token, self.config.max_model_len)
                 if status is not None:
                     self.finish_request(request.request_id, status)
                     break
@@ -490,30 +490,3 @@ class Scheduler:
                 request.cumulative_logprob += sum(entry[token] for token, entry in zip(new_tokens, logprobs[:appended]))
             changed.append(request)
         return changed
-
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        """Length first, as in vLLM: a stop token that is also the last one allowed ends the request
-        by length (and stays in its text). A completed grammar ends it even under min_tokens:
-        no token may follow. A failed one ends it with an error, whatever else held."""
-        params = request.params
-        if request.grammar is not None and request.grammar.failed:
-            return RequestStatus.FINISHED_ERROR
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if request.grammar is not None and request.grammar.is_terminated:  # nothing may follow
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens > params.min_tokens:  # EOS and stop tokens only after min_tokens
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        return None
-
-
-def _progress(request: Request) -> RequestProgress:
-    return RequestProgress(
-        request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
-        num_computed_tokens=request.num_computed_tokens, num_output_tokens=request.num_output_tokens,
-        max_tokens=request.max_tokens, num_blocks=len(request.block_ids), num_cached_tokens=request.num_cached_tokens,
-        num_preemptions=request.num_preemptions, preempted=request.status == RequestStatus.PREEMPTED)

@@ -13,7 +13,6 @@ from transformers import AutoTokenizer
 from tokenmill.request import Request
 from tokenmill.sampler import Sampler, SamplingMetadata
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
-from tokenmill.scheduler import Scheduler
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.tools import plan_tools
 from tokenmill.structured import GrammarCompiler, allowed_tokens, forbid_undeclared_properties
@@ -263,34 +262,26 @@ def test_the_sampler_keeps_constrained_rows_in_their_grammar_and_leaves_the_othe
 
 
 def test_a_completed_grammar_ends_the_request_even_under_min_tokens(tiny_bytes, compiler, tokenizer):
-    from tokenmill.config import SchedulerConfig
-    from tokenmill.kv_cache import KVCacheManager
     grammar = compile_(compiler, choice=["red"])
     request = Request(request_id="r", prompt_token_ids=[3, 4], params=SamplingParams(max_tokens=50, min_tokens=10),
                       max_tokens=50, eos_token_ids=frozenset({1}), grammar=grammar)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128),
-                          KVCacheManager(num_blocks=16, block_size=4))
     ids = tokenizer.encode("red", add_special_tokens=False)
     for t in ids[:-1]:
         request.append_token(t, 0.0)
-        assert scheduler._stop_status(request, t) is None
+        assert request.stop_status(t, 128) is None
     request.append_token(ids[-1], 0.0)
-    assert scheduler._stop_status(request, ids[-1]).name == "FINISHED_STOPPED"
+    assert request.stop_status(ids[-1], 128).name == "FINISHED_STOPPED"
 
 
 def test_a_failed_grammar_ends_the_request_with_an_error(compiler, tokenizer):
     """A token the grammar does not allow (only a caller appending its own tokens can give one)
     leaves the output outside the language: an error, not a "stop" or "length" answer."""
-    from tokenmill.config import SchedulerConfig
-    from tokenmill.kv_cache import KVCacheManager
     grammar = compile_(compiler, regex="[0-9]+")
     request = Request(request_id="r", prompt_token_ids=[3, 4], params=SamplingParams(max_tokens=2),
                       max_tokens=2, eos_token_ids=frozenset({1}), grammar=grammar)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128),
-                          KVCacheManager(num_blocks=16, block_size=4))
     seven, = tokenizer.encode("7", add_special_tokens=False)
     request.append_token(seven, 0.0)
-    assert scheduler._stop_status(request, seven) is None and not grammar.failed
+    assert request.stop_status(seven, 128) is None and not grammar.failed
     letter = tokenizer.encode("x", add_special_tokens=False)[0]
     request.append_token(letter, 0.0)  # the last token max_tokens allows, and not the grammar's
-    assert grammar.failed and scheduler._stop_status(request, letter).name == "FINISHED_ERROR"
+    assert grammar.failed and request.stop_status(letter, 128).name == "FINISHED_ERROR"

@@ -114,9 +114,9 @@ def test_a_quantized_gguf_on_two_ranks_gives_one_ranks_greedy_tokens_and_logprob
             llm.engine.close()
     warned = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
     assert warned == ([] if qtype == "Q8_0" else [
-        "tensor_parallel_size 2: 2 GGUF matrices whose shards would cut their quantized blocks are dequantized to "
-        "float32 on rank 0: blk.0.attn_output.weight (Q4_K, blocks of 256 weights: 128 input columns a rank), "
-        "blk.1.attn_output.weight (Q4_K, blocks of 256 weights: 128 input columns a rank)"])
+        "tensor_parallel_size 2, rank 0: 2 GGUF matrices dequantized to float32 (input-column shards that "
+        "would cut quantized blocks): blk.0.attn_output.weight (Q4_K, blocks of 256 weights, 128 columns a rank), "
+        "blk.1.attn_output.weight (Q4_K, blocks of 256 weights, 128 columns a rank)"])
     for one, two in zip(results[1], results[2]):
         assert two.outputs[0].token_ids == one.outputs[0].token_ids
         assert len(two.outputs[0].token_ids) == 20

@@ -162,9 +162,9 @@ def test_a_tensor_parallel_ranks_gguf_blocks_are_its_shard_of_the_float32_weight
         blocks = load_model(open_checkpoint(path), 64, torch.float32, cpu, "auto", True, 0, shard, lambda t: t)
         floats = load_model(open_checkpoint(path), 64, torch.float32, cpu, "auto", False, 0, shard, lambda t: t)
         warned = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
-        assert warned == ([f"tensor_parallel_size 2: 1 GGUF matrices whose shards would cut their quantized blocks "
-                           f"are dequantized to float32 on rank {rank}: blk.0.attn_output.weight "
-                           f"({kinds['attn_output']}, blocks of 256 weights: 128 input columns a rank)"]
+        assert warned == ([f"tensor_parallel_size 2, rank {rank}: 1 GGUF matrix dequantized to float32 "
+                           f"(input-column shards that would cut quantized blocks): blk.0.attn_output.weight "
+                           f"({kinds['attn_output']}, blocks of 256 weights, 128 columns a rank)"]
                           if k_quant_o else [])
         pairs = {"head": (blocks.packed_lm_head, floats.packed_lm_head)}
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):

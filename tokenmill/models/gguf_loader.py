@@ -293,16 +293,17 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
         cut = None if shard is None or merged else tensor_cut(name, cfg, shard)
         block = GGML_QUANT_SIZES[tensor.tensor_type][0]
         if cut is not None and cut[0] == 1 and (cut[1] % block or cut[2] % block):
-            dequantized.append(f"{tensor.name} ({tensor.tensor_type.name}, blocks of {block} weights: "
-                               f"{cut[2]} input columns a rank)")
+            dequantized.append(f"{tensor.name} ({tensor.tensor_type.name}, blocks of {block} weights, "
+                               f"{cut[2]} columns a rank)")
             continue
         rows = cut[2] if cut is not None and cut[0] == 0 else int(tensor.shape[1])
         for index, part in enumerate(_expert_names(name, tensor)):
             read = functools.partial(_block_rows, tensor, heads, kernels, index if merged else None, cut)
             out[part] = GGUFMatrix(tensor.tensor_type.name, rows, read)
     if dequantized:
-        logger.warning("tensor_parallel_size %d: %d GGUF matrices whose shards would cut their quantized blocks are "
-                       "dequantized to float32 on rank %d: %s", shard.size, len(dequantized), shard.rank,
+        logger.warning("tensor_parallel_size %d, rank %d: %d GGUF %s dequantized to float32 (input-column "
+                       "shards that would cut quantized blocks): %s", shard.size, shard.rank, len(dequantized),
+                       "matrix" if len(dequantized) == 1 else "matrices",
                        ", ".join(dequantized[:4]) + (", ..." if len(dequantized) > 4 else ""))
     return out
 

@@ -65,6 +65,29 @@ def random_k_quant_rows(rng, kind: str, n: int, k: int):
     return raw.reshape(n, -1)
 
 
+def quantize_q4_k(data):
+    """float32 (n, k) -> (n, k / 256 * 144) uint8 Q4_K rows, as gguf's dequantize reads them (gguf
+    cannot quantize to the K-quants): each 32 weights' range from min(0, smallest) in 15 steps, the
+    super-block's step sizes and offsets in 6 bits of its fp16 d and dmin."""
+    import numpy as np
+    x = data.reshape(-1, 8, 32).astype(np.float32)                         # (super-blocks, sub-blocks, 32)
+    low = np.minimum(x.min(-1), 0.0)                                         # (S, 8)
+    step = (x.max(-1) - low) / 15
+    d, dmin = (step.max(-1) / 63).astype(np.float16), (-low.min(-1) / 63).astype(np.float16)  # (S,)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(step / np.where(d32 > 0, d32, 1)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / np.where(dmin32 > 0, dmin32, 1)), 0, 63).astype(np.uint8)
+    scale, offset = (d32 * sc)[..., None], (dmin32 * m)[..., None]          # (S, 8, 1)
+    q = np.clip(np.round((x + offset) / np.where(scale > 0, scale, 1)), 0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4 << 6), m[:, :4] | (m[:, 4:] >> 4 << 6),
+                             (sc[:, 4:] & 15) | (m[:, 4:] << 4)], axis=1)    # (S, 12)
+    pairs = q.reshape(-1, 4, 2, 32)                                          # sub-blocks 2g (low nibble), 2g + 1
+    nibbles = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, nibbles],
+                            axis=1)
+    return blocks.reshape(data.shape[0], -1)
+
+
 def _save_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -217,8 +240,8 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
     and Mixtral's q/k rows and biases permuted for interleaved rotary pairs, YaRN rope scaling,
     experts merged into one tensor per projection, or with `merged_experts` False one tensor per
     expert, blk.L.ffn_gate.E.weight, as older Mixtral files have them), matrices in `qtype` (F32,
-    F16 or a type gguf quantizes to); then put the dequantized values back into `model`, which
-    becomes the oracle for the file."""
+    F16, a type gguf quantizes to, or Q4_K by quantize_q4_k); then put the dequantized values back
+    into `model`, which becomes the oracle for the file."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -243,7 +266,8 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
         if qtype == "F16":
             w.add_tensor(gguf_name, data.astype(np.float16))
             return data.astype(np.float16).astype(np.float32)
-        raw = quantize(np.ascontiguousarray(data), GGMLQuantizationType[qtype])
+        data = np.ascontiguousarray(data)
+        raw = quantize_q4_k(data) if qtype == "Q4_K" else quantize(data, GGMLQuantizationType[qtype])
         w.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[qtype])
         return dequantize(raw, GGMLQuantizationType[qtype]).reshape(data.shape)
 

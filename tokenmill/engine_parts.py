@@ -80,7 +80,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     checkpoint = open_checkpoint(path)
     model_config: ModelConfig = checkpoint.config
     if config.tensor_parallel_size > 1:
-        _check_shardable(checkpoint, config.tensor_parallel_size)
+        check_divisible(model_config, config.tensor_parallel_size)  # before any rank starts
     tokenizer = load_tokenizer(path, config.tokenizer)
     eos = set(model_config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     max_len = context_length(config, model_config)
@@ -98,14 +98,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(device, dtype, kv_dtype, path, model_config, tokenizer, frozenset(eos), max_len,
                        cache_config, runner, scheduler, speculator, inputs,
                        OutputProcessor(tokenizer, scheduler.end_on_stop_string), ranks)
-
-
-def _check_shardable(checkpoint: Checkpoint, size: int) -> None:
-    """Refuse what `size` ranks cannot split, before any rank starts."""
-    check_divisible(checkpoint.config, size)
-    if checkpoint.gguf_reader is not None:
-        raise ValueError(f"{checkpoint.path}: tensor_parallel_size > 1 loads Hugging Face safetensors "
-                         "directories; sharding GGUF files is not implemented yet")
 
 
 def _start_ranks(config: EngineConfig, checkpoint: Checkpoint, device: torch.device) -> RankProcesses:

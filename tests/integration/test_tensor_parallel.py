@@ -88,16 +88,39 @@ def test_a_model_whose_intermediate_size_does_not_divide_is_refused_before_any_r
     assert time.monotonic() - start < 5  # refused from config.json: no rank started, no weight read
 
 
-def test_a_gguf_file_under_tensor_parallelism_is_refused_as_not_implemented(tmp_path) -> None:
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_a_quantized_gguf_on_two_ranks_gives_one_ranks_greedy_tokens_and_logprobs_within_1e_4(
+        tiny_llama, tmp_path, qtype, caplog) -> None:
+    """A llama GGUF (permuted q/k rows) whose projections, head and embeddings are all Q8_0 or Q4_K,
+    each rank keeping its shard in the file's blocks: the same greedy tokens as one rank, logprobs
+    within 1e-4 (the row-parallel sums add two partial sums: float32 rounding, not bit-identity).
+    Q4_K's o_proj, whose 128 input columns a rank would cut its 256-weight super-blocks, is
+    dequantized to float32 on each rank, which says so."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.for_model("llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = AutoConfig.for_model("llama", vocab_size=384, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, initializer_range=0.05)
     torch.manual_seed(0)
-    path = tmp_path / "tiny.gguf"
-    write_gguf_from_hf(AutoModelForCausalLM.from_config(config, dtype=torch.float32), path)
-    with pytest.raises(ValueError, match="sharding GGUF files is not implemented yet"):
-        LLMEngine(EngineConfig(model=str(path), tensor_parallel_size=2))
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_gguf_from_hf(AutoModelForCausalLM.from_config(config, dtype=torch.float32), path, qtype)
+    results = {}
+    for size in (1, 2):
+        caplog.clear()
+        llm = LLM(str(path), tokenizer=str(tiny_llama), tensor_parallel_size=size, **engine_options("recompute"))
+        try:
+            results[size] = workload(llm)
+        finally:
+            llm.engine.close()
+    warned = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
+    assert warned == ([] if qtype == "Q8_0" else [
+        "tensor_parallel_size 2, rank 0: 2 GGUF matrices dequantized to float32 (input-column shards that "
+        "would cut quantized blocks): blk.0.attn_output.weight (Q4_K, blocks of 256 weights, 128 columns a rank), "
+        "blk.1.attn_output.weight (Q4_K, blocks of 256 weights, 128 columns a rank)"])
+    for one, two in zip(results[1], results[2]):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        assert len(two.outputs[0].token_ids) == 20
+        assert max_logprob_gap(one, two) < 1e-4
 
 
 def test_a_rank_killed_with_sigkill_fails_the_running_requests_with_its_name_within_seconds(tiny_llama) -> None:

@@ -141,6 +141,52 @@ def test_gguf_projections_keep_their_blocks_and_match_float32(tmp_path, case):
     assert len(storages) == 1
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c != "llama_tied_tq2_0"])
+def test_a_tensor_parallel_ranks_gguf_blocks_are_its_shard_of_the_float32_weights(tmp_path, case, caplog):
+    """Each of 2 ranks keeps its shard of every projection in the file's blocks (rows for q/k/v,
+    gate/up and the head, whole heads of llama's un-permuted q/k; input columns for o and down),
+    giving what the float32 shard cut from the dequantized tensor gives, bit for bit; o_proj's 128
+    input columns a rank cut a K-quant's 256-weight super-blocks, so it is float32 on each rank, named
+    in a warning, while down_proj's 256 keep theirs."""
+    from tokenmill.models.parallel import RowParallel, TPShard
+    kernels = load_cpu_kernels(required=False)
+    if kernels is None or not kernels.block_formats:
+        pytest.skip("needs the C++ kernels with AVX2")
+    arch, kinds, tied, bias, expected = CASES[case]
+    path = tmp_path / f"{case}.gguf"
+    write_gguf(path, arch, kinds, tied, bias)
+    cpu, k_quant_o = torch.device("cpu"), kinds["attn_output"].endswith("_K")
+    for rank in (0, 1):
+        shard = TPShard(rank, 2)
+        caplog.clear()
+        blocks = load_model(open_checkpoint(path), 64, torch.float32, cpu, "auto", True, 0, shard, lambda t: t)
+        floats = load_model(open_checkpoint(path), 64, torch.float32, cpu, "auto", False, 0, shard, lambda t: t)
+        warned = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
+        assert warned == ([f"tensor_parallel_size 2, rank {rank}: 1 GGUF matrix dequantized to float32 "
+                           f"(input-column shards that would cut quantized blocks): blk.0.attn_output.weight "
+                           f"({kinds['attn_output']}, blocks of 256 weights, 128 columns a rank)"]
+                          if k_quant_o else [])
+        pairs = {"head": (blocks.packed_lm_head, floats.packed_lm_head)}
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            ours, reference = (blocks.layers[0].get_submodule(name), floats.layers[0].get_submodule(name))
+            if isinstance(ours, RowParallel):
+                ours, reference = ours.inner, reference.inner
+            pairs[name.split(".")[1]] = (ours, reference)
+        for short, (ours, reference) in pairs.items():
+            want = None if short == "o_proj" and k_quant_o else expected[short]
+            assert reference.format == 0
+            if isinstance(want, tuple):
+                assert [p.format for p in ours.parts] == [BLOCK_FORMATS[k] for k in want]
+            else:
+                assert isinstance(ours, PackedLinear) and ours.format == (BLOCK_FORMATS[want] if want else 0), short
+            assert (ours.out_features, ours.in_features) == (reference.out_features, reference.in_features)
+            x = torch.randn(7, ours.in_features)
+            assert torch.equal(ours(x), reference(x)), short
+        assert blocks.packed_lm_head.out_features == VOCAB // 2
+        ids = torch.arange(rank * VOCAB // 2, (rank + 1) * VOCAB // 2)  # the rows the float32 rank holds
+        assert torch.equal(blocks.embed_tokens(ids), floats.embed_tokens(ids))
+
+
 def test_gguf_embedding_checks_its_shape_at_load_and_takes_no_ids():
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize

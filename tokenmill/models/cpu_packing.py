@@ -118,7 +118,7 @@ def pack_for_cpu(model: LlamaForCausalLM, kernels=None, weight_blocks: dict[str,
     head = getattr(model.embed_tokens, "weight", None) if model.lm_head is None else model.lm_head.weight
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
     head_blocks = blocks.get(head_name)
-    shape = tuple(head.shape) if head is not None else (cfg.vocab_size, cfg.hidden_size)  # (None: GGUF rows only)
+    shape = tuple(head.shape) if head is not None else (head_blocks.rows, cfg.hidden_size)  # None: GGUF rows only
     items = [ToPack(model, "packed_lm_head", head, None, shape,
                     None if head_blocks is None else [(head_blocks.kind, [head_blocks])])]
     items += [ToPack(model.layers.get_submodule(parent), attr, m.weight, m.bias, (m.out_features, m.in_features),

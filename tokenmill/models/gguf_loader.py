@@ -2,7 +2,8 @@
 Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted from llama.cpp's
 rotary layout, merged expert tensors split into one matrix per expert), and on the CPU the
 projections kept in their quantized blocks for the panel kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs).
+Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs),
+a tensor-parallel rank's part of each cut from the file's blocks on block boundaries.
 loader.py opens a file and picks these or the Hugging Face path.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,9 @@ from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.moe import MOE_ARCHITECTURES
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix
+from tokenmill.models.parallel import TPShard, tensor_cut
+
+logger = logging.getLogger(__name__)
 
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
               "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
@@ -229,40 +234,78 @@ def q3_k_rows(rows: np.ndarray) -> np.ndarray:
     return np.concatenate([blocks[:, 108:110], scales, codes], axis=1).reshape(rows.shape[0], -1)
 
 
-def _block_rows(tensor, heads: int, kernels, expert: int | None = None) -> torch.Tensor:
+def _cut_blocks(rows: np.ndarray, qtype, dim: int, start: int, length: int) -> np.ndarray:
+    """A tensor-parallel rank's part of a GGUF matrix's rows (N, bytes), still in the file's blocks:
+    rows [start, start + length) (dim 0), or those input columns (dim 1), which must fall on the
+    type's block boundaries (32 weights, 256 for the K-quants)."""
+    from gguf.constants import GGML_QUANT_SIZES
+    if dim == 0:
+        return rows[start:start + length]
+    block, size = GGML_QUANT_SIZES[qtype]
+    if start % block or length % block:
+        raise ValueError(f"columns {start}..{start + length} cut {qtype.name}'s blocks of {block} weights")
+    blocks = rows.reshape(rows.shape[0], -1, size)                     # (N, K / block, bytes a block)
+    return blocks[:, start // block:(start + length) // block].reshape(rows.shape[0], -1)
+
+
+def _block_rows(tensor, heads: int, kernels, expert: int | None = None,
+                cut: tuple[int, int, int] | None = None) -> torch.Tensor:
     """A GGUF tensor's rows (N, bytes) as the panel kernel reads them (of one expert's matrix, for
-    merged experts): K-quants re-cut by the kernels' recut_k_quant (the same bytes as
-    k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, q/k rows un-permuted,
-    copied out of the file's read-only mapping."""
+    merged experts; a tensor-parallel rank's part of them, `cut` as parallel.tensor_cut gives it):
+    q/k rows un-permuted, cut, then K-quants re-cut by the kernels' recut_k_quant (the same bytes
+    as k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, copied out of the
+    file's read-only mapping. Each step works on whole rows of whole blocks, so cutting before the
+    re-cut gives the rows the whole matrix would."""
     kind = tensor.tensor_type.name
     rows = np.asarray(tensor.data)
     rows = rows.reshape(int(tensor.shape[1]), -1) if expert is None else rows.reshape(
         int(tensor.shape[2]), int(tensor.shape[1]), -1)[expert]
+    if heads:
+        rows = _unpermute(rows, heads)
+    if cut is not None:
+        rows = np.ascontiguousarray(_cut_blocks(rows, tensor.tensor_type, *cut))
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
         rows = kernels.recut_k_quant(read_only_tensor(rows), BLOCK_FORMATS[kind]).numpy()
     elif kind in ("Q5_0", "Q5_1"):
         rows = q5_as_blocks_of_32(rows, kind)
     elif kind == "Q3_K":
         rows = q3_k_rows(rows)
-    if heads:
-        rows = _unpermute(rows, heads)
     return torch.from_numpy(np.require(rows, requirements=["C", "W"]))
 
 
-def gguf_weight_blocks(reader, cfg: ModelConfig, kernels) -> dict[str, GGUFMatrix]:
+def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None = None) -> dict[str, GGUFMatrix]:
     """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
     rows (K-quants re-cut into blocks of 32 by `kernels`, the C++ module) are read when it is
     packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py); merged
-    experts give one matrix per expert, so each expert keeps its blocks."""
-    out = {}
+    experts give one matrix per expert, so each expert keeps its blocks.
+
+    With a tensor-parallel `shard`, each matrix is this rank's part (parallel.tensor_cut) cut from
+    the file's blocks: output rows for any type; input columns only on the type's block boundaries.
+    A matrix whose input columns would cut its blocks is left out, so that the loader dequantizes
+    it to float32 and cuts that (shard_weights) on this rank, and a warning names it."""
+    from gguf.constants import GGML_QUANT_SIZES
+    out, dequantized = {}, []
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
         merged = name is not None and "{}" in name
         if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != (3 if merged else 2):
             continue
+        cut = None if shard is None or merged else tensor_cut(name, cfg, shard)
+        block = GGML_QUANT_SIZES[tensor.tensor_type][0]
+        if cut is not None and cut[0] == 1 and (cut[1] % block or cut[2] % block):
+            dequantized.append(f"{tensor.name} ({tensor.tensor_type.name}, blocks of {block} weights, "
+                               f"{cut[2]} columns a rank)")
+            continue
+        rows = cut[2] if cut is not None and cut[0] == 0 else int(tensor.shape[1])
+        cols = cut[2] if cut is not None and cut[0] == 1 else int(tensor.shape[0])
         for index, part in enumerate(_expert_names(name, tensor)):
-            read = functools.partial(_block_rows, tensor, heads, kernels, index if merged else None)
-            out[part] = GGUFMatrix(tensor.tensor_type.name, int(tensor.shape[1]), read, int(tensor.shape[0]))
+            read = functools.partial(_block_rows, tensor, heads, kernels, index if merged else None, cut)
+            out[part] = GGUFMatrix(tensor.tensor_type.name, rows, read, cols)
+    if dequantized:
+        logger.warning("tensor_parallel_size %d, rank %d: %d GGUF %s dequantized to float32 (input-column "
+                       "shards that would cut quantized blocks): %s", shard.size, shard.rank, len(dequantized),
+                       "matrix" if len(dequantized) == 1 else "matrices",
+                       ", ".join(dequantized[:4]) + (", ..." if len(dequantized) > 4 else ""))
     return out
 
 

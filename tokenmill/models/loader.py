@@ -255,10 +255,10 @@ class Checkpoint:
                 return np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1), tensor.tensor_type
         return None
 
-    def weight_blocks(self, kernels) -> dict[str, GGUFMatrix]:
+    def weight_blocks(self, kernels, shard: TPShard | None = None) -> dict[str, GGUFMatrix]:
         """GGUF matrices in the block types the CPU kernel (`kernels`) reads (none for other
-        checkpoints)."""
-        return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config, kernels)
+        checkpoints); with a tensor-parallel `shard`, this rank's parts of them."""
+        return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config, kernels, shard)
 
 
 # What reading a truncated, corrupt or incomplete file raises from inside gguf, numpy, json or
@@ -292,27 +292,27 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     CUDA, use the Triton element-wise kernels.
 
     With a `shard` of size > 1, the model is that tensor-parallel rank's part (models/parallel.py),
-    its sums over the ranks done by `all_reduce`; from Hugging Face safetensors only for now."""
+    its sums over the ranks done by `all_reduce`; a GGUF file's blocks are cut for the rank
+    (gguf_weight_blocks). Quantized token embeddings looked up in the file's rows stay whole on
+    every rank: they are the file's pages, not copies, and need no all-reduce."""
     sharded = shard is not None and shard.size > 1
-    if sharded and ckpt.gguf_reader is not None:
-        raise ValueError(f"{ckpt.path}: tensor_parallel_size > 1 loads Hugging Face safetensors directories; "
-                         "sharding GGUF files (quantized blocks cut on block boundaries) is not implemented yet")
     packing = kernels == "auto" and device.type == "cpu" and dtype == torch.float32
     cpu_kernels = load_cpu_kernels(required=False) if packing else None
     use_blocks = cpu_kernels is not None and cpu_kernels.block_formats and gguf_blocks
-    blocks = ckpt.weight_blocks(cpu_kernels) if use_blocks else {}
+    blocks = ckpt.weight_blocks(cpu_kernels, shard if sharded else None) if use_blocks else {}
     with torch.device("meta"):  # no random init: every weight is overwritten below
         model = LlamaForCausalLM(local_config(ckpt.config, shard) if sharded else ckpt.config, max_len)
         if sharded:
             shard_vocab(model, ckpt.config, shard, all_reduce)
     skip = drop_block_weights(model, blocks)  # never allocated in float32: packed from the blocks
+    packed = set(skip)
     embedding = ckpt.quantized_embedding() if use_blocks else None
     if embedding is not None and (not ckpt.config.tie_word_embeddings or "model.embed_tokens.weight" in blocks):
         skip.add(use_gguf_embedding(model, *embedding, kernels=cpu_kernels))  # looked up in the file's rows
     if device.type == "cpu":
         # the tied head is packed from the embeddings' blocks, or from a float32 copy of the table
         tied_blocks = model.lm_head is None and "model.embed_tokens.weight" in blocks
-        panels = {name: blocks[name] for name in skip | ({"model.embed_tokens.weight"} if tied_blocks else set())}
+        panels = {name: blocks[name] for name in packed | ({"model.embed_tokens.weight"} if tied_blocks else set())}
         head_copy = packing and model.lm_head is None and not tied_blocks
         needed = check_fits(ckpt.path, model, dtype, panels, cpu_kernels, head_copy)
     model = model.to_empty(device=device).to(dtype)

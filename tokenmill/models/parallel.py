@@ -15,10 +15,11 @@ Megatron's split, one all-reduce per half-layer:
 
 A rank's model is the plain LlamaForCausalLM built from `local_config` (its head and intermediate
 counts divided by N) with its vocabulary rows in place of the table and the head (`shard_vocab`),
-fed weights that `shard_weights` cut from the full checkpoint tensors; after loading, the row-parallel
-projections are wrapped (`parallelize`) so that forward() sums over the ranks. The all-reduce
-runs through an `AllReduce` callable, so the layers know nothing of process groups
-(distributed.TPGroup.all_reduce is one, over the device group).
+fed weights that `shard_weights` cut from the full checkpoint tensors (a GGUF file's projections kept
+in their quantized blocks are cut where `tensor_cut` says, from the file's blocks: gguf_loader.py);
+after loading, the row-parallel projections are wrapped (`parallelize`) so that forward() sums over
+the ranks. The all-reduce runs through an `AllReduce` callable, so the layers know nothing of
+process groups (distributed.TPGroup.all_reduce is one, over the device group).
 """
 
 from __future__ import annotations
@@ -88,23 +89,31 @@ _COLUMN_MLP = ("mlp.gate_proj", "mlp.up_proj")
 _ROW_PARALLEL = {"self_attn.o_proj": "q", "mlp.down_proj": "mlp"}
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, shard: TPShard) -> torch.Tensor | None:
-    """This rank's part of checkpoint tensor `name` (Hugging Face naming, full model `cfg`)."""
+def tensor_cut(name: str, cfg: ModelConfig, shard: TPShard) -> tuple[int, int, int] | None:
+    """How this rank's part of checkpoint tensor `name` (Hugging Face naming, full model `cfg`) is cut:
+    (dim, start, length), dim 0 for output rows (column- and vocab-parallel), 1 for input columns
+    (row-parallel); None for a tensor every rank holds whole (norms)."""
     name = name.removeprefix("model.")
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     sizes = {"q": q_size, "kv": kv_size, "mlp": cfg.intermediate_size}
     for part, kind in _COLUMN_HEADS.items():
         if f"{part}." in name:
-            return tensor.narrow(0, *shard.split(sizes[kind]))       # weight rows and bias
+            return 0, *shard.split(sizes[kind])                        # weight rows and bias
     if any(f"{part}." in name for part in _COLUMN_MLP):
-        return tensor.narrow(0, *shard.split(cfg.intermediate_size))
+        return 0, *shard.split(cfg.intermediate_size)
     for part, kind in _ROW_PARALLEL.items():
         if f"{part}." in name:
-            return tensor.narrow(1, *shard.split(sizes[kind]))       # input columns (no bias in these models)
+            return 1, *shard.split(sizes[kind])                        # input columns (no bias in these models)
     if name in ("embed_tokens.weight", "lm_head.weight"):
         start, end = shard.vocab_range(cfg.vocab_size)
-        return tensor.narrow(0, start, end - start)
-    return tensor                                                     # norms: replicated
+        return 0, start, end - start
+    return None
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, shard: TPShard) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name` (tensor_cut), a view."""
+    cut = tensor_cut(name, cfg, shard)
+    return tensor if cut is None else tensor.narrow(*cut)
 
 
 def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,

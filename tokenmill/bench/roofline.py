@@ -23,10 +23,21 @@ from tokenmill.config import ModelConfig
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> int:
-    """Matrix-product FLOPs of one token through every layer (not the output head)."""
+    """Matrix-product FLOPs of one token through every layer (not the output head): in a
+    mixture-of-experts layer the router, the top_k experts the token is routed to and any shared
+    expert, not the experts it skips."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    return 2 * cfg.num_layers * per_layer
+    attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
+    dense = 3 * cfg.hidden_size * cfg.intermediate_size
+    moe = cfg.moe
+    total = 0
+    for layer in range(cfg.num_layers):
+        if moe is None or not moe.is_sparse(layer):
+            total += attention + dense
+        else:
+            width = moe.top_k * moe.expert_intermediate_size + moe.shared_expert_intermediate_size
+            total += attention + cfg.hidden_size * moe.num_experts + 3 * cfg.hidden_size * width
+    return 2 * total
 
 
 def workload_flops(cfg: ModelConfig, workload: list[BenchRequest]) -> float:
@@ -48,12 +59,18 @@ def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int | None:
     """Bytes a batch-1 step streams when its projections are GGUF blocks (packed_linear.py), or
-    None when they are float32."""
+    None when they are float32: every projection's panels, of a layer's routed experts the share
+    one token reads (top_k of them, taken as the experts' average size)."""
+    from tokenmill.models.moe import SparseMoeBlock
     from tokenmill.models.packed_linear import PackedLinear
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not any(m.format for m in linears):
         return None
-    return sum(m.panels.nbytes for m in linears)
+    total = sum(m.panels.nbytes for m in linears)
+    for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
+        experts = sum(m.panels.nbytes for m in block.experts.modules() if isinstance(m, PackedLinear))
+        total -= experts - experts * block.top_k // len(block.experts)
+    return total
 
 
 def _time(fn, min_time: float = 1.0, trials: int = 3) -> float:

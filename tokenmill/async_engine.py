@@ -34,6 +34,7 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+LOAD_POLL_SECONDS = 0.001  # how often the engine thread asks for KV loads when nothing else can run
 
 
 class EngineDeadError(RuntimeError):
@@ -183,6 +184,10 @@ class AsyncLLMEngine:
                 if not engine.has_unfinished_requests():
                     engine.idle()
                     self._wake.wait(self.idle_wait)
+                    self._wake.clear()
+                    continue
+                if engine.waiting_on_loads():  # K/V on its way from a prefill instance: poll, not step
+                    self._wake.wait(LOAD_POLL_SECONDS)
                     self._wake.clear()
                     continue
                 self._step()

@@ -103,6 +103,12 @@ class LLMEngine:
         released go back to the pool (Scheduler.release_held)."""
         self.scheduler.release_held()
 
+    def waiting_on_loads(self) -> bool:
+        """Whether every unfinished request waits on a KV connector's load, after asking the
+        connector which have ended: a step now would run nothing."""
+        self.scheduler.collect_loads()
+        return self.scheduler.only_loading()
+
     def close(self) -> None:
         """End the tensor-parallel ranks this engine started (nothing without them), let go of the KV
         connector's agents and listeners, and close the trace file; the engine runs no step after it."""

@@ -279,14 +279,19 @@ class KVCacheManager:
 
     def admission_shortfall(self, request: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
         """Blocks missing to admit a waiting request with `num_new_tokens` (after its prefix hit,
-        or, with hit None, its swapped blocks coming back); 0 or less when it fits."""
+        or, with hit None, past the blocks it holds or the swapped ones coming back); 0 or less
+        when it fits."""
         if hit is None:
-            return self.blocks_needed(request.num_computed_tokens + num_new_tokens) - self.pool.num_free_blocks
+            needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+            return needed - self.pool.num_free_blocks
         return self._num_new_blocks(request, num_new_tokens, hit) - self._available(hit)
 
-    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
+                 register: bool = True) -> bool:
         """Make the request's blocks cover `num_computed_tokens + num_new_tokens` tokens (after
-        the hit's), and register the blocks this step will fill in the prefix cache.
+        the hit's), and register the blocks this step will fill in the prefix cache (not with
+        `register` False: a KV connector's load fills them later, and they are registered as the
+        request's next chunk is allocated, once the load succeeded).
 
         `hit` (admission only) first takes shared references on cached prefix blocks; the
         scheduler then moves the request's counter past them. Returns False, changing nothing,
@@ -309,7 +314,8 @@ class KVCacheManager:
             self.prompt_tokens_hit += hit.num_tokens
             skipped = hit.num_tokens
         request.block_ids.extend(self.pool.allocate(self._num_new_blocks(request, skipped + num_new_tokens)))
-        self._cache_full_blocks(request, request.num_computed_tokens + skipped + num_new_tokens)
+        if register:
+            self._cache_full_blocks(request, request.num_computed_tokens + skipped + num_new_tokens)
         return True
 
     def free(self, request: Request) -> None:

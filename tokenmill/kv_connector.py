@@ -11,21 +11,33 @@ The field names are vLLM's, so a proxy written for vLLM pairs tokenmill instance
                                "remote_host": ..., "remote_port": ...}
     to the decode instance    that answer's kv_transfer_params
 
-The scheduler calls a connector at four points, all on its own thread (and the engine's close()
+The scheduler calls a connector at these points, all on its own thread (and the engine's close()
 calls its close()):
 
     admission   num_matched_tokens(request, local)  prompt tokens past the local prefix hit whose
                                                     K/V the connector can bring in
-                load(request, blocks, local, n)     the blocks now hold room for them: write the K/V
-                                                    of the n tokens after the first `local`; False
-                                                    if it could not (the scheduler then computes
-                                                    them here: nothing is lost, only time)
-    finish      on_finish(request, blocks)          the request ends; returns a FinishResult: the
+                start_load(request, blocks, local, n)  the blocks now hold room for them: begin
+                                                    writing the K/V of the n tokens after the first
+                                                    `local`; False if it could not (the scheduler
+                                                    then computes them here: nothing is lost, only
+                                                    time). While a load runs, the request waits
+                                                    apart, holding its blocks, and other requests
+                                                    run: a transfer never stalls a step.
+    each step   finished_loads()                    loads that ended since the last call: request
+                                                    id -> whether its blocks now hold the K/V (if
+                                                    not, the request computes those tokens here)
+                released()                          ids of requests whose held blocks may be freed
+                                                    now (the peer read them, or it took too long)
+    finish      cancel_load(request_id)             a request that ends while its load runs: when
+                                                    this returns nothing more is written into its
+                                                    blocks, which are then freed
+                on_finish(request, blocks)          the request ends; returns a FinishResult: the
                                                     kv_transfer_params for its output, and whether
                                                     its blocks are held for a peer to read (else
                                                     they are freed right after)
-    each step   released()                          ids of requests whose held blocks may be freed
-                                                    now (the peer read them, or it took too long)
+
+The blocks a load writes are offered to the prefix cache only once it has succeeded, as the
+request computes its next chunk.
 
 Held blocks stay out of the pool, owned by the scheduler as before (SchedulerStats counts them),
 until the connector names their request in released(); the scheduler asks once per schedule()
@@ -55,9 +67,20 @@ class KVConnector(Protocol):
         prompt token itself, whatever this says."""
         ...
 
-    def load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
-        """Write the K/V of the request's tokens [num_local_tokens, + num_external_tokens) into its
-        blocks (`block_ids`, which cover them); False, with nothing promised, if it failed."""
+    def start_load(self, request: Request, block_ids: list[int], num_local_tokens: int,
+                   num_external_tokens: int) -> bool:
+        """Begin writing the K/V of the request's tokens [num_local_tokens, + num_external_tokens)
+        into its blocks (`block_ids`, which cover them); False, with nothing started, if it cannot.
+        A started load is named by the next finished_loads() once it ends, however it ends."""
+        ...
+
+    def finished_loads(self) -> dict[str, bool]:
+        """Loads that ended since the last call: request id -> True if its blocks hold the K/V."""
+        ...
+
+    def cancel_load(self, request_id: str) -> None:
+        """Stop a started load (its request ended): nothing is written to its blocks after this
+        returns, and finished_loads() does not name it."""
         ...
 
     def on_finish(self, request: Request, block_ids: list[int]) -> FinishResult:
@@ -96,7 +119,8 @@ def external_block_span(num_local_tokens: int, num_external_tokens: int, block_s
 class GuardedConnector:
     """A connector whose failures stay its own: an exception in any call (a client's malformed
     kv_transfer_params, a full disk, a bug) is logged and answered as "nothing to bring in",
-    "not loaded", "nothing to hand over" or "nothing released", so it never ends the engine loop.
+    "not started", "nothing to hand over" or "nothing released" (finished_loads: None, which the
+    scheduler answers by computing every load in flight itself), so it never ends the engine loop.
     Other attributes (the connectors' counters) are the inner connector's."""
 
     def __init__(self, inner: KVConnector) -> None:
@@ -108,8 +132,16 @@ class GuardedConnector:
     def num_matched_tokens(self, request: Request, num_local_tokens: int) -> int:
         return self._call(0, self.inner.num_matched_tokens, request, num_local_tokens)
 
-    def load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
-        return self._call(False, self.inner.load, request, block_ids, num_local_tokens, num_external_tokens)
+    def start_load(self, request: Request, block_ids: list[int], num_local_tokens: int,
+                   num_external_tokens: int) -> bool:
+        return self._call(False, self.inner.start_load, request, block_ids, num_local_tokens, num_external_tokens)
+
+    def finished_loads(self) -> dict[str, bool] | None:
+        """None if the connector raised: then no load it had started can be trusted to end."""
+        return self._call(None, self.inner.finished_loads)
+
+    def cancel_load(self, request_id: str) -> None:
+        self._call(None, self.inner.cancel_load, request_id)
 
     def on_finish(self, request: Request, block_ids: list[int]) -> FinishResult:
         return self._call(FinishResult(), self.inner.on_finish, request, block_ids)

@@ -12,9 +12,10 @@ that is shared memory or TCP over loopback.
     say where: remote_engine_id, remote_host,
     remote_port, remote_block_ids, remote_request_id
                                                       admission: fetches that agent's metadata (once
-                                                      per engine id), READs the remote blocks into
-                                                      the request's own (one transfer, waited for at
-                                                      most kv_transfer_timeout seconds); the read's
+                                                      per engine id), starts a READ of the remote
+                                                      blocks into the request's own (one transfer);
+                                                      each step asks whether it is done, and gives up
+                                                      after kv_transfer_timeout seconds; the read's
                                                       notification names the remote request
     frees the blocks on that notification, or after
     kv_hold_timeout seconds
@@ -28,8 +29,9 @@ block's (kv_heads, block_size, head_dim) is contiguous in the pool and nothing w
 A fetch or read that fails (the prefill instance gone, a timeout, a pool of another layout) fails
 the load: the decode instance computes the prompt itself, and tells the prefill instance it may
 free the blocks. Each request is loaded at most once: a request preempted on the decode instance
-recomputes, since the remote blocks may be gone by then. The agent is used only on the scheduler's
-thread; the side channel serves bytes made at start. close() releases the agent and the listener,
+recomputes, since the remote blocks may be gone by then. A request that ends while its read runs
+has it cancelled before its blocks are freed. The agent is used only on the scheduler's thread;
+the side channel serves bytes made at start. close() releases the agent and the listener,
 and so does a finalizer at the latest at interpreter exit: agents left alive at exit can crash
 both processes.
 """
@@ -137,6 +139,17 @@ class _Remote:
     num_blocks: int         # blocks in its pool, the scratch one included
 
 
+@dataclass
+class _Load:
+    """A read in flight into a request's blocks."""
+    request_id: str
+    engine_id: str          # the prefill instance read from
+    notice: bytes           # the read's completion notice: the remote request's id
+    num_blocks: int
+    deadline: float         # clock time past which it is given up
+    handle: object = None   # NIXL's transfer handle, until released
+
+
 class _Agent:
     """The one reference to the NIXL agent, with everything made from it, so that close() can
     release them in order and drop the agent (its destructor disconnects from every peer)."""
@@ -200,6 +213,8 @@ class NixlConnector:
         self.tried: set[str] = set()       # decode: requests whose load was attempted (never twice)
         self.read: OrderedDict[tuple[str, str], None] = OrderedDict()  # decode: (engine, remote request) read
         self.failed_engines: dict[str, float] = {}  # decode: engine id -> until when it is not tried again
+        self.loads: dict[str, _Load] = {}  # decode: reads in flight, by request id
+        self._ended: dict[str, bool] = {}  # decode: loads that ended at start, for finished_loads
         self.num_blocks_held = 0           # cumulative, for tests and metrics
         self.num_blocks_loaded = 0
         self.num_load_failures = 0
@@ -219,6 +234,9 @@ class NixlConnector:
             "memory": "DRAM" if pool.device.type == "cpu" else "VRAM"}).encode()
 
     def close(self) -> None:
+        for load in self.loads.values():
+            self._release(load)
+        self.loads.clear()
         if self.channel is not None:
             self._close_channel()
         self._close_link()
@@ -234,7 +252,8 @@ class NixlConnector:
             return 0  # (expired: the prefill instance may have freed and reused the blocks)
         return max(0, len(params["remote_block_ids"]) * self.block_size - num_local_tokens)
 
-    def load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
+    def start_load(self, request: Request, block_ids: list[int], num_local_tokens: int,
+                   num_external_tokens: int) -> bool:
         self.tried.add(request.request_id)
         params = request.params.kv_transfer_params
         # One read per remote request: its notice lets the prefill instance free the blocks, so a
@@ -243,21 +262,64 @@ class NixlConnector:
         while len(self.read) > READ_MEMORY:
             self.read.popitem(last=False)
         first, last = external_block_span(num_local_tokens, num_external_tokens, self.block_size)
-        engine_id, notice = params["remote_engine_id"], str(params["remote_request_id"]).encode()
+        load = _Load(request.request_id, params["remote_engine_id"], str(params["remote_request_id"]).encode(),
+                     last - first, self.clock() + self.transfer_timeout)
         try:
-            remote = self._remote(engine_id, params["remote_host"], int(params["remote_port"]))
-            self._read(remote, params["remote_block_ids"][first:last], block_ids[first:last], notice)
-        except Exception as exc:  # (gone, timed out, another layout): computed here instead
-            self.num_load_failures += 1
-            logger.warning("request %s: reading %d blocks from %s failed (%s: %s); computing them here",
-                           request.request_id, last - first, engine_id, type(exc).__name__, exc)
-            self._notify_anyway(engine_id, notice)
-            self.link.forget(engine_id)  # fetched again next time: it may have restarted
-            if not isinstance(exc, (ValueError, LookupError)):  # unreachable or broken, not a request's bad
-                self.failed_engines[engine_id] = self.clock() + FAILED_ENGINE_PAUSE  # params: not a stall each
+            remote = self._remote(load.engine_id, params["remote_host"], int(params["remote_port"]))
+            load.handle = self._start_read(remote, params["remote_block_ids"][first:last], block_ids[first:last],
+                                           load.notice)
+            state = self.link.agent.transfer(load.handle)
+        except Exception as exc:  # (gone, another layout, bad ids): computed here instead
+            self._failed(load, exc)
             return False
-        self.num_blocks_loaded += last - first
+        self.loads[request.request_id] = load
+        if state != "PROC":
+            self._ended[request.request_id] = self._end(load, state)
         return True
+
+    def finished_loads(self) -> dict[str, bool]:
+        ended, self._ended = self._ended, {}
+        for request_id, load in list(self.loads.items()):
+            state = self.link.agent.check_xfer_state(load.handle)
+            if state != "PROC" or self.clock() > load.deadline:
+                ended[request_id] = self._end(load, state)
+        return ended
+
+    def cancel_load(self, request_id: str) -> None:
+        load = self.loads.pop(request_id, None)
+        self._ended.pop(request_id, None)
+        if load is not None:
+            self._release(load)  # cancels a read still running
+            self._notify_anyway(load.engine_id, load.notice)
+
+    def _end(self, load: _Load, state: str) -> bool:
+        """A read that ended (DONE, failed, or past its deadline): released, counted, True if done."""
+        del self.loads[load.request_id]
+        self._release(load)
+        if state == "DONE":
+            self.num_blocks_loaded += load.num_blocks
+            return True
+        self._failed(load, TimeoutError(f"still running after {self.transfer_timeout} s") if state == "PROC"
+                     else RuntimeError(f"the transfer ended in state {state}"))
+        return False
+
+    def _failed(self, load: _Load, exc: Exception) -> None:
+        self.num_load_failures += 1
+        logger.warning("request %s: reading %d blocks from %s failed (%s: %s); computing them here",
+                       load.request_id, load.num_blocks, load.engine_id, type(exc).__name__, exc)
+        self._notify_anyway(load.engine_id, load.notice)
+        self.link.forget(load.engine_id)  # fetched again next time: it may have restarted
+        if not isinstance(exc, (ValueError, LookupError)):  # unreachable or broken, not a request's bad
+            self.failed_engines[load.engine_id] = self.clock() + FAILED_ENGINE_PAUSE  # params: not a stall each
+
+    @staticmethod
+    def _release(load: _Load) -> None:
+        if load.handle is not None:
+            try:
+                load.handle.release()
+            except Exception as exc:
+                logger.warning("releasing a NIXL transfer failed: %s", exc)
+            load.handle = None
 
     def _remote(self, engine_id: str, host: str, port: int) -> _Remote:
         """The prefill instance's agent, fetched from its side channel the first time."""
@@ -279,29 +341,14 @@ class NixlConnector:
         remote = self.link.remotes[engine_id] = _Remote(name, regions, shape[0], shape[2])
         return remote
 
-    def _read(self, remote: _Remote, remote_ids: list[int], local_ids: list[int], notice: bytes) -> None:
-        """Read remote blocks into local ones in one transfer whose completion notifies the
-        remote agent with `notice`; raises if it fails or outlasts transfer_timeout."""
-        agent = self.link.agent
+    def _start_read(self, remote: _Remote, remote_ids: list[int], local_ids: list[int], notice: bytes):
+        """A prepared transfer reading remote blocks into local ones, whose completion notifies the
+        remote agent with `notice`; ValueError for ids outside the remote pool."""
         if len(remote_ids) != len(local_ids) or any(not 0 <= b < remote.num_blocks - 1 for b in remote_ids):
             raise ValueError(f"remote blocks {remote_ids} do not fit its pool of {remote.num_blocks - 1}")
-        handle = agent.make_prepped_xfer(
+        return self.link.agent.make_prepped_xfer(
             "READ", self.link.local, region_indices(local_ids, self.num_layers, self.num_blocks),
             remote.regions, region_indices(remote_ids, remote.num_layers, remote.num_blocks), notif_msg=notice)
-        deadline = self.clock() + self.transfer_timeout
-        try:
-            state = agent.transfer(handle)
-            while state == "PROC" and self.clock() < deadline:
-                time.sleep(0.0002)
-                state = agent.check_xfer_state(handle)
-        finally:
-            try:
-                handle.release()  # cancels a read still running
-            except Exception as exc:
-                logger.warning("releasing a NIXL transfer failed: %s", exc)
-        if state != "DONE":
-            raise (TimeoutError(f"still running after {self.transfer_timeout} s") if state == "PROC"
-                   else RuntimeError(f"the transfer ended in state {state}"))
 
     def _notify_anyway(self, engine_id: str, notice: bytes) -> None:
         """After a failed load, tell a prefill agent still known that it may free the blocks."""

@@ -13,9 +13,9 @@ instance deletes a prompt's files once it loaded them (its own prefix cache keep
 then on), and the prefill instance deletes files nobody took within FILE_TTL.
 
 The prefill side writes when a request that asked for it (`do_remote_decode`) ends with its
-prompt computed; the decode side reads at admission, on the scheduler's thread, before the step
-that reads the blocks is launched. A missing, unreadable or mis-shaped file fails the load, and
-the scheduler computes those tokens itself.
+prompt computed; the decode side reads at admission, on the scheduler's thread, and reports the
+load finished at the next step (a local file takes milliseconds: not worth a thread). A missing,
+unreadable or mis-shaped file fails the load, and the scheduler computes those tokens itself.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class SharedStorageConnector:
         self.num_blocks_loaded = 0
         self.num_load_failures = 0
         self._next_prune = 0.0            # wall clock: when _prune next looks at the directory
+        self._loaded: dict[str, bool] = {}  # loads done since finished_loads() last asked
 
     # ---- decode side ----------------------------------------------------------------------
 
@@ -69,7 +70,19 @@ class SharedStorageConnector:
             n += 1
         return n * self.block_size
 
-    def load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
+    def start_load(self, request: Request, block_ids: list[int], num_local_tokens: int,
+                   num_external_tokens: int) -> bool:
+        self._loaded[request.request_id] = self._load(request, block_ids, num_local_tokens, num_external_tokens)
+        return True
+
+    def finished_loads(self) -> dict[str, bool]:
+        loaded, self._loaded = self._loaded, {}
+        return loaded
+
+    def cancel_load(self, request_id: str) -> None:
+        self._loaded.pop(request_id, None)
+
+    def _load(self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int) -> bool:
         first, last = external_block_span(num_local_tokens, num_external_tokens, self.block_size)
         hashes = self._hashes(request, last)[first:last]
         try:

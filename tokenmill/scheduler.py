@@ -38,7 +38,9 @@ tokens, and finishes requests on EOS, stop tokens, max_tokens or max_model_len.
 Finished requests leave in the same step; their blocks are free for the next one, unless a KV
 connector holds them for a peer to read (disaggregated prefill, kv_connector.py): then they stay
 allocated, in `held`, until the connector names the request in released(), which schedule()
-and release_held() ask.
+and release_held() ask. A request whose prompt K/V a connector brings in waits apart, in
+`loading` with its blocks, while the load runs, and goes back to the front of the queue when it
+ends (scheduler_connector.py).
 An embedding request (`request.pooling`) is scheduled as any prompt and samples nothing: it
 ends ("stop") at the update of the step that ran the end of its prompt, with the pooled vector
 the runner reports.
@@ -64,6 +66,7 @@ from tokenmill.kv_connector import KVConnector
 from tokenmill.outputs import RequestProgress, RunnerOutput, SchedulerOutput, SchedulerSnapshot, SchedulerStats
 from tokenmill.policies import make_policy
 from tokenmill.request import Request, RequestStatus
+from tokenmill.scheduler_connector import ConnectorSteps
 
 
 @dataclass
@@ -87,7 +90,7 @@ class _StepPlan:
         self.long_tokens += num_new if held else 0
 
 
-class Scheduler:
+class Scheduler(ConnectorSteps):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  clock: Callable[[], float] = time.monotonic, connector: KVConnector | None = None) -> None:
         self.config = config
@@ -99,6 +102,7 @@ class Scheduler:
         self.running: list[Request] = []         # admission order
         self.requests: dict[str, Request] = {}   # every unfinished request
         self.held: dict[str, Request] = {}       # finished, blocks kept for a KV connector's peer
+        self.loading: dict[str, tuple[Request, int]] = {}  # waiting on a KV connector's load: (request, tokens)
         self._finished_ids: list[str] = []       # ended since the last schedule()
         self.num_steps = 0                       # steps scheduled (timelines name a chunk's step)
         self.num_preemptions = 0
@@ -128,6 +132,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif self.loading.pop(request_id, None) is not None:
+            self.connector.cancel_load(request_id)  # before its blocks go back to the pool
         request.status = status
         now = self.clock()
         request.timeline.add(now, "finished", finish_reason=request.finish_reason)
@@ -142,20 +148,11 @@ class Scheduler:
         self._finished_ids.append(request_id)
         return request
 
-    def release_held(self) -> None:
-        """Free the blocks of held requests the connector has released (once per schedule(), and
-        while the engine idles)."""
-        if self.connector is None or not self.held:
-            return
-        for request_id in self.connector.released():
-            request = self.held.pop(request_id, None)
-            if request is not None:
-                self._free(request)
-
     def prompt_tokens_waiting(self) -> int:
         """Prompt tokens still to compute: the waiting requests' and the running ones' mid-prompt."""
         return (sum(r.num_remaining_prefill for r in self.waiting)
-                + sum(r.num_remaining_prefill for r in self.running if r.num_remaining_prefill > 1))
+                + sum(r.num_remaining_prefill for r in self.running if r.num_remaining_prefill > 1)
+                + sum(r.num_remaining_prefill for r, _ in self.loading.values()))
 
     def end_on_stop_string(self, request: Request, num_dropped: int, stop: str) -> None:
         """End a request on a stop string found in its text (the output processor finds them),
@@ -187,9 +184,9 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), kv_blocks_used=pool.num_used_blocks,
-            kv_blocks_free=pool.num_free_blocks, kv_blocks_cached=pool.num_evictable_blocks,
-            kv_blocks_total=pool.num_blocks,
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.loading),
+            kv_blocks_used=pool.num_used_blocks, kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_cached=pool.num_evictable_blocks, kv_blocks_total=pool.num_blocks,
             kv_slots_used=self.kv.slots_filled(self.running), prefix_tokens_queried=self.kv.prompt_tokens_queried,
             prefix_tokens_hit=self.kv.prompt_tokens_hit, num_evictions=pool.num_evictions,
             num_preemptions=self.num_preemptions, num_external_tokens=self.num_external_tokens,
@@ -211,6 +208,7 @@ class Scheduler:
         """Build the next step: room made at admission (if the policy preempts there), then
         running requests, then waiting ones, as the module's docstring describes."""
         self.release_held()
+        self.collect_loads()
         static = self.config.static_batching
         plan = _StepPlan(budget=self.config.max_num_batched_tokens if not static else 1 << 62)
         self._swap_out = []
@@ -276,6 +274,8 @@ class Scheduler:
         while (len(self.waiting) > len(plan.admission_victims) and plan.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self._next_waiting(exclude=plan.admission_victims)
+            if self._start_load(request):
+                continue
             resuming, swapped = request.status == RequestStatus.PREEMPTED, len(request.swapped_block_ids)
             num_new, held = self._allocate_waiting(request, plan)
             if num_new == 0:
@@ -303,29 +303,24 @@ class Scheduler:
                 return 0, False
             plan.swap_in.extend(self.kv.swap_in(request, num_new))
             return num_new, held
+        if request.block_ids:  # back from a KV connector's load: the rest of its prompt
+            num_new, held = self._chunk(request, request.num_remaining_prefill, plan)
+            if num_new == 0 or not self.kv.can_allocate(request, num_new, reserve=reserve):
+                return 0, False
+            self.kv.allocate(request, num_new)
+            return num_new, held
         hit = self.kv.find_prefix(request)
-        external = self._external_tokens(request, hit.num_tokens)
-        num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens - external, plan)
-        if num_new == 0 or not self.kv.can_allocate(request, external + num_new, hit, reserve=reserve):
+        num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens, plan)
+        if num_new == 0 or not self.kv.can_allocate(request, num_new, hit, reserve=reserve):
             return 0, False
-        self.kv.allocate(request, external + num_new, hit)
-        request.num_computed_tokens += hit.num_tokens
-        if request.status == RequestStatus.WAITING:  # a preempted request's own work is no prefix hit
-            request.num_cached_tokens = hit.num_tokens
-        if external and self.connector.load(request, request.block_ids, hit.num_tokens, external):
-            request.num_computed_tokens += external
-            request.num_external_tokens += external
-            self.num_external_tokens += external
-        elif external:  # not loaded: computed here from the hit on, and no block may promise that K/V
-            self.kv.withdraw(request, hit.num_tokens + num_new)
+        self.kv.allocate(request, num_new, hit)
+        self._count_hit(request, hit.num_tokens)
         return num_new, held
 
-    def _external_tokens(self, request: Request, num_local: int) -> int:
-        """Prompt tokens the KV connector supplies past the local hit, leaving the last one to compute."""
-        if self.connector is None or request.needs_every_position:
-            return 0
-        offered = self.connector.num_matched_tokens(request, num_local)
-        return max(0, min(offered, request.num_tokens - 1 - num_local))
+    def _count_hit(self, request: Request, num_tokens: int) -> None:
+        request.num_computed_tokens += num_tokens
+        if request.status == RequestStatus.WAITING:  # a preempted request's own work is no prefix hit
+            request.num_cached_tokens = num_tokens
 
     def _output(self, plan: _StepPlan) -> SchedulerOutput:
         """The step as the runner sees it; hands over the requests finished since the last one."""
@@ -374,7 +369,7 @@ class Scheduler:
         candidates = self.policy.admission_victims(request, self.running)
         if not candidates:
             return []
-        hit = None if request.swapped_block_ids else self.kv.find_prefix(request)
+        hit = None if request.swapped_block_ids or request.block_ids else self.kv.find_prefix(request)
         external = 0 if hit is None else self._external_tokens(request, hit.num_tokens)
         remaining = request.num_remaining_prefill if hit is None else request.num_tokens - hit.num_tokens - external
         keep = set(hit.block_ids) if hit is not None else set()

@@ -60,7 +60,7 @@ def _to(meta: AttentionMetadata, device) -> AttentionMetadata:
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
-def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None):
+def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None, softcap=None):
     slots = meta.slot_block * BS + meta.slot_offset
     k_cache, v_cache = by_slot(k_cache).double(), by_slot(v_cache).double()
     k_cache[slots] = k.double()
@@ -75,6 +75,8 @@ def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None):
             seen = slice(0 if window is None else max(0, visible - window), visible)
             for h in range(q.shape[1]):
                 scores = keys[seen, h // group] @ q[t, h].double() * scale
+                if softcap is not None:
+                    scores = (scores / softcap).tanh() * softcap
                 out[t, h] = scores.softmax(0) @ values[seen, h // group]
     return out
 
@@ -381,3 +383,35 @@ def test_non_finite_scores_give_nan_not_an_average(query_len):
     first = contexts[0][5]  # a NaN key at position 5, which every query row sees
     k_cache[first // BS, 0, first % BS, 0] = float("nan")
     assert torch.isnan(backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)).all()
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "torch"])
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("case", ["mixed", "long_chunks"])
+def test_soft_capped_scores_match_the_dense_oracle(backend_name, window, case):
+    """Gemma 2's cap: each score s becomes c * tanh(s / c) before the softmax, in decodes and
+    prompt chunks, with and without a window; the cap changes the result at these scores."""
+    backend = make_backend(backend_name, torch.device("cpu"), block_size=BS, head_dim=D, softcap=1.5)
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(*CASES[case], seed=3)
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.5, window, softcap=1.5)
+    uncapped = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.5, window)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.5, window, 1.5)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(uncapped, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_a_soft_capped_model_gets_the_torch_backend_and_the_kernels_refuse_the_cap(caplog):
+    """"auto" picks batched torch for a capped model, saying so; "cpu" and "triton" are refused by
+    name, and the C++ kernel's backend handed a capped layer raises rather than ignore the cap."""
+    cpu = torch.device("cpu")
+    with caplog.at_level("INFO", logger="tokenmill.attention"):
+        assert make_backend("auto", cpu, softcap=50.0).name == "torch"
+    assert "soft-capped at 50.0" in caplog.text
+    assert make_backend("reference", cpu, softcap=50.0).name == "reference"
+    for name in ("cpu", "triton"):
+        with pytest.raises(ValueError, match=f"the {name} attention backend does not soft-cap"):
+            make_backend(name, cpu, softcap=50.0)
+    backend = make_backend("cpu", cpu, block_size=BS, head_dim=D)
+    q, k, v, k_cache, v_cache, meta, _ = build_case(*CASES["mixed"])
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        backend.forward(q, k, v, k_cache, v_cache, meta, 0.25, None, 50.0)

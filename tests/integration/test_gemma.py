@@ -118,3 +118,17 @@ def test_an_end_of_turn_id_in_generation_config_ends_the_output(tiny_gemma_model
                                                    SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == free[:free.index(end_of_turn) + 1]
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_two_tensor_parallel_ranks_give_one_ranks_greedy_tokens(tiny_gemma_models):
+    """Gemma 2 over two ranks (gloo on 127.0.0.1): each its heads with their capped scores, its MLP
+    slice, and its vocabulary rows of the scaled embeddings and of the capped logits."""
+    prompts = [list(range(10, 58)) + [60 + i] for i in range(3)] + [list(range(5, 100))]
+    tokens = {}
+    for size in (1, 2):
+        llm = LLM(str(tiny_gemma_models["gemma2"]), tensor_parallel_size=size, max_num_batched_tokens=16,
+                  num_kv_blocks=20, block_size=16)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
+        tokens[size] = [o.outputs[0].token_ids for o in outs]
+        llm.engine.close()
+    assert tokens[2] == tokens[1]

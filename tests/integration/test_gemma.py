@@ -51,15 +51,14 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def test_logits_over_several_windows_match_transformers(tiny_gemma_models, arch, backend_name, kernels):
     """A 110-token prompt (over four windows) in chunks of 37, then decodes, one step each: every
     position's logits as transformers', by the torch ops or the packed projections and fused C++ ops,
-    through each attention backend that takes the model ("auto": torch for Gemma 2's capped scores,
-    the C++ kernel for Gemma 3); and far from the oracle's without the model's own features."""
+    through the reference, torch and C++ kernel ("auto") attention backends; and far from the
+    oracle's without the model's own features."""
     path = tiny_gemma_models[arch]
     checkpoint = open_checkpoint(path)
     device = torch.device("cpu")
     model = load_model(checkpoint, 256, torch.float32, device, kernels=kernels)
     backend = make_backend(backend_name, device, 16, checkpoint.config.head_dim, softcap=checkpoint.config.attn_softcap)
-    assert backend.name == {"reference": "reference", "torch": "torch"}.get(
-        backend_name, "torch" if arch == "gemma2" else "cpu")
+    assert backend.name == {"auto": "cpu"}.get(backend_name, backend_name)
     kv = KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=False)
     runner = ModelRunner(ModelWorker(model, checkpoint.config, CacheConfig(32, 16), backend, device, torch.float32),
                          seed=0)
@@ -85,9 +84,9 @@ def test_logits_over_several_windows_match_transformers(tiny_gemma_models, arch,
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_generation_equals_transformers_with_chunked_prompts_and_a_shared_prefix(tiny_gemma_models, arch):
-    """The default CPU path (packed projections; attention by the C++ kernel, or for Gemma 2's capped
-    scores by torch): prompts of up to six windows in 32-token chunks, three sharing a 64-token prefix,
-    through a pool too small for all at once; every output as transformers' generate."""
+    """The default CPU path (packed projections, the C++ attention kernel): prompts of up to six
+    windows in 32-token chunks, three sharing a 64-token prefix, through a pool too small for all at
+    once; every output as transformers' generate."""
     path = tiny_gemma_models[arch]
     rng = random.Random(4)
     shared = [rng.randrange(2, 384) for _ in range(64)]
@@ -96,7 +95,7 @@ def test_greedy_generation_equals_transformers_with_chunked_prompts_and_a_shared
     llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=16, block_size=16,
               long_prefill_token_threshold=0)
     engine = llm.engine
-    assert engine.runner.worker.backend.name == ("torch" if arch == "gemma2" else "cpu")
+    assert engine.runner.worker.backend.name == "cpu"
     chunked = watch_chunked_prompts(engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=20, temperature=0.0),
                         use_tqdm=False)

@@ -385,33 +385,33 @@ def test_non_finite_scores_give_nan_not_an_average(query_len):
     assert torch.isnan(backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)).all()
 
 
-@pytest.mark.parametrize("backend_name", ["reference", "torch"])
+@pytest.mark.parametrize("backend_name", ["reference", "torch", "cpu"])
 @pytest.mark.parametrize("window", [None, 16])
-@pytest.mark.parametrize("case", ["mixed", "long_chunks"])
-def test_soft_capped_scores_match_the_dense_oracle(backend_name, window, case):
-    """Gemma 2's cap: each score s becomes c * tanh(s / c) before the softmax, in decodes and
-    prompt chunks, with and without a window; the cap changes the result at these scores."""
-    backend = make_backend(backend_name, torch.device("cpu"), block_size=BS, head_dim=D, softcap=1.5)
-    q, k, v, k_cache, v_cache, meta, contexts = build_case(*CASES[case], seed=3)
+@pytest.mark.parametrize("case,d", [("decodes_only", D), ("mixed", D), ("long_chunks", D), ("long_chunks", 32)])
+def test_soft_capped_scores_match_the_dense_oracle(backend_name, window, case, d):
+    """Gemma 2's cap: each score s becomes c * tanh(s / c) before the softmax, in decodes (split
+    over parts of the context or not) and prompt chunks (the C++ kernel's row-by-row passes, also
+    for a head size whose uncapped chunks take its tile products), with and without a window; the
+    cap changes the result at these scores."""
+    backend = make_backend(backend_name, torch.device("cpu"), block_size=BS, head_dim=d, softcap=1.5)
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(*CASES[case], seed=3, d=d)
     expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.5, window, softcap=1.5)
     uncapped = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.5, window)
+    if getattr(backend, "short_query_max", 0) < 1:
+        meta.num_short = meta.num_short_tokens = 0
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.5, window, 1.5)
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(uncapped, expected, rtol=1e-2, atol=1e-2)
 
 
-def test_a_soft_capped_model_gets_the_torch_backend_and_the_kernels_refuse_the_cap(caplog):
-    """"auto" picks batched torch for a capped model, saying so; "cpu" and "triton" are refused by
-    name, and the C++ kernel's backend handed a capped layer raises rather than ignore the cap."""
+def test_a_soft_capped_model_gets_a_backend_that_caps_and_triton_refuses_the_cap(caplog):
+    """The C++ kernel caps scores, so "auto" on a CPU keeps it; on CUDA "auto" picks batched torch
+    for a capped model, saying so, as the Triton kernels do not cap; "triton" is refused by name."""
     cpu = torch.device("cpu")
-    with caplog.at_level("INFO", logger="tokenmill.attention"):
-        assert make_backend("auto", cpu, softcap=50.0).name == "torch"
-    assert "soft-capped at 50.0" in caplog.text
+    assert make_backend("auto", cpu, softcap=50.0).name == "cpu"
     assert make_backend("reference", cpu, softcap=50.0).name == "reference"
-    for name in ("cpu", "triton"):
-        with pytest.raises(ValueError, match=f"the {name} attention backend does not soft-cap"):
-            make_backend(name, cpu, softcap=50.0)
-    backend = make_backend("cpu", cpu, block_size=BS, head_dim=D)
-    q, k, v, k_cache, v_cache, meta, _ = build_case(*CASES["mixed"])
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        backend.forward(q, k, v, k_cache, v_cache, meta, 0.25, None, 50.0)
+    with caplog.at_level("INFO", logger="tokenmill.attention"):
+        assert make_backend("auto", torch.device("cuda"), softcap=50.0).name == "torch"
+    assert "soft-capped at 50.0" in caplog.text
+    with pytest.raises(ValueError, match="the triton attention backend does not soft-cap"):
+        make_backend("triton", cpu, softcap=50.0)

@@ -20,8 +20,8 @@ first position its queries see, so blocks before it (given back to the pool, the
 a scratch block) are never read.
 
 A layer may soft-cap its scores (Gemma 2, forward's `softcap`: s becomes c * tanh(s / c) before
-the softmax). The reference and torch backends do it; the C++ and Triton kernels do not and raise
-if asked, so make_backend gives such a model the torch backend under "auto" and refuses the others.
+the softmax). The reference, torch and cpu backends do it; the Triton kernels do not and raise if
+asked, so on CUDA make_backend gives such a model the torch backend under "auto" and refuses "triton".
 
 Backends share that contract and differ in speed:
   * reference: per sequence, gather the context and call SDPA. Obvious; the oracle.
@@ -54,18 +54,18 @@ def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim
     """Pick an attention backend. "auto": the C++ kernel on a CPU (for float32 models, the only
     ones it takes), Triton on CUDA, and batched torch where those cannot be had (no compiler, no
     triton, tile shapes Triton cannot take, another dtype on a CPU). A model that soft-caps its
-    attention scores (`softcap`, Gemma 2) gets batched torch under "auto" (the kernels do not cap;
-    logged), and "cpu" or "triton" are refused for it."""
+    attention scores (`softcap`, Gemma 2) gets batched torch instead of Triton under "auto" (the
+    Triton kernels do not cap; logged), and "triton" is refused for it."""
     from tokenmill.attention.reference import ReferenceAttention
     from tokenmill.attention.torch_batched import TorchBatchedAttention
 
     if name == "reference":
         return ReferenceAttention()
-    if softcap is not None and name in ("cpu", "triton"):
+    if softcap is not None and name == "triton":
         raise ValueError(SOFTCAP_UNSUPPORTED.format(name=name))
-    if softcap is not None and name == "auto":
-        logger.info("attention scores soft-capped at %s: the torch attention backend, which caps them (the C++ "
-                    "and Triton kernels do not)", softcap)
+    if softcap is not None and name == "auto" and device.type == "cuda":
+        logger.info("attention scores soft-capped at %s: the torch attention backend, which caps them (the Triton "
+                    "kernels do not)", softcap)
         return TorchBatchedAttention()
     if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"attention_backend='cpu' runs float32 models on a CPU, not {dtype} on {device.type} "

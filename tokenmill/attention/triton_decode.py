@@ -15,7 +15,8 @@ process against 0.2 s once seen).
 
 A layer's sliding window bounds both loops: they start at the first key in the window, so
 blocks before it (given back to the pool) are never read. The kernels do not soft-cap scores
-(Gemma 2): make_backend gives such a model the torch backend, and a capped layer here is an error.
+(Gemma 2): make_backend gives such a model the torch backend on CUDA, and a capped layer here is an
+error.
 
 The torch reference (attention/reference.py) is what tests compare both with.
 """

@@ -13,8 +13,8 @@ What differs from a Llama layer, as transformers' modeling_gemma2.py and modelin
     attention       scores scaled by query_pre_attn_scalar ** -0.5; head_dim its own (not
                     hidden / heads); sliding and global layers alternate (config.layer_windows)
     Gemma 2         scores soft-capped (c * tanh(s / c), attn_logit_softcapping) before the
-                    softmax, which only the torch and reference attention backends do (make_backend
-                    picks torch for such a model); output logits capped the same way
+                    softmax, which every attention backend but Triton's does (make_backend picks
+                    torch for such a model on CUDA); output logits capped the same way
                     (final_logit_softcapping)
     Gemma 3         RMSNorm on each q and k head (also 1 + w); the sliding layers rotate with their
                     own base (rope_local_base_freq, unscaled), the global ones with rope_theta and

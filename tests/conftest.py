@@ -40,7 +40,8 @@ TINY_MOE_CONFIGS = {
 # Gemma 2 (alternating sliding and global layers, soft-capped scores and logits, caps low enough to
 # bite at these weights) and Gemma 3 text (one global layer in three, its own rope base on the sliding
 # layers, linear scaling on the global one); query_pre_attn_scalar unlike head_dim, and head_dim
-# unlike hidden / heads, in both. Their norms, zero in transformers' init, are drawn at random.
+# unlike hidden / heads, in both. Their norms, zero in transformers' init, are drawn at random, and
+# their embeddings shrunk (build_tiny_model).
 TINY_GEMMA_CONFIGS = {
     "gemma2": dict(model_type="gemma2", head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
                    attn_logit_softcapping=2.0, final_logit_softcapping=4.0),
@@ -140,10 +141,14 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
     config = AutoConfig.for_model(model_type, **options)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if arch in TINY_GEMMA_CONFIGS and name.endswith("norm.weight"):  # Gemma's (1 + w): w is 0 at init
-                p.normal_(0.0, 0.5)
+    if arch in TINY_GEMMA_CONFIGS:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):  # Gemma's (1 + w): w is 0 at init
+                    p.normal_(0.0, 0.5)
+            # embeddings small enough that, times sqrt(hidden), they do not outweigh the layers: else
+            # the tied head finds the last token's own row and greedy output repeats one token
+            model.get_input_embeddings().weight.mul_(0.1)
     if noise:
         with torch.no_grad():
             for p in model.parameters():

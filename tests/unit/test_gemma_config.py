@@ -43,6 +43,7 @@ def test_a_gemma2_config_without_its_optional_keys_takes_transformers_defaults(t
     assert cfg.attention_scale == 256 ** -0.5
     assert cfg.layer_windows == (4096, None) * 3 and cfg.tie_word_embeddings and hf.tie_word_embeddings
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"] == 10000 and cfg.local_rope_theta is None
+    assert cfg.max_position_embeddings == hf.max_position_embeddings == 8192
 
 
 @pytest.mark.parametrize("layout,factor", [
@@ -61,6 +62,7 @@ def test_gemma3_rope_bases_are_read_from_either_layout(tmp_path, layout, factor)
     assert cfg.local_rope_theta == hf["sliding_attention"]["rope_theta"] == 10000.0
     assert (cfg.rope_scaling or {}).get("factor") == hf["full_attention"].get("factor") == factor
     assert cfg.attn_softcap is None and cfg.final_softcap is None and cfg.qk_norm
+    assert cfg.max_position_embeddings == AutoConfig.from_pretrained(str(tmp_path)).max_position_embeddings == 131072
 
 
 @pytest.mark.parametrize("changes,match", [

@@ -11,7 +11,7 @@ What differs from a Llama layer, as transformers' modeling_gemma2.py and modelin
                         x = x + post_feedforward_norm(mlp(pre_feedforward_norm(x)))
     MLP             GeGLU: GELU (tanh approximation) of the gate, times up
     attention       scores scaled by query_pre_attn_scalar ** -0.5; head_dim its own (not
-                    hidden / heads); sliding and global layers alternate (config.layer_windows)
+                    hidden / heads); sliding and global layers interleave (config.layer_windows)
     Gemma 2         scores soft-capped (c * tanh(s / c), attn_logit_softcapping) before the
                     softmax, which every attention backend but Triton's does (make_backend picks
                     torch for such a model on CUDA); output logits capped the same way

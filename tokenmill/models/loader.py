@@ -124,7 +124,9 @@ def _hf_moe(cfg: dict, arch: str) -> MoEConfig | None:
 # transformers' defaults for what a Gemma config.json may leave out
 _GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
                    "hidden_activation": "gelu_pytorch_tanh"}
-_GEMMA2_DEFAULTS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+_GEMMA_DEFAULTS_BY_ARCH = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                                      "max_position_embeddings": 8192},
+                           "gemma3_text": {"max_position_embeddings": 131072}}
 
 
 def _hf_gemma(cfg: dict, arch: str) -> dict:
@@ -156,7 +158,7 @@ def hf_model_config(path: Path) -> ModelConfig:
     if arch not in SUPPORTED + MOE_ARCHITECTURES:
         raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)})")
     if arch in GEMMA_ARCHITECTURES:
-        cfg = {**_GEMMA_DEFAULTS, **(_GEMMA2_DEFAULTS if arch == "gemma2" else {}), **cfg}
+        cfg = {**_GEMMA_DEFAULTS, **_GEMMA_DEFAULTS_BY_ARCH[arch], **cfg}
     elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
     eos = cfg.get("eos_token_id")

@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
-from conftest import copy_model, watch_chunked_prompts
-from transformers import AutoModelForCausalLM
+from conftest import TINY_GEMMA_CONFIGS, _save_tokenizer, copy_model, watch_chunked_prompts
+from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import make_backend
@@ -132,3 +132,33 @@ def test_two_tensor_parallel_ranks_give_one_ranks_greedy_tokens(tiny_gemma_model
         tokens[size] = [o.outputs[0].token_ids for o in outs]
         llm.engine.close()
     assert tokens[2] == tokens[1]
+
+
+def test_a_multimodal_gemma3_serves_its_language_model_as_transformers_runs_text(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (model_type gemma3: a vision tower beside the language
+    model, whose config sits in text_config with most keys left to transformers' defaults): tokenmill
+    loads the language model alone and generates from text as transformers' multimodal model does."""
+    text = {k: v for k, v in TINY_GEMMA_CONFIGS["gemma3_text"].items() if k != "model_type"}
+    text.update(vocab_size=384, hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=2,
+                max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, initializer_range=0.2)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=383,
+                          boi_token_index=381, eoi_token_index=382)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # the tiny text models' norms and embeddings (conftest.build_tiny_model)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "vision" not in name:
+                p.normal_(0.0, 0.5)
+        model.get_input_embeddings().weight.mul_(0.1)
+    model.save_pretrained(str(tmp_path))
+    _save_tokenizer(tmp_path)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(2, 381) for _ in range(n)] for n in (4, 45)]
+    llm = LLM(str(tmp_path), num_kv_blocks=16, max_num_batched_tokens=32)
+    assert llm.engine.runner.worker.model.config.architecture == "gemma3_text"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0.0),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12), f"prompt of {len(prompt)} tokens"

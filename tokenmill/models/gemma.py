@@ -1,5 +1,7 @@
-"""Gemma 2 and Gemma 3 (text only: Gemma3ForCausalLM) over the same flat, ragged batch as the
-Llama family, whose attention, rotary tables, fused projections and loading they reuse.
+"""Gemma 2 and Gemma 3, text only (Gemma3ForCausalLM, or the language model of a multimodal
+Gemma3ForConditionalGeneration checkpoint: loader.py reads its text_config and skips its vision
+tower), over the same flat, ragged batch as the Llama family, whose attention, rotary tables, fused
+projections and loading they reuse.
 
 What differs from a Llama layer, as transformers' modeling_gemma2.py and modeling_gemma3.py have it:
 

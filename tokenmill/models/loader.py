@@ -1,6 +1,6 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
-the Llama family, Phi-3, Gemma 2, Gemma 3 (text), and the mixture-of-experts Mixtral, Qwen2-MoE,
-Qwen3-MoE and OLMoE)
+the Llama family, Phi-3, Gemma 2, Gemma 3 (text; of a multimodal checkpoint, its language model),
+and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
 and GGUF files (gguf_loader.py: llama/qwen2/qwen3 architectures and the MoE ones; on the CPU
 their quantized projections stay as blocks, for the panel kernel to decode).
 
@@ -152,8 +152,18 @@ def _hf_gemma(cfg: dict, arch: str) -> dict:
             "local_rope_theta": float(local["rope_theta"])}
 
 
+def _gemma3_language_model(path: Path) -> dict:
+    """The config of a multimodal Gemma 3's (Gemma3ForConditionalGeneration's) language model, which
+    tokenmill serves alone (text in, text out): its text_config with transformers' defaults filled in,
+    as released files leave most keys out of it. hf_unfused skips the vision tower's weights."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(str(path)).text_config.to_dict()
+
+
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("model_type") == "gemma3":
+        cfg = _gemma3_language_model(path)
     arch = cfg.get("model_type", "")
     if arch not in SUPPORTED + MOE_ARCHITECTURES:
         raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)})")
@@ -228,13 +238,25 @@ def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
     return windows if any(w is not None for w in windows) else ()
 
 
+# A multimodal checkpoint's language model (Gemma 3) under the text model's names, in transformers
+# 4's layout and 5's; its vision tower and projector are not loaded.
+_LANGUAGE_MODEL_NAMES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                         "language_model.lm_head.": "lm_head."}
+_VISION_NAMES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def hf_unfused(weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors under the separate names the model loads: Phi-3's fused qkv_proj and
     gate_up_proj split into q/k/v and gate/up; with partial rotary, q and k rows put in the order
-    our rotation pairs them (partial_rotary_order)."""
+    our rotation pairs them (partial_rotary_order); a multimodal Gemma 3's language model alone."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else None
     for name, tensor in weights:
+        if name.startswith(_VISION_NAMES):
+            continue
+        prefix = next((p for p in _LANGUAGE_MODEL_NAMES if name.startswith(p)), None)
+        if prefix is not None:
+            name = _LANGUAGE_MODEL_NAMES[prefix] + name.removeprefix(prefix)
         if ".qkv_proj." in name:
             parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]))
         elif ".gate_up_proj." in name:

@@ -37,6 +37,21 @@ TINY_MOE_CONFIGS = {
     "olmoe": dict(model_type="olmoe", num_experts=8, intermediate_size=32),
 }
 
+# Gemma 2 (alternating sliding and global layers, soft-capped scores and logits, caps low enough to
+# bite at these weights) and Gemma 3 text (one global layer in three, its own rope base on the sliding
+# layers, linear scaling on the global one); query_pre_attn_scalar unlike head_dim, and head_dim
+# unlike hidden / heads, in both. Their norms, zero in transformers' init, are drawn at random, and
+# their embeddings shrunk (build_tiny_model).
+TINY_GEMMA_CONFIGS = {
+    "gemma2": dict(model_type="gemma2", head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=4.0),
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=32, query_pre_attn_scalar=20, sliding_window=20,
+                        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        rope_parameters={
+                            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+}
+
 
 def triton_usable() -> bool:
     """Triton runs on CUDA, or on the CPU under its interpreter (TRITON_INTERPRET=1)."""
@@ -138,7 +153,8 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = (dict(TINY_CONFIGS[arch]) if arch in TINY_CONFIGS else {**_TINY_MOE_SHAPE, **TINY_MOE_CONFIGS[arch]}
-             if arch in TINY_MOE_CONFIGS else {"model_type": arch})  # others: transformers defaults
+             if arch in TINY_MOE_CONFIGS else dict(TINY_GEMMA_CONFIGS[arch]) if arch in TINY_GEMMA_CONFIGS
+             else {"model_type": arch})  # others: transformers defaults
     model_type = extra.pop("model_type")
     options = dict(vocab_size=vocab_size, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
@@ -148,6 +164,14 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
     config = AutoConfig.for_model(model_type, **options)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch in TINY_GEMMA_CONFIGS:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):  # Gemma's (1 + w): w is 0 at init
+                    p.normal_(0.0, 0.5)
+            # embeddings small enough that, times sqrt(hidden), they do not outweigh the layers: else
+            # the tied head finds the last token's own row and greedy output repeats one token
+            model.get_input_embeddings().weight.mul_(0.1)
     if noise:
         with torch.no_grad():
             for p in model.parameters():
@@ -333,6 +357,12 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_moe")
     return {arch: build_tiny_model(root / arch, arch) for arch in TINY_MOE_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_gemma")
+    return {arch: build_tiny_model(root / arch, arch) for arch in TINY_GEMMA_CONFIGS}
 
 
 @pytest.fixture(scope="session")

@@ -92,6 +92,10 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()  # per layer: the query at position p sees keys
                                        # p - w + 1 .. p (w tokens, itself included); None: all of
                                        # 0 .. p. Empty: every layer global
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power (None: head_dim's)
+    attn_softcap: float | None = None  # Gemma 2: attention scores s become c * tanh(s / c) before the softmax
+    final_softcap: float | None = None  # Gemma 2: the same cap on the output logits
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base, unscaled (None: as global)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -103,6 +107,9 @@ class ModelConfig:
                              f"{self.num_layers} layers")
         if any(w is not None and w <= 0 for w in self.layer_windows):
             raise ValueError(f"model config: layer_windows must be positive or None, got {self.layer_windows}")
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "local_rope_theta"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"model config: {name} must be positive or None, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -110,6 +117,11 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window in tokens, None for a global layer."""
         return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def kv_window(self) -> int | None:

@@ -60,7 +60,7 @@ def _to(meta: AttentionMetadata, device) -> AttentionMetadata:
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
-def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None):
+def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None, softcap=None):
     slots = meta.slot_block * BS + meta.slot_offset
     k_cache, v_cache = by_slot(k_cache).double(), by_slot(v_cache).double()
     k_cache[slots] = k.double()
@@ -75,6 +75,8 @@ def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None):
             seen = slice(0 if window is None else max(0, visible - window), visible)
             for h in range(q.shape[1]):
                 scores = keys[seen, h // group] @ q[t, h].double() * scale
+                if softcap is not None:
+                    scores = (scores / softcap).tanh() * softcap
                 out[t, h] = scores.softmax(0) @ values[seen, h // group]
     return out
 
@@ -381,3 +383,35 @@ def test_non_finite_scores_give_nan_not_an_average(query_len):
     first = contexts[0][5]  # a NaN key at position 5, which every query row sees
     k_cache[first // BS, 0, first % BS, 0] = float("nan")
     assert torch.isnan(backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)).all()
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "torch", "cpu"])
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("case,d", [("decodes_only", D), ("mixed", D), ("long_chunks", D), ("long_chunks", 32)])
+def test_soft_capped_scores_match_the_dense_oracle(backend_name, window, case, d):
+    """Gemma 2's cap: each score s becomes c * tanh(s / c) before the softmax, in decodes (split
+    over parts of the context or not) and prompt chunks (the C++ kernel's row-by-row passes, also
+    for a head size whose uncapped chunks take its tile products), with and without a window; the
+    cap changes the result at these scores."""
+    backend = make_backend(backend_name, torch.device("cpu"), block_size=BS, head_dim=d, softcap=1.5)
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(*CASES[case], seed=3, d=d)
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.5, window, softcap=1.5)
+    uncapped = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.5, window)
+    if getattr(backend, "short_query_max", 0) < 1:
+        meta.num_short = meta.num_short_tokens = 0
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.5, window, 1.5)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(uncapped, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_a_soft_capped_model_gets_a_backend_that_caps_and_triton_refuses_the_cap(caplog):
+    """The C++ kernel caps scores, so "auto" on a CPU keeps it; on CUDA "auto" picks batched torch
+    for a capped model, saying so, as the Triton kernels do not cap; "triton" is refused by name."""
+    cpu = torch.device("cpu")
+    assert make_backend("auto", cpu, softcap=50.0).name == "cpu"
+    assert make_backend("reference", cpu, softcap=50.0).name == "reference"
+    with caplog.at_level("INFO", logger="tokenmill.attention"):
+        assert make_backend("auto", torch.device("cuda"), softcap=50.0).name == "torch"
+    assert "soft-capped at 50.0" in caplog.text
+    with pytest.raises(ValueError, match="the triton attention backend does not soft-cap"):
+        make_backend("triton", cpu, softcap=50.0)

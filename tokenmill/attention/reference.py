@@ -3,6 +3,10 @@
 Slow for many decodes (a Python loop per layer) but obviously right; the faster
 backends are tested against it, and the cpu and torch ones reuse `attend_sequence` for
 long prompt chunks.
+
+A layer may soft-cap its scores (Gemma 2: s becomes c * tanh(s / c) before the mask and the
+softmax). SDPA has no such step, so a capped layer computes its scores, softmax (in float32, as
+transformers does) and product with V in plain torch (`attention`).
 """
 
 from __future__ import annotations
@@ -23,13 +27,31 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     return blocks.transpose(0, 1).reshape(cache.shape[1], num_blocks * bs, -1)[:, :seq_len]
 
 
-def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_table: torch.Tensor, seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              softcap: float | None = None) -> torch.Tensor:
+    """Masked attention: q (B, Hq, n, D) over k, v (B, Hkv, L, D), Hq a multiple of Hkv; mask (True:
+    seen) broadcast to (B, Hq, n, L), None for causal with n == L. Returns (B, Hq, n, D). Without a
+    cap, SDPA; with one, the scores are capped before the mask and the softmax."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # (B, Hq, L, D)
+    scores = torch.tanh(q @ k.transpose(2, 3) * scale / softcap) * softcap         # (B, Hq, n, L)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_len: int, scale: float, window: int | None = None, softcap: float | None = None
+                    ) -> torch.Tensor:
     """Causal attention of one sequence's n newest tokens over its context.
     q: (n, Hq, D), the queries at positions seq_len - n .. seq_len - 1. Returns (n, Hq, D).
     With a window, the query at position p sees only p - window + 1 .. p, and the context is
     read from the block holding the first of those for the first query: the blocks before it
-    may have been given back to the pool.
+    may have been given back to the pool. `softcap`: the scores' cap (`attention`), None for none.
     """
     n = q.shape[0]
     first_block = 0 if window is None else max(0, seq_len - n - window + 1) // k_cache.shape[2]
@@ -40,7 +62,7 @@ def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v = gather_context(v_cache, block_table[first_block:], seq_len - start).unsqueeze(0).to(q.dtype)
     q = q.transpose(0, 1).unsqueeze(0)                                # (1, Hq, n, D)
     if n == seq_len and window is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = attention(q, k, v, None, scale, softcap)
     else:
         # Query j sits at position seq_len - n + j and may see positions 0 .. seq_len - n + j
         # (the last `window` of them).
@@ -49,18 +71,19 @@ def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         mask = k_pos <= q_pos                                         # (n, seq_len - start)
         if window is not None:
             mask &= k_pos > q_pos - window
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = attention(q, k, v, mask, scale, softcap)
     return out[0].transpose(0, 1)                                     # (n, Hq, D)
 
 
 def attend_sequences(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, out: torch.Tensor, first: int = 0, window: int | None = None) -> None:
+                     scale: float, out: torch.Tensor, first: int = 0, window: int | None = None,
+                     softcap: float | None = None) -> None:
     """`attend_sequence` for sequences first.. of the batch, written into out (T, Hq, D)."""
     qsl = meta.query_start_loc_host
     for i in range(first, meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
         out[start:end] = attend_sequence(q[start:end], k_cache, v_cache, meta.block_tables[i],
-                                         meta.seq_lens_host[i], scale, window)
+                                         meta.seq_lens_host[i], scale, window, softcap)
 
 
 class ReferenceAttention:
@@ -68,10 +91,10 @@ class ReferenceAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None) -> torch.Tensor:
-        """q: (T, Hq, D); k, v: (T, Hkv, D); window: the layer's sliding window (None: global).
-        Returns (T, Hq, D)."""
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """q: (T, Hq, D); k, v: (T, Hkv, D); window: the layer's sliding window (None: global);
+        softcap: the cap on its scores (None: none). Returns (T, Hq, D)."""
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        attend_sequences(q, k_cache, v_cache, meta, scale, out, window=window)
+        attend_sequences(q, k_cache, v_cache, meta, scale, out, window=window, softcap=softcap)
         return out

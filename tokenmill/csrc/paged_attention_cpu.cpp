@@ -38,6 +38,9 @@
 //   query_start  (B + 1,)                           int32, sequence b owns tokens [qs[b], qs[b+1])
 //   seq_lens     (B,)                               int32, context length including the new tokens
 //   window       keys a query sees, itself included (0: all of them)
+//   softcap      c > 0: each score s becomes c * tanh(s / c) before the softmax (Gemma 2); 0: none.
+//                Applied to a row of scores between the two passes, so a capped step takes the
+//                row-by-row passes, never prompt_tile_gemm (whose scores never sit in a row)
 // Query j of sequence b sits at position seq_lens[b] - qlen + j and sees positions 0..itself, or
 // with a window only the last `window` of those: reading starts at the block holding the first
 // key the tile's first query sees (blocks before it may have been given back to the pool).
@@ -398,7 +401,7 @@ constexpr int64_t kParallelWriteTokens = 8;  // write_kv splits keys and values 
 template <typename KV>
 torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor query_start,
-                                   torch::Tensor seq_lens, double scale, int64_t window) {
+                                   torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TM_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
   TM_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
            "paged_attention: the pool and block tables must be contiguous");
@@ -498,7 +501,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   // cut into pieces of about equal cost, shared out with stealing (parallel.h)
   const int64_t num_pieces = std::min(threads * kPiecesPerThread, num_items);
   const int64_t total_cost = cost_before[num_items];
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const Primitives<KV> prim = pick_primitives<KV>(D);
   const int64_t row = (max_len + 7) / 8 * 8;  // one query head's scores
   const int64_t HG = H * G;                   // query heads of an item, per token
@@ -540,7 +543,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
         return std::clamp<int64_t>(last_len - (nt - 1 - j) - p0, 0, block_size);
       };
 #ifdef TOKENMILL_AVX2
-      if (!split && window == 0 && nt * G >= kPromptRowsMin && D % 32 == 0) {
+      if (!split && window == 0 && cap == 0.0f && nt * G >= kPromptRowsMin && D % 32 == 0) {
         for (int64_t h = 0; h < H; ++h) {
           prompt_tile_gemm<KV>(
               nt, G, D, last_len, block_size, fscale, [&](int64_t j, int64_t g) { return query(j, h * G + g); },
@@ -568,10 +571,12 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
       for (int64_t j = 0; j < nt; ++j) {  // token j sees keys first_key(j) .. last_len - (nt - 1 - j)
         // scores of its window's first block before the window: read by pass 2, so zeroed
         const int64_t lo = std::max(k_begin, first_key(j)), lo_block = std::max(k_begin, lo / block_size * block_size);
+        const int64_t hi = std::min(k_end, last_len - (nt - 1 - j));
         for (int64_t g = 0; g < HG; ++g) {
           float* x = &scores[(j * HG + g) * row];
-          sums[j * HG + g] = prim.softmax_numerator(x + lo, std::min(k_end, last_len - (nt - 1 - j)) - lo,
-                                                    &maxes[j * HG + g]);
+          if (cap != 0.0f)
+            for (int64_t i = lo; i < hi; ++i) x[i] = cap * std::tanh(x[i] / cap);
+          sums[j * HG + g] = prim.softmax_numerator(x + lo, hi - lo, &maxes[j * HG + g]);
           std::fill(x + lo_block, x + lo, 0.0f);
         }
       }
@@ -628,14 +633,16 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,
-                              torch::Tensor seq_lens, double scale, int64_t window) {
+                              torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
   TM_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
+  TM_CHECK(softcap >= 0, "paged_attention: softcap must be 0 (none) or positive");
   TM_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
                (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
            "paged_attention: float32 queries, a float32 or float16 pool");
   if (k_cache.dtype() == torch::kFloat16)
-    return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
-  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
+    return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
+                                          softcap);
+  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, softcap);
 }
 
 // Store this step's keys and values: token t goes to block slot_block[t], offset slot_offset[t].

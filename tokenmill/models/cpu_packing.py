@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tokenmill.host_memory import read_only_tensor
-from tokenmill.models.llama import FUSED
+from tokenmill.models.llama import FUSED, DecoderLayer
 from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, GGUFMatrix, PackedLinear, ToPack, pack_all
 
 if TYPE_CHECKING:
@@ -147,8 +147,8 @@ def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
     kernel, without the Python between the kernels, which costs small steps a sizeable part of
     their time (BENCHMARKS.md). Setting fused_stack to None goes back to the Python layers
     (tests and benchmarks compare the two)."""
-    if model.config.moe is not None or model.config.qk_norm_whole:
-        return  # the C++ layer is a dense SwiGLU layer with per-head q/k norms
+    if model.config.moe is not None or model.config.qk_norm_whole or model.layer_class is not DecoderLayer:
+        return  # the C++ layer is a Llama-family dense SwiGLU layer with per-head q/k norms
     fused = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp

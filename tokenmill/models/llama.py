@@ -185,7 +185,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
+        self.softcap = cfg.attn_softcap  # Gemma 2: the cap on the scores (None: none)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -205,7 +206,7 @@ class Attention(nn.Module):
             qkv, head_norms = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1), (None, None)
         q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                                  *head_norms)                   # Qwen3: RMSNorm on each q/k head first
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)  # (T, Hq, D)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap)  # (T, Hq, D)
         return self.o_proj.forward(out.view(t, self.q_size))
 
 
@@ -267,6 +268,8 @@ def _checkpoint_name(name: str, shard: int) -> str:
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer  # what each layer is (gemma.py's model sets its own)
+
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.config = cfg
@@ -274,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
         # import torch._dynamo, see Rotary.build)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         for i, layer in enumerate(self.layers):
             layer.self_attn.window = cfg.window(i)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -284,6 +287,10 @@ class LlamaForCausalLM(nn.Module):
         self.ops = TorchOps()                         # element-wise steps; fused ones set by the loader
         self.fused_layers: list | None = None         # each layer as one C++ object (cpu_packing.fuse_layers)
         self.fused_stack = None                       # and all of them, run in one call
+
+    def build_rotary(self, device: torch.device) -> None:
+        """(Re)compute the rotary tables on `device` (after the model was created on the meta device)."""
+        self.rotary.build(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend) -> torch.Tensor:

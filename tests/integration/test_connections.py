@@ -29,7 +29,9 @@ def guarded(tiny_llama):
 
     def lower_soft_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
-    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
+    # WARNING: a line per request would fill the pipe, which nothing reads while the server is up
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", str(tiny_llama),
+                             "--port", str(port),
                              "--num-kv-blocks", "64", "--timeout-keep-alive", str(KEEP_ALIVE_S),
                              "--timeout-request-headers", str(HEADERS_S), "--max-connections", str(MAX_CONNECTIONS)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=lower_soft_limit)

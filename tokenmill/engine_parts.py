@@ -41,6 +41,7 @@ from tokenmill.models.loader import (
 )
 from tokenmill.models.parallel import TPShard, check_divisible
 from tokenmill.output_processor import OutputProcessor
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.proposers import make_proposer
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
@@ -94,14 +95,26 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         raise
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size, frozenset(eos))
     inputs = InputProcessor(tokenizer, model_config.vocab_size, frozenset(eos), max_len, config.scheduling_policy,
-                            grammars)
+                            grammars, **encoder_inputs(model_config))
     return EngineParts(device, dtype, kv_dtype, path, model_config, tokenizer, frozenset(eos), max_len,
                        cache_config, runner, scheduler, speculator, inputs,
                        OutputProcessor(tokenizer, scheduler.end_on_stop_string), ranks)
 
 
+def encoder_inputs(model_config: ModelConfig) -> dict:
+    """An encoder's InputProcessor options: it serves embeddings only, pooled by default as its
+    checkpoint says (nothing for a decoder)."""
+    encoder = model_config.encoder
+    if encoder is None:
+        return {}
+    return {"encoder": model_config.architecture, "default_pooling": PoolingParams(encoder.pooling, encoder.normalize)}
+
+
 def _check_shardable(checkpoint: Checkpoint, size: int) -> None:
     """Refuse what `size` ranks cannot split, before any rank starts."""
+    if checkpoint.config.encoder is not None:
+        raise ValueError(f"{checkpoint.path}: an encoder ({checkpoint.config.architecture}) runs on one rank: "
+                         "tensor_parallel_size must be 1")
     check_divisible(checkpoint.config, size)
     if checkpoint.gguf_reader is not None:
         raise ValueError(f"{checkpoint.path}: tensor_parallel_size > 1 loads Hugging Face safetensors "
@@ -193,9 +206,9 @@ def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_co
     except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
         raise MemoryError(pool_too_big(config, device, num_blocks, num_host_blocks, bytes_per_block, exc)) from exc
     # (no graphs under tensor parallelism, whose collectives would be captured, nor for MoE models,
-    # whose captured step would run every expert on every row)
+    # whose captured step would run every expert on every row, nor for an encoder, which never decodes)
     if (device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False)
-            and ranks is None and model_config.moe is None):
+            and ranks is None and model_config.moe is None and model_config.encoder is None):
         worker.capture_graphs(config.max_num_seqs, max_len)
     connector = _connector(config, model_config, worker, model_name)
     return ModelRunner(worker, config.seed), Scheduler(SchedulerConfig.from_engine(config, max_len), kv,

@@ -36,7 +36,7 @@ def test_mean_pooling_sums_chunks_across_steps_and_divides_by_the_prompt_length(
     out = pooler.pool(second, [PoolChunk(r, 1, 5, 3, True)])          # positions 3-6
     expected = (first[1:4].sum(0) + second[1:5].sum(0)) / 7
     torch.testing.assert_close(out.vectors[0], expected)
-    assert out.request_ids == ["m"] and pooler.sums == {}
+    assert out.request_ids == ["m"] and pooler.kept == {}
 
 
 def test_a_chunk_from_position_zero_starts_the_mean_over_as_a_replayed_prompt_does():
@@ -67,6 +67,6 @@ def test_forget_drops_the_sum_of_a_request_that_ended_mid_prompt():
     r = make_embedding_request("m", prompt_len=9, pooling="mean")
     pooler = Pooler()
     pooler.pool(hidden_states(3), [PoolChunk(r, 0, 3, 0, False)])
-    assert list(pooler.sums) == ["m"]
+    assert list(pooler.kept) == ["m"]
     pooler.forget(["other", "m"])
-    assert pooler.sums == {}
+    assert pooler.kept == {}

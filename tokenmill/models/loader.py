@@ -1,5 +1,6 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
-the Llama family, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
+the Llama family, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE; BERT
+encoders for embeddings, bert.py)
 and GGUF files (gguf_loader.py: llama/qwen2/qwen3 architectures and the MoE ones; on the CPU
 their quantized projections stay as blocks, for the panel kernel to decode).
 
@@ -23,6 +24,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.models.bert import BertModel, bert_model_config, load_bert
 from tokenmill.models.cpu_packing import (
     drop_block_weights,
     fuse_layers,
@@ -122,8 +124,11 @@ def _hf_moe(cfg: dict, arch: str) -> MoEConfig | None:
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     arch = cfg.get("model_type", "")
+    if arch == "bert":  # an encoder, for embeddings (models/bert.py)
+        return bert_model_config(path, cfg)
     if arch not in SUPPORTED + MOE_ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)})")
+        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)}, "
+                         "and bert for embeddings)")
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
     eos = cfg.get("eos_token_id")
@@ -280,7 +285,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,
                kernels: str = "torch", gguf_blocks: bool = True, int8_rows: int = 0,
-               shard: TPShard | None = None, all_reduce: AllReduce | None = None) -> LlamaForCausalLM:
+               shard: TPShard | None = None, all_reduce: AllReduce | None = None) -> LlamaForCausalLM | BertModel:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
     on a CPU in float32, pack its projections (for the C++ panel kernel, in their GGUF blocks
     where the file has them and `gguf_blocks` is set, quantized token embeddings then looked up
@@ -288,7 +293,10 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     CUDA, use the Triton element-wise kernels.
 
     With a `shard` of size > 1, the model is that tensor-parallel rank's part (models/parallel.py),
-    its sums over the ranks done by `all_reduce`; from Hugging Face safetensors only for now."""
+    its sums over the ranks done by `all_reduce`; from Hugging Face safetensors only for now.
+    An encoder (BERT, for embeddings) runs in plain torch ops, unsharded."""
+    if ckpt.config.encoder is not None:
+        return load_bert(ckpt.config, ckpt.weights(), dtype, device)
     sharded = shard is not None and shard.size > 1
     if sharded and ckpt.gguf_reader is not None:
         raise ValueError(f"{ckpt.path}: tensor_parallel_size > 1 loads Hugging Face safetensors directories; "

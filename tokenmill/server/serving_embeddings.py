@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import numpy as np
 from fastapi import Request
@@ -85,10 +85,11 @@ class EmbeddingHandler:
         return requests
 
 
-def embeddings_only(model_name: str, architecture: str) -> Callable[[Request], Awaitable[NoReturn]]:
+def embeddings_only(model_name: str, architecture: str) -> Callable[[Request], Awaitable[None]]:
     """The handler of a generating endpoint (completions, chat, responses) for an encoder, which
-    has no LM head: a 400 that says so, whatever the body."""
-    async def refuse(raw: Request) -> NoReturn:
+    has no LM head: a 400 that says so, whatever the body. (Annotated None rather than NoReturn,
+    which FastAPI would try to make a response model of.)"""
+    async def refuse(raw: Request) -> None:
         raise APIError(400, f"{model_name} is an embedding model (a {architecture} encoder): it serves "
                             f"POST /v1/embeddings only, not text generation", param="model")
     return refuse

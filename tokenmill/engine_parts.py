@@ -155,8 +155,13 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
     proposer = (make_proposer(config.speculative, config, checkpoint.config.vocab_size)
                 if config.speculative is not None else None)
     draft_kv = proposer.kv_elements_per_token if proposer is not None else 0
-    num_blocks = kv_pool_blocks(config, device, (local_config.kv_bytes_per_token + draft_kv) * kv_dtype.itemsize,
-                                max_len)
+    if local_config.encoder is not None and config.num_kv_blocks is None:
+        # an encoder's blocks hold no K/V (worker.py), only the scheduler's count: as many as every
+        # seat filled with a full-length prompt, not memory's worth
+        num_blocks = config.max_num_seqs * -(-max_len // config.block_size)
+    else:
+        num_blocks = kv_pool_blocks(config, device,
+                                    (local_config.kv_bytes_per_token + draft_kv) * kv_dtype.itemsize, max_len)
     if ranks is not None:
         with ranks.sender().failures():
             num_blocks = ranks.group.min_over_ranks(num_blocks)

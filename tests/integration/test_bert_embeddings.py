@@ -137,8 +137,10 @@ def test_the_requests_pooling_overrides_the_checkpoints(minilm):
         assert rel_err(c, t[0]) < TOL and rel_err(v, t[-1] / np.linalg.norm(t[-1])) < TOL
 
 
-def test_an_encoder_generates_nothing_and_refuses_a_prompt_past_its_positions_by_name(minilm):
-    llm = LLM(str(minilm), num_kv_blocks=64)
+def test_an_encoder_keeps_no_kv_generates_nothing_and_refuses_a_prompt_past_its_positions_by_name(minilm):
+    llm = LLM(str(minilm), max_num_seqs=8)
+    assert llm.engine.runner.worker.kv_cache.numel() == 0 and llm.engine.runner.worker.kv_caches == []
+    assert llm.engine.scheduler.kv.pool.num_blocks == 8 * POSITIONS // 16  # every seat's full prompt, counted
     with pytest.raises(ValueError, match="encoder \\(bert\\): it serves embeddings only"):
         llm.generate(["the cat"], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="serves embeddings only"):

@@ -189,3 +189,11 @@ def test_an_input_past_the_positions_is_a_400_naming_the_limit(server):
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "input"
     assert error["message"].startswith(f"This model's maximum context length is {POSITIONS} tokens")
+
+
+@pytest.mark.parametrize("command", [["generate", "the cat"], ["chat"]])
+def test_the_cli_says_an_encoder_serves_embeddings_only_before_any_prompt(minilm, capsys, command):
+    from tokenmill.cli import main
+    assert main([command[0], "--model", str(minilm), *command[1:]]) == 1
+    assert capsys.readouterr().err.strip() == ("tokenmill: this model is an encoder (bert): it serves embeddings only "
+                                               "(LLM.embed, POST /v1/embeddings), not text generation")

@@ -4,8 +4,9 @@ same directory, on the CPU.
 The model is all-MiniLM-L6-v2's shape (hidden 384, 6 layers, 12 heads, intermediate 1536, 512
 positions) with random weights and a WordPiece vocabulary of made-up words, saved with its
 sentence-transformers modules (mean pooling, Normalize): the work per token is MiniLM's, nothing is
-downloaded. The texts are 8 to 40 words, so 10 to 42 tokens with [CLS] and [SEP]. Each side embeds
-all texts once to warm up, then `--repeats` times, the two alternating; the best run of each counts.
+downloaded. Two workloads of `--texts` texts: passages of 8 to 40 words (10 to 42 tokens with [CLS]
+and [SEP]) and queries of 2 to 8 words (4 to 10 tokens). Each side embeds all texts once to warm
+up, then `--repeats` times, the two alternating; the best run of each counts.
 Both run on `--threads` threads (default: every usable core), fixed.
 
     python benchmarks/bert_embeddings.py [--texts 512] [--repeats 3] [--budget 512 2048] [--threads N]
@@ -74,32 +75,41 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "minilm-shaped"
         words = build_minilm_shaped(path)
-        rng = random.Random(0)
-        texts = [" ".join(rng.choice(words) for _ in range(rng.randrange(8, 41))) for _ in range(args.texts)]
         st = SentenceTransformer(str(path), device="cpu")
         engines = {budget: LLM(str(path), max_num_batched_tokens=budget, num_threads=args.threads)
                    for budget in args.budget}
         torch.set_num_threads(args.threads)
-        tokens = sum(len(ids) for ids in st.tokenizer(texts)["input_ids"])
-        times: dict[str, list[float]] = {"sentence-transformers (batch 32)": []}
-        times.update({f"tokenmill (max_num_batched_tokens {b})": [] for b in args.budget})
-        reference = st.encode(texts, batch_size=32)
+        rng = random.Random(0)
+        results = {}
+        for workload, (low, high) in (("passages", (8, 40)), ("queries", (2, 8))):
+            texts = [" ".join(rng.choice(words) for _ in range(rng.randrange(low, high + 1)))
+                     for _ in range(args.texts)]
+            results[workload] = run_workload(texts, st, engines, args.repeats)
+    print(f"CPU: {this_cpu().as_dict()}; torch {torch.__version__}, {args.threads} threads; best of {args.repeats}")
+    for workload, (tokens, times) in results.items():
+        print(f"{workload}: {args.texts} texts, {tokens} tokens")
+        for name, runs in times.items():
+            print(f"  {name:42s} {min(runs):6.2f} s  {tokens / min(runs):7.0f} tokens/s")
+
+
+def run_workload(texts: list[str], st, engines: dict, repeats: int) -> tuple[int, dict[str, list[float]]]:
+    """(tokens, seconds of each run by side), after checking that the sides' vectors agree."""
+    tokens = sum(len(ids) for ids in st.tokenizer(texts)["input_ids"])
+    times: dict[str, list[float]] = {"sentence-transformers (batch 32)": []}
+    times.update({f"tokenmill (max_num_batched_tokens {b})": [] for b in engines})
+    reference = st.encode(texts, batch_size=32)
+    for budget, llm in engines.items():
+        error = np.abs(np.asarray(llm.embed(texts, use_tqdm=False)) - reference).max()
+        print(f"tokenmill (max_num_batched_tokens {budget}): max |difference| from sentence-transformers {error:.1e}")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        st.encode(texts, batch_size=32)
+        times["sentence-transformers (batch 32)"].append(time.perf_counter() - start)
         for budget, llm in engines.items():
-            error = np.abs(np.asarray(llm.embed(texts, use_tqdm=False)) - reference).max()
-            print(f"tokenmill (max_num_batched_tokens {budget}): max |difference| from sentence-transformers "
-                  f"{error:.1e}")
-        for _ in range(args.repeats):
             start = time.perf_counter()
-            st.encode(texts, batch_size=32)
-            times["sentence-transformers (batch 32)"].append(time.perf_counter() - start)
-            for budget, llm in engines.items():
-                start = time.perf_counter()
-                llm.embed(texts, use_tqdm=False)
-                times[f"tokenmill (max_num_batched_tokens {budget})"].append(time.perf_counter() - start)
-    print(f"CPU: {this_cpu().as_dict()}; torch {torch.__version__}, {args.threads} threads")
-    print(f"{args.texts} texts, {tokens} tokens; best of {args.repeats}:")
-    for name, runs in times.items():
-        print(f"  {name:42s} {min(runs):6.2f} s  {tokens / min(runs):7.0f} tokens/s")
+            llm.embed(texts, use_tqdm=False)
+            times[f"tokenmill (max_num_batched_tokens {budget})"].append(time.perf_counter() - start)
+    return tokens, times
 
 
 if __name__ == "__main__":

@@ -4,32 +4,57 @@ checkpoint names, and the variants refused by name."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tokenmill.models.bert import bert_model_config, bidirectional_attention, our_name, st_pooling_mode
+from tokenmill.models.bert import (
+    bert_model_config,
+    bidirectional_attention,
+    group_prompts,
+    our_name,
+    st_pooling_mode,
+)
 
+CPU = torch.device("cpu")
 BERT = {"model_type": "bert", "vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         "intermediate_size": 64, "max_position_embeddings": 64, "hidden_act": "gelu", "layer_norm_eps": 1e-12,
         "type_vocab_size": 2}
 
 
-def test_each_prompts_rows_attend_to_all_of_that_prompt_and_nothing_else():
+@pytest.mark.parametrize("lengths", [[4, 1, 4], [3], [1] * 6 + [12, 2], [3, 5, 4, 2]])  # the last: one padded group
+def test_each_prompts_rows_attend_to_all_of_that_prompt_and_nothing_else(lengths):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(9, 2, 4) for _ in range(3))  # prompts of 4, 1 and 4 rows
-    spans = [0, 4, 5, 9]
-    out = bidirectional_attention(q, k, v, spans)
-    assert out.shape == (9, 8)
+    spans = [0, *itertools.accumulate(lengths)]
+    qkv = torch.randn(spans[-1], 3, 2, 4)
+    q, k, v = qkv.unbind(1)
+    out = bidirectional_attention(qkv, group_prompts(spans, CPU, torch.float32))
+    assert out.shape == (spans[-1], 8)
     for start, end in zip(spans[:-1], spans[1:]):
         scores = torch.einsum("qhd,khd->hqk", q[start:end], k[start:end]) / 2.0  # (H, n, n), 1/sqrt(4)
         expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v[start:end]).reshape(end - start, 8)
         torch.testing.assert_close(out[start:end], expected)
-    k2, v2 = k.clone(), v.clone()
-    k2[4:], v2[4:] = 100.0, -100.0  # the other prompts' rows change: the first prompt's do not
-    torch.testing.assert_close(bidirectional_attention(q, k2, v2, spans)[:4], out[:4], rtol=0, atol=0)
+    first = spans[1]
+    changed = qkv.clone()
+    changed[first:, 1:] = 100.0  # the other prompts' keys and values change: the first prompt's rows do not
+    again = bidirectional_attention(changed, group_prompts(spans, CPU, torch.float32))
+    torch.testing.assert_close(again[:first], out[:first], rtol=0, atol=0)
+
+
+def test_prompts_are_grouped_by_length_within_one_and_a_half_slots_per_token():
+    """Sorted by length; a group closes before a prompt that would pad it past 1.5 slots per token:
+    two 1-token prompts and a 2-token one pad to 2 (6 slots, 4 tokens); the next 1-token prompts and
+    the 12-token one each start a group; padding keys get a bias of -inf."""
+    groups = group_prompts([0, 1, 2, 3, 15, 17], CPU, torch.float32)  # lengths 1, 1, 1, 12, 2
+    assert [g.rows.tolist() for g in groups] == [[[0], [1], [2]], [[15, 16]], [list(range(3, 15))]]
+    assert [g.bias is None for g in groups] == [True, True, True]
+    groups = group_prompts([0, 1, 2, 4, 16], CPU, torch.float32)      # lengths 1, 1, 2, 12
+    assert [g.rows.tolist() for g in groups] == [[[0, 0], [1, 1], [2, 3]], [list(range(4, 16))]]
+    assert groups[0].real.tolist() == [[True, False], [True, False], [True, True]]
+    assert groups[0].bias[:, 0, 0].tolist() == [[0.0, float("-inf")], [0.0, float("-inf")], [0.0, 0.0]]
 
 
 @pytest.mark.parametrize("config, mode", [

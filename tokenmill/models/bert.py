@@ -10,7 +10,8 @@ Attention goes both ways, so a prompt's hidden states at every position depend o
 it cannot run in chunks, nor start from cached K/V. Each encoder request therefore runs its whole
 prompt in one step from position 0 (Request.bidirectional; the scheduler grants it whole or
 not at all), and attention is over each prompt's own rows of the step, read from
-`query_start_loc_host`: one scaled_dot_product_attention per prompt, none across prompts. No K/V
+`query_start_loc_host`: prompts of similar length padded into one scaled_dot_product_attention
+call, the padding masked, no attention across prompts (group_prompts). No K/V
 is kept between steps (the worker's pool has no layers for an encoder; its blocks are only
 bookkeeping). The final hidden states go to the pooler as a decoder's do, and the model has no
 LM head: an encoder engine generates nothing.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -102,14 +104,53 @@ def st_pooling_mode(cfg: dict) -> str:
     return ST_POOLING_MODES[modes[0]]
 
 
-def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[int]) -> torch.Tensor:
-    """Each prompt's rows attend to all of that prompt's rows and to no other's. q, k, v: (T, H, D);
-    spans: the prompts' first rows and the end (query_start_loc_host). Returns (T, H * D)."""
-    out = torch.empty_like(q)
-    for start, end in zip(spans[:-1], spans[1:]):
-        heads = [x[start:end].transpose(0, 1) for x in (q, k, v)]  # (H, n, D) each
-        out[start:end] = F.scaled_dot_product_attention(*heads).transpose(0, 1)
-    return out.view(q.shape[0], -1)
+MAX_PADDING = 1.5  # a group of prompts padded to its longest has at most this many slots per token
+
+
+@dataclass
+class PromptGroup:
+    """Prompts of similar length whose attention runs as one padded batch (n prompts, L slots each:
+    the longest one's tokens); built once per step, used by every layer."""
+
+    rows: torch.Tensor         # (n, L) int64: the flat-batch row in each slot (padding repeats its prompt's first)
+    real: torch.Tensor         # (n, L) bool: the slot holds one of its prompt's tokens
+    bias: torch.Tensor | None  # (n, 1, 1, L): 0 for a real key, -inf for padding; None: no padding
+
+
+def group_prompts(spans: list[int], device: torch.device, dtype: torch.dtype) -> list[PromptGroup]:
+    """The step's prompts (spans: their first rows and the end, query_start_loc_host) sorted by
+    length and cut into groups whose padding keeps them within MAX_PADDING slots per token: a
+    batch of short prompts costs one attention call rather than one each, and a long prompt beside
+    many short ones does not pad them all to its length."""
+    lengths = [end - start for start, end in zip(spans[:-1], spans[1:])]
+    groups, members, tokens = [], [], 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if members and (len(members) + 1) * lengths[i] > MAX_PADDING * (tokens + lengths[i]):
+            groups.append(members)
+            members, tokens = [], 0
+        members.append(i)
+        tokens += lengths[i]
+    groups.append(members)
+    out = []
+    for members in groups:
+        starts = torch.tensor([spans[i] for i in members]).unsqueeze(1)  # (n, 1)
+        slots = torch.arange(lengths[members[-1]])                       # (L,): the longest, last
+        real = slots < torch.tensor([lengths[i] for i in members]).unsqueeze(1)  # (n, L)
+        bias = None if real.all() else torch.zeros(real.shape, dtype=dtype).masked_fill(~real, float("-inf"))
+        out.append(PromptGroup(torch.where(real, starts + slots, starts).to(device), real.to(device),
+                               None if bias is None else bias[:, None, None, :].to(device)))
+    return out
+
+
+def bidirectional_attention(qkv: torch.Tensor, groups: list[PromptGroup]) -> torch.Tensor:
+    """Each prompt's rows attend to all of that prompt's rows and to no other's. qkv: (T, 3, H, D);
+    groups: the step's prompts (group_prompts). Returns (T, H * D)."""
+    out = torch.empty_like(qkv[:, 0])  # (T, H, D)
+    for g in groups:
+        q, k, v = qkv[g.rows].permute(2, 0, 3, 1, 4).unbind(0)  # (n, H, L, D) each
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=g.bias).transpose(1, 2)  # (n, L, H, D)
+        out[g.rows[g.real]] = attended[g.real]                   # (tokens, H, D): the real slots
+    return out.view(qkv.shape[0], -1)
 
 
 class EncoderLayer(nn.Module):
@@ -125,9 +166,9 @@ class EncoderLayer(nn.Module):
         self.output_norm = nn.LayerNorm(hidden, eps)
         self.approximate = cfg.encoder.gelu_approximate
 
-    def forward(self, x: torch.Tensor, spans: list[int]) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)  # (T, H, D) each
-        x = self.attention_norm(x + self.o_proj(bidirectional_attention(q, k, v, spans)))
+    def forward(self, x: torch.Tensor, groups: list[PromptGroup]) -> torch.Tensor:
+        qkv = self.qkv_proj(x).view(x.shape[0], 3, self.num_heads, self.head_dim)  # (T, 3, H, D)
+        x = self.attention_norm(x + self.o_proj(bidirectional_attention(qkv, groups)))
         return self.output_norm(x + self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate)))
 
 
@@ -182,9 +223,9 @@ class BertModel(nn.Module):
         the decoder's interface, unused). Returns the final hidden states (T, hidden)."""
         x = self.embed_tokens(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
         x = self.embedding_norm(x)
-        spans = meta.query_start_loc_host
+        groups = group_prompts(meta.query_start_loc_host, x.device, x.dtype)
         for layer in self.layers:
-            x = layer(x, spans)
+            x = layer(x, groups)
         return x
 
     @torch.no_grad()

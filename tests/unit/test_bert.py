@@ -53,7 +53,7 @@ def test_prompts_are_grouped_by_length_within_one_and_a_half_slots_per_token():
     assert [g.bias is None for g in groups] == [True, True, True]
     groups = group_prompts([0, 1, 2, 4, 16], CPU, torch.float32)      # lengths 1, 1, 2, 12
     assert [g.rows.tolist() for g in groups] == [[[0, 0], [1, 1], [2, 3]], [list(range(4, 16))]]
-    assert groups[0].real.tolist() == [[True, False], [True, False], [True, True]]
+    assert groups[0].slots.tolist() == [0, 2, 4, 5] and groups[0].targets.tolist() == [0, 1, 2, 3]
     assert groups[0].bias[:, 0, 0].tolist() == [[0.0, float("-inf")], [0.0, float("-inf")], [0.0, 0.0]]
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import EncoderConfig, ModelConfig
+from tokenmill.host_memory import to_device
 
 # config.json's hidden_act -> F.gelu's approximate
 GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -110,10 +111,12 @@ MAX_PADDING = 1.5  # a group of prompts padded to its longest has at most this m
 @dataclass
 class PromptGroup:
     """Prompts of similar length whose attention runs as one padded batch (n prompts, L slots each:
-    the longest one's tokens); built once per step, used by every layer."""
+    the longest one's tokens); built on the host once per step, used by every layer, indexed
+    without boolean masks so that a GPU never waits for the host."""
 
     rows: torch.Tensor         # (n, L) int64: the flat-batch row in each slot (padding repeats its prompt's first)
-    real: torch.Tensor         # (n, L) bool: the slot holds one of its prompt's tokens
+    slots: torch.Tensor        # (tokens,) int64: the real slots, as indices into the (n * L) grid
+    targets: torch.Tensor      # (tokens,) int64: the flat-batch row of each real slot
     bias: torch.Tensor | None  # (n, 1, 1, L): 0 for a real key, -inf for padding; None: no padding
 
 
@@ -137,20 +140,23 @@ def group_prompts(spans: list[int], device: torch.device, dtype: torch.dtype) ->
         slots = torch.arange(lengths[members[-1]])                       # (L,): the longest, last
         real = slots < torch.tensor([lengths[i] for i in members]).unsqueeze(1)  # (n, L)
         bias = None if real.all() else torch.zeros(real.shape, dtype=dtype).masked_fill(~real, float("-inf"))
-        out.append(PromptGroup(torch.where(real, starts + slots, starts).to(device), real.to(device),
-                               None if bias is None else bias[:, None, None, :].to(device)))
+        rows, taken = torch.where(real, starts + slots, starts), real.view(-1).nonzero().squeeze(1)
+        out.append(PromptGroup(to_device(rows, device), to_device(taken, device),
+                               to_device(rows.view(-1)[taken], device),
+                               None if bias is None else to_device(bias[:, None, None, :], device)))
     return out
 
 
 def bidirectional_attention(qkv: torch.Tensor, groups: list[PromptGroup]) -> torch.Tensor:
     """Each prompt's rows attend to all of that prompt's rows and to no other's. qkv: (T, 3, H, D);
     groups: the step's prompts (group_prompts). Returns (T, H * D)."""
+    t, _, h, d = qkv.shape
     out = torch.empty_like(qkv[:, 0])  # (T, H, D)
     for g in groups:
         q, k, v = qkv[g.rows].permute(2, 0, 3, 1, 4).unbind(0)  # (n, H, L, D) each
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=g.bias).transpose(1, 2)  # (n, L, H, D)
-        out[g.rows[g.real]] = attended[g.real]                   # (tokens, H, D): the real slots
-    return out.view(qkv.shape[0], -1)
+        out.index_copy_(0, g.targets, attended.reshape(-1, h, d).index_select(0, g.slots))  # the real slots
+    return out.view(t, h * d)
 
 
 class EncoderLayer(nn.Module):

@@ -103,12 +103,14 @@ def test_vectors_equal_sentence_transformers_on_the_same_directory(tmp_path, poo
     assert np.allclose(norms, 1.0, atol=1e-6) if normalize else not np.allclose(norms, 1.0, atol=1e-3)
 
 
-def test_a_batch_equals_each_input_alone_and_each_prompt_runs_whole_in_one_step(minilm):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_batch_equals_each_input_alone_and_each_prompt_runs_whole_in_one_step(minilm, ahead):
     """A 24-token budget: prompts of up to 24 tokens, each granted whole or left waiting for a step
-    with room for it, never cut into chunks; no row attends to another prompt's rows."""
+    with room for it, never cut into chunks; no row attends to another prompt's rows. With async
+    scheduling too (ahead)."""
     rng = random.Random(3)
     prompts = [[2] + [rng.randrange(5, 5 + len(WORDS)) for _ in range(n)] + [3] for n in (22, 1, 9, 15, 4, 17, 0, 12)]
-    llm = LLM(str(minilm), max_num_batched_tokens=24, num_kv_blocks=64, block_size=4)
+    llm = LLM(str(minilm), max_num_batched_tokens=24, num_kv_blocks=64, block_size=4, async_scheduling=ahead)
     assert llm.engine.max_model_len == 24  # held to a step's budget
     make = llm.engine.input_processor.make_embedding_request
     requests = [make(f"r{i}", {"prompt_token_ids": p}) for i, p in enumerate(prompts)]

@@ -225,6 +225,8 @@ def _connector(config: EngineConfig, model_config: ModelConfig, worker, model_na
     guarded (GuardedConnector); None without a kv_role."""
     if config.kv_role is None:
         return None
+    if model_config.encoder is not None:
+        raise ValueError(f"kv_role: an encoder ({model_config.architecture}) keeps no K/V to hand over")
     fingerprint = pool_fingerprint(model_name, model_config, config.block_size, config.kv_dtype_name)
     if config.kv_connector == "nixl":
         return GuardedConnector(NixlConnector(

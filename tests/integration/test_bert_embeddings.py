@@ -152,6 +152,13 @@ def test_an_encoder_keeps_no_kv_generates_nothing_and_refuses_a_prompt_past_its_
         llm.embed([{"prompt_token_ids": [5] * (POSITIONS + 1)}], use_tqdm=False)
 
 
+def test_options_that_hand_over_or_shard_kv_are_refused_for_an_encoder_by_name(minilm, tmp_path):
+    with pytest.raises(ValueError, match="kv_role: an encoder \\(bert\\) keeps no K/V to hand over"):
+        LLM(str(minilm), kv_role="prefill", kv_storage_path=str(tmp_path))
+    with pytest.raises(ValueError, match="an encoder \\(bert\\) runs on one rank: tensor_parallel_size must be 1"):
+        LLM(str(minilm), tensor_parallel_size=2)
+
+
 @pytest.fixture(scope="module")
 def server(minilm):
     with running_server(minilm, engine_options={"max_num_batched_tokens": 128}) as s:

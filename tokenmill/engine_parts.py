@@ -112,9 +112,6 @@ def encoder_inputs(model_config: ModelConfig) -> dict:
 
 def _check_shardable(checkpoint: Checkpoint, size: int) -> None:
     """Refuse what `size` ranks cannot split, before any rank starts."""
-    if checkpoint.config.encoder is not None:
-        raise ValueError(f"{checkpoint.path}: an encoder ({checkpoint.config.architecture}) runs on one rank: "
-                         "tensor_parallel_size must be 1")
     check_divisible(checkpoint.config, size)
     if checkpoint.gguf_reader is not None:
         raise ValueError(f"{checkpoint.path}: tensor_parallel_size > 1 loads Hugging Face safetensors "

@@ -155,7 +155,7 @@ def test_an_encoder_keeps_no_kv_generates_nothing_and_refuses_a_prompt_past_its_
 def test_options_that_hand_over_or_shard_kv_are_refused_for_an_encoder_by_name(minilm, tmp_path):
     with pytest.raises(ValueError, match="kv_role: an encoder \\(bert\\) keeps no K/V to hand over"):
         LLM(str(minilm), kv_role="prefill", kv_storage_path=str(tmp_path))
-    with pytest.raises(ValueError, match="an encoder \\(bert\\) runs on one rank: tensor_parallel_size must be 1"):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: bert is an encoder, which runs on one rank"):
         LLM(str(minilm), tensor_parallel_size=2)
 
 

@@ -101,15 +101,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        OutputProcessor(tokenizer, scheduler.end_on_stop_string), ranks)
 
 
-def encoder_inputs(model_config: ModelConfig) -> dict:
-    """An encoder's InputProcessor options: it serves embeddings only, pooled by default as its
-    checkpoint says (nothing for a decoder)."""
-    encoder = model_config.encoder
-    if encoder is None:
-        return {}
-    return {"encoder": model_config.architecture, "default_pooling": PoolingParams(encoder.pooling, encoder.normalize)}
-
-
 def _check_shardable(checkpoint: Checkpoint, size: int) -> None:
     """Refuse what `size` ranks cannot split, before any rank starts."""
     check_divisible(checkpoint.config, size)
@@ -231,3 +222,12 @@ def _connector(config: EngineConfig, model_config: ModelConfig, worker, model_na
             config.kv_side_channel_port, config.kv_hold_timeout, config.kv_transfer_timeout))
     return GuardedConnector(SharedStorageConnector(config.kv_storage_path, config.kv_role, worker, config.block_size,
                                                    fingerprint))
+
+
+def encoder_inputs(model_config: ModelConfig) -> dict:
+    """An encoder's InputProcessor options: it serves embeddings only, pooled by default as its
+    checkpoint says (nothing for a decoder)."""
+    encoder = model_config.encoder
+    if encoder is None:
+        return {}
+    return {"encoder": model_config.architecture, "default_pooling": PoolingParams(encoder.pooling, encoder.normalize)}

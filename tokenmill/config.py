@@ -107,12 +107,12 @@ class ModelConfig:
     rotary_dim: int | None = None      # dims of each head that rotate (Phi-4-mini: 3/4); None: all of them
     qk_norm_whole: bool = False        # OLMoE: RMSNorm over all of q and all of k, before the heads split
     moe: MoEConfig | None = None       # mixture-of-experts feed-forward (None: a dense MLP in every layer)
+    encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT), which serves embeddings only
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     layer_windows: tuple[int | None, ...] = ()  # per layer: the query at position p sees keys
                                        # p - w + 1 .. p (w tokens, itself included); None: all of
                                        # 0 .. p. Empty: every layer global
-    encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT), which serves embeddings only
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

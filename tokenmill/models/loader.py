@@ -1,6 +1,5 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
-the Llama family, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE; BERT
-encoders for embeddings, bert.py)
+the Llama family, Phi-3, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
 and GGUF files (gguf_loader.py: llama/qwen2/qwen3 architectures and the MoE ones; on the CPU
 their quantized projections stay as blocks, for the panel kernel to decode).
 
@@ -124,11 +123,10 @@ def _hf_moe(cfg: dict, arch: str) -> MoEConfig | None:
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     arch = cfg.get("model_type", "")
-    if arch == "bert":  # an encoder, for embeddings (models/bert.py)
+    if arch == "bert":  # an encoder, for embeddings only (models/bert.py)
         return bert_model_config(path, cfg)
     if arch not in SUPPORTED + MOE_ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)}, "
-                         "and bert for embeddings)")
+        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)})")
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
     eos = cfg.get("eos_token_id")

@@ -291,11 +291,10 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     CUDA, use the Triton element-wise kernels.
 
     With a `shard` of size > 1, the model is that tensor-parallel rank's part (models/parallel.py),
-    its sums over the ranks done by `all_reduce`; from Hugging Face safetensors only for now.
-    An encoder (BERT, for embeddings) runs in plain torch ops, unsharded."""
-    if ckpt.config.encoder is not None:
-        return load_bert(ckpt.config, ckpt.weights(), dtype, device)
+    its sums over the ranks done by `all_reduce`; from Hugging Face safetensors only for now."""
     sharded = shard is not None and shard.size > 1
+    if ckpt.config.encoder is not None:  # BERT, for embeddings: plain torch ops, one rank (check_divisible)
+        return load_bert(ckpt.config, ckpt.weights(), dtype, device)
     if sharded and ckpt.gguf_reader is not None:
         raise ValueError(f"{ckpt.path}: tensor_parallel_size > 1 loads Hugging Face safetensors directories; "
                          "sharding GGUF files (quantized blocks cut on block boundaries) is not implemented yet")

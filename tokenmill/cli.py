@@ -70,6 +70,7 @@ def cmd_chat(args) -> int:
     from tokenmill.llm import LLM
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     engine = llm.engine
+    engine.input_processor.check_generates()  # an encoder: said now, not at the first message
     start = [{"role": "system", "content": args.system}] if args.system else []
     if start:  # a system prompt that leaves no room would fail every message: said once, up front
         used = len(llm.render_chat(start)["prompt_token_ids"])

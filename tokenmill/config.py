@@ -66,8 +66,28 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class EncoderConfig:
+    """A bidirectional encoder (BERT): each prompt's tokens attend to all of that prompt, so the
+    model serves embeddings only, each prompt run whole in one step. Read from config.json and,
+    in a sentence-transformers directory, from its modules (models/bert.py)."""
+
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 2
+    gelu_approximate: str = "none"  # F.gelu's `approximate`: "none" (hidden_act "gelu", erf) or "tanh"
+    pooling: str = "cls"            # the checkpoint's pooling: "cls", "mean" or "last"
+    normalize: bool = True          # the checkpoint L2-normalises its vectors
+
+    def __post_init__(self) -> None:
+        if self.pooling not in ("cls", "mean", "last"):
+            raise ValueError(f"encoder config: pooling must be cls, mean or last, got {self.pooling!r}")
+        if self.gelu_approximate not in ("none", "tanh"):
+            raise ValueError(f"encoder config: gelu_approximate must be none or tanh, got {self.gelu_approximate!r}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder-only transformer, read from config.json or GGUF metadata."""
+    """The shape of a decoder-only transformer (or of an encoder, with `encoder`), read from
+    config.json or GGUF metadata."""
 
     architecture: str                  # "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", ...
     vocab_size: int
@@ -87,6 +107,7 @@ class ModelConfig:
     rotary_dim: int | None = None      # dims of each head that rotate (Phi-4-mini: 3/4); None: all of them
     qk_norm_whole: bool = False        # OLMoE: RMSNorm over all of q and all of k, before the heads split
     moe: MoEConfig | None = None       # mixture-of-experts feed-forward (None: a dense MLP in every layer)
+    encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT), which serves embeddings only
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     layer_windows: tuple[int | None, ...] = ()  # per layer: the query at position p sees keys

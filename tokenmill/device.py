@@ -54,9 +54,15 @@ def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGoverno
 
 
 def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The model's positions, or max_model_len below them; for an encoder, whose prompts run whole in
+    one step, no more than a step's budget (max_num_batched_tokens)."""
     positions = model_config.max_position_embeddings
     max_len = min(config.max_model_len or positions, positions)
     if config.max_model_len is not None and config.max_model_len > max_len:
         logger.warning("max_model_len %d is past the model's %d positions: lowered to %d",
                        config.max_model_len, max_len, max_len)
+    if model_config.encoder is not None and config.max_num_batched_tokens < max_len:
+        logger.warning("an encoder's prompt runs whole in one step: max_model_len lowered from %d to "
+                       "max_num_batched_tokens (%d)", max_len, config.max_num_batched_tokens)
+        max_len = config.max_num_batched_tokens
     return max_len

@@ -41,6 +41,7 @@ from tokenmill.models.loader import (
 )
 from tokenmill.models.parallel import TPShard, check_divisible
 from tokenmill.output_processor import OutputProcessor
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.proposers import make_proposer
 from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
@@ -94,7 +95,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         raise
     grammars = GrammarCompiler(tokenizer, model_config.vocab_size, frozenset(eos))
     inputs = InputProcessor(tokenizer, model_config.vocab_size, frozenset(eos), max_len, config.scheduling_policy,
-                            grammars)
+                            grammars, **encoder_inputs(model_config))
     return EngineParts(device, dtype, kv_dtype, path, model_config, tokenizer, frozenset(eos), max_len,
                        cache_config, runner, scheduler, speculator, inputs,
                        OutputProcessor(tokenizer, scheduler.end_on_stop_string), ranks)
@@ -134,8 +135,13 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
     proposer = (make_proposer(config.speculative, config, checkpoint.config.vocab_size)
                 if config.speculative is not None else None)
     draft_kv = proposer.kv_elements_per_token if proposer is not None else 0
-    num_blocks = kv_pool_blocks(config, device, (local_config.kv_bytes_per_token + draft_kv) * kv_dtype.itemsize,
-                                max_len)
+    if local_config.encoder is not None and config.num_kv_blocks is None:
+        # an encoder's blocks hold no K/V (worker.py), only the scheduler's count: as many as every
+        # seat filled with a full-length prompt, not memory's worth
+        num_blocks = config.max_num_seqs * -(-max_len // config.block_size)
+    else:
+        num_blocks = kv_pool_blocks(config, device,
+                                    (local_config.kv_bytes_per_token + draft_kv) * kv_dtype.itemsize, max_len)
     if ranks is not None:
         with ranks.sender().failures():
             num_blocks = ranks.group.min_over_ranks(num_blocks)
@@ -186,9 +192,9 @@ def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_co
     except (MemoryError, OSError, RuntimeError) as exc:  # mmap's ENOMEM, torch's allocators, CUDA OOM
         raise MemoryError(pool_too_big(config, device, num_blocks, num_host_blocks, bytes_per_block, exc)) from exc
     # (no graphs under tensor parallelism, whose collectives would be captured, nor for MoE models,
-    # whose captured step would run every expert on every row)
+    # whose captured step would run every expert on every row, nor for an encoder, which never decodes)
     if (device.type == "cuda" and not config.enforce_eager and getattr(backend, "graph_safe", False)
-            and ranks is None and model_config.moe is None):
+            and ranks is None and model_config.moe is None and model_config.encoder is None):
         worker.capture_graphs(config.max_num_seqs, max_len)
     connector = _connector(config, model_config, worker, model_name)
     return ModelRunner(worker, config.seed), Scheduler(SchedulerConfig.from_engine(config, max_len), kv,
@@ -200,6 +206,8 @@ def _connector(config: EngineConfig, model_config: ModelConfig, worker, model_na
     guarded (GuardedConnector); None without a kv_role."""
     if config.kv_role is None:
         return None
+    if model_config.encoder is not None:
+        raise ValueError(f"kv_role: an encoder ({model_config.architecture}) keeps no K/V to hand over")
     fingerprint = pool_fingerprint(model_name, model_config, config.block_size, config.kv_dtype_name)
     if config.kv_connector == "nixl":
         return GuardedConnector(NixlConnector(
@@ -207,3 +215,12 @@ def _connector(config: EngineConfig, model_config: ModelConfig, worker, model_na
             config.kv_side_channel_port, config.kv_hold_timeout, config.kv_transfer_timeout))
     return GuardedConnector(SharedStorageConnector(config.kv_storage_path, config.kv_role, worker, config.block_size,
                                                    fingerprint))
+
+
+def encoder_inputs(model_config: ModelConfig) -> dict:
+    """An encoder's InputProcessor options: it serves embeddings only, pooled by default as its
+    checkpoint says (nothing for a decoder)."""
+    encoder = model_config.encoder
+    if encoder is None:
+        return {}
+    return {"encoder": model_config.architecture, "default_pooling": PoolingParams(encoder.pooling, encoder.normalize)}

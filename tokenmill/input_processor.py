@@ -49,6 +49,8 @@ class InputProcessor:
     max_model_len: int               # prompt + output
     scheduling_policy: str
     grammars: GrammarCompiler
+    encoder: str | None = None       # an encoder's architecture ("bert"): it serves embeddings only
+    default_pooling: PoolingParams = PoolingParams()  # an embedding request's, unless it says otherwise
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) from a string, a list of token ids, or {"prompt_token_ids": [...]}."""
@@ -75,6 +77,7 @@ class InputProcessor:
         OpenAI's do). The request's timeline starts at arrival_time (default: now, before
         tokenizing) and records when tokenizing and validating ended."""
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.check_generates()
         params = params or SamplingParams()
         if priority and self.scheduling_policy != "priority":  # as vLLM: not silently ignored
             raise FieldError("priority", f"priority {priority} needs scheduling_policy 'priority' "
@@ -103,6 +106,18 @@ class InputProcessor:
         request.timeline.add(time.monotonic(), "tokenized")
         return request
 
+    def check_generates(self) -> None:
+        """Refuse generation from an encoder, which has no LM head."""
+        if self.encoder is not None:
+            raise FieldError("model", f"this model is an encoder ({self.encoder}): it serves embeddings only "
+                                      "(LLM.embed, POST /v1/embeddings), not text generation")
+
+    def pooling_params(self, pooling: str | None = None, normalize: bool | None = None) -> PoolingParams:
+        """An embedding request's PoolingParams: what it says, the rest from default_pooling."""
+        default = self.default_pooling
+        return PoolingParams(default.pooling if pooling is None else pooling,
+                             default.normalize if normalize is None else normalize)
+
     def _check_limits(self, params: SamplingParams) -> None:
         """Values SamplingParams cannot check without the model: a top_k past the vocabulary (0
         or -1 keep every token) and a truncation past the context (vLLM refuses it too)."""
@@ -116,7 +131,7 @@ class InputProcessor:
     def make_embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams | None = None,
                                arrival_time: float | None = None) -> Request:
         """Tokenize and validate an embedding request: its prompt only, which may fill the whole
-        context (it generates nothing)."""
+        context (it generates nothing); pooled as default_pooling unless `pooling` is given."""
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
@@ -127,7 +142,7 @@ class InputProcessor:
             raise ContextLengthError(self.max_model_len, len(ids), None)
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params, max_tokens=0,
                           eos_token_ids=self.eos_token_ids, prompt=text, arrival_time=arrival_time,
-                          pooling=pooling or PoolingParams())
+                          pooling=pooling or self.default_pooling, bidirectional=self.encoder is not None)
         request.timeline.add(time.monotonic(), "tokenized")
         return request
 

@@ -69,7 +69,8 @@ class LLM:
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[list[float]]:
         """One vector per prompt (prompts as in generate): the final hidden states of the prompt
-        pooled as `pooling` says (default: the last token's, L2-normalised; pooling_params.py).
+        pooled as `pooling` says (default: the last token's, L2-normalised; an encoder's checkpoint's
+        own; pooling_params.py).
         Embedding requests run through the same engine, and may share a batch with generation."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
@@ -115,6 +116,7 @@ class LLM:
         shows them, the calls being the caller's to parse; and the template's own variables, such
         as Qwen3's enable_thinking, as in vLLM's LLM.chat). Content may be a string or OpenAI's
         list of text parts."""
+        self.engine.input_processor.check_generates()  # (an encoder's tokenizer has no chat template to blame)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.render_chat(conv, add_generation_prompt, tools, chat_template_kwargs)
                    for conv in conversations]

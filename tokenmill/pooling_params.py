@@ -3,20 +3,22 @@
 An embedding request runs its prompt like any other (chunked prefill, prefix cache, preemption)
 and samples nothing: the runner pools the final hidden states (after the model's last norm)
 of its prompt into one vector, which ends the request. As vLLM does for a generative model used
-for embeddings, the default is the last token's state, L2-normalised.
+for embeddings, the default is the last token's state, L2-normalised; an encoder's default is
+its checkpoint's (models/bert.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOLING_KINDS = ("last", "mean")
+POOLING_KINDS = ("last", "mean", "cls")
 
 
 @dataclass(frozen=True)
 class PoolingParams:
     pooling: str = "last"     # "last": the last prompt token's hidden state; "mean": the mean over
-                              # every prompt token (such a request computes its whole prompt: no prefix cache)
+                              # every prompt token; "cls": the first prompt token's (BERT's [CLS]).
+                              # "mean" and "cls" compute the whole prompt: no prefix cache
     normalize: bool = True    # scale the vector to unit L2 norm
 
     def __post_init__(self) -> None:
@@ -28,4 +30,4 @@ class PoolingParams:
     @property
     def needs_every_position(self) -> bool:
         """Whether the vector reads every prompt position's hidden state (not just the last one)."""
-        return self.pooling == "mean"
+        return self.pooling in ("mean", "cls")

@@ -67,6 +67,8 @@ class Request:
     grammar: Grammar | None = None          # structured outputs: follows the output (structured.py)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     pooling: PoolingParams | None = None    # an embedding request: pools its prompt, samples nothing
+    bidirectional: bool = False             # an encoder's request: its prompt attends both ways, so it
+                                            # runs whole in one step from position 0 (no cache, no chunks)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the model sees
@@ -126,10 +128,10 @@ class Request:
 
     @property
     def needs_every_position(self) -> bool:
-        """Whether it reads the model's output at every prompt position (prompt logprobs, mean
-        pooling): then none of its prompt may come from a cache."""
-        return self.params.prompt_logprobs is not None or (self.pooling is not None
-                                                            and self.pooling.needs_every_position)
+        """Whether it reads the model's output at every prompt position (prompt logprobs, mean or
+        cls pooling) or runs in an encoder: then none of its prompt may come from a cache."""
+        return self.bidirectional or self.params.prompt_logprobs is not None or (
+            self.pooling is not None and self.pooling.needs_every_position)
 
     @property
     def finish_reason(self) -> str | None:

@@ -44,6 +44,8 @@ ends (scheduler_connector.py).
 An embedding request (`request.pooling`) is scheduled as any prompt and samples nothing: it
 ends ("stop") at the update of the step that ran the end of its prompt, with the pooled vector
 the runner reports.
+An encoder's request (`request.bidirectional`) is granted its whole prompt in one step or waits:
+its tokens attend to each other both ways, so no part of it can run before the rest.
 
 Async scheduling (the engine's, on a GPU) schedules step N+1 while step N runs: `advance()`
 counts N's tokens as computed at launch, and a token N samples is pending until N's
@@ -345,7 +347,9 @@ class Scheduler(ConnectorSteps):
         """Tokens to compute for a request with `remaining` to go, within the budget, and whether
         it is held back: a long request (by its whole length, so its last chunks stay small too)
         in a step with decodes it is held back for (the policy says which) gets what is left of
-        the step's one allowance for long prompts."""
+        the step's one allowance for long prompts. An encoder's request gets all it has to go or nothing."""
+        if request.bidirectional:
+            return (remaining, False) if remaining <= plan.budget else (0, False)
         threshold = self.config.long_prefill_token_threshold
         if plan.decodes and threshold and remaining > 1 and request.num_tokens > threshold:
             num_decodes = self.policy.decodes_ahead_of(request, plan.decodes)

@@ -35,7 +35,10 @@ class ModelWorker:
         self.threads = threads  # CPU: sets each step's thread count from the cores free now
         self.block_size = cache_config.block_size
         self.null_block = cache_config.num_blocks  # the scratch block
-        shape = (model_config.num_layers, 2, cache_config.num_blocks + 1, model_config.num_kv_heads,
+        # an encoder keeps no K/V between steps (models/bert.py): its pool has no layers, its blocks
+        # are the scheduler's bookkeeping alone
+        num_layers = 0 if model_config.encoder is not None else model_config.num_layers
+        shape = (num_layers, 2, cache_config.num_blocks + 1, model_config.num_kv_heads,
                  cache_config.block_size, model_config.head_dim)
         # On the CPU the pool sits on huge pages, lazily committed (pages never touched cost no memory);
         # on a GPU it is zeroed when the backend reads past a sequence's end, where it needs finite values.
@@ -44,7 +47,7 @@ class ModelWorker:
         else:
             alloc = torch.zeros if getattr(backend, "reads_padding", False) else torch.empty
             self.kv_cache = alloc(shape, dtype=kv_dtype, device=device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(model_config.num_layers)]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
         # Host pool for preemption by swapping (pinned on CUDA so the copies run at full speed).
         self.host_kv_cache = None if not num_host_blocks else torch.empty(
             (*self.kv_cache.shape[:2], num_host_blocks, *self.kv_cache.shape[3:]), dtype=kv_dtype,

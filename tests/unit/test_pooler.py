@@ -1,5 +1,5 @@
-"""The pooler over hand-made hidden states: last-token and mean pooling, across chunks, with and
-without normalising; exact expectations against the rows themselves."""
+"""The pooler over hand-made hidden states: last-token, mean and cls pooling, across chunks, with
+and without normalising; exact expectations against the rows themselves."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_mean_pooling_sums_chunks_across_steps_and_divides_by_the_prompt_length(
     out = pooler.pool(second, [PoolChunk(r, 1, 5, 3, True)])          # positions 3-6
     expected = (first[1:4].sum(0) + second[1:5].sum(0)) / 7
     torch.testing.assert_close(out.vectors[0], expected)
-    assert out.request_ids == ["m"] and pooler.sums == {}
+    assert out.request_ids == ["m"] and pooler.kept == {}
 
 
 def test_a_chunk_from_position_zero_starts_the_mean_over_as_a_replayed_prompt_does():
@@ -63,10 +63,23 @@ def test_each_vector_pairs_with_its_request_id_and_has_its_own_normalisation():
     torch.testing.assert_close(by_id["raw"], h[5])
 
 
+def test_cls_pooling_keeps_the_first_prompt_row_until_the_step_that_ends_the_prompt():
+    r = make_embedding_request("c", prompt_len=7, pooling="cls")
+    first, second = hidden_states(4), hidden_states(5) + 1.0
+    pooler = Pooler()
+    assert pooler.pool(first, [PoolChunk(r, 1, 4, 0, False)]) is None  # positions 0-2: row 1 is position 0
+    first.zero_()  # (the step's buffer, reused)
+    out = pooler.pool(second, [PoolChunk(r, 1, 5, 3, True)])           # positions 3-6
+    torch.testing.assert_close(out.vectors[0], F.normalize(hidden_states(4)[1], dim=0), rtol=0, atol=0)
+    assert out.request_ids == ["c"] and pooler.kept == {}
+    whole = pooler.pool(second, [PoolChunk(r, 2, 5, 0, True)])        # one chunk, as an encoder runs it
+    torch.testing.assert_close(whole.vectors[0], F.normalize(second[2], dim=0), rtol=0, atol=0)
+
+
 def test_forget_drops_the_sum_of_a_request_that_ended_mid_prompt():
     r = make_embedding_request("m", prompt_len=9, pooling="mean")
     pooler = Pooler()
     pooler.pool(hidden_states(3), [PoolChunk(r, 0, 3, 0, False)])
-    assert list(pooler.sums) == ["m"]
+    assert list(pooler.kept) == ["m"]
     pooler.forget(["other", "m"])
-    assert pooler.sums == {}
+    assert pooler.kept == {}

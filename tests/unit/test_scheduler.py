@@ -408,6 +408,24 @@ def test_under_async_scheduling_an_embedding_request_holds_no_pending_token_and_
     assert s.kv.pool.num_used_blocks == 0
 
 
+def test_an_encoders_request_runs_its_whole_prompt_in_one_step_or_waits_for_one_with_room():
+    """Budget 16: a generation request takes 6, the 14-token encoder prompt does not fit the 10 left
+    and waits (uncut) with the one behind it; the next step runs it whole beside the decode. Its
+    blocks, though cached, give the next one nothing (its tokens depend on the whole prompt)."""
+    s = make_scheduler(budget=16, block_size=4, prefix_caching=True)
+    g = make_request("g", prompt_len=6, max_tokens=3, ignore_eos=True)
+    encoded = [make_embedding_request(name, prompt_len=n) for name, n in (("e", 14), ("f", 2), ("e2", 14))]
+    encoded[2].prompt_token_ids[:] = encoded[0].prompt_token_ids
+    encoded[2].token_ids[:] = encoded[0].token_ids
+    for r in encoded:
+        r.bidirectional = True
+    for r in (g, *encoded):
+        s.add_request(r)
+    assert [scheduled(step(s)) for _ in range(3)] == [{"g": 6}, {"g": 1, "e": 14}, {"g": 1, "f": 2}]
+    assert scheduled(step(s)) == {"e2": 14} and encoded[2].num_cached_tokens == 0
+    assert all(r.finish_reason == "stop" and r.embedding == fake_vector(r) for r in encoded)
+
+
 def test_a_windowed_request_gives_back_the_blocks_behind_its_window_as_it_grows():
     """Window 8, 4-token blocks, 10-token chunks: before each step the blocks wholly before the
     next query's window (first position computed - 7) go back to the pool, so the request never

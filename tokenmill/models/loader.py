@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.host_memory import memory_available
+from tokenmill.models.bert import BertModel, bert_model_config, load_bert
 from tokenmill.models.cpu_packing import (
     drop_block_weights,
     fuse_layers,
@@ -169,6 +170,8 @@ def hf_model_config(path: Path) -> ModelConfig:
     if cfg.get("model_type") == "gemma3":
         cfg = _gemma3_language_model(path)
     arch = cfg.get("model_type", "")
+    if arch == "bert":  # an encoder, for embeddings only (models/bert.py)
+        return bert_model_config(path, cfg)
     if arch not in SUPPORTED + MOE_ARCHITECTURES:
         raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)})")
     if arch in GEMMA_ARCHITECTURES:
@@ -347,7 +350,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,
                kernels: str = "torch", gguf_blocks: bool = True, int8_rows: int = 0,
-               shard: TPShard | None = None, all_reduce: AllReduce | None = None) -> LlamaForCausalLM:
+               shard: TPShard | None = None, all_reduce: AllReduce | None = None) -> LlamaForCausalLM | BertModel:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
     on a CPU in float32, pack its projections (for the C++ panel kernel, in their GGUF blocks
     where the file has them and `gguf_blocks` is set, quantized token embeddings then looked up
@@ -359,6 +362,8 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     (gguf_weight_blocks). Quantized token embeddings looked up in the file's rows stay whole on
     every rank: they are the file's pages, not copies, and need no all-reduce."""
     sharded = shard is not None and shard.size > 1
+    if ckpt.config.encoder is not None:  # BERT, for embeddings: plain torch ops, one rank (check_divisible)
+        return load_bert(ckpt.config, ckpt.weights(), dtype, device)
     packing = kernels == "auto" and device.type == "cpu" and dtype == torch.float32
     cpu_kernels = load_cpu_kernels(required=False) if packing else None
     use_blocks = cpu_kernels is not None and cpu_kernels.block_formats and gguf_blocks

@@ -61,8 +61,11 @@ class TPShard:
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """Refuse a model that N ranks cannot split evenly, naming the counts; and a mixture of experts,
-    whose experts are not sharded."""
+    """Refuse a model that N ranks cannot split evenly, naming the counts; a mixture of experts,
+    whose experts are not sharded; and an encoder, which runs on one rank."""
+    if cfg.encoder is not None and size > 1:
+        raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture} is an encoder, which runs on one rank; "
+                         "use tensor_parallel_size 1")
     if cfg.moe is not None and size > 1:
         raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture} is a mixture-of-experts model, and "
                          "sharding its experts over ranks is not implemented; use tensor_parallel_size 1")

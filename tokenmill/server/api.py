@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
     POST /v1/completions, /v1/chat/completions    (streaming with SSE, or whole)
-    POST /v1/embeddings                           (pooled hidden states of the loaded model)
+    POST /v1/embeddings                           (pooled hidden states of the loaded model; an
+                                                  encoder's only endpoint that runs requests)
     GET  /v1/models, /health, /metrics, /version; POST /tokenize, /detokenize
     GET  /v1/requests/{id}                        (a response's request timelines)
     GET  /dashboard, /dashboard/state             (a live page of the scheduler, and its data)
@@ -40,7 +41,7 @@ from tokenmill.server.request_log import RequestLog, RequestLogHandler
 from tokenmill.server.serving import ServingEngine
 from tokenmill.server.serving_chat import ChatHandler
 from tokenmill.server.serving_completion import CompletionHandler
-from tokenmill.server.serving_embeddings import EmbeddingHandler
+from tokenmill.server.serving_embeddings import EmbeddingHandler, embeddings_only
 from tokenmill.server.serving_models import ModelsHandler
 from tokenmill.server.serving_responses import ResponsesHandler, ResponseStore
 from tokenmill.server.serving_tokenization import TokenizationHandler
@@ -112,9 +113,13 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     tokenization = TokenizationHandler(tokenizer, served_model_name, engine.max_model_len,
                                        engine.model_config.vocab_size)
     generating = {**STREAM_RESPONSES, **error_responses(400, 404, 413, 500, 503)}
-    app.add_api_route("/v1/completions", completion.create, methods=["POST"], name="completions",
+    create_completion, create_chat, create_response = completion.create, chat.create, responses.create
+    if engine.model_config.encoder is not None:  # an encoder generates nothing: a 400 that says so
+        create_completion = create_chat = create_response = embeddings_only(served_model_name,
+                                                                             engine.model_config.architecture)
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"], name="completions",
                       responses=generating)
-    app.add_api_route("/v1/chat/completions", chat.create, methods=["POST"], name="chat_completions",
+    app.add_api_route("/v1/chat/completions", create_chat, methods=["POST"], name="chat_completions",
                       responses=generating)
     embeddings = EmbeddingHandler(serving, served_model_name, engine.model_config.hidden_size)
     app.add_api_route("/v1/embeddings", embeddings.create, methods=["POST"], name="embeddings",
@@ -127,7 +132,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_api_route("/version", models.version, methods=["GET"])
     app.add_api_route("/v1/requests/{response_id}", RequestLogHandler(request_log).request, methods=["GET"],
                       name="request_timeline", responses=error_responses(404))
-    app.add_api_route("/v1/responses", responses.create, methods=["POST"], name="responses", responses=generating)
+    app.add_api_route("/v1/responses", create_response, methods=["POST"], name="responses", responses=generating)
     scheduler = engine.scheduler
     dashboard = DashboardHandler(async_engine, scheduler, history, scheduler.config.max_num_seqs,
                                  scheduler.config.max_num_batched_tokens)

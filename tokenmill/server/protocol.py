@@ -240,8 +240,10 @@ class EmbeddingRequest(APIRequest):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
-    pooling: Literal["last", "mean"] = "last"  # the last token's hidden state, or the mean of the prompt's
-    normalize: bool = True                     # L2-normalise the vector
+    pooling: Literal["last", "mean", "cls"] | None = None  # the last token's hidden state, the mean of the
+                                   # prompt's, or the first token's; None: the model's default (last for a
+                                   # generative model, an encoder checkpoint's own)
+    normalize: bool | None = None  # L2-normalise the vector; None: the model's default
 
     @field_validator("input")
     @classmethod

@@ -1,9 +1,12 @@
-"""POST /v1/embeddings: one vector per input, from the loaded generative model.
+"""POST /v1/embeddings: one vector per input, from the loaded model: a generative one, or an
+encoder (a BERT / sentence-transformers directory, models/bert.py).
 
 Each input is an embedding request through the same engine, and the same batches, as generation:
-its prompt runs (chunked, from the prefix cache, preempted as any other), nothing is sampled,
-and the final hidden states of the prompt are pooled (pooling_params.py): the last token's by
-default, L2-normalised, as vLLM does for a generative model used for embeddings.
+its prompt runs (chunked, from the prefix cache, preempted as any other; an encoder's whole, in one
+step), nothing is sampled, and the final hidden states of the prompt are pooled (pooling_params.py):
+by default the last token's, L2-normalised, as vLLM does for a generative model used for
+embeddings, and as its checkpoint says for an encoder. An encoder generates nothing: the
+generating endpoints answer it with a 400 (`embeddings_only`).
 
 Vectors come as JSON numbers, or with encoding_format "base64" as the bytes of little-endian
 float32 values (what the openai SDK decodes). The model was not trained for shorter vectors
@@ -16,6 +19,7 @@ import asyncio
 import base64
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,7 +55,8 @@ class EmbeddingHandler:
         if len(inputs) > MAX_INPUTS:
             raise APIError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
         prefix = f"embd-{uuid.uuid4().hex}"
-        requests = await self._build_requests(inputs, PoolingParams(req.pooling, req.normalize), prefix)
+        pooling = self.serving.engine.input_processor.pooling_params(req.pooling, req.normalize)
+        requests = await self._build_requests(inputs, pooling, prefix)
         outputs = await self.serving.collect(requests, raw)
         data = [{"object": "embedding", "index": i, "embedding": encode(out.embedding, req.encoding_format)}
                 for i, out in enumerate(outputs)]
@@ -78,6 +83,16 @@ class EmbeddingHandler:
         requests = await asyncio.to_thread(build)
         self.serving.request_log.add(prefix, requests)
         return requests
+
+
+def embeddings_only(model_name: str, architecture: str) -> Callable[[Request], Awaitable[None]]:
+    """The handler of a generating endpoint (completions, chat, responses) for an encoder, which
+    has no LM head: a 400 that says so, whatever the body. (Annotated None rather than NoReturn,
+    which FastAPI would try to make a response model of.)"""
+    async def refuse(raw: Request) -> None:
+        raise APIError(400, f"{model_name} is an embedding model (a {architecture} encoder): it serves "
+                            f"POST /v1/embeddings only, not text generation", param="model")
+    return refuse
 
 
 def encode(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -396,3 +396,32 @@ def watch_chunked_prompts(engine) -> set[str]:
         return sched
     engine.scheduler.schedule = watched
     return chunked
+
+
+def stepwise_logits(model, config, backend, tokens: list[int], prompt_len: int,
+                    steps: tuple[tuple[int, int], ...]):
+    """`model`'s logits at every position of `tokens`, its first `prompt_len` a prompt fed in the
+    chunks `steps` names ((start, end) spans), the rest one token a step, through a ModelRunner
+    over a paged pool and `backend`, as the engine runs them."""
+    import torch
+
+    from tokenmill.config import CacheConfig
+    from tokenmill.kv_cache import KVCacheManager
+    from tokenmill.model_runner import ModelRunner
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.worker import ModelWorker
+    device = torch.device("cpu")
+    kv = KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=False)
+    runner = ModelRunner(ModelWorker(model, config, CacheConfig(32, 16), backend, device, torch.float32), seed=0)
+    request = Request(request_id="a", prompt_token_ids=tokens[:prompt_len], params=SamplingParams(), max_tokens=8)
+    logits = []
+    for start, end in steps:
+        if start >= prompt_len:
+            request.token_ids.append(tokens[start])
+        request.num_computed_tokens = start
+        assert kv.allocate(request, end - start)
+        inputs = runner.prepare([request], [end - start])
+        with torch.inference_mode():
+            logits.append(model.compute_logits(runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)))
+    return torch.cat(logits)

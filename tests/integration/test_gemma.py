@@ -10,17 +10,12 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_GEMMA_CONFIGS, _save_tokenizer, copy_model, watch_chunked_prompts
+from conftest import TINY_GEMMA_CONFIGS, _save_tokenizer, copy_model, stepwise_logits, watch_chunked_prompts
 from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import make_backend
-from tokenmill.config import CacheConfig
-from tokenmill.kv_cache import KVCacheManager
-from tokenmill.model_runner import ModelRunner
 from tokenmill.models.loader import load_model, open_checkpoint
-from tokenmill.request import Request
-from tokenmill.worker import ModelWorker
 
 ARCHS = ["gemma2", "gemma3_text"]
 # what each tiny model's oracle loses without its own features: Gemma 2's caps, Gemma 3's local rope base
@@ -59,22 +54,10 @@ def test_logits_over_several_windows_match_transformers(tiny_gemma_models, arch,
     model = load_model(checkpoint, 256, torch.float32, device, kernels=kernels)
     backend = make_backend(backend_name, device, 16, checkpoint.config.head_dim, softcap=checkpoint.config.attn_softcap)
     assert backend.name == {"auto": "cpu"}.get(backend_name, backend_name)
-    kv = KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=False)
-    runner = ModelRunner(ModelWorker(model, checkpoint.config, CacheConfig(32, 16), backend, device, torch.float32),
-                         seed=0)
     rng = random.Random(arch)
     tokens = [rng.randrange(2, 384) for _ in range(114)]
-    request = Request(request_id="a", prompt_token_ids=tokens[:110], params=SamplingParams(), max_tokens=8)
-    logits = []
-    for start, end in ((0, 37), (37, 74), (74, 110), (110, 111), (111, 112), (112, 113), (113, 114)):
-        if start >= 110:
-            request.token_ids.append(tokens[start])
-        request.num_computed_tokens = start
-        assert kv.allocate(request, end - start)
-        inputs = runner.prepare([request], [end - start])
-        with torch.inference_mode():
-            logits.append(model.compute_logits(runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)))
-    got = torch.cat(logits)
+    got = stepwise_logits(model, checkpoint.config, backend, tokens, 110,
+                          ((0, 37), (37, 74), (74, 110), (110, 111), (111, 112), (112, 113), (113, 114)))
     with torch.no_grad():
         ref = hf_model(path)(torch.tensor([tokens])).logits[0]
         without = hf_model(path, **WITHOUT[arch])(torch.tensor([tokens])).logits[0]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, stepwise_logits
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -51,22 +51,10 @@ def test_logits_over_several_windows_match_hfs_eager_attention(windowed_models, 
     checkpoint = open_checkpoint(path)
     device = torch.device("cpu")
     model = load_model(checkpoint, 256, torch.float32, device, kernels="auto" if backend_name == "cpu" else "torch")
-    kv = KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=False)
-    runner = ModelRunner(ModelWorker(model, checkpoint.config, CacheConfig(32, 16), make_backend(backend_name, device),
-                                     device, torch.float32), seed=0)
     rng = random.Random(arch)
     tokens = [rng.randrange(2, 384) for _ in range(114)]
-    request = Request(request_id="a", prompt_token_ids=tokens[:110], params=SamplingParams(), max_tokens=8)
-    logits = []
-    for start, end in ((0, 37), (37, 74), (74, 110), (110, 111), (111, 112), (112, 113), (113, 114)):
-        if start >= 110:
-            request.token_ids.append(tokens[start])
-        request.num_computed_tokens = start
-        assert kv.allocate(request, end - start)
-        inputs = runner.prepare([request], [end - start])
-        with torch.inference_mode():
-            logits.append(model.compute_logits(runner.worker.forward(inputs.input_ids, inputs.positions, inputs.meta)))
-    got = torch.cat(logits)
+    got = stepwise_logits(model, checkpoint.config, make_backend(backend_name, device), tokens, 110,
+                          ((0, 37), (37, 74), (74, 110), (110, 111), (111, 112), (112, 113), (113, 114)))
     with torch.no_grad():
         ref = hf_model(path)(torch.tensor([tokens])).logits[0]
         unwindowed = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **GLOBAL[arch]).eval()

@@ -108,14 +108,21 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_gguf_projections_keep_their_blocks_and_match_float32(tmp_path, case):
+def written_case(tmp_path, case: str):
+    """The GGUF file of CASES[case], written under tmp_path, and the case; skipped without the C++
+    kernels' block formats."""
     kernels = load_cpu_kernels(required=False)
     if kernels is None or not kernels.block_formats:
         pytest.skip("needs the C++ kernels with AVX2")
-    arch, kinds, tied, bias, expected = CASES[case]
+    arch, kinds, tied, bias, _ = CASES[case]
     path = tmp_path / f"{case}.gguf"
     write_gguf(path, arch, kinds, tied, bias)
+    return path, CASES[case]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gguf_projections_keep_their_blocks_and_match_float32(tmp_path, case):
+    path, (arch, kinds, tied, bias, expected) = written_case(tmp_path, case)
     cpu = torch.device("cpu")
     blocks = load_model(open_checkpoint(path), 64, torch.float32, cpu, "auto", gguf_blocks=True)
     floats = load_model(open_checkpoint(path), 64, torch.float32, cpu, "auto", gguf_blocks=False)
@@ -149,12 +156,7 @@ def test_a_tensor_parallel_ranks_gguf_blocks_are_its_shard_of_the_float32_weight
     input columns a rank cut a K-quant's 256-weight super-blocks, so it is float32 on each rank, named
     in a warning, while down_proj's 256 keep theirs."""
     from tokenmill.models.parallel import RowParallel, TPShard
-    kernels = load_cpu_kernels(required=False)
-    if kernels is None or not kernels.block_formats:
-        pytest.skip("needs the C++ kernels with AVX2")
-    arch, kinds, tied, bias, expected = CASES[case]
-    path = tmp_path / f"{case}.gguf"
-    write_gguf(path, arch, kinds, tied, bias)
+    path, (arch, kinds, tied, bias, expected) = written_case(tmp_path, case)
     cpu, k_quant_o = torch.device("cpu"), kinds["attn_output"].endswith("_K")
     for rank in (0, 1):
         shard = TPShard(rank, 2)
@@ -471,12 +473,7 @@ def test_the_memory_a_model_is_checked_against_is_what_its_loaded_weights_take(t
     import logging
 
     import tokenmill.models.loader as loader
-    kernels = load_cpu_kernels(required=False)
-    if kernels is None or not kernels.block_formats:
-        pytest.skip("needs the C++ kernels with AVX2")
-    arch, kinds, tied, bias, _ = CASES[case]
-    path = tmp_path / f"{case}.gguf"
-    write_gguf(path, arch, kinds, tied, bias)
+    path, (arch, kinds, tied, bias, _) = written_case(tmp_path, case)
     caplog.set_level(logging.INFO, logger="tokenmill.models.loader")
     model = load_model(open_checkpoint(path), 64, torch.float32, torch.device("cpu"), "auto")
     held = {id(t): t.nbytes for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"}

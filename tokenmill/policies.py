@@ -20,7 +20,8 @@ the policy's order (oldest first), so that no rank keeps a request out for ever.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import heapq
+from collections.abc import Iterable, Iterator, Sequence
 from typing import ClassVar
 
 from tokenmill.request import Request, RequestStatus
@@ -54,6 +55,20 @@ class SchedulingPolicy:
     def next_waiting(self, waiting: Iterable[Request], now: float) -> Request:
         """The request to admit next among `waiting` (not empty) at time `now`."""
         return min(waiting, key=lambda r: self.waiting_rank(r, now))
+
+    def waiting_order(self, waiting: Iterable[Request], now: float) -> Iterator[Request]:
+        """`waiting` in the order to admit them at time `now` (ties in the order given), produced as
+        they are asked for: the first by one scan (most steps admit one), the rest from a heap
+        ranked once (a scan per admission would be quadratic in the queue)."""
+        items = list(waiting)
+        if not items:
+            return
+        first = self.next_waiting(items, now)
+        yield first
+        heap = [(self.waiting_rank(r, now), i, r) for i, r in enumerate(items) if r is not first]
+        heapq.heapify(heap)
+        while heap:
+            yield heapq.heappop(heap)[2]
 
     def running_order(self, running: Sequence[Request]) -> list[Request]:
         """Decodes before prompt chunks (a decode is one token that a user is waiting on), each

@@ -273,9 +273,11 @@ class Scheduler(ConnectorSteps):
     def _admit_waiting(self, plan: _StepPlan) -> None:
         """Step 3: waiting requests in the policy's order while the budget, `max_num_seqs` and
         the pool allow (not those preempted at admission in this step)."""
-        while (len(self.waiting) > len(plan.admission_victims) and plan.budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self._next_waiting(exclude=plan.admission_victims)
+        queue = self.policy.waiting_order((r for r in self.waiting if r not in plan.admission_victims), self.clock())
+        while plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = next(queue, None)
+            if request is None:
+                break
             if self._start_load(request):
                 continue
             resuming, swapped = request.status == RequestStatus.PREEMPTED, len(request.swapped_block_ids)

@@ -167,9 +167,7 @@ def test_a_prompt_past_the_context_is_context_length_exceeded(client, server, en
 
 
 def test_litellm_raises_its_context_window_error(server, monkeypatch):
-    """LiteLLM maps the message to ContextWindowExceededError, which its fallbacks and trimming catch.
-    Runs where litellm is installed: it is not in the test extra, as its import alone takes several
-    seconds of CPU (and its install a minute)."""
+    """LiteLLM maps the message to ContextWindowExceededError, which its fallbacks and trimming catch."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list at import
     litellm = pytest.importorskip("litellm")
     for max_tokens, content in ((100_000, "hello"), (10, LONG)):

@@ -1,0 +1,163 @@
+"""tokenmill's side of llama-bench's tg and pp on one GGUF file (issue 32).
+
+llama-bench's `-n 32` (tg32) times 32 single-token decodes from an empty context, `-p 128`
+(pp128) one 128-token prompt; this script times the same in the engine, at a fixed thread count:
+
+    python benchmarks/moe_vs_llamacpp.py PATH [--threads 2] [--reps 3] [--int8-rows 16]
+
+tg: a one-token prompt, then the median of 32 decode steps, `reps` times (a new request each
+time); pp: a step holding one whole 128-token prompt (new token ids each time, so no prefix is
+cached), `reps` times. Prints ms and tokens/s as medians over the reps. With --int8-rows N both
+are repeated with the layers' products in steps of up to N rows taking x in 8-bit blocks
+(EngineConfig's gguf_int8_rows, set on the loaded model), as llama.cpp's do.
+
+--profile instead splits the batch-1 decode step by hand: each piece's forward is wrapped in a
+timer (the C++ kernels are invisible to torch.profiler), and the products' weight bytes are
+counted per call, so each piece shows the rate at which it read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.engine import LLMEngine  # noqa: E402
+from tokenmill.models.cpu_packing import set_int8_rows  # noqa: E402
+from tokenmill.models.packed_linear import PackedLinear  # noqa: E402
+from tokenmill.sampling_params import SamplingParams  # noqa: E402
+
+TG, PP = 32, 128
+
+
+def timed_step(engine: LLMEngine) -> float:
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
+def tg_step(engine: LLMEngine, rep: int) -> float:
+    """Median decode step of one request over TG tokens after a one-token prompt."""
+    rid = f"tg{rep}-{time.monotonic_ns()}"
+    engine.add_request(rid, [1000 + rep], SamplingParams(max_tokens=TG + 2, ignore_eos=True, temperature=0.0))
+    engine.step()  # the prompt
+    times = [timed_step(engine) for _ in range(TG)]
+    engine.abort(rid)
+    return statistics.median(times)
+
+
+def pp_step(engine: LLMEngine, rep: int) -> float:
+    """One step computing a whole PP-token prompt (and sampling its first token)."""
+    rid = f"pp{rep}-{time.monotonic_ns()}"
+    prompt = [(7 * rep + 3 * i) % 30000 + 100 for i in range(PP)]
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
+    step = timed_step(engine)
+    engine.abort(rid)
+    return step
+
+
+def report(name: str, tokens: int, steps: list[float]) -> None:
+    ms = statistics.median(steps) * 1e3
+    print(f"{name:<14} {ms:>9.1f} ms {tokens * 1e3 / ms:>8.2f} tok/s   (reps: "
+          f"{', '.join(f'{s * 1e3:.1f}' for s in steps)} ms)", flush=True)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    return sum(m.panels.nbytes for m in module.modules() if isinstance(m, PackedLinear) and m.panels is not None)
+
+
+def wrap(module: nn.Module, key: str, seconds: dict[str, float], nbytes: dict[str, int]) -> None:
+    """module.forward, timed into seconds[key], its weights' bytes added to nbytes[key] per call."""
+    inner, size = module.forward, weight_bytes(module)
+
+    def forward(*args, **kwargs):
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        seconds[key] += time.perf_counter() - start
+        nbytes[key] += size
+        return out
+    module.forward = forward
+
+
+def profile(engine: LLMEngine, steps: int) -> None:
+    """Where a batch-1 decode step's time goes, per step, summed over the layers."""
+    model = engine.runner.worker.model
+    seconds: dict[str, float] = defaultdict(float)
+    nbytes: dict[str, int] = defaultdict(int)
+    for layer in model.layers:
+        attn, moe = layer.self_attn, layer.mlp
+        wrap(attn.qkv_proj, "attention projections", seconds, nbytes)
+        wrap(attn.o_proj, "attention projections", seconds, nbytes)
+        wrap(attn, "attention block", seconds, nbytes)
+        wrap(moe.gate, "router product", seconds, nbytes)
+        for expert in moe.experts:
+            wrap(expert, "expert products", seconds, nbytes)
+        wrap(moe, "moe block", seconds, nbytes)
+        wrap(layer, "layers", seconds, nbytes)
+    wrap(model, "model forward", seconds, nbytes)
+    wrap(model.packed_lm_head, "head", seconds, nbytes)
+    rid = "profile"
+    engine.add_request(rid, [1000], SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0.0))
+    engine.step()
+    engine.step()
+    seconds.clear()
+    nbytes.clear()
+    step = sum(timed_step(engine) for _ in range(steps)) / steps
+    engine.abort(rid)
+    per = {k: v / steps for k, v in seconds.items()}
+    split = [  # (piece, seconds a step, the bytes counter it read)
+        ("attention projections (qkv, o)", per["attention projections"], "attention projections"),
+        ("attention itself (rope, q/k norms, paged attention)", per["attention block"] - per["attention projections"],
+         None),
+        ("router product", per["router product"], "router product"),
+        ("8 experts' products (gate_up, silu, down)", per["expert products"], "expert products"),
+        ("routing and expert dispatch in Python", per["moe block"] - per["router product"] - per["expert products"],
+         None),
+        ("norms and residual adds", per["layers"] - per["attention block"] - per["moe block"], None),
+        ("embedding, final norm", per["model forward"] - per["layers"], None),
+        ("head", per["head"], "head"),
+        ("engine (schedule, inputs, sampling)", step - per["model forward"] - per["head"], None),
+    ]
+    layers = len(model.layers)
+    print(f"batch-1 decode step {step * 1e3:.1f} ms (mean of {steps}), {layers} layers", flush=True)
+    for i, (name, sec, key) in enumerate(split):
+        read = nbytes[key] / steps if key else 0
+        per_layer = f"{sec / layers * 1e3:6.2f}" if i < 6 else ""
+        rate = f"  {read / 1e6:6.1f} MB at {read / sec / 1e9:5.1f} GB/s" if key else ""
+        print(f"{name:<52} {sec * 1e3:8.2f} ms {sec / step * 100:5.1f}% {per_layer:>6} ms/layer{rate}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("path", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--int8-rows", type=int, default=0)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=str(args.path), kv_cache_memory="1GiB", max_model_len=4096,
+                                    num_threads=args.threads, enable_prefix_caching=False))
+    print(f"{args.path}: loaded in {time.perf_counter() - start:.0f} s, {args.threads} threads", flush=True)
+    if args.profile:
+        profile(engine, TG)
+        return
+    tg_step(engine, -1)  # warm-up
+    report(f"tg{TG} step", 1, [tg_step(engine, r) for r in range(args.reps)])
+    report(f"pp{PP} step", PP, [pp_step(engine, r) for r in range(args.reps)])
+    if args.int8_rows:
+        set_int8_rows(engine.runner.worker.model, args.int8_rows)
+        tg_step(engine, -2)
+        report(f"tg{TG} int8 x", 1, [tg_step(engine, r) for r in range(args.reps)])
+        report(f"pp{PP} int8 x", PP, [pp_step(engine, r) for r in range(args.reps)])
+
+
+if __name__ == "__main__":
+    main()

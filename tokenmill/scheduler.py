@@ -278,7 +278,10 @@ class Scheduler(ConnectorSteps):
             request = next(queue, None)
             if request is None:
                 break
-            if self._start_load(request):
+            started = self._start_load(request)
+            if started is None:
+                break  # its K/V does not fit yet
+            if started:
                 continue
             resuming, swapped = request.status == RequestStatus.PREEMPTED, len(request.swapped_block_ids)
             num_new, held = self._allocate_waiting(request, plan)

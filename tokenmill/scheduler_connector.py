@@ -43,19 +43,22 @@ class ConnectorSteps:
         """Whether every unfinished request waits on a KV connector's load: a step has nothing to run."""
         return bool(self.loading) and len(self.loading) == len(self.requests)
 
-    def _start_load(self, request: Request) -> bool:
+    def _start_load(self, request: Request) -> bool | None:
         """Start a KV connector's load of the prompt tokens it can supply past the local prefix hit
         (leaving the last one to compute), into blocks allocated for them now but offered to the
         prefix cache only once loaded: the request then waits apart (`loading`) until
-        collect_loads. False if there is nothing to load or no room (it is admitted as any other
-        then), or the load did not start (its blocks kept: computed here from the hit on)."""
+        collect_loads, and this returns True. False if there is nothing to load, or the load did
+        not start (its blocks kept: computed here from the hit on); either way it is admitted as
+        any other. None if the blocks do not fit yet: it waits, as a request short of room does,
+        rather than compute what a peer computed (and keeps that peer's blocks held meanwhile)."""
         if self.connector is None or request.block_ids or request.swapped_block_ids:
             return False
         hit = self.kv.find_prefix(request)
         external = self._external_tokens(request, hit.num_tokens)
-        reserve = self._watermark_blocks if self.running else 0
-        if not external or not self.kv.can_allocate(request, external, hit, reserve=reserve):
+        if not external:
             return False
+        if not self.kv.can_allocate(request, external, hit, reserve=self._watermark_blocks if self.running else 0):
+            return None
         self.kv.allocate(request, external, hit, register=False)
         self._count_hit(request, hit.num_tokens)
         if not self.connector.start_load(request, request.block_ids, hit.num_tokens, external):

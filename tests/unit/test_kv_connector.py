@@ -221,3 +221,21 @@ def test_a_connector_that_cannot_say_which_loads_ended_has_every_load_computed_h
     assert [step.num_scheduled_tokens for step in steps] == [[], [12], [1]]
     assert ("cancel", "a") in connector.calls and s.stats().num_external_tokens == 0
     assert s.stats().kv_blocks_used == 0
+
+
+def test_a_load_that_does_not_fit_yet_waits_for_room_instead_of_computing_the_tokens_here():
+    connector = Recorder(offer=8, only={"a"})
+    s = make_scheduler(num_blocks=5, block_size=4, budget=4, connector=connector)
+    s.add_request(make_request("big", prompt_len=14, max_tokens=3, ignore_eos=True))  # 4 of the 5 blocks
+    sched = s.schedule()
+    s.add_request(make_request("a", prompt_len=12, max_tokens=2))
+    while "big" in s.requests:
+        # "a" waits: its first chunk (3 tokens beside big's decode) would fit the free block, its K/V not
+        assert [r.request_id for r in sched.requests] == ["big"] and not s.loading
+        assert not any(call[0] == "load" for call in connector.calls)
+        s.update(sched, fake_run(sched))
+        sched = s.schedule()
+    assert list(s.loading) == ["a"] and sched.requests == []  # the step after "big" ended: its load starts
+    steps = run_to_completion(s)
+    assert [step.num_scheduled_tokens for step in steps] == [[4], [1]]
+    assert s.stats().num_external_tokens == 8

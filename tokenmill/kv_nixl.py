@@ -280,6 +280,8 @@ class NixlConnector:
     def finished_loads(self) -> dict[str, bool]:
         ended, self._ended = self._ended, {}
         for request_id, load in list(self.loads.items()):
+            if request_id not in self.loads:
+                continue  # failed with another read from its prefill instance, just now
             state = self.link.agent.check_xfer_state(load.handle)
             if state != "PROC" or self.clock() > load.deadline:
                 ended[request_id] = self._end(load, state)
@@ -304,13 +306,24 @@ class NixlConnector:
         return False
 
     def _failed(self, load: _Load, exc: Exception) -> None:
+        """A read that failed, released and its peer told. The prefill instance is forgotten
+        (fetched again next time: it may have restarted), so its other reads in flight fail with it
+        (they read through what forgetting it releases); unless the request's own params were at
+        fault, it is not tried again for a while."""
         self.num_load_failures += 1
         logger.warning("request %s: reading %d blocks from %s failed (%s: %s); computing them here",
                        load.request_id, load.num_blocks, load.engine_id, type(exc).__name__, exc)
+        self._release(load)
         self._notify_anyway(load.engine_id, load.notice)
-        self.link.forget(load.engine_id)  # fetched again next time: it may have restarted
-        if not isinstance(exc, (ValueError, LookupError)):  # unreachable or broken, not a request's bad
-            self.failed_engines[load.engine_id] = self.clock() + FAILED_ENGINE_PAUSE  # params: not a stall each
+        for other in [x for x in self.loads.values() if x.engine_id == load.engine_id and x is not load]:
+            del self.loads[other.request_id]
+            self._release(other)
+            self._notify_anyway(other.engine_id, other.notice)
+            self.num_load_failures += 1
+            self._ended[other.request_id] = False
+        self.link.forget(load.engine_id)
+        if not isinstance(exc, (ValueError, LookupError)):  # unreachable or broken, not a request's bad params
+            self.failed_engines[load.engine_id] = self.clock() + FAILED_ENGINE_PAUSE  # not a stall each
 
     @staticmethod
     def _release(load: _Load) -> None:

@@ -279,11 +279,9 @@ class KVCacheManager:
 
     def admission_shortfall(self, request: Request, num_new_tokens: int, hit: PrefixHit | None) -> int:
         """Blocks missing to admit a waiting request with `num_new_tokens` (after its prefix hit,
-        or, with hit None, past the blocks it holds or the swapped ones coming back); 0 or less
-        when it fits."""
+        or, with hit None, its swapped blocks coming back); 0 or less when it fits."""
         if hit is None:
-            needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
-            return needed - self.pool.num_free_blocks
+            return self.blocks_needed(request.num_computed_tokens + num_new_tokens) - self.pool.num_free_blocks
         return self._num_new_blocks(request, num_new_tokens, hit) - self._available(hit)
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,

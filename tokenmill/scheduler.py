@@ -39,7 +39,7 @@ Finished requests leave in the same step; their blocks are free for the next one
 connector holds them for a peer to read (disaggregated prefill, kv_connector.py): then they stay
 allocated, in `held`, until the connector names the request in released(), which schedule()
 and release_held() ask. A request whose prompt K/V a connector brings in waits apart, in
-`loading` with its blocks, while the load runs, and goes back to the front of the queue when it
+`loading` with its blocks and a seat, while the load runs, and joins the running batch when it
 ends (scheduler_connector.py).
 An embedding request (`request.pooling`) is scheduled as any prompt and samples nothing: it
 ends ("stop") at the update of the step that ran the end of its prompt, with the pooled vector
@@ -274,7 +274,7 @@ class Scheduler(ConnectorSteps):
         """Step 3: waiting requests in the policy's order while the budget, `max_num_seqs` and
         the pool allow (not those preempted at admission in this step)."""
         queue = self.policy.waiting_order((r for r in self.waiting if r not in plan.admission_victims), self.clock())
-        while plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while plan.budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = next(queue, None)
             if request is None:
                 break
@@ -309,12 +309,6 @@ class Scheduler(ConnectorSteps):
             if num_new == 0 or not self.kv.can_swap_in(request, num_new, reserve=reserve):
                 return 0, False
             plan.swap_in.extend(self.kv.swap_in(request, num_new))
-            return num_new, held
-        if request.block_ids:  # back from a KV connector's load: the rest of its prompt
-            num_new, held = self._chunk(request, request.num_remaining_prefill, plan)
-            if num_new == 0 or not self.kv.can_allocate(request, num_new, reserve=reserve):
-                return 0, False
-            self.kv.allocate(request, num_new)
             return num_new, held
         hit = self.kv.find_prefix(request)
         num_new, held = self._chunk(request, request.num_tokens - hit.num_tokens, plan)
@@ -378,7 +372,7 @@ class Scheduler(ConnectorSteps):
         candidates = self.policy.admission_victims(request, self.running)
         if not candidates:
             return []
-        hit = None if request.swapped_block_ids or request.block_ids else self.kv.find_prefix(request)
+        hit = None if request.swapped_block_ids else self.kv.find_prefix(request)
         external = 0 if hit is None else self._external_tokens(request, hit.num_tokens)
         remaining = request.num_remaining_prefill if hit is None else request.num_tokens - hit.num_tokens - external
         keep = set(hit.block_ids) if hit is not None else set()

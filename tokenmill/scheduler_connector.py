@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_connector import KVConnector
-from tokenmill.request import Request
+from tokenmill.request import Request, RequestStatus
 
 
 class ConnectorSteps:
@@ -46,11 +46,11 @@ class ConnectorSteps:
     def _start_load(self, request: Request) -> bool | None:
         """Start a KV connector's load of the prompt tokens it can supply past the local prefix hit
         (leaving the last one to compute), into blocks allocated for them now but offered to the
-        prefix cache only once loaded: the request then waits apart (`loading`) until
-        collect_loads, and this returns True. False if there is nothing to load, or the load did
-        not start (its blocks kept: computed here from the hit on); either way it is admitted as
-        any other. None if the blocks do not fit yet: it waits, as a request short of room does,
-        rather than compute what a peer computed (and keeps that peer's blocks held meanwhile)."""
+        prefix cache only once loaded: the request then waits apart (`loading`, holding a seat)
+        until collect_loads, and this returns True. False if there is nothing to load, or the load
+        did not start (its blocks given back); either way it is admitted as any other. None if the
+        blocks do not fit yet: it waits, as a request short of room does, rather than compute what
+        a peer computed (and keeps that peer's blocks held meanwhile)."""
         if self.connector is None or request.block_ids or request.swapped_block_ids:
             return False
         hit = self.kv.find_prefix(request)
@@ -62,6 +62,8 @@ class ConnectorSteps:
         self.kv.allocate(request, external, hit, register=False)
         self._count_hit(request, hit.num_tokens)
         if not self.connector.start_load(request, request.block_ids, hit.num_tokens, external):
+            self._free(request)  # admitted as any other, from its prefix hit again
+            request.num_cached_tokens = 0
             return False
         self.waiting.remove(request)
         self.loading[request.request_id] = (request, external)
@@ -76,8 +78,9 @@ class ConnectorSteps:
         return max(0, min(offered, request.num_tokens - 1 - num_local))
 
     def collect_loads(self) -> None:
-        """Requests whose load ended go back to the front of the waiting queue: past the loaded
-        tokens, or (a failed load) to compute them here. A connector that failed to answer fails
+        """Requests whose load ended join the running batch (admitted now, in their blocks): past
+        the loaded tokens, or (a failed load) to compute them here; from then on they are
+        scheduled, and preempted, as any running request. A connector that failed to answer fails
         every load in flight."""
         if not self.loading:
             return
@@ -94,5 +97,7 @@ class ConnectorSteps:
                 request.num_computed_tokens += external
                 request.num_external_tokens += external
                 self.num_external_tokens += external
-            request.timeline.add(self.clock(), "loaded", tokens=external if loaded else 0)
-            self.waiting.insert(0, request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            request.timeline.add(self.clock(), "admitted", cached=request.num_cached_tokens,
+                                 loaded=external if loaded else 0)

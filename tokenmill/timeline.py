@@ -26,7 +26,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-EVENT_KINDS = ("arrival", "tokenized", "admitted", "chunk", "first_token", "preempted", "resumed", "spec",
+EVENT_KINDS = ("arrival", "tokenized", "loading", "admitted", "chunk", "first_token", "preempted", "resumed", "spec",
                "finished")
 
 

@@ -60,12 +60,13 @@ def colocated(tiny_models) -> list[list[int]]:
         PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def decode(tiny_models, params: list[dict], **options) -> tuple[list[list[int]], LLM, int]:
+def decode(tiny_models, params: list[dict], sampling: SamplingParams = GREEDY,
+           **options) -> tuple[list[list[int]], LLM, int]:
     """The decode instance's outputs for those params, the instance, and the prompt tokens it computed."""
     llm = LLM(str(tiny_models["llama"]), kv_role="decode", kv_connector="nixl", **{**OPTIONS, **options})
     computed = []
     llm.engine.stats_listeners.append(lambda stats: computed.append(stats.num_prefill_tokens))
-    outs = llm.generate(PROMPTS, [GREEDY.clone(kv_transfer_params=p) for p in params], use_tqdm=False)
+    outs = llm.generate(PROMPTS, [sampling.clone(kv_transfer_params=p) for p in params], use_tqdm=False)
     llm.engine.close()
     return [out.outputs[0].token_ids for out in outs], llm, sum(computed)
 
@@ -87,9 +88,15 @@ def test_the_decode_instance_reads_the_blocks_computes_each_last_prompt_token_an
     assert peer.ask(op="held", within=10) == {"requests": 0, "blocks": 0, "timeouts": 0}
 
 
-def test_a_request_preempted_on_the_decode_instance_still_answers_right(tiny_models, peer, colocated):
+def test_a_request_preempted_on_the_decode_instance_still_answers_right(tiny_models, peer):
+    """Seven blocks: the first two prompts' loads start together (2 + 3 blocks), and the first one
+    grows past what is left (40 + 40 tokens: 5 blocks) while the second holds its blocks, loading or
+    running, whenever its load ends."""
+    longer = GREEDY.clone(max_tokens=40)
+    colocated = [out.outputs[0].token_ids for out in LLM(str(tiny_models["llama"]), **OPTIONS).generate(
+        PROMPTS, longer, use_tqdm=False)]
     params = peer.ask(op="prefill", prompts=PROMPTS)
-    outputs, llm, _ = decode(tiny_models, params, num_kv_blocks=7)  # two prompts fill it; they grow
+    outputs, llm, _ = decode(tiny_models, params, longer, num_kv_blocks=7)
     assert outputs == colocated
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.connector.num_load_failures == 0

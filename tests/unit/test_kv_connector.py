@@ -79,7 +79,7 @@ def test_the_last_prompt_token_is_always_computed_here():
 
 
 def test_the_local_prefix_hit_comes_first_and_the_connector_supplies_what_follows():
-    connector = Recorder(offer=4)
+    connector = Recorder(offer=4, only={"b"})
     s = make_scheduler(budget=32, block_size=4, prefix_caching=True, connector=connector)
     s.add_request(make_request("a", prompt_len=16, max_tokens=1))
     first = s.schedule()

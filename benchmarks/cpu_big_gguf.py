@@ -116,6 +116,16 @@ class MemorySampler:
         return self.peak
 
 
+def start_batch(engine: LLMEngine, batch: int) -> list[str]:
+    """`batch` greedy requests of 32-token prompts, their prompts run: the engine then decodes them."""
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, list(range(100 + i, 132 + i)),
+                           SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))
+    engine.step()  # the prompts
+    return ids
+
+
 def main(path: Path) -> None:
     from tokenmill.models.packed_linear import PackedLinear
     if not path.exists():
@@ -133,11 +143,7 @@ def main(path: Path) -> None:
     print(f"while loading: peak resident {peak['VmRSS'] / 1e9:.2f} GB, of it anonymous {peak['RssAnon'] / 1e9:.2f} GB; "
           f"after: {after['VmRSS'] / 1e9:.2f} GB, anonymous {after['RssAnon'] / 1e9:.2f} GB")
     for batch in (1, 4, 16):
-        ids = [f"b{batch}-{i}" for i in range(batch)]
-        for i, rid in enumerate(ids):
-            engine.add_request(rid, list(range(100 + i, 132 + i)),
-                               SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))
-        engine.step()  # the prompts
+        ids = start_batch(engine, batch)
         bandwidth = read_bandwidth(min_time=0.5, trials=2) if batch == 1 else 0.0
         step = median_step(engine, 5)
         line = f"batch {batch:>2}: step {step * 1e3:.0f} ms, {batch / step:.1f} tok/s"

@@ -27,13 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import random_k_quant_rows  # noqa: E402
-from cpu_big_gguf import MemorySampler  # noqa: E402
+from cpu_big_gguf import MemorySampler, start_batch  # noqa: E402
 from cpu_gguf_blocks import median_step  # noqa: E402
 
 from tokenmill.config import EngineConfig  # noqa: E402
 from tokenmill.engine import LLMEngine  # noqa: E402
 from tokenmill.models.loader import default_model_path  # noqa: E402
-from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, USED, EXPERT_FFN = 2048, 32, 4, 128, 128, 8, 768
 SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
@@ -132,11 +131,7 @@ def main() -> None:
           f"{peak['RssAnon'] / 1e9:.2f} GB; after: {after['VmRSS'] / 1e9:.2f} GB, anonymous "
           f"{after['RssAnon'] / 1e9:.2f} GB", flush=True)
     for batch in (1, 4, 16):
-        ids = [f"b{batch}-{i}" for i in range(batch)]
-        for i, rid in enumerate(ids):
-            engine.add_request(rid, list(range(100 + i, 132 + i)),
-                               SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))
-        engine.step()  # the prompts
+        ids = start_batch(engine, batch)
         step = median_step(engine, 5)
         print(f"batch {batch:>2}: step {step * 1e3:.0f} ms, {batch / step:.1f} tok/s", flush=True)
         for rid in ids:

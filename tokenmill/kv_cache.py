@@ -360,14 +360,6 @@ class KVCacheManager:
         for request in holders:
             request.num_registered_blocks = 0
 
-    def withdraw(self, request: Request, num_tokens: int) -> None:
-        """Take the request's blocks past its first `num_tokens` tokens out of the prefix cache: they
-        were registered for K/V that will not be there (a KV connector's load failed)."""
-        keep = num_tokens // self.block_size
-        if request.num_registered_blocks > keep:
-            self.pool.uncache(request.block_ids[max(keep, request.num_released_blocks):request.num_registered_blocks])
-            request.num_registered_blocks = keep
-
     def trim(self, request: Request) -> None:
         """Free the blocks past the request's computed tokens (after rejected speculative tokens).
         Those blocks were never registered in the cache: drafts are not tokens of the request."""

@@ -357,9 +357,9 @@ class Scheduler(ConnectorSteps):
                 return min(remaining, allowance, plan.budget), True
         return min(remaining, plan.budget), False
 
-    def _next_waiting(self, exclude: set[Request] = frozenset()) -> Request:
-        """The waiting request the policy admits next, leaving out `exclude`."""
-        return self.policy.next_waiting((r for r in self.waiting if r not in exclude), self.clock())
+    def _next_waiting(self) -> Request:
+        """The waiting request the policy admits next."""
+        return self.policy.next_waiting(self.waiting, self.clock())
 
     def _make_room_at_admission(self, budget: int) -> list[Request]:
         """Preempt the running requests the policy lets the next waiting one preempt, in the

@@ -51,7 +51,7 @@ class ConnectorSteps:
         did not start (its blocks given back); either way it is admitted as any other. None if the
         blocks do not fit yet: it waits, as a request short of room does, rather than compute what
         a peer computed (and keeps that peer's blocks held meanwhile)."""
-        if self.connector is None or request.block_ids or request.swapped_block_ids:
+        if self.connector is None or request.swapped_block_ids:
             return False
         hit = self.kv.find_prefix(request)
         external = self._external_tokens(request, hit.num_tokens)

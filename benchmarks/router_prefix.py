@@ -4,6 +4,7 @@ the replicas' prefix-cache hit rate and the clients' time to first token.
     python benchmarks/router_prefix.py [--tiny] [--policies cache_aware round_robin] [--groups 16]
                                        [--per-group 4] [--prefix-words 500] [--concurrency 4] [--repeats 1]
                                        [--serve-arg=--num-threads=1 ...] [--router-arg=--policy-option ...]
+                                       [--router-checkout DIR]
 
 The workload: `--groups` documents of `--prefix-words` words each (seeded pseudo-English), and
 for each `--per-group` chat requests whose system message is the document and whose user
@@ -12,7 +13,9 @@ a time, streamed, greedy, `--max-tokens` each. Each policy gets fresh replicas (
 a router of its own, all on 127.0.0.1; one warm-up request per replica goes straight to it
 first. The hit rate is the replicas' vllm:prefix_cache_hits over vllm:prefix_cache_queries (prompt
 tokens) during the run; TTFT is measured by the client, from sending the request to the first
-event that carries text. Results are printed and written to benchmarks/results/router_prefix.json.
+event that carries text. With `--router-checkout`, each policy runs a second time with the router
+of that checkout (the replicas stay this tree's), so two versions of a policy compare in one run.
+Results are printed and written to benchmarks/results/router_prefix.json.
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(command: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+def start(command: list[str], log: Path, checkout: Path = HERE) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
     return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", *command], cwd=HERE,
                             env=env, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
@@ -128,7 +131,7 @@ async def drive(url: str, requests: list[tuple[int, list[dict]]], args: argparse
         return await asyncio.gather(*(run(g, m) for g, m in requests))
 
 
-def run_policy(policy: str, args: argparse.Namespace, model: list[str], logs: Path) -> dict:
+def run_policy(policy: str, args: argparse.Namespace, model: list[str], logs: Path, checkout: Path = HERE) -> dict:
     ports = [free_port(), free_port()]
     replicas = [f"http://127.0.0.1:{p}" for p in ports]
     procs = [start(["serve", *model, "--port", str(p), *args.serve_arg], logs / f"router_prefix_serve{i}.log")
@@ -142,7 +145,7 @@ def run_policy(policy: str, args: argparse.Namespace, model: list[str], logs: Pa
             httpx.post(url + "/v1/chat/completions", timeout=600, json={
                 "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         procs.append(start(["router", *[a for u in replicas for a in ("--replica", u)], "--port", str(router_port),
-                            "--policy", policy, *args.router_arg], logs / "router_prefix_router.log"))
+                            "--policy", policy, *args.router_arg], logs / "router_prefix_router.log", checkout))
         wait_healthy(router, procs, lambda r: all(s["healthy"] for s in r.json()["replicas"].values()))
         hits0, queries0 = prefix_counters(replicas)
         start_time = time.perf_counter()
@@ -160,10 +163,11 @@ def run_policy(policy: str, args: argparse.Namespace, model: list[str], logs: Pa
                 proc.kill()
     ttfts = sorted(t for _, t, _ in results)
     groups_split = sum(len({r for g2, _, r in results if g2 == g}) > 1 for g in range(args.groups))
-    return {"policy": policy, "requests": len(results), "hit_rate": (hits1 - hits0) / max(queries1 - queries0, 1),
+    label = policy if checkout == HERE else f"{policy} @{checkout.name}"
+    return {"policy": label, "requests": len(results), "hit_rate": (hits1 - hits0) / max(queries1 - queries0, 1),
             "prompt_tokens": queries1 - queries0, "hit_tokens": hits1 - hits0,
             "ttft_mean_ms": statistics.mean(ttfts) * 1e3, "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1e3,
-            "ttft_p90_ms": ttfts[int(len(ttfts) * 0.9)] * 1e3, "wall_s": wall,
+            "ttft_p90_ms": ttfts[int(len(ttfts) * 0.9)] * 1e3, "ttft_max_ms": ttfts[-1] * 1e3, "wall_s": wall,
             "per_replica": [sum(r == url for _, _, r in results) for url in replicas],
             "groups_on_both_replicas": groups_split}
 
@@ -180,6 +184,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve-arg", action="append", default=[], help="an option for both replicas (repeat)")
     parser.add_argument("--router-arg", action="append", default=[], help="an option for the router (repeat)")
+    parser.add_argument("--router-checkout", type=Path, default=None,
+                        help="also run each policy with the router of this checkout (a worktree of another commit)")
     parser.add_argument("--repeats", type=int, default=1, help="run the policies in turn this many times")
     parser.add_argument("--output", type=Path, default=HERE / "benchmarks" / "results" / "router_prefix.json")
     args = parser.parse_args()
@@ -195,12 +201,14 @@ def main() -> None:
           f"shared system message, concurrency {args.concurrency}, max_tokens {args.max_tokens}, "
           f"model {'tiny llama' if args.tiny else 'default'}, replica options {args.serve_arg or 'none'}, "
           f"router options {args.router_arg or 'none'}; process logs in {logs}\n")
-    rows = [run_policy(policy, args, model, logs) for _ in range(args.repeats) for policy in args.policies]
-    print(f"{'policy':14s} {'hit rate':>8s} {'TTFT mean':>10s} {'p50':>8s} {'p90':>8s} {'wall s':>7s} "
+    checkouts = [HERE] + ([args.router_checkout.resolve()] if args.router_checkout else [])
+    rows = [run_policy(policy, args, model, logs, checkout)
+            for _ in range(args.repeats) for policy in args.policies for checkout in checkouts]
+    print(f"{'policy':24s} {'hit rate':>8s} {'TTFT mean':>10s} {'p50':>8s} {'p90':>8s} {'max':>8s} {'wall s':>7s} "
           f"{'per replica':>12s} {'groups split':>13s}")
     for r in rows:
-        print(f"{r['policy']:14s} {r['hit_rate']:8.1%} {r['ttft_mean_ms']:8.0f}ms {r['ttft_p50_ms']:6.0f}ms "
-              f"{r['ttft_p90_ms']:6.0f}ms {r['wall_s']:7.1f} {str(r['per_replica']):>12s} "
+        print(f"{r['policy']:24s} {r['hit_rate']:8.1%} {r['ttft_mean_ms']:8.0f}ms {r['ttft_p50_ms']:6.0f}ms "
+              f"{r['ttft_p90_ms']:6.0f}ms {r['ttft_max_ms']:6.0f}ms {r['wall_s']:7.1f} {str(r['per_replica']):>12s} "
               f"{r['groups_on_both_replicas']:>6d} of {args.groups}")
     args.output.write_text(json.dumps({"cpu": cpu, "args": {k: str(v) for k, v in vars(args).items()},
                                        "results": rows}, indent=2))

@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from tokenmill.router.app import create_app
-from tokenmill.router.forward import sse_events
+from tokenmill.router.forward import Forwarder, sse_events
 from tokenmill.router.launch import add_router_args, replica_url
+from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin, make_policy
 from tokenmill.router.prefix import CHUNK_CHARS, PrefixSet, chunk_hashes, routing_text
 from tokenmill.router.replicas import Replica, waiting_requests
@@ -73,35 +74,55 @@ def test_the_routing_text_is_the_prompt_or_the_tools_and_messages_in_order():
     assert routing_text("/v1/chat/completions", {"messages": "not a list"}) == ""
 
 
+def sent(policy: CacheAware, candidates: list[Replica], hashes: list[bytes]) -> tuple[Replica, str]:
+    """The policy's choice, recorded in the chosen replica's prefix set as the forwarder does."""
+    replica, reason = policy.choose(candidates, hashes)
+    replica.route(hashes)
+    return replica, reason
+
+
 def test_cache_aware_sends_a_shared_prefix_where_it_went_before_and_a_new_one_to_the_emptier_replica():
     policy, (a, b) = CacheAware(), replicas(2)
     first = chunk_hashes("p" * (4 * CHUNK_CHARS) + "one")
-    assert policy.choose([a, b], first) == (a, "least_loaded")
+    assert sent(policy, [a, b], first) == (a, "least_loaded")
     other = chunk_hashes("q" * (4 * CHUNK_CHARS))
-    assert policy.choose([a, b], other) == (b, "least_loaded")  # a holds prefixes, b none
-    a.in_flight = 3   # busier, but loads are not uneven past the thresholds
+    assert sent(policy, [a, b], other) == (b, "least_loaded")  # a holds prefixes, b none
+    a.in_flight = 3   # three answers being decoded: 0.75 chunks of wait against the 4 chunks a holds
     again = chunk_hashes("p" * (4 * CHUNK_CHARS) + "two" * CHUNK_CHARS)
-    assert policy.choose([a, b], again) == (a, "prefix")
+    assert sent(policy, [a, b], again) == (a, "prefix")
 
 
 def test_cache_aware_wants_the_threshold_share_of_the_chain_matched():
     policy, (a, b) = CacheAware(cache_threshold=0.5), replicas(2)
-    policy.choose([a, b], chunk_hashes("p" * (2 * CHUNK_CHARS)))
+    sent(policy, [a, b], chunk_hashes("p" * (2 * CHUNK_CHARS)))
     b.in_flight = 1
     short_match = chunk_hashes("p" * (2 * CHUNK_CHARS) + "z" * (3 * CHUNK_CHARS))  # 2 of 5 chunks held by a
     a.in_flight = 2
-    assert policy.choose([a, b], short_match) == (b, "least_loaded")
+    assert sent(policy, [a, b], short_match) == (b, "least_loaded")  # wait 5.25 against a's 5.5
+
+
+def test_cache_aware_sends_a_prompt_past_a_prefix_holder_with_more_prompt_work_queued_than_it_saves():
+    policy, (a, b) = CacheAware(), replicas(2)
+    document = chunk_hashes("d" * (8 * CHUNK_CHARS) + "question one")
+    sent(policy, [a, b], document)
+    question = chunk_hashes("d" * (8 * CHUNK_CHARS) + "q" * (2 * CHUNK_CHARS))  # a holds 8 of its 10 chunks
+    a.in_flight, a.prefilling, a.backlog = 2, 2, 7
+    assert policy.choose([a, b], question) == (a, "prefix")     # wait 7 + 2 against b's 10
+    a.backlog = 8
+    assert policy.choose([a, b], question) == (a, "prefix")     # a tie: the longer match wins
+    a.backlog = 9
+    assert policy.choose([a, b], question) == (b, "backlog")    # 11 against 10
 
 
 def test_cache_aware_goes_to_the_least_loaded_when_loads_are_uneven():
     policy, (a, b) = CacheAware(balance_abs=8, balance_rel=1.5), replicas(2)
     chain = chunk_hashes("p" * (4 * CHUNK_CHARS))
-    policy.choose([a, b], chain)
+    sent(policy, [a, b], chain)
     a.in_flight, b.waiting = 10, 1
-    assert policy.choose([a, b], chain) == (b, "balance")
+    assert sent(policy, [a, b], chain) == (b, "balance")
     assert b.prefixes.match(chain) == 4  # b now holds the prefix too
     a.in_flight = 9   # a difference of 8 is not past the threshold
-    assert policy.choose([a, b], chain)[1] == "prefix"
+    assert sent(policy, [a, b], chain)[1] == "prefix"
 
 
 def test_round_robin_takes_each_candidate_in_turn_and_least_loaded_the_least_loaded():
@@ -116,6 +137,8 @@ def test_an_unknown_policy_or_a_threshold_out_of_range_is_refused():
         make_policy("random")
     with pytest.raises(ValueError, match="cache_threshold"):
         make_policy("cache_aware", cache_threshold=1.5)
+    with pytest.raises(ValueError, match="decode_weight"):
+        make_policy("cache_aware", decode_weight=-1)
 
 
 def test_going_down_clears_a_replicas_prefixes_and_queue():
@@ -188,3 +211,39 @@ def test_a_replicas_stream_is_relayed_in_whole_events_however_its_bytes_are_cut(
         return [event async for event in sse_events(Upstream())]
     # what came together goes together, cut after its last whole event; a partial event waits for its end
     assert asyncio.run(collect()) == [b"data: a\n\ndata: b\n\n", b"data: c\n\ndata: d\n\n", b"data: [DONE]"]
+
+
+def test_a_request_counts_in_its_replicas_backlog_until_its_first_event_and_in_flight_until_its_end():
+    """A replica on loopback that answers a stream's first event only when told to: while it
+    computes, the request's 3 chunks the replica did not hold are in its backlog."""
+    async def scenario():
+        go = asyncio.Event()
+
+        async def replica_side(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await go.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+                         b"data: first\n\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(replica_side, "127.0.0.1", 0)
+        (replica,) = [Replica(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", PrefixSet(100), healthy=True)]
+        async with httpx.AsyncClient() as client:
+            forwarder = Forwarder(client, [replica], CacheAware(), RouterMetrics())
+            replica.route(chunk_hashes("s" * CHUNK_CHARS))
+            hashes = chunk_hashes("s" * (4 * CHUNK_CHARS))
+            answer = asyncio.ensure_future(forwarder.forward("POST", "/v1/completions", b"{}", {}, hashes))
+            while replica.prefilling == 0:
+                await asyncio.sleep(0.01)
+            computing = (replica.in_flight, replica.prefilling, replica.backlog)
+            go.set()
+            relay = await asyncio.wait_for(answer, 10)
+            streaming = (replica.in_flight, replica.prefilling, replica.backlog)
+            await relay.upstream.aclose()
+        server.close()
+        await server.wait_closed()
+        return computing, streaming
+    computing, streaming = asyncio.run(scenario())
+    assert computing == (1, 1, 3)
+    assert streaming == (1, 0, 0)   # the relay gives its in-flight count back when the stream ends

@@ -124,17 +124,21 @@ class Forwarder:
                 replica, reason = self.policy.choose(candidates, hashes)
             tried.append(replica)
             self.metrics.routed.labels(replica.url, reason).inc()
+            uncached = replica.route(hashes) if hashes is not None else 0
             try:
                 return await self._attempt(replica, self.client.build_request(
-                    method, replica.url + path, content=content, headers=headers))
+                    method, replica.url + path, content=content, headers=headers), uncached)
             except AttemptFailed as failed:
                 self.metrics.failed.labels(replica.url).inc()
                 last_answer = failed.answer or last_answer
         return last_answer or no_replica(tried)
 
-    async def _attempt(self, replica: Replica, request: httpx.Request) -> Response:
-        """The replica's answer: whole, or a stream whose first event has come."""
+    async def _attempt(self, replica: Replica, request: httpx.Request, uncached: int) -> Response:
+        """The replica's answer: whole, or a stream whose first event has come. Until then the
+        request counts in the replica's prefilling requests, its `uncached` chunks in its backlog."""
         replica.in_flight += 1
+        replica.prefilling += 1
+        replica.backlog += uncached
         upstream: httpx.Response | None = None
         relayed = False   # a stream's relay releases the upstream and the in-flight count itself
         try:
@@ -156,6 +160,8 @@ class Forwarder:
             replica.mark_down(f"{request.url.path}: {type(exc).__name__} {exc}")
             raise AttemptFailed() from None
         finally:
+            replica.prefilling -= 1
+            replica.backlog -= uncached
             if not relayed:
                 replica.in_flight -= 1
                 if upstream is not None:

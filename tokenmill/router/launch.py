@@ -57,8 +57,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
-                        help="cache_aware: to the replica holding the longest prefix of the prompt unless loads "
-                             "are uneven; round_robin; least_loaded (default: cache_aware)")
+                        help="cache_aware: to the replica with the least prompt work queued, counting the part of "
+                             "the prompt it already holds as done, unless loads are uneven; round_robin; "
+                             "least_loaded (default: cache_aware)")
     parser.add_argument("--cache-threshold", type=share, default=0.5,
                         help="cache_aware: the share of a prompt's prefix chunks a replica must hold to be chosen "
                              "for it (default: 0.5)")
@@ -67,6 +68,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "requests over the least loaded ... (default: 8)")
     parser.add_argument("--balance-rel-threshold", type=float, default=1.5,
                         help="... and more than this many times its load (default: 1.5)")
+    parser.add_argument("--decode-weight", type=float, default=0.25,
+                        help="cache_aware: how many 64-character prompt chunks a request being decoded counts as "
+                             "when replicas' queued prompt work is compared (default: 0.25)")
     parser.add_argument("--health-interval", type=seconds, default=1.0,
                         help="poll each replica's /health and /metrics this often (default: 1 s)")
     parser.add_argument("--allowed-hosts", default=None,
@@ -83,7 +87,8 @@ def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to a replica
-    policy = make_policy(args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
+    policy = make_policy(args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
+                         args.decode_weight)
     max_connections = connection_cap(args.max_connections, raise_open_file_limit())
     with bind(args.host, args.port) as sock:
         allowed = resolve_allowed_hosts(args.allowed_hosts, args.host, sock.getsockname()[0], None)

@@ -1,15 +1,23 @@
 """Which replica takes a request. Each policy picks among the candidates it is given (the
-healthy replicas not yet tried for this request, never empty) and names why:
+healthy replicas not yet tried for this request, never empty) and names why; the forwarder then
+records the prompt's chain in the chosen replica's prefix set (Replica.route).
 
-    cache_aware   SGLang's cache-aware policy: while loads are even, the replica whose prefix
-                  set holds the longest prefix of the request's chain, if that covers at least
-                  `cache_threshold` of the chain ("prefix"); otherwise the least loaded, the one
-                  with the fewest prefixes among equals, to spread new prefixes ("least_loaded").
-                  When loads are uneven (the most loaded has over `balance_abs` more than the
-                  least and over `balance_rel` times as much), the least loaded ("balance").
-                  The chosen replica's set records the chain.
+    cache_aware   SGLang's cache-aware policy, with prompt work instead of request counts while
+                  loads are even: each candidate's wait is the prompt chunks already queued there
+                  (Replica.backlog), plus the chunks of this prompt it does not hold (a match
+                  under `cache_threshold` of the chain counts as none), plus `decode_weight`
+                  chunks for each request it is decoding; the least wait wins, then the longest
+                  match, the lower load and the fewest prefixes. Its reason: "prefix" when the
+                  winner holds the longest match, "backlog" when a replica holding more of the
+                  prompt was too busy, else "least_loaded". When loads are uneven (the most
+                  loaded has over `balance_abs` more than the least and over `balance_rel`
+                  times as much), the least loaded ("balance").
     round_robin   each candidate in turn
     least_loaded  the least loaded (the router's in-flight requests plus the replica's queue)
+
+Counting prompt chunks rather than requests is what keeps a shared prefix's replica from taking
+request after request while its neighbour idles: a replica with two documents still to prefill
+is busier than one decoding four short answers, whatever their counts say.
 """
 
 from __future__ import annotations
@@ -31,20 +39,25 @@ class CacheAware:
     cache_threshold: float = 0.5   # the share of the chain a match must cover
     balance_abs: int = 8           # loads are uneven past this difference ...
     balance_rel: float = 1.5       # ... and this ratio, both
+    decode_weight: float = 0.25    # prompt chunks a decoding request counts as: a row in each step
 
     def choose(self, candidates: list[Replica], hashes: list[bytes]) -> tuple[Replica, str]:
         low, high = least_loaded(candidates), max(r.load for r in candidates)
         if high - low.load > self.balance_abs and high > self.balance_rel * low.load:
-            chosen, reason = low, "balance"
-        else:
-            matches = [(r.prefixes.match(hashes), -r.load, -i) for i, r in enumerate(candidates)]
-            best = max(range(len(candidates)), key=matches.__getitem__)
-            if hashes and matches[best][0] >= self.cache_threshold * len(hashes):
-                chosen, reason = candidates[best], "prefix"
-            else:
-                chosen, reason = low, "least_loaded"
-        chosen.prefixes.insert(hashes)
-        return chosen, reason
+            return low, "balance"
+        held = [self._held(r, hashes) for r in candidates]
+        wait = [r.backlog + len(hashes) - h + self.decode_weight * (r.in_flight - r.prefilling)
+                for r, h in zip(candidates, held)]
+        best = min(range(len(candidates)),
+                   key=lambda i: (wait[i], -held[i], candidates[i].load, len(candidates[i].prefixes), i))
+        if held[best] and held[best] == max(held):
+            return candidates[best], "prefix"
+        return candidates[best], "backlog" if max(held) > held[best] else "least_loaded"
+
+    def _held(self, replica: Replica, hashes: list[bytes]) -> int:
+        """The chunks of the chain the replica holds, or 0 under the threshold's share."""
+        matched = replica.prefixes.match(hashes)
+        return matched if hashes and matched >= self.cache_threshold * len(hashes) else 0
 
 
 @dataclass
@@ -64,11 +77,13 @@ class LeastLoaded:
 
 
 def make_policy(name: str, cache_threshold: float = 0.5, balance_abs: int = 8,
-                balance_rel: float = 1.5) -> CacheAware | RoundRobin | LeastLoaded:
+                balance_rel: float = 1.5, decode_weight: float = 0.25) -> CacheAware | RoundRobin | LeastLoaded:
     if name == "cache_aware":
         if not 0 <= cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
-        return CacheAware(cache_threshold, balance_abs, balance_rel)
+        if decode_weight < 0:
+            raise ValueError(f"decode_weight must be >= 0, got {decode_weight}")
+        return CacheAware(cache_threshold, balance_abs, balance_rel, decode_weight)
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":

@@ -29,12 +29,21 @@ class Replica:
     healthy: bool = False  # until the first /health answers
     in_flight: int = 0    # requests the router has sent here and not finished
     waiting: int = 0      # the replica's own queue, from its /metrics at the last poll
+    prefilling: int = 0   # of in_flight, those whose answer has not begun: their prompts are being computed
+    backlog: int = 0      # the prompt chunks those requests brought that this replica was not known to hold
 
     @property
     def load(self) -> int:
         """What routing balances: the router's requests in flight here plus the replica's queue
         (which may hold requests from other clients of the replica)."""
         return self.in_flight + self.waiting
+
+    def route(self, hashes: list[bytes]) -> int:
+        """Record a prompt's chain as sent here; how many of its chunks this replica was not known
+        to hold (the part of the prompt it will compute)."""
+        uncached = len(hashes) - self.prefixes.match(hashes)
+        self.prefixes.insert(hashes)
+        return uncached
 
     def mark_down(self, why: str) -> None:
         if self.healthy:

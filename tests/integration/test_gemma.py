@@ -52,7 +52,7 @@ def test_logits_over_several_windows_match_transformers(tiny_gemma_models, arch,
     checkpoint = open_checkpoint(path)
     device = torch.device("cpu")
     model = load_model(checkpoint, 256, torch.float32, device, kernels=kernels)
-    backend = make_backend(backend_name, device, 16, checkpoint.config.head_dim, softcap=checkpoint.config.attn_softcap)
+    backend = make_backend(backend_name, device, 16, checkpoint.config.head_dim)
     assert backend.name == {"auto": "cpu"}.get(backend_name, backend_name)
     rng = random.Random(arch)
     tokens = [rng.randrange(2, 384) for _ in range(114)]

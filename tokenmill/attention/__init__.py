@@ -20,8 +20,7 @@ first position its queries see, so blocks before it (given back to the pool, the
 a scratch block) are never read.
 
 A layer may soft-cap its scores (Gemma 2, forward's `softcap`: s becomes c * tanh(s / c) before
-the softmax). The reference, torch and cpu backends do it; the Triton kernels do not and raise if
-asked, so on CUDA make_backend gives such a model the torch backend under "auto" and refuses "triton".
+the softmax); every backend does.
 
 Backends share that contract and differ in speed:
   * reference: per sequence, gather the context and call SDPA. Obvious; the oracle.
@@ -37,36 +36,25 @@ Backends share that contract and differ in speed:
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
-from tokenmill.attention.metadata import SOFTCAP_UNSUPPORTED, AttentionMetadata, write_kv
-
-logger = logging.getLogger(__name__)
+from tokenmill.attention.metadata import AttentionMetadata, write_kv
 
 __all__ = ["AttentionMetadata", "make_backend", "write_kv"]
 
 
 def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim: int = 64,
-                 dtype: torch.dtype = torch.float32, softcap: float | None = None):
+                 dtype: torch.dtype = torch.float32):
     """Pick an attention backend. "auto": the C++ kernel on a CPU (for float32 models, the only
     ones it takes), Triton on CUDA, and batched torch where those cannot be had (no compiler, no
-    triton, tile shapes Triton cannot take, another dtype on a CPU). A model that soft-caps its
-    attention scores (`softcap`, Gemma 2) gets batched torch instead of Triton under "auto" (the
-    Triton kernels do not cap; logged), and "triton" is refused for it."""
+    triton, tile shapes Triton cannot take, another dtype on a CPU)."""
     from tokenmill.attention.reference import ReferenceAttention
     from tokenmill.attention.torch_batched import TorchBatchedAttention
 
     if name == "reference":
         return ReferenceAttention()
-    if softcap is not None and name == "triton":
-        raise ValueError(SOFTCAP_UNSUPPORTED.format(name=name))
-    if softcap is not None and name == "auto" and device.type == "cuda":
-        logger.info("attention scores soft-capped at %s: the torch attention backend, which caps them (the Triton "
-                    "kernels do not)", softcap)
-        return TorchBatchedAttention()
     if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"attention_backend='cpu' runs float32 models on a CPU, not {dtype} on {device.type} "
                          "(use 'auto' or 'torch')")

@@ -14,9 +14,9 @@ prompt length several times slower than the next (2-3 s per 16,384-token step in
 process against 0.2 s once seen).
 
 A layer's sliding window bounds both loops: they start at the first key in the window, so
-blocks before it (given back to the pool) are never read. The kernels do not soft-cap scores
-(Gemma 2): make_backend gives such a model the torch backend on CUDA, and a capped layer here is an
-error.
+blocks before it (given back to the pool) are never read. A soft-capped layer (Gemma 2) turns each
+scaled score s into c * tanh(s / c) before the softmax; the cap is a compile-time switch, so an
+uncapped model's kernels carry no tanh.
 
 The torch reference (attention/reference.py) is what tests compare both with.
 """
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.metadata import SOFTCAP_UNSUPPORTED, AttentionMetadata, write_kv
+from tokenmill.attention.metadata import AttentionMetadata, write_kv
 
 
 # Triton compiles a kernel again for each new pattern of integer arguments equal to 1 or divisible
@@ -35,9 +35,11 @@ from tokenmill.attention.metadata import SOFTCAP_UNSUPPORTED, AttentionMetadata,
 # process each paid about a second of compiling.
 @triton.jit(do_not_specialize=["stride_table"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr, scale, window,
-                         stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh,
+                         softcap, stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot,
+                         stride_oh,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                         CAP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -63,6 +65,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr,
         k = tl.load(k_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # (BLOCK_N, D)
         v = tl.load(v_ptr + offset[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale         # (GP, BLOCK_N)
+        if CAP:
+            s = _soft_cap(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -81,6 +85,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr,
         row = (seq * G * tl.num_programs(1) + heads) * SPLITS + split
         tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
         tl.store(lse_ptr + row, lse, mask=g < G)
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), tanh written as 2 sigmoid(2x) - 1."""
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
 
 
 @triton.jit
@@ -111,10 +121,11 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: in
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, block_n: int = 64, num_splits: int = 1,
-                 out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, window: int | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     """q: (B, Hq, D), one query per sequence (its last position); caches (blocks, Hkv, bs, D).
     Writes into `out` (B, Hq, D) when given, a view of the step's output for a mixed step.
-    With a window, each query reads only its last `window` keys."""
+    With a window, each query reads only its last `window` keys; with a softcap, its scores are capped."""
     b, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -125,20 +136,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(b, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, scale, _window_arg(window),
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, scale, _window_arg(window), softcap or 1.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs,
-        BLOCK_N=max(block_n, bs), SPLITS=num_splits, PRECISION=_precision(q.dtype))
+        BLOCK_N=max(block_n, bs), SPLITS=num_splits, PRECISION=_precision(q.dtype), CAP=softcap is not None)
     if num_splits > 1:
         _merge_splits_kernel[(b, hq)](part, lse, out, hq, out.stride(0), out.stride(1), D=d, SPLITS=num_splits)
     return out
 
 
 @triton.jit(do_not_specialize=["first_seq", "stride_table"])
-def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale, window, first_seq,
-                          stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot, stride_oh,
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale, window, softcap,
+                          first_seq, stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot,
+                          stride_oh,
                           G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr):
     seq = first_seq + tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -168,6 +180,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
         offset = block * stride_kb + kv_head * stride_kh + (n % BS) * stride_kt   # (BLOCK_N,)
         k = tl.load(k_ptr + offset[None, :] + d[:, None], mask=keys[None, :], other=0.0)   # (D, BLOCK_N)
         s = tl.dot(q, k, input_precision=PRECISION) * scale                    # (BLOCK_M, BLOCK_N)
+        if CAP:
+            s = _soft_cap(s, softcap)
         seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(keys[None, :] & seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))   # finite from the first step on (see lo)
@@ -184,9 +198,9 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor, first: int = 0, block_m: int = 64, block_n: int = 64,
-                  window: int | None = None) -> None:
+                  window: int | None = None, softcap: float | None = None) -> None:
     """Causal attention of sequences first.. of the step (prompt chunks) into out (T, Hq, D), each
-    query over its last `window` keys when given."""
+    query over its last `window` keys when given, its scores capped at `softcap` when given."""
     if block_m > block_n:
         raise ValueError(f"block_m ({block_m}) must not exceed block_n ({block_n})")
     qsl = meta.query_start_loc_host
@@ -195,10 +209,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid = (meta.num_seqs - first, triton.cdiv(longest, block_m), hq)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale, _window_arg(window),
-        first,
+        softcap or 1.0, first,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1), G=hq // k_cache.shape[1], D=d,
-        BS=k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype))
+        BS=k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
+        CAP=softcap is not None)
 
 
 def _window_arg(window: int | None) -> int:
@@ -226,8 +241,6 @@ class TritonPagedAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if softcap is not None:
-            raise ValueError(SOFTCAP_UNSUPPORTED.format(name=self.name))
         write_kv(k, v, k_cache, v_cache, meta)
         b = meta.num_short
         if self.num_sms is None:
@@ -236,10 +249,10 @@ class TritonPagedAttention:
         splits = decode_splits(b, k_cache.shape[1], self.num_sms) if b else 1
         if b == meta.num_seqs:
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits,
-                                window=window)
+                                window=window, softcap=softcap)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if b:
             paged_decode(q[:b], k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], scale,
-                         num_splits=splits, out=out[:b], window=window)
-        paged_prefill(q, k_cache, v_cache, meta, scale, out, first=b, window=window)
+                         num_splits=splits, out=out[:b], window=window, softcap=softcap)
+        paged_prefill(q, k_cache, v_cache, meta, scale, out, first=b, window=window, softcap=softcap)
         return out

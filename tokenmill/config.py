@@ -51,6 +51,7 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token runs, scaled by a
                                           # sigmoid gate; 0: none
     dense_layers: tuple[int, ...] = ()    # layers with a dense MLP (ModelConfig.intermediate_size) instead
+    held_experts: tuple[int, int] | None = None  # a tensor-parallel rank's experts, [first, end); None: all
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_intermediate_size"):
@@ -63,6 +64,10 @@ class MoEConfig:
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` routes to experts (else it has a dense MLP)."""
         return layer not in self.dense_layers
+
+    def holds(self, expert: int) -> bool:
+        """Whether this process holds expert `expert`'s weights (all of them but under expert parallelism)."""
+        return self.held_experts is None or self.held_experts[0] <= expert < self.held_experts[1]
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,42 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_logprobs_within_1e_4(tiny_mo
         assert max_logprob_gap(one, two) < 1e-4
 
 
+@pytest.mark.parametrize("arch,qtype", [("qwen2_moe", None), ("qwen3_moe", "Q8_0")])
+def test_a_mixture_of_experts_on_two_ranks_holding_half_the_experts_each_gives_one_ranks_greedy_tokens(
+        tiny_moe_models, tiny_llama, tmp_path, arch, qtype) -> None:
+    """Expert parallelism: each rank builds only its 4 of the 8 experts (the others absent), the
+    router whole, Qwen2-MoE's dense layer 0 and shared expert cut as dense MLPs; from a Hugging Face
+    directory, and from a GGUF file whose merged expert tensors stay in their Q8_0 blocks. The same
+    greedy tokens as one rank, logprobs within 1e-4."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.models.loader import load_model, open_checkpoint
+    from tokenmill.models.moe import AbsentExpert
+    from tokenmill.models.parallel import TPShard
+    path = tiny_moe_models[arch]
+    if qtype is not None:
+        path = tmp_path / f"{arch}-{qtype}.gguf"
+        write_gguf_from_hf(AutoModelForCausalLM.from_pretrained(str(tiny_moe_models[arch]), dtype=torch.float32),
+                           path, qtype)
+    rank1 = load_model(open_checkpoint(path), 64, torch.float32, torch.device("cpu"), kernels="auto",
+                       shard=TPShard(1, 2), all_reduce=lambda t: t)
+    held = [not isinstance(e, AbsentExpert) for e in rank1.layers[1].mlp.inner.experts]
+    assert held == [False] * 4 + [True] * 4
+    results = {}
+    for size in (1, 2):
+        llm = LLM(str(path), tokenizer=str(tiny_llama) if qtype else None, tensor_parallel_size=size,
+                  **engine_options("recompute"))
+        try:
+            results[size] = workload(llm)
+        finally:
+            llm.engine.close()
+    for one, two in zip(results[1], results[2]):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        assert len(two.outputs[0].token_ids) == 20
+        assert max_logprob_gap(one, two) < 1e-4
+
+
 def test_a_model_whose_kv_heads_do_not_divide_by_the_size_is_refused_naming_the_counts(tiny_llama) -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's num_kv_heads = 2 "
                                          r"\(num_heads 6, num_kv_heads 2, intermediate_size 192\)"):

@@ -22,7 +22,7 @@ from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.moe import MOE_ARCHITECTURES
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix
-from tokenmill.models.parallel import TPShard, tensor_cut
+from tokenmill.models.parallel import TPShard, holds, tensor_cut
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +299,8 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
         rows = cut[2] if cut is not None and cut[0] == 0 else int(tensor.shape[1])
         cols = cut[2] if cut is not None and cut[0] == 1 else int(tensor.shape[0])
         for index, part in enumerate(_expert_names(name, tensor)):
+            if shard is not None and not holds(part, cfg, shard):  # another rank's expert
+                continue
             read = functools.partial(_block_rows, tensor, heads, kernels, index if merged else None, cut)
             out[part] = GGUFMatrix(tensor.tensor_type.name, rows, read, cols)
     if dequantized:

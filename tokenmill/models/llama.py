@@ -32,7 +32,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
-from tokenmill.models.moe import SparseMoeBlock, checkpoint_name
+from tokenmill.models.moe import AbsentExpert, SparseMoeBlock, checkpoint_name
 from tokenmill.models.ops import TorchOps
 
 
@@ -225,7 +225,8 @@ def feed_forward(cfg: ModelConfig, layer: int) -> MLP | SparseMoeBlock:
     moe = cfg.moe
     if moe is None or not moe.is_sparse(layer):
         return MLP(cfg.hidden_size, cfg.intermediate_size)
-    experts = [MLP(cfg.hidden_size, moe.expert_intermediate_size) for _ in range(moe.num_experts)]
+    experts = [MLP(cfg.hidden_size, moe.expert_intermediate_size) if moe.holds(e) else AbsentExpert()
+               for e in range(moe.num_experts)]
     shared = MLP(cfg.hidden_size, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else None
     return SparseMoeBlock(moe, cfg.hidden_size, experts, shared)
 

@@ -13,6 +13,11 @@ token chose is not read at all. The experts are the dense layers' SwiGLU modules
 fused into one matrix), built by the caller: on a CPU the loader packs them for the panel
 kernel like any other projection.
 
+Under tensor parallelism each rank holds a contiguous share of the experts (expert parallelism:
+whole experts, so a quantized file's blocks are never cut) and an AbsentExpert in place of the
+others; the rows routed to an absent expert count zero here, and the sum over the ranks (one
+all-reduce after the block, models/parallel.py) adds every expert's share once.
+
 While a CUDA graph is being captured the counts per expert cannot be read on the host, so each
 expert runs over every row, weighted by zero where it was not chosen: the same sums, slower.
 """
@@ -38,6 +43,10 @@ def checkpoint_name(name: str) -> str:
     for old, new in _MIXTRAL_NAMES.items():
         name = name.replace(old, new)
     return name
+
+
+class AbsentExpert(nn.Module):
+    """An expert another tensor-parallel rank holds: no weights here, nothing computed."""
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +104,10 @@ class SparseMoeBlock(nn.Module):
         start = 0
         for expert, count in zip(self.experts, counts):
             if count:
-                y[start:start + count] = expert.forward(rows[start:start + count], ops)  # (count, hidden)
+                if isinstance(expert, AbsentExpert):
+                    y[start:start + count] = 0
+                else:
+                    y[start:start + count] = expert.forward(rows[start:start + count], ops)  # (count, hidden)
                 start += count
         return torch.zeros_like(x).index_add_(0, tokens, self._scaled(y, weights.flatten()[order]))
 
@@ -103,6 +115,8 @@ class SparseMoeBlock(nn.Module):
         """Every expert over every row, weighted by zero where it was not chosen: no host sync."""
         out = torch.zeros_like(x)
         for index, expert in enumerate(self.experts):
+            if isinstance(expert, AbsentExpert):
+                continue
             chosen = (weights * (experts == index)).sum(dim=-1)          # (T,) this expert's weight, or 0
             out += self._scaled(expert.forward(x, ops), chosen)
         return out

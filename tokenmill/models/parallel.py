@@ -13,6 +13,11 @@ Megatron's split, one all-reduce per half-layer:
                              when tied) and computes those logits for the rows that sample; rank 0
                              gathers the slices (distributed.gather_logits), where sampling runs
 
+A mixture of experts is split by experts instead (expert parallelism): rank r holds whole experts
+[r E / N, (r + 1) E / N) and every rank the router; each computes the routed rows of its own
+experts, and one all-reduce after the block sums the ranks' shares. A shared expert is cut as a
+dense MLP is (its columns, then its input columns), and joins the same sum.
+
 A rank's model is the plain LlamaForCausalLM built from `local_config` (its head and intermediate
 counts divided by N) with its vocabulary rows in place of the table and the head (`shard_vocab`),
 fed weights that `shard_weights` cut from the full checkpoint tensors (a GGUF file's projections kept
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.models.moe import SparseMoeBlock, checkpoint_name
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the ranks, in place; returns it
 
@@ -61,35 +67,44 @@ class TPShard:
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """Refuse a model that N ranks cannot split evenly, naming the counts; a mixture of experts,
-    whose experts are not sharded; and an encoder, which runs on one rank."""
+    """Refuse a model that N ranks cannot split evenly, naming the counts; and an encoder, which
+    runs on one rank."""
     if cfg.encoder is not None and size > 1:
         raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture} is an encoder, which runs on one rank; "
                          "use tensor_parallel_size 1")
-    if cfg.moe is not None and size > 1:
-        raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture} is a mixture-of-experts model, and "
-                         "sharding its experts over ranks is not implemented; use tensor_parallel_size 1")
-    bad = [f"{name} = {value}" for name, value in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                                                  ("intermediate_size", cfg.intermediate_size)) if value % size]
-    if bad:
+    counts = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)]
+    moe = cfg.moe
+    if moe is None or any(not moe.is_sparse(layer) for layer in range(cfg.num_layers)):
+        counts.append(("intermediate_size", cfg.intermediate_size))
+    if moe is not None:
+        counts += [("num_experts", moe.num_experts)] + (
+            [("shared_expert_intermediate_size", moe.shared_expert_intermediate_size)]
+            if moe.shared_expert_intermediate_size else [])
+    if bad := [f"{name} = {value}" for name, value in counts if value % size]:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's {', '.join(bad)} "
-                         f"(num_heads {cfg.num_heads}, num_kv_heads {cfg.num_kv_heads}, intermediate_size "
-                         f"{cfg.intermediate_size}); pick a size that divides all three")
+                         f"({', '.join(f'{name} {value}' for name, value in counts)}); pick a size that "
+                         "divides them all")
 
 
 def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
-    """The config a rank's model is built from: its heads and intermediate slice (the vocabulary
-    stays whole: shard_vocab cuts it)."""
+    """The config a rank's model is built from: its heads, intermediate slice and experts (the
+    vocabulary stays whole: shard_vocab cuts it)."""
     check_divisible(cfg, shard.size)
+    moe = cfg.moe
+    if moe is not None:
+        first, count = shard.split(moe.num_experts)
+        moe = dataclasses.replace(moe, held_experts=(first, first + count),
+                                  shared_expert_intermediate_size=moe.shared_expert_intermediate_size // shard.size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // shard.size,
                                num_kv_heads=cfg.num_kv_heads // shard.size,
-                               intermediate_size=cfg.intermediate_size // shard.size)
+                               intermediate_size=cfg.intermediate_size // shard.size, moe=moe)
 
 
 # Checkpoint names (after "model.") and how each is cut: columns of a fused output, or input columns.
 _COLUMN_HEADS = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv"}
-_COLUMN_MLP = ("mlp.gate_proj", "mlp.up_proj")
-_ROW_PARALLEL = {"self_attn.o_proj": "q", "mlp.down_proj": "mlp"}
+_COLUMN_MLP = {"mlp.gate_proj": "mlp", "mlp.up_proj": "mlp", "mlp.shared_expert.gate_proj": "shared",
+               "mlp.shared_expert.up_proj": "shared"}
+_ROW_PARALLEL = {"self_attn.o_proj": "q", "mlp.down_proj": "mlp", "mlp.shared_expert.down_proj": "shared"}
 
 
 def tensor_cut(name: str, cfg: ModelConfig, shard: TPShard) -> tuple[int, int, int] | None:
@@ -98,12 +113,11 @@ def tensor_cut(name: str, cfg: ModelConfig, shard: TPShard) -> tuple[int, int, i
     (row-parallel); None for a tensor every rank holds whole (norms)."""
     name = name.removeprefix("model.")
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    sizes = {"q": q_size, "kv": kv_size, "mlp": cfg.intermediate_size}
-    for part, kind in _COLUMN_HEADS.items():
+    shared = cfg.moe.shared_expert_intermediate_size if cfg.moe is not None else 0
+    sizes = {"q": q_size, "kv": kv_size, "mlp": cfg.intermediate_size, "shared": shared}
+    for part, kind in (_COLUMN_HEADS | _COLUMN_MLP).items():
         if f"{part}." in name:
             return 0, *shard.split(sizes[kind])                        # weight rows and bias
-    if any(f"{part}." in name for part in _COLUMN_MLP):
-        return 0, *shard.split(cfg.intermediate_size)
     for part, kind in _ROW_PARALLEL.items():
         if f"{part}." in name:
             return 1, *shard.split(sizes[kind])                        # input columns (no bias in these models)
@@ -111,6 +125,16 @@ def tensor_cut(name: str, cfg: ModelConfig, shard: TPShard) -> tuple[int, int, i
         start, end = shard.vocab_range(cfg.vocab_size)
         return 0, start, end - start
     return None
+
+
+def holds(name: str, cfg: ModelConfig, shard: TPShard) -> bool:
+    """Whether this rank holds checkpoint tensor `name` at all: a routed expert's only on the rank
+    whose share of the experts has it (local_config), everything else on every rank."""
+    name = checkpoint_name(name)
+    if cfg.moe is None or ".mlp.experts." not in name:
+        return True
+    first, count = shard.split(cfg.moe.num_experts)
+    return first <= int(name.split(".mlp.experts.")[1].split(".")[0]) < first + count
 
 
 def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, shard: TPShard) -> torch.Tensor:
@@ -121,9 +145,10 @@ def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, shard: TPSha
 
 def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
                   shard: TPShard) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors cut for this rank (shard_tensor)."""
+    """The checkpoint's tensors this rank holds (holds), cut for it (shard_tensor)."""
     for name, tensor in weights:
-        yield name, shard_tensor(name, tensor, cfg, shard)
+        if holds(name, cfg, shard):
+            yield name, shard_tensor(name, tensor, cfg, shard)
 
 
 class RowParallel(nn.Module):
@@ -166,11 +191,27 @@ def shard_vocab(model: nn.Module, cfg: ModelConfig, shard: TPShard, all_reduce: 
         model.lm_head = nn.Linear(cfg.hidden_size, end - start, bias=False)
 
 
+class ExpertParallel(nn.Module):
+    """A mixture-of-experts block whose rank computes its own experts' share: summed over the ranks."""
+
+    def __init__(self, inner: SparseMoeBlock, all_reduce: AllReduce) -> None:
+        super().__init__()
+        self.inner = inner
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.all_reduce(self.inner.forward(x, ops))
+
+
 def parallelize(model: nn.Module, all_reduce: AllReduce) -> None:
     """After loading and packing: o_proj and down_proj become row-parallel (their packed form kept
-    inside). The one-call fused layers (cpu_packing.fuse_layers) are dropped, since the sums fall
-    inside a layer; the Python layers run the same kernels."""
+    inside), a mixture-of-experts block sums once over the ranks. The one-call fused layers
+    (cpu_packing.fuse_layers) are dropped, since the sums fall inside a layer; the Python layers
+    run the same kernels."""
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, all_reduce)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, all_reduce)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp = ExpertParallel(layer.mlp, all_reduce)
+        else:
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, all_reduce)
     model.fused_layers, model.fused_stack = None, None

@@ -4,7 +4,6 @@ the replicas' prefix-cache hit rate and the clients' time to first token.
     python benchmarks/router_prefix.py [--tiny] [--policies cache_aware round_robin] [--groups 16]
                                        [--per-group 4] [--prefix-words 500] [--concurrency 4] [--repeats 1]
                                        [--serve-arg=--num-threads=1 ...] [--router-arg=--policy-option ...]
-                                       [--router-checkout DIR]
 
 The workload: `--groups` documents of `--prefix-words` words each (seeded pseudo-English), and
 for each `--per-group` chat requests whose system message is the document and whose user
@@ -13,9 +12,9 @@ a time, streamed, greedy, `--max-tokens` each. Each policy gets fresh replicas (
 a router of its own, all on 127.0.0.1; one warm-up request per replica goes straight to it
 first. The hit rate is the replicas' vllm:prefix_cache_hits over vllm:prefix_cache_queries (prompt
 tokens) during the run; TTFT is measured by the client, from sending the request to the first
-event that carries text. With `--router-checkout`, each policy runs a second time with the router
-of that checkout (the replicas stay this tree's), so two versions of a policy compare in one run.
-Results are printed and written to benchmarks/results/router_prefix.json.
+event that carries text. A policy written POLICY@DIR runs the router of the checkout DIR (a
+worktree of another commit; the replicas stay this tree's), so two versions of a policy compare in
+one run. Results are printed and written to benchmarks/results/router_prefix.json.
 """
 
 from __future__ import annotations
@@ -64,8 +63,10 @@ def free_port() -> int:
 
 
 def start(command: list[str], log: Path, checkout: Path = HERE) -> subprocess.Popen:
+    """`tokenmill COMMAND` from `checkout`'s sources (its directory is the working directory, which
+    `python -m` puts first on the import path)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", *command], cwd=HERE,
+    return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", *command], cwd=checkout,
                             env=env, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
@@ -131,7 +132,11 @@ async def drive(url: str, requests: list[tuple[int, list[dict]]], args: argparse
         return await asyncio.gather(*(run(g, m) for g, m in requests))
 
 
-def run_policy(policy: str, args: argparse.Namespace, model: list[str], logs: Path, checkout: Path = HERE) -> dict:
+def run_policy(variant: str, args: argparse.Namespace, model: list[str], logs: Path) -> dict:
+    """One run of the workload behind a fresh router and fresh replicas; `variant` is a policy,
+    or POLICY@DIR for the router of checkout DIR."""
+    policy, _, other = variant.partition("@")
+    checkout = Path(other).resolve() if other else HERE
     ports = [free_port(), free_port()]
     replicas = [f"http://127.0.0.1:{p}" for p in ports]
     procs = [start(["serve", *model, "--port", str(p), *args.serve_arg], logs / f"router_prefix_serve{i}.log")
@@ -163,8 +168,8 @@ def run_policy(policy: str, args: argparse.Namespace, model: list[str], logs: Pa
                 proc.kill()
     ttfts = sorted(t for _, t, _ in results)
     groups_split = sum(len({r for g2, _, r in results if g2 == g}) > 1 for g in range(args.groups))
-    label = policy if checkout == HERE else f"{policy} @{checkout.name}"
-    return {"policy": label, "requests": len(results), "hit_rate": (hits1 - hits0) / max(queries1 - queries0, 1),
+    return {"policy": variant if checkout == HERE else f"{policy}@{checkout.name}", "requests": len(results),
+            "hit_rate": (hits1 - hits0) / max(queries1 - queries0, 1),
             "prompt_tokens": queries1 - queries0, "hit_tokens": hits1 - hits0,
             "ttft_mean_ms": statistics.mean(ttfts) * 1e3, "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1e3,
             "ttft_p90_ms": ttfts[int(len(ttfts) * 0.9)] * 1e3, "ttft_max_ms": ttfts[-1] * 1e3, "wall_s": wall,
@@ -175,7 +180,8 @@ def run_policy(policy: str, args: argparse.Namespace, model: list[str], logs: Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny random llama instead of the default model")
-    parser.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
+    parser.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"],
+                        help="the policies to run in turn; POLICY@DIR: with the router of checkout DIR")
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--per-group", type=int, default=4)
     parser.add_argument("--prefix-words", type=int, default=500)
@@ -184,8 +190,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve-arg", action="append", default=[], help="an option for both replicas (repeat)")
     parser.add_argument("--router-arg", action="append", default=[], help="an option for the router (repeat)")
-    parser.add_argument("--router-checkout", type=Path, default=None,
-                        help="also run each policy with the router of this checkout (a worktree of another commit)")
     parser.add_argument("--repeats", type=int, default=1, help="run the policies in turn this many times")
     parser.add_argument("--output", type=Path, default=HERE / "benchmarks" / "results" / "router_prefix.json")
     args = parser.parse_args()
@@ -201,9 +205,7 @@ def main() -> None:
           f"shared system message, concurrency {args.concurrency}, max_tokens {args.max_tokens}, "
           f"model {'tiny llama' if args.tiny else 'default'}, replica options {args.serve_arg or 'none'}, "
           f"router options {args.router_arg or 'none'}; process logs in {logs}\n")
-    checkouts = [HERE] + ([args.router_checkout.resolve()] if args.router_checkout else [])
-    rows = [run_policy(policy, args, model, logs, checkout)
-            for _ in range(args.repeats) for policy in args.policies for checkout in checkouts]
+    rows = [run_policy(variant, args, model, logs) for _ in range(args.repeats) for variant in args.policies]
     print(f"{'policy':24s} {'hit rate':>8s} {'TTFT mean':>10s} {'p50':>8s} {'p90':>8s} {'max':>8s} {'wall s':>7s} "
           f"{'per replica':>12s} {'groups split':>13s}")
     for r in rows:

@@ -1,6 +1,8 @@
-"""GGUF files as llama.cpp writes them: the model config from the metadata, the tensors under
-Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted from llama.cpp's
-rotary layout, merged expert tensors split into one matrix per expert), and on the CPU the
+"""GGUF files as llama.cpp writes them: the model config from the metadata (with llama.cpp's own
+defaults and derivations where the file is silent, as for Gemma's sliding layers and score scale),
+the tensors under Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted
+from llama.cpp's rotary layout, merged expert tensors split into one matrix per expert; Gemma's
+norms as the converter wrote them, 1 + w, which is how the model holds them), and on the CPU the
 projections kept in their quantized blocks for the panel kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs),
 a tensor-parallel rank's part of each cut from the file's blocks on block boundaries.
@@ -45,9 +47,9 @@ _GGUF_NAMES = {
     "ffn_gate_exps": "mlp.experts.{}.gate_proj", "ffn_up_exps": "mlp.experts.{}.up_proj",
     "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
-# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP, as for Llama, but
-# Hugging Face names that one pre_feedforward_layernorm here, post_attention_layernorm being the
-# norm of the attention's output
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP, as for Llama, which
+# Gemma's Hugging Face names call pre_feedforward_layernorm (its post_attention_layernorm is the norm
+# of the attention's output, llama.cpp's post_attention_norm)
 _GEMMA_GGUF_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # what the end of a turn is spelled as in a vocabulary, found by its text as llama.cpp finds it

@@ -198,8 +198,12 @@ _GGUF_LAYER_NAMES = {
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP, as for Llama
+_GEMMA_GGUF_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "pre_feedforward_layernorm": "ffn_norm",
+                           "post_attention_layernorm": "post_attention_norm",
+                           "post_feedforward_layernorm": "post_ffw_norm"}
 # transformers' model_type -> llama.cpp's architecture (Mixtral: a llama with experts)
-_GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
 
 
 def _gguf_metadata(w, c, head_dim: int) -> None:
@@ -232,6 +236,47 @@ def _gguf_metadata(w, c, head_dim: int) -> None:
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
 
 
+def _gemma_gguf_metadata(w, c) -> None:
+    """The hyperparameters convert_hf_to_gguf.py's Gemma2Model and Gemma3Model write for config `c`:
+    no query_pre_attn_scalar (llama.cpp derives the scale from head_dim), Gemma 2 no rope base and
+    its soft caps, Gemma 3 its global layers' rope base and linear scaling and its sliding layers'
+    base (rope.freq_base_swa)."""
+    from gguf import RopeScalingType
+    for add, value in ((w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
+                       (w.add_block_count, c.num_hidden_layers), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_key_length, c.head_dim),
+                       (w.add_value_length, c.head_dim), (w.add_sliding_window, c.sliding_window)):
+        add(value)
+    if c.model_type == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+        return
+    full, local = c.rope_parameters["full_attention"], c.rope_parameters["sliding_attention"]
+    w.add_rope_freq_base(full["rope_theta"])
+    w.add_rope_freq_base_swa(local["rope_theta"])
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    if c.final_logit_softcapping:
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+
+
+def _gguf_vocabulary(w, tokens: list[str], chat_template: str | None) -> None:
+    """A sentencepiece vocabulary as llama.cpp's converter writes Gemma's: `tokens` (with "<bos>",
+    "<eos>", "<unk>" and "<pad>" among them), "<...>" tokens marked control, the template."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    w.add_token_types([3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens])
+    for name in ("bos", "eos", "unk", "pad"):
+        getattr(w, f"add_{name}_token_id")(tokens.index(f"<{name}>"))
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+
 def _gguf_tensors(state: dict, c) -> list[tuple[str, str, object]]:
     """(our name in `state`, GGUF name, numpy array) of each tensor to write; a transformers model's
     merged experts (E, 2I, H) gate_up and (E, H, I) down become ffn_gate_exps, ffn_up_exps and
@@ -253,19 +298,22 @@ def _gguf_tensors(state: dict, c) -> list[tuple[str, str, object]]:
         gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}.get(name)
         if gguf_name is None:
-            gguf_name = f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+            names = _GEMMA_GGUF_LAYER_NAMES if c.model_type in ("gemma2", "gemma3_text") else _GGUF_LAYER_NAMES
+            gguf_name = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
         data = tensor.numpy()
         out.append((name, gguf_name, data.reshape(-1) if ".shared_expert_gate." in name else data))  # a vector
     return out
 
 
-def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bool = True) -> None:
+def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bool = True,
+                       tokens: list[str] | None = None, chat_template: str | None = None) -> None:
     """Write a transformers model as llama.cpp's convert_hf_to_gguf.py does (its metadata, llama's
     and Mixtral's q/k rows and biases permuted for interleaved rotary pairs, YaRN rope scaling,
     experts merged into one tensor per projection, or with `merged_experts` False one tensor per
-    expert, blk.L.ffn_gate.E.weight, as older Mixtral files have them), matrices in `qtype` (F32,
-    F16, a type gguf quantizes to, or Q4_K by quantize_q4_k); then put the dequantized values back
-    into `model`, which becomes the oracle for the file."""
+    expert, blk.L.ffn_gate.E.weight, as older Mixtral files have them; Gemma's norms w written as
+    1 + w, its tied head left out), matrices in `qtype` (F32, F16, a type gguf quantizes to, or Q4_K
+    by quantize_q4_k), with `tokens` a sentencepiece vocabulary and the chat template; then put the
+    dequantized values back into `model`, which becomes the oracle for the file."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -274,7 +322,13 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
     c = model.config
     arch, heads, kv_heads = _GGUF_ARCHS.get(c.model_type, c.model_type), c.num_attention_heads, c.num_key_value_heads
     w = GGUFWriter(str(path), arch)
-    _gguf_metadata(w, c, getattr(c, "head_dim", None) or c.hidden_size // heads)
+    gemma = c.model_type in ("gemma2", "gemma3_text")
+    if gemma:
+        _gemma_gguf_metadata(w, c)
+    else:
+        _gguf_metadata(w, c, getattr(c, "head_dim", None) or c.hidden_size // heads)
+    if tokens is not None:
+        _gguf_vocabulary(w, tokens, chat_template)
 
     def permute(a, n: int, inverse: bool = False):
         if arch != "llama":
@@ -303,6 +357,9 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
             data = permute(data, heads_of)
         if "_exps." in gguf_name and not merged_experts:
             values = np.stack([write(gguf_name.replace("_exps.", f".{e}."), d) for e, d in enumerate(data)])
+        elif gemma and name.endswith("norm.weight"):  # the converter adds Gemma's 1 to w
+            write(gguf_name, data + 1)
+            values = data
         else:
             values = write(gguf_name, data)
         values_of[name] = permute(values, heads_of, inverse=True) if heads_of else values

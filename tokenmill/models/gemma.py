@@ -6,8 +6,9 @@ projections and loading they reuse.
 What differs from a Llama layer, as transformers' modeling_gemma2.py and modeling_gemma3.py have it:
 
     embeddings      multiplied by sqrt(hidden_size), that factor first rounded to the model's dtype
-    RMSNorm         scales by (1 + w): the checkpoint's w is stored here as 1 + w (computed in
-                    float32, then cast to the model's dtype), so every norm runs as a plain RMSNorm
+    RMSNorm         scales by (1 + w): the weights arrive as 1 + w, so every norm runs as a plain
+                    RMSNorm (loader.hf_unfused adds the 1 to a Hugging Face checkpoint's w, in
+                    float32; llama.cpp's converter has added it to a GGUF file's)
     layer           four norms, around both blocks ("sandwich"):
                         x = x + post_attention_norm(attn(input_norm(x)))
                         x = x + post_feedforward_norm(mlp(pre_feedforward_norm(x)))
@@ -29,8 +30,6 @@ layers run in Python around the packed projections.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -103,9 +102,3 @@ class GemmaForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """As the Llama model's, with every RMSNorm's w stored as 1 + w (computed in float32)."""
-        super().load_weights((name, tensor.float() + 1 if name.endswith("norm.weight") else tensor)
-                             for name, tensor in weights)

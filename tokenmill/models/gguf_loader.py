@@ -1,6 +1,8 @@
-"""GGUF files as llama.cpp writes them: the model config from the metadata, the tensors under
-Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted from llama.cpp's
-rotary layout, merged expert tensors split into one matrix per expert), and on the CPU the
+"""GGUF files as llama.cpp writes them: the model config from the metadata (with llama.cpp's own
+defaults and derivations where the file is silent, as for Gemma's sliding layers and score scale),
+the tensors under Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted
+from llama.cpp's rotary layout, merged expert tensors split into one matrix per expert; Gemma's
+norms as the converter wrote them, 1 + w, which is how the model holds them), and on the CPU the
 projections kept in their quantized blocks for the panel kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs),
 a tensor-parallel rank's part of each cut from the file's blocks on block boundaries.
@@ -20,6 +22,7 @@ import torch
 
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.host_memory import read_only_tensor
+from tokenmill.models.gemma import GEMMA_ARCHITECTURES
 from tokenmill.models.moe import MOE_ARCHITECTURES
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix
 from tokenmill.models.parallel import TPShard, holds, tensor_cut
@@ -27,7 +30,7 @@ from tokenmill.models.parallel import TPShard, holds, tensor_cut
 logger = logging.getLogger(__name__)
 
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-              "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+              "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 # whether llama.cpp renormalises each MoE architecture's top-k weights, where a file does not say
 # (expert_weights_norm): as the transformers models do for Mixtral and for Qwen3-MoE's released configs
 _GGUF_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
@@ -44,6 +47,16 @@ _GGUF_NAMES = {
     "ffn_gate_exps": "mlp.experts.{}.gate_proj", "ffn_up_exps": "mlp.experts.{}.up_proj",
     "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the norm before the MLP, as for Llama, which
+# Gemma's Hugging Face names call pre_feedforward_layernorm (its post_attention_layernorm is the norm
+# of the attention's output, llama.cpp's post_attention_norm)
+_GEMMA_GGUF_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# what the end of a turn is spelled as in a vocabulary, found by its text as llama.cpp finds it
+# (the converter writes only <eos> as the file's end of generation)
+_END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>"}
+# tensor name prefixes of what a text model has no use for: a vision tower and its projector, audio
+_MULTIMODAL_PREFIXES = ("v.", "mm.", "a.")
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -88,18 +101,75 @@ def _gguf_moe(meta, arch: str, reader) -> MoEConfig:
                      shared_expert_intermediate_size=widths.get("ffn_gate_shexp", 0), dense_layers=dense)
 
 
+# Gemma's 27B models, which llama.cpp knows by their layer count: their scores are scaled by
+# (hidden / heads) ** -0.5 rather than head_dim ** -0.5 (query_pre_attn_scalar is not in the file)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def _gguf_gemma(meta, arch: str, hidden: int, heads: int, head_dim: int, layers: int) -> dict:
+    """The ModelConfig fields of a Gemma 2 or Gemma 3 GGUF file beyond the Llama family's, as
+    llama.cpp reads them (llama-model.cpp, load_hparams):
+
+        sliding layers  all but every 2nd (Gemma 2) or every 6th (Gemma 3) from the first, or as the
+                        file's attention.sliding_window_pattern says (a period, or a flag per layer);
+                        the window attention.sliding_window (Gemma 2: 4096 where absent; Gemma 3:
+                        no sliding layers where absent)
+        score scale     head_dim ** -0.5, but (hidden / heads) ** -0.5 for the 27B models
+        soft caps       Gemma 2: attn_logit_softcapping and final_logit_softcapping (50 and 30
+                        where absent); Gemma 3: no cap on scores, on the logits only where the file
+                        has final_logit_softcapping
+        rope            Gemma 3's sliding layers rotate with rope.freq_base_swa (10000 where
+                        absent), unscaled; the global ones with rope.freq_base and its scaling
+    """
+    window = meta("attention.sliding_window", 4096 if arch == "gemma2" else 0)
+    pattern = meta("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"GGUF attention.sliding_window_pattern names {len(pattern)} layers, "
+                             f"block_count is {layers}")
+        slides = [bool(flag) for flag in pattern]
+    else:  # llama.cpp's period: layer i slides unless it is the last of each run of `pattern`
+        slides = [pattern == 0 or (i + 1) % pattern != 0 for i in range(layers)]
+    windows = tuple(window if slide else None for slide in slides) if window else ()
+    if not any(w is not None for w in windows):
+        windows = ()
+    gemma2 = arch == "gemma2"
+    return dict(
+        layer_windows=windows,
+        query_pre_attn_scalar=hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim,
+        attn_softcap=meta("attn_logit_softcapping", 50.0) if gemma2 else None,
+        final_softcap=meta("final_logit_softcapping", 30.0 if gemma2 else None),
+        local_rope_theta=meta("rope.freq_base_swa", 10000.0) if not gemma2 and windows else None)
+
+
+def _token_id(reader, text: str) -> int | None:
+    """The id of the token spelled `text` in the file's vocabulary, or None."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return None
+    spelled = text.encode()
+    pieces = (field.parts[part] for part in field.data)  # each token's bytes; the lengths compared first
+    return next((i for i, piece in enumerate(pieces) if len(piece) == len(spelled) and piece.tobytes() == spelled),
+                None)
+
+
 def gguf_model_config(reader) -> ModelConfig:
     name = _gguf_field(reader, "general.architecture")
     if name not in GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {name!r} (supported: {', '.join(GGUF_ARCHS)})")
+        hint = " (a multimodal projector, mmproj, file: give the language model's file)" if name == "clip" else ""
+        raise ValueError(f"unsupported GGUF architecture {name!r}{hint} (supported: {', '.join(GGUF_ARCHS)})")
+    if towers := sorted({t.name.split(".")[0] for t in reader.tensors if t.name.startswith(_MULTIMODAL_PREFIXES)}):
+        raise ValueError(f"unsupported GGUF {name} variant: vision or audio tensors "
+                         f"({', '.join(f'{p}.*' for p in towers)}) beside the language model (text only)")
 
     def meta(key, default=None):
         return _gguf_field(reader, f"{name}.{key}", default)
     arch = "mixtral" if name == "llama" and meta("expert_count") else GGUF_ARCHS[name]
-    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    hidden, heads, layers = meta("embedding_length"), meta("attention.head_count"), meta("block_count")
     scaling = _gguf_rope_scaling(meta)
     tensor_names = {t.name for t in reader.tensors}
     moe = _gguf_moe(meta, arch, reader) if arch in MOE_ARCHITECTURES else None
+    head_dim = meta("attention.key_length") or hidden // heads
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp keeps its rope scaling as a divisor per frequency
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors",
@@ -107,14 +177,16 @@ def gguf_model_config(reader) -> ModelConfig:
     vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     # end of generation, as llama.cpp has it: <|eot_id|> and <|eom_id|> end a Llama 3 turn even
     # where the file's eos is <|end_of_text|>
-    ends = (_gguf_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom"))
+    ends = [_gguf_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    if arch in _END_OF_TURN:  # Gemma's <end_of_turn>, which the file does not name
+        ends.append(_token_id(reader, _END_OF_TURN[arch]))
     eos_ids = tuple(dict.fromkeys(int(t) for t in ends if t is not None))
-    return ModelConfig(
+    gemma = _gguf_gemma(meta, arch, hidden, heads, head_dim, layers) if arch in GEMMA_ARCHITECTURES else {}
+    return ModelConfig(**dict(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=meta("feed_forward_length") or (moe.expert_intermediate_size if moe else 0),
-        num_layers=meta("block_count"),
-        num_heads=heads, num_kv_heads=meta("attention.head_count_kv") or heads,
-        head_dim=meta("attention.key_length") or hidden // heads,
+        num_layers=layers,
+        num_heads=heads, num_kv_heads=meta("attention.head_count_kv") or heads, head_dim=head_dim,
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=meta("rope.freq_base", 10000.0), rope_scaling=scaling,
         max_position_embeddings=meta("context_length", 2048),
@@ -122,7 +194,7 @@ def gguf_model_config(reader) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm=arch != "olmoe" and "blk.0.attn_q_norm.weight" in tensor_names, qk_norm_whole=arch == "olmoe",
         moe=moe, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids)
+        eos_token_ids=eos_ids) | gemma)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -142,7 +214,8 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
     heads = 0
     if cfg.architecture in ("llama", "mistral", "mixtral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
         heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
-    return f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
+    names = _GEMMA_GGUF_NAMES if cfg.architecture in GEMMA_ARCHITECTURES else _GGUF_NAMES
+    return f"model.layers.{layer}.{names[kind]}.{suffix}", heads
 
 
 def _expert_names(name: str, tensor) -> list[str]:

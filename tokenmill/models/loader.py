@@ -1,8 +1,8 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
 the Llama family, Phi-3, Gemma 2, Gemma 3 (text; of a multimodal checkpoint, its language model),
 and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
-and GGUF files (gguf_loader.py: llama/qwen2/qwen3 architectures and the MoE ones; on the CPU
-their quantized projections stay as blocks, for the panel kernel to decode).
+and GGUF files (gguf_loader.py: llama/qwen2/qwen3, gemma2/gemma3 (text) and the MoE
+architectures; on the CPU their quantized projections stay as blocks, for the panel kernel to decode).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
 model has one loading routine. The tokenizer and chat template come through
@@ -255,15 +255,19 @@ _VISION_NAMES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.
 def hf_unfused(weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors under the separate names the model loads: Phi-3's fused qkv_proj and
     gate_up_proj split into q/k/v and gate/up; with partial rotary, q and k rows put in the order
-    our rotation pairs them (partial_rotary_order); a multimodal Gemma 3's language model alone."""
+    our rotation pairs them (partial_rotary_order); a multimodal Gemma 3's language model alone;
+    Gemma's RMSNorm weights w as the 1 + w its norms scale by (in float32), as a GGUF file has them."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else None
+    gemma = cfg.architecture in GEMMA_ARCHITECTURES
     for name, tensor in weights:
         if name.startswith(_VISION_NAMES):
             continue
         prefix = next((p for p in _LANGUAGE_MODEL_NAMES if name.startswith(p)), None)
         if prefix is not None:
             name = _LANGUAGE_MODEL_NAMES[prefix] + name.removeprefix(prefix)
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor.float() + 1
         if ".qkv_proj." in name:
             parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]))
         elif ".gate_up_proj." in name:

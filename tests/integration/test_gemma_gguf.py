@@ -79,7 +79,7 @@ def test_an_f32_file_gives_transformers_logits_over_several_windows(gemma_dirs, 
         ref = oracle(torch.tensor([tokens])).logits[0]
     for backend_name, kernels in (("reference", "torch"), ("auto", "auto")):
         model = load_model(checkpoint, 128, torch.float32, torch.device("cpu"), kernels=kernels)
-        backend = make_backend(backend_name, torch.device("cpu"), 16, cfg.head_dim, softcap=cfg.attn_softcap)
+        backend = make_backend(backend_name, torch.device("cpu"), 16, cfg.head_dim)
         got = stepwise_logits(model, cfg, backend, tokens, 40, ((0, 13), (13, 26), (26, 40), (40, 41)))
         assert rel_err(got, ref) <= 1e-4, f"{kernels}: {rel_err(got, ref):.2e}"
 
@@ -123,8 +123,7 @@ def test_a_q8_0_file_keeps_its_projections_in_blocks_and_gives_its_values_logits
             assert isinstance(projection, PackedLinear) and projection.format == q8_0, name
     assert model.packed_lm_head.format == q8_0 and isinstance(model.embed_tokens, GGUFEmbedding)
     tokens = [random.Random(7).randrange(2, 384) for _ in range(30)]
-    backend = make_backend("auto", torch.device("cpu"), 16, checkpoint.config.head_dim,
-                           softcap=checkpoint.config.attn_softcap)
+    backend = make_backend("auto", torch.device("cpu"), 16, checkpoint.config.head_dim)
     got = stepwise_logits(model, checkpoint.config, backend, tokens, 28, ((0, 28), (28, 29), (29, 30)))
     with torch.no_grad():
         ref = oracle(torch.tensor([tokens])).logits[0]

@@ -106,12 +106,12 @@ def test_cache_aware_sends_a_prompt_past_a_prefix_holder_with_more_prompt_work_q
     document = chunk_hashes("d" * (8 * CHUNK_CHARS) + "question one")
     sent(policy, [a, b], document)
     question = chunk_hashes("d" * (8 * CHUNK_CHARS) + "q" * (2 * CHUNK_CHARS))  # a holds 8 of its 10 chunks
-    a.in_flight, a.prefilling, a.backlog = 2, 2, 7
-    assert policy.choose([a, b], question) == (a, "prefix")     # wait 7 + 2 against b's 10
-    a.backlog = 8
+    a.in_flight, a.prefilling, a.backlog = 2, 2, 15
+    assert policy.choose([a, b], question) == (a, "prefix")     # wait 15 + 2 against b's 10 + 8 held by a
+    a.backlog = 16
     assert policy.choose([a, b], question) == (a, "prefix")     # a tie: the longer match wins
-    a.backlog = 9
-    assert policy.choose([a, b], question) == (b, "backlog")    # 11 against 10
+    a.backlog = 17
+    assert policy.choose([a, b], question) == (b, "backlog")    # 19 against 18
 
 
 def test_cache_aware_goes_to_the_least_loaded_when_loads_are_uneven():

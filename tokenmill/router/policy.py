@@ -5,8 +5,9 @@ records the prompt's chain in the chosen replica's prefix set (Replica.route).
     cache_aware   SGLang's cache-aware policy, with prompt work instead of request counts while
                   loads are even: each candidate's wait is the prompt chunks already queued there
                   (Replica.backlog), plus the chunks of this prompt it does not hold (a match
-                  under `cache_threshold` of the chain counts as none), plus `decode_weight`
-                  chunks for each request it is decoding; the least wait wins, then the longest
+                  under `cache_threshold` of the chain counts as none), counted twice where
+                  another candidate holds them, plus `decode_weight` chunks for each request it
+                  is decoding; the least wait wins, then the longest
                   match, the lower load and the fewest prefixes. Its reason: "prefix" when the
                   winner holds the longest match, "backlog" when a replica holding more of the
                   prompt was too busy, else "least_loaded". When loads are uneven (the most
@@ -17,7 +18,9 @@ records the prompt's chain in the chosen replica's prefix set (Replica.route).
 
 Counting prompt chunks rather than requests is what keeps a shared prefix's replica from taking
 request after request while its neighbour idles: a replica with two documents still to prefill
-is busier than one decoding four short answers, whatever their counts say.
+is busier than one decoding four short answers, whatever their counts say. A prefix computed
+again elsewhere counts twice because the cluster pays for it twice: the time of the replica that
+recomputes it is taken from the requests that come after.
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ class CacheAware:
         if high - low.load > self.balance_abs and high > self.balance_rel * low.load:
             return low, "balance"
         held = [self._held(r, hashes) for r in candidates]
-        wait = [r.backlog + len(hashes) - h + self.decode_weight * (r.in_flight - r.prefilling)
+        most = max(held)
+        wait = [r.backlog + len(hashes) - h + (most - h) + self.decode_weight * (r.in_flight - r.prefilling)
                 for r, h in zip(candidates, held)]
         best = min(range(len(candidates)),
                    key=lambda i: (wait[i], -held[i], candidates[i].load, len(candidates[i].prefixes), i))
-        if held[best] and held[best] == max(held):
+        if held[best] and held[best] == most:
             return candidates[best], "prefix"
-        return candidates[best], "backlog" if max(held) > held[best] else "least_loaded"
+        return candidates[best], "backlog" if most > held[best] else "least_loaded"
 
     def _held(self, replica: Replica, hashes: list[bytes]) -> int:
         """The chunks of the chain the replica holds, or 0 under the threshold's share."""

@@ -117,6 +117,9 @@ class ModelConfig:
     attn_softcap: float | None = None  # Gemma 2: attention scores s become c * tanh(s / c) before the softmax
     final_softcap: float | None = None  # Gemma 2: the same cap on the output logits
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base, unscaled (None: as global)
+    o_proj_bias: bool = False          # gpt-oss: a bias on the attention's output projection too
+    attention_sinks: bool = False      # gpt-oss: a learned logit per query head (self_attn.sinks) joins
+                                       # each softmax's denominator, taking mass but adding no value
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -10,6 +10,8 @@ import torch
 # What a backend without soft-capped scores says when handed a capped layer (never uncapped output).
 SOFTCAP_UNSUPPORTED = ("the {name} attention backend does not soft-cap attention scores (attn_logit_softcapping): "
                        "use attention_backend 'auto' (torch on CUDA), 'torch' or 'reference' for this model")
+SINKS_UNSUPPORTED = ("the {name} attention backend has no attention sinks (gpt-oss's self_attn.sinks): use "
+                     "attention_backend 'auto' (torch on CUDA), 'torch' or 'reference' for this model")
 
 
 @dataclass

@@ -15,8 +15,8 @@ process against 0.2 s once seen).
 
 A layer's sliding window bounds both loops: they start at the first key in the window, so
 blocks before it (given back to the pool) are never read. The kernels do not soft-cap scores
-(Gemma 2): make_backend gives such a model the torch backend on CUDA, and a capped layer here is an
-error.
+(Gemma 2) nor have attention sinks (gpt-oss): make_backend gives such a model the torch backend on
+CUDA, and a capped layer or one with sinks here is an error.
 
 The torch reference (attention/reference.py) is what tests compare both with.
 """
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.metadata import SOFTCAP_UNSUPPORTED, AttentionMetadata, write_kv
+from tokenmill.attention.metadata import SINKS_UNSUPPORTED, SOFTCAP_UNSUPPORTED, AttentionMetadata, write_kv
 
 
 # Triton compiles a kernel again for each new pattern of integer arguments equal to 1 or divisible
@@ -225,9 +225,12 @@ class TritonPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if softcap is not None:
             raise ValueError(SOFTCAP_UNSUPPORTED.format(name=self.name))
+        if sinks is not None:
+            raise ValueError(SINKS_UNSUPPORTED.format(name=self.name))
         write_kv(k, v, k_cache, v_cache, meta)
         b = meta.num_short
         if self.num_sms is None:

@@ -51,11 +51,20 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token runs, scaled by a
                                           # sigmoid gate; 0: none
     dense_layers: tuple[int, ...] = ()    # layers with a dense MLP (ModelConfig.intermediate_size) instead
+    router_bias: bool = False             # gpt-oss: the router's linear layer has a bias
+    softmax_after_topk: bool = False      # gpt-oss: the k largest logits, softmax over those k alone
+                                          # (else softmax over every expert, then the k most probable)
+    swiglu_limit: float | None = None     # gpt-oss: experts with biases and a clamped SwiGLU
+                                          # (moe.ClampedSwiGLU), gate clamped above and up both
+                                          # ways at this; None: plain SwiGLU experts without biases
+    swiglu_alpha: float = 1.702           # gpt-oss: the gain of that SwiGLU's sigmoid
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"model config: swiglu_limit must be positive or None, got {self.swiglu_limit}")
         if self.top_k > self.num_experts:
             raise ValueError(f"model config: num_experts_per_tok ({self.top_k}) exceeds num_experts "
                              f"({self.num_experts})")

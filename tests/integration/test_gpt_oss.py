@@ -73,26 +73,33 @@ def test_the_config_reads_as_transformers_builds_the_model(tiny_gpt_oss):
     assert isinstance(block, SparseMoeBlock) and all(isinstance(e, ClampedSwiGLU) for e in block.experts)
 
 
+@pytest.fixture(scope="module")
+def oracle_logits(tiny_gpt_oss) -> tuple[list[int], torch.Tensor]:
+    """73 tokens and transformers' logits at each of them, checked to be far from its logits with
+    the clamp moved out of reach (the clamp bites in this model)."""
+    rng = random.Random(1)
+    tokens = [rng.randrange(2, 384) for _ in range(73)]
+    with torch.no_grad():
+        ref = hf_model(tiny_gpt_oss)(torch.tensor([tokens])).logits[0]
+        unclamped = hf_model(tiny_gpt_oss, swiglu_limit=1000.0)(torch.tensor([tokens])).logits[0]
+    assert rel_err(unclamped, ref) > 1e-2
+    return tokens, ref
+
+
 @pytest.mark.parametrize("backend_name, kernels", [("reference", "torch"), ("torch", "auto"), ("auto", "auto")])
-def test_logits_over_several_windows_match_transformers(tiny_gpt_oss, backend_name, kernels):
+def test_logits_over_several_windows_match_transformers(tiny_gpt_oss, oracle_logits, backend_name, kernels):
     """A 70-token prompt (about six windows) in chunks of 30, 25 and 15, then decodes, one step
     each: every position's logits as transformers', by the torch ops or the packed projections,
-    through the reference, torch and C++ kernel ("auto") attention backends; and far from the
-    oracle's with the clamp moved out of reach."""
+    through the reference, torch and C++ kernel ("auto") attention backends."""
     checkpoint = open_checkpoint(tiny_gpt_oss)
     device = torch.device("cpu")
     model = load_model(checkpoint, 256, torch.float32, device, kernels=kernels)
     backend = make_backend(backend_name, device, 16, checkpoint.config.head_dim, sinks=True)
     assert backend.name == {"auto": "cpu"}.get(backend_name, backend_name)
-    rng = random.Random(1)
-    tokens = [rng.randrange(2, 384) for _ in range(73)]
+    tokens, ref = oracle_logits
     got = stepwise_logits(model, checkpoint.config, backend, tokens, 70,
                           ((0, 30), (30, 55), (55, 70), (70, 71), (71, 72), (72, 73)))
-    with torch.no_grad():
-        ref = hf_model(tiny_gpt_oss)(torch.tensor([tokens])).logits[0]
-        unclamped = hf_model(tiny_gpt_oss, swiglu_limit=1000.0)(torch.tensor([tokens])).logits[0]
     assert rel_err(got, ref) <= 1e-4, f"{rel_err(got, ref):.2e}"
-    assert rel_err(unclamped, ref) > 1e-2
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

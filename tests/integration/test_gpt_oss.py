@@ -27,7 +27,7 @@ TINY_GPT_OSS = dict(vocab_size=384, hidden_size=64, intermediate_size=64, num_hi
                     initializer_range=0.2,
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 256,
-                                     "rope_theta": 150000.0})
+                                     "rope_theta": 50000.0})
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_the_config_reads_as_transformers_builds_the_model(tiny_gpt_oss):
     assert config.layer_windows == (12, None, 12)
     assert config.attention_sinks and config.attention_bias and config.o_proj_bias
     assert config.rope_scaling["rope_type"] == "yarn" and config.rope_scaling["truncate"] is False
-    assert config.rope_theta == 150000.0
+    assert config.rope_theta == 50000.0
     moe = config.moe
     assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size) == (6, 2, 64)
     assert moe.router_bias and moe.softmax_after_topk and (moe.swiglu_limit, moe.swiglu_alpha) == (2.0, 1.702)
@@ -177,6 +177,15 @@ def test_mxfp4_experts_load_as_the_weights_their_blocks_encode(tiny_gpt_oss, tmp
     out = LLM(str(fp4_dir), num_kv_blocks=8).generate([{"prompt_token_ids": prompt}],
                                                       SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf_model(float_dir), prompt, 8)
+
+
+def test_rope_left_out_of_config_json_is_transformers_yarn_default(tiny_gpt_oss, tmp_path):
+    config = open_checkpoint(copy_model(tiny_gpt_oss, tmp_path / "no_rope", rope_parameters=None)).config
+    assert config.rope_theta == 150000.0
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": False, "original_max_position_embeddings": 4096}
+    hf = GptOssConfig.from_pretrained(str(tmp_path / "no_rope"))
+    assert hf.rope_parameters == {**config.rope_scaling, "rope_theta": config.rope_theta}
 
 
 @pytest.mark.parametrize("change, named", [

@@ -36,9 +36,10 @@ from tokenmill.config import MoEConfig
 # transformers' defaults (GptOssConfig) for what a config.json may leave out
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "rms_norm_eps": 1e-5, "attention_bias": True,
                     "max_position_embeddings": 131072, "num_experts_per_tok": 4, "swiglu_limit": 7.0,
-                    "swiglu_alpha": 1.702, "rope_theta": 150000.0}
+                    "swiglu_alpha": 1.702}
 GPT_OSS_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                         "original_max_position_embeddings": 4096}
+GPT_OSS_DEFAULT_THETA = 150000.0
 
 # The 16 values of an FP4 E2M1 code (sign bit, 2 exponent bits, 1 mantissa bit)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -46,10 +47,13 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 
 def gpt_oss_config(cfg: dict) -> dict:
     """A gpt-oss config.json with transformers' defaults filled in (rope: YaRN over a 4,096-token
-    original context, theta 150,000)."""
+    original context; theta 150,000 where neither config.json's top level nor its rope_parameters
+    name one)."""
     cfg = {**GPT_OSS_DEFAULTS, **cfg}
     if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
-        cfg["rope_parameters"] = {**GPT_OSS_DEFAULT_ROPE, "rope_theta": cfg["rope_theta"]}
+        cfg["rope_parameters"] = dict(GPT_OSS_DEFAULT_ROPE)
+    if cfg.get("rope_theta") is None and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+        cfg["rope_theta"] = GPT_OSS_DEFAULT_THETA
     return cfg
 
 

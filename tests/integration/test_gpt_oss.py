@@ -20,6 +20,7 @@ from tokenmill.attention import make_backend
 from tokenmill.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from tokenmill.models.loader import load_model, open_checkpoint
 from tokenmill.models.moe import ClampedSwiGLU, SparseMoeBlock
+from tokenmill.models.packed_linear import PackedLinear
 
 TINY_GPT_OSS = dict(vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=32, num_local_experts=6, num_experts_per_tok=2, sliding_window=12,
@@ -68,9 +69,13 @@ def test_the_config_reads_as_transformers_builds_the_model(tiny_gpt_oss):
     moe = config.moe
     assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size) == (6, 2, 64)
     assert moe.router_bias and moe.softmax_after_topk and (moe.swiglu_limit, moe.swiglu_alpha) == (2.0, 1.702)
-    model = load_model(open_checkpoint(tiny_gpt_oss), 64, torch.float32, torch.device("cpu"), kernels="torch")
+    model = load_model(open_checkpoint(tiny_gpt_oss), 64, torch.float32, torch.device("cpu"), kernels="auto")
     block = model.layers[0].mlp
     assert isinstance(block, SparseMoeBlock) and all(isinstance(e, ClampedSwiGLU) for e in block.experts)
+    # on the CPU kernels' path the experts' projections and the router are packed in panels, biases and all
+    packed = [block.gate, block.experts[5].gate_up_proj, block.experts[5].down_proj, model.layers[2].self_attn.o_proj]
+    assert all(isinstance(m, PackedLinear) and m.panels is not None and m.bias is not None for m in packed)
+    assert model.fused_stack is None  # the one-call C++ layers are dense Llama layers only
 
 
 @pytest.fixture(scope="module")

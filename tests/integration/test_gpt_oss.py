@@ -158,8 +158,8 @@ def test_mxfp4_codes_decode_low_nibble_first_times_the_block_scale():
 def test_mxfp4_experts_load_as_the_weights_their_blocks_encode(tiny_gpt_oss, tmp_path):
     """The tiny model's expert matrices written as a released checkpoint has them (MXFP4 blocks and
     scales in the (out, in) layout, quantization_config mxfp4) load as the float checkpoint holding
-    the values those codes decode to, every parameter equal; that float model generates as
-    transformers does."""
+    the values those codes decode to, every parameter equal; transformers, loading the MXFP4
+    directory itself (dequantized, without Triton), holds those values too and generates as we do."""
     tensors = load_file(str(tiny_gpt_oss / "model.safetensors"))
     fused = ("experts.gate_up_proj", "experts.down_proj")
     decoded, quantized = dict(tensors), {k: v for k, v in tensors.items() if not k.endswith(fused)}
@@ -181,7 +181,10 @@ def test_mxfp4_experts_load_as_the_weights_their_blocks_encode(tiny_gpt_oss, tmp
     prompt = [random.Random(9).randrange(2, 384) for _ in range(30)]
     out = LLM(str(fp4_dir), num_kv_blocks=8).generate([{"prompt_token_ids": prompt}],
                                                       SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-    assert out[0].outputs[0].token_ids == hf_greedy(hf_model(float_dir), prompt, 8)
+    hf = hf_model(fp4_dir)
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(hf.model.layers[1].mlp.experts, name), decoded[f"model.layers.1.mlp.experts.{name}"])
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
 
 
 def test_rope_left_out_of_config_json_is_transformers_yarn_default(tiny_gpt_oss, tmp_path):

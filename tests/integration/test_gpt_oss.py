@@ -210,3 +210,8 @@ def test_a_quantized_checkpoint_of_another_model_is_refused_by_name(tiny_gpt_oss
     path = copy_model(tiny_gpt_oss, tmp_path / "gptq", model_type="llama", quantization_config={"quant_method": "gptq"})
     with pytest.raises(ValueError, match="quant_method 'gptq' for llama"):
         open_checkpoint(path)
+
+
+def test_tensor_parallelism_is_refused_naming_the_sinks(tiny_gpt_oss):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: gpt_oss's attention sinks and o_proj bias"):
+        LLM(str(tiny_gpt_oss), tensor_parallel_size=2)

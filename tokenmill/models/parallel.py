@@ -62,10 +62,14 @@ class TPShard:
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
     """Refuse a model that N ranks cannot split evenly, naming the counts; a mixture of experts,
-    whose experts are not sharded; and an encoder, which runs on one rank."""
+    whose experts are not sharded; an encoder, which runs on one rank; and attention sinks or an
+    o_proj bias (gpt-oss), which are not split over ranks."""
     if cfg.encoder is not None and size > 1:
         raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture} is an encoder, which runs on one rank; "
                          "use tensor_parallel_size 1")
+    if (cfg.attention_sinks or cfg.o_proj_bias) and size > 1:  # gpt-oss: neither is cut or summed per rank
+        raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture}'s attention sinks and o_proj bias are not "
+                         "split over ranks; use tensor_parallel_size 1")
     if cfg.moe is not None and size > 1:
         raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture} is a mixture-of-experts model, and "
                          "sharding its experts over ranks is not implemented; use tensor_parallel_size 1")

@@ -52,11 +52,20 @@ class MoEConfig:
                                           # sigmoid gate; 0: none
     dense_layers: tuple[int, ...] = ()    # layers with a dense MLP (ModelConfig.intermediate_size) instead
     held_experts: tuple[int, int] | None = None  # a tensor-parallel rank's experts, [first, end); None: all
+    router_bias: bool = False             # gpt-oss: the router's linear layer has a bias
+    softmax_after_topk: bool = False      # gpt-oss: the k largest logits, softmax over those k alone
+                                          # (else softmax over every expert, then the k most probable)
+    swiglu_limit: float | None = None     # gpt-oss: experts with biases and a clamped SwiGLU
+                                          # (moe.ClampedSwiGLU), gate clamped above and up both
+                                          # ways at this; None: plain SwiGLU experts without biases
+    swiglu_alpha: float = 1.702           # gpt-oss: the gain of that SwiGLU's sigmoid
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"model config: swiglu_limit must be positive or None, got {self.swiglu_limit}")
         if self.top_k > self.num_experts:
             raise ValueError(f"model config: num_experts_per_tok ({self.top_k}) exceeds num_experts "
                              f"({self.num_experts})")
@@ -122,6 +131,9 @@ class ModelConfig:
     attn_softcap: float | None = None  # Gemma 2: attention scores s become c * tanh(s / c) before the softmax
     final_softcap: float | None = None  # Gemma 2: the same cap on the output logits
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base, unscaled (None: as global)
+    o_proj_bias: bool = False          # gpt-oss: a bias on the attention's output projection too
+    attention_sinks: bool = False      # gpt-oss: a learned logit per query head (self_attn.sinks) joins
+                                       # each softmax's denominator, taking mass but adding no value
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -60,7 +60,7 @@ def _to(meta: AttentionMetadata, device) -> AttentionMetadata:
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
-def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None, softcap=None):
+def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None, softcap=None, sinks=None):
     slots = meta.slot_block * BS + meta.slot_offset
     k_cache, v_cache = by_slot(k_cache).double(), by_slot(v_cache).double()
     k_cache[slots] = k.double()
@@ -77,7 +77,10 @@ def dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, scale, window=None, 
                 scores = keys[seen, h // group] @ q[t, h].double() * scale
                 if softcap is not None:
                     scores = (scores / softcap).tanh() * softcap
-                out[t, h] = scores.softmax(0) @ values[seen, h // group]
+                if sinks is not None:  # one more logit in the softmax, its probability dropped
+                    out[t, h] = torch.cat([scores, sinks[h:h + 1].double()]).softmax(0)[:-1] @ values[seen, h // group]
+                else:
+                    out[t, h] = scores.softmax(0) @ values[seen, h // group]
     return out
 
 
@@ -405,3 +408,56 @@ def test_soft_capped_scores_match_the_dense_oracle(backend_name, window, case, d
     out = backend.forward(*(x.to(device) for x in (q, k, v, k_cache, v_cache)), _to(meta, device), 0.5, window, 1.5)
     assert torch.allclose(out.cpu().double(), expected, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(uncapped, expected, rtol=1e-2, atol=1e-2)
+
+
+SINK_CASES = {**CASES, "long_decodes": ([1, 1], [400, 700])}  # contexts the C++ kernel splits in parts
+
+
+@pytest.mark.parametrize("backend_name, case, d", [
+    *[(name, case, D) for name in ("reference", "torch", "cpu") for case in ("decodes_only", "long_decodes", "mixed")],
+    ("cpu", "long_chunks", 32)])
+@pytest.mark.parametrize("window", [None, 16])
+def test_attention_sinks_match_the_dense_oracle(backend_name, window, case, d):
+    """gpt-oss's sinks: each query head's logit joins its softmax denominator and adds no value, so
+    out = sum_j e^s_j v_j / (sum_j e^s_j + e^sink); in decodes (the C++ kernel's parts merged or
+    not) and prompt chunks (its row-by-row passes and, at head size 32 without a window, its tile
+    products), with and without a window; the sinks change the result at these values."""
+    backend = make_backend(backend_name, torch.device("cpu"), block_size=BS, head_dim=d, sinks=True)
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(*SINK_CASES[case], seed=5, d=d)
+    sinks = torch.linspace(-1.0, 9.0, HQ)  # up to where they outweigh several hundred keys
+    expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.5, window, sinks=sinks)
+    if getattr(backend, "short_query_max", 0) < 1:
+        meta.num_short = meta.num_short_tokens = 0
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.5, window, None, sinks)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+    without = backend.forward(q, k, v, k_cache, v_cache, meta, 0.5, window)
+    assert not torch.allclose(without, out, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("case,d", [("long_decodes", D), ("long_chunks", 32), ("mixed", 64)])
+def test_cpu_kernel_with_sinks_matches_the_reference_backend(case, d):
+    """The C++ kernel's sinks against the reference backend's on the same pool, a float16 pool
+    included: a sink far above every score takes nearly all the mass (outputs near 0), one far
+    below none of it."""
+    reference, cpu = make_backend("reference", torch.device("cpu"), sinks=True), make_backend(
+        "cpu", torch.device("cpu"), block_size=BS, head_dim=d, sinks=True)
+    sinks = torch.tensor([-30.0, 0.0, 1.0, 2.5, 30.0, 80.0])
+    for dtype in (torch.float32, torch.float16):
+        q, k, v, k_cache, v_cache, meta, _ = build_case(*SINK_CASES[case], seed=7, d=d)
+        k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+        want = reference.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5, None, None, sinks)
+        got = cpu.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5, None, None, sinks)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert got[:, 5].abs().max() < 1e-20 and got[:, 0].abs().max() > 0.05
+
+
+def test_a_model_with_sinks_gets_a_backend_that_has_them_and_triton_refuses_them(caplog):
+    """As for soft-capped scores: the C++ kernel has sinks, so "auto" on a CPU keeps it; on CUDA
+    "auto" picks batched torch, saying so; "triton" is refused by name."""
+    cpu = torch.device("cpu")
+    assert make_backend("auto", cpu, sinks=True).name == "cpu"
+    with caplog.at_level("INFO", logger="tokenmill.attention"):
+        assert make_backend("auto", torch.device("cuda"), sinks=True).name == "torch"
+    assert "attention sinks" in caplog.text
+    with pytest.raises(ValueError, match="the triton attention backend has no attention sinks"):
+        make_backend("triton", cpu, sinks=True)

@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.config import MoEConfig
 from tokenmill.models.llama import MLP
-from tokenmill.models.moe import SparseMoeBlock, checkpoint_name, route
+from tokenmill.models.moe import ClampedSwiGLU, SparseMoeBlock, checkpoint_name, route
 from tokenmill.models.ops import TorchOps
 
 HIDDEN, WIDTH, SHARED = 64, 32, 48
@@ -99,3 +99,37 @@ def test_the_path_for_cuda_graph_capture_gives_the_grouped_paths_sums():
         grouped = block._routed_experts(x, weights, experts, TorchOps())
         every = block._every_expert(x, weights, experts, TorchOps())
     torch.testing.assert_close(every, grouped, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_routes_by_a_softmax_over_the_top_k_logits():
+    """The k largest logits, then a softmax over those k alone (not over every expert)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    weights, experts = route(logits, 2, False, softmax_after_topk=True)
+    assert experts.tolist() == [[3, 2]] and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, torch.softmax(torch.tensor([[3.0, 2.0]]), dim=-1))
+
+
+def test_gpt_oss_experts_grouped_equal_a_loop_over_tokens_with_the_clamped_swiglu():
+    """Router with a bias, softmax after top-k, experts with biases: the grouped block against
+    token-by-token arithmetic written out, gate clamped above and up both ways at the limit."""
+    torch.manual_seed(1)
+    limit, alpha = 1.5, 1.702
+    cfg = MoEConfig(6, 2, WIDTH, False, router_bias=True, softmax_after_topk=True, swiglu_limit=limit)
+    block = SparseMoeBlock(cfg, HIDDEN, [ClampedSwiGLU(HIDDEN, WIDTH, limit, alpha) for _ in range(6)])
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(23, HIDDEN)
+    want = torch.zeros_like(x)
+    with torch.no_grad():
+        got = block.forward(x, TorchOps())
+        for t in range(x.shape[0]):
+            top = (x[t] @ block.gate.weight.T + block.gate.bias).topk(2)
+            for w, e in zip(torch.softmax(top.values, 0).tolist(), top.indices.tolist()):
+                expert = block.experts[e]
+                gate_up = expert.gate_up_proj.weight @ x[t] + expert.gate_up_proj.bias
+                gate, up = gate_up[:WIDTH].clamp(max=limit), gate_up[WIDTH:].clamp(-limit, limit)
+                want[t] += w * (expert.down_proj.weight @ ((up + 1) * gate * torch.sigmoid(alpha * gate))
+                                 + expert.down_proj.bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (block.experts[0].gate_up_proj(x)[:, :WIDTH] > limit).any()  # the clamp bites at these weights

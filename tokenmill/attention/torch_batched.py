@@ -3,7 +3,8 @@
 memory bandwidth: cheap on a GPU, expensive on a CPU (where the C++ kernel reads the pool
 in place). Prompt chunks go one by one through the reference path. A layer with a sliding
 window gathers only the blocks its window spans (`windowed_decode`); one with soft-capped scores
-(Gemma 2) has them capped in both paths (reference.attention).
+(Gemma 2) has them capped, and one with attention sinks (gpt-oss) has them in its softmax, in both
+paths (reference.attention).
 
 The padding reads slots past each sequence's end; they are masked out, but a NaN there
 would still poison the product with V, so this backend asks for a zero-initialised pool
@@ -25,19 +26,21 @@ class TorchBatchedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         b = meta.num_short
         if b:
             decode = batched_decode if window is None else windowed_decode
-            out[:b] = decode(q[:b], k_cache, v_cache, meta, scale, window, softcap)
-        attend_sequences(q, k_cache, v_cache, meta, scale, out, first=b, window=window, softcap=softcap)
+            out[:b] = decode(q[:b], k_cache, v_cache, meta, scale, window, softcap, sinks)
+        attend_sequences(q, k_cache, v_cache, meta, scale, out, first=b, window=window, softcap=softcap, sinks=sinks)
         return out
 
 
 def batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                   scale: float, window: None = None, softcap: float | None = None) -> torch.Tensor:
+                   scale: float, window: None = None, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence (its last position) over the whole context, for the first B =
     q.shape[0] sequences. q: (B, Hq, D); returns (B, Hq, D)."""
     b, bs = q.shape[0], meta.block_size
@@ -48,12 +51,13 @@ def batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     keys = k_cache[tables].transpose(1, 2).reshape(shape).to(q.dtype)
     values = v_cache[tables].transpose(1, 2).reshape(shape).to(q.dtype)
     mask = torch.arange(num_blocks * bs, device=q.device) < meta.seq_lens[:b].unsqueeze(1)  # (B, L)
-    attn = attention(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap)  # (B, Hq, 1, D)
+    attn = attention(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap, sinks)  # (B, Hq, 1, D)
     return attn.squeeze(2)
 
 
 def windowed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, window: int, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over the last `window` positions of its context (itself included).
     Each sequence's gather starts at the block holding its first position in the window, so the
     blocks read are as many as the window spans, whatever the context's length:
@@ -77,5 +81,5 @@ def windowed_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     keep = mask[:, None, :, None]
     keys = k_cache[tables].transpose(1, 2).reshape(shape).to(q.dtype).masked_fill(~keep, 0)  # (B, Hkv, L, D)
     values = v_cache[tables].transpose(1, 2).reshape(shape).to(q.dtype).masked_fill(~keep, 0)
-    attn = attention(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap)  # (B, Hq, 1, D)
+    attn = attention(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap, sinks)  # (B, Hq, 1, D)
     return attn.squeeze(2)

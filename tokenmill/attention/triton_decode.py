@@ -16,7 +16,8 @@ process against 0.2 s once seen).
 A layer's sliding window bounds both loops: they start at the first key in the window, so
 blocks before it (given back to the pool) are never read. A soft-capped layer (Gemma 2) turns each
 scaled score s into c * tanh(s / c) before the softmax; the cap is a compile-time switch, so an
-uncapped model's kernels carry no tanh.
+uncapped model's kernels carry no tanh. The kernels have no attention sinks (gpt-oss): make_backend
+gives such a model the torch backend on CUDA, and a layer with sinks here is an error.
 
 The torch reference (attention/reference.py) is what tests compare both with.
 """
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.metadata import AttentionMetadata, write_kv
+from tokenmill.attention.metadata import SINKS_UNSUPPORTED, AttentionMetadata, write_kv
 
 
 # Triton compiles a kernel again for each new pattern of integer arguments equal to 1 or divisible
@@ -240,7 +241,10 @@ class TritonPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError(SINKS_UNSUPPORTED.format(name=self.name))
         write_kv(k, v, k_cache, v_cache, meta)
         b = meta.num_short
         if self.num_sms is None:

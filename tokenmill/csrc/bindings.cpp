@@ -15,7 +15,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("write_kv", &write_kv, "Store a step's K/V into the block pool");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight");
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");

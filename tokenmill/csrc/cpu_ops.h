@@ -21,7 +21,8 @@
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,
-                              torch::Tensor seq_lens, double scale, int64_t window, double softcap = 0.0);
+                              torch::Tensor seq_lens, double scale, int64_t window, double softcap = 0.0,
+                              c10::optional<torch::Tensor> sinks = c10::nullopt);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_block, torch::Tensor slot_offset);
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,

@@ -41,6 +41,9 @@
 //   softcap      c > 0: each score s becomes c * tanh(s / c) before the softmax (Gemma 2); 0: none.
 //                Applied to a row of scores between the two passes, so a capped step takes the
 //                row-by-row passes, never prompt_tile_gemm (whose scores never sit in a row)
+//   sinks        (Hq,) float32 or undefined: a learned logit per query head (gpt-oss) that joins each
+//                row's softmax denominator as one more score, taking probability mass but adding no
+//                value: out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m))
 // Query j of sequence b sits at position seq_lens[b] - qlen + j and sees positions 0..itself, or
 // with a window only the last `window` of those: reading starts at the block holding the first
 // key the tile's first query sees (blocks before it may have been given back to the pool).
@@ -301,10 +304,10 @@ struct PromptScratch {
 // Attention of query rows r = j * G + g (token j of the tile, head g of the kv head's group) over
 // the keys of one kv head: row r sees the first last_len - (nt - 1 - j) keys. q(j, g) and out(j, g)
 // point at a row's query and output; head_run(p0) at the (block_size, D) run of keys p0.. (or of
-// values, values = true).
+// values, values = true). sinks: the G heads' sink logits (see above), or nullptr for none.
 template <typename KV, typename Q, typename O, typename Run>
 void prompt_tile_gemm(int64_t nt, int64_t G, int64_t D, int64_t last_len, int64_t block_size, float scale, Q q,
-                      O out, Run head_run, PromptScratch& s) {
+                      O out, Run head_run, const float* sinks, PromptScratch& s) {
   const int64_t R = nt * G, RP = (R + 15) / 16 * 16, num_panels = RP / 16;
   const int64_t keys_rounded = (last_len + block_size - 1) / block_size * block_size;
   s.qt.assign(RP * D, 0.0f);
@@ -356,6 +359,11 @@ void prompt_tile_gemm(int64_t nt, int64_t G, int64_t D, int64_t last_len, int64_
       vsum = _mm256_add_ps(vsum, e);
     }
     _mm256_storeu_ps(&s.sums[c0], vsum);
+    if (sinks != nullptr) {  // each row's sink joins its denominator, scaled by the row's max as the rest
+      alignas(32) float row_max[8];
+      _mm256_store_ps(row_max, vmax);
+      for (int64_t c = 0; c < 8 && c0 + c < R; ++c) s.sums[c0 + c] += std::exp(sinks[(c0 + c) % G] - row_max[c]);
+    }
   }
   for (int64_t p0 = 0; p0 < last_len; p0 += block_size) {  // pass 2
     const int64_t n = std::min(block_size, last_len - p0);
@@ -401,7 +409,8 @@ constexpr int64_t kParallelWriteTokens = 8;  // write_kv splits keys and values 
 template <typename KV>
 torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor block_tables, torch::Tensor query_start,
-                                   torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+                                   torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+                                   const float* sinks) {
   TM_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
   TM_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
            "paged_attention: the pool and block tables must be contiguous");
@@ -548,7 +557,8 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
           prompt_tile_gemm<KV>(
               nt, G, D, last_len, block_size, fscale, [&](int64_t j, int64_t g) { return query(j, h * G + g); },
               [&](int64_t j, int64_t g) { return op + ((t0 + j) * Hq + (h0 + h) * G + g) * D; },
-              [&](int64_t p0, bool values) { return (values ? vp : kp) + head_base(p0, h); }, prompt_scratch);
+              [&](int64_t p0, bool values) { return (values ? vp : kp) + head_base(p0, h); },
+              sinks == nullptr ? nullptr : sinks + (h0 + h) * G, prompt_scratch);
         }
         continue;
       }
@@ -602,19 +612,21 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
       for (int64_t j = 0; j < nt; ++j) {
         float* oh = op + ((t0 + j) * Hq + h0 * G) * D;
         for (int64_t g = 0; g < HG; ++g) {
-          const float inv = 1.0f / sums[j * HG + g];
+          const float sink = sinks == nullptr ? 0.0f : std::exp(sinks[h0 * G + g] - maxes[j * HG + g]);
+          const float inv = 1.0f / (sums[j * HG + g] + sink);
           for (int64_t d = 0; d < D; ++d) oh[g * D + d] = acc[(j * HG + g) * D + d] * inv;
         }
       }
     }
   });
-  if (split) {  // out = sum_p e^(m_p - m) acc_p / sum_p e^(m_p - m) s_p, m the largest m_p
+  if (split) {  // out = sum_p e^(m_p - m) acc_p / (sum_p e^(m_p - m) s_p + e^(sink - m)), m the largest m_p
     for (int64_t item = 0; item < num_items;) {
       const int64_t tile = item_tile[item], parts = tile_parts[tile];
       float* oh = op + tile_start[tile] * Hq * D;
       for (int64_t g = 0; g < Hq; ++g) {
         float m = -std::numeric_limits<float>::infinity(), denom = 0.0f;
         for (int64_t p = item; p < item + parts; ++p) m = std::max(m, part_max[p * Hq + g]);
+        if (sinks != nullptr) denom = std::exp(sinks[g] - m);
         std::fill(oh + g * D, oh + (g + 1) * D, 0.0f);
         for (int64_t p = item; p < item + parts; ++p) {
           const float w = std::exp(part_max[p * Hq + g] - m);
@@ -633,16 +645,22 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor query_start,
-                              torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+                              torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+                              c10::optional<torch::Tensor> sinks) {
   TM_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
   TM_CHECK(softcap >= 0, "paged_attention: softcap must be 0 (none) or positive");
+  TM_CHECK(!sinks.has_value() || (sinks->dtype() == torch::kFloat32 && sinks->dim() == 1 &&
+                                  sinks->size(0) == q.size(1) && sinks->is_contiguous()),
+           "paged_attention: sinks must be a contiguous float32 tensor of one logit per query head");
+  const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   TM_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
                (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
            "paged_attention: float32 queries, a float32 or float16 pool");
   if (k_cache.dtype() == torch::kFloat16)
     return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
-                                          softcap);
-  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, softcap);
+                                          softcap, sink_ptr);
+  return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, softcap,
+                                     sink_ptr);
 }
 
 // Store this step's keys and values: token t goes to block slot_block[t], offset slot_offset[t].

@@ -1,8 +1,9 @@
 """The Llama-family decoder over a flat, ragged batch: Llama 2/3, SmolLM2, TinyLlama, Mistral,
 Qwen2 (bias on q/k/v) and Qwen3 (RMSNorm on each q/k head), all with GQA and RoPE; and their
 mixture-of-experts kin, whose layers route to experts (moe.py) instead of one MLP: Mixtral,
-Qwen2-MoE, Qwen3-MoE and OLMoE (RMSNorm over all of q and of k); Phi-3's rope; and per-layer
-sliding-window attention (Mistral v0.1, Qwen2/3 with use_sliding_window).
+Qwen2-MoE, Qwen3-MoE, OLMoE (RMSNorm over all of q and of k) and gpt-oss (biases on every
+attention projection, attention sinks, experts with biases and a clamped SwiGLU); Phi-3's rope; and
+per-layer sliding-window attention (Mistral v0.1, Qwen2/3 with use_sliding_window, gpt-oss).
 
 The model sees one flat batch of T tokens (every scheduled sequence's new tokens back
 to back) and never a (batch, seq) grid: only attention needs to know where one
@@ -32,7 +33,7 @@ from torch import nn
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.config import ModelConfig
-from tokenmill.models.moe import AbsentExpert, SparseMoeBlock, checkpoint_name
+from tokenmill.models.moe import AbsentExpert, ClampedSwiGLU, SparseMoeBlock, checkpoint_name
 from tokenmill.models.ops import TorchOps
 
 
@@ -188,13 +189,15 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_softcap  # Gemma 2: the cap on the scores (None: none)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qk_norm_whole = cfg.qk_norm_whole  # OLMoE: one norm over all of q, one over all of k
         if cfg.qk_norm_whole:
             self.q_norm, self.k_norm = RMSNorm(self.q_size, cfg.rms_norm_eps), RMSNorm(self.kv_size, cfg.rms_norm_eps)
         self.window: int | None = None  # sliding window in tokens, set by the model from cfg.layer_windows
+        # gpt-oss: each query head's sink logit (Hq,), kept in float32 for the attention backends
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend, ops) -> torch.Tensor:
@@ -206,7 +209,9 @@ class Attention(nn.Module):
             qkv, head_norms = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1), (None, None)
         q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
                                  *head_norms)                   # Qwen3: RMSNorm on each q/k head first
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap)  # (T, Hq, D)
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap,
+                              sinks)                    # (T, Hq, D)
         return self.o_proj.forward(out.view(t, self.q_size))
 
 
@@ -225,6 +230,10 @@ def feed_forward(cfg: ModelConfig, layer: int) -> MLP | SparseMoeBlock:
     moe = cfg.moe
     if moe is None or not moe.is_sparse(layer):
         return MLP(cfg.hidden_size, cfg.intermediate_size)
+    if moe.swiglu_limit is not None:  # gpt-oss
+        experts = [ClampedSwiGLU(cfg.hidden_size, moe.expert_intermediate_size, moe.swiglu_limit, moe.swiglu_alpha)
+                   if moe.holds(e) else AbsentExpert() for e in range(moe.num_experts)]
+        return SparseMoeBlock(moe, cfg.hidden_size, experts)
     experts = [MLP(cfg.hidden_size, moe.expert_intermediate_size) if moe.holds(e) else AbsentExpert()
                for e in range(moe.num_experts)]
     shared = MLP(cfg.hidden_size, moe.shared_expert_intermediate_size) if moe.shared_expert_intermediate_size else None

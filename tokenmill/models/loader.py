@@ -1,6 +1,7 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
 the Llama family, Phi-3, Gemma 2, Gemma 3 (text; of a multimodal checkpoint, its language model),
-and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
+and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (its MXFP4 experts
+dequantized at load: gpt_oss.py))
 and GGUF files (gguf_loader.py: llama/qwen2/qwen3, gemma2/gemma3 (text) and the MoE
 architectures; on the CPU their quantized projections stay as blocks, for the panel kernel to decode).
 
@@ -38,6 +39,7 @@ from tokenmill.models.cpu_packing import (
 )
 from tokenmill.models.gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
 from tokenmill.models.gguf_loader import gguf_model_config, gguf_weight_blocks, gguf_weights, open_gguf
+from tokenmill.models.gpt_oss import gpt_oss_config, gpt_oss_fields, gpt_oss_moe, gpt_oss_weights
 from tokenmill.models.llama import LlamaForCausalLM, partial_rotary_order, rope_kind
 from tokenmill.models.moe import MOE_ARCHITECTURES
 from tokenmill.models.ops import CpuFusedOps
@@ -107,6 +109,8 @@ def _hf_moe(cfg: dict, arch: str) -> MoEConfig | None:
     model builds them; None for a dense model (or a Qwen MoE config with no experts)."""
     if arch not in MOE_ARCHITECTURES:
         return None
+    if arch == "gpt_oss":
+        return gpt_oss_moe(cfg)
     for key, value in (("clip_qkv", None), ("attention_bias", False)):  # OLMoE's clamp; a bias on o_proj
         if arch in ("olmoe", "qwen3_moe") and cfg.get(key, value) != value:
             raise ValueError(f"unsupported {arch} variant: {key} = {cfg[key]!r} (supported: {value!r})")
@@ -174,6 +178,11 @@ def hf_model_config(path: Path) -> ModelConfig:
         return bert_model_config(path, cfg)
     if arch not in SUPPORTED + MOE_ARCHITECTURES:
         raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)})")
+    if (quant := cfg.get("quantization_config")) is not None and arch != "gpt_oss":  # gpt_oss_fields: MXFP4
+        raise ValueError(f"unsupported quantization_config quant_method {quant.get('quant_method')!r} for {arch} "
+                         "(supported: none)")
+    if arch == "gpt_oss":
+        cfg = gpt_oss_config(cfg)
     if arch in GEMMA_ARCHITECTURES:
         cfg = {**_GEMMA_DEFAULTS, **_GEMMA_DEFAULTS_BY_ARCH[arch], **cfg}
     elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
@@ -191,7 +200,7 @@ def hf_model_config(path: Path) -> ModelConfig:
     if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
         raise ValueError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} dims rotate")
     max_len = cfg.get("max_position_embeddings", 2048)
-    gemma = _hf_gemma(cfg, arch) if arch in GEMMA_ARCHITECTURES else {}
+    own = _hf_gemma(cfg, arch) if arch in GEMMA_ARCHITECTURES else gpt_oss_fields(cfg) if arch == "gpt_oss" else {}
     return ModelConfig(**dict(
         architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
@@ -202,7 +211,7 @@ def hf_model_config(path: Path) -> ModelConfig:
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("qkv_bias", True) if arch == "qwen2_moe" else cfg.get("attention_bias", arch == "qwen2"),
         qk_norm=arch in ("qwen3", "qwen3_moe"), qk_norm_whole=arch == "olmoe", moe=_hf_moe(cfg, arch),
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_windows=hf_layer_windows(cfg)) | gemma)
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_windows=hf_layer_windows(cfg)) | own)
 
 
 # transformers' names for a layer's attention (config.layer_types) that tokenmill runs
@@ -211,11 +220,12 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 # "all" slides every layer by sliding_window when it is set; the others only with
 # use_sliding_window, every layer ("all_if_used") or, unless layer_types names them, the layers
 # from max_window_layers on ("from_max") or the even layers below it ("even_below_max"). Gemma's
-# slide without use_sliding_window, unless layer_types names them every second layer from the first
-# ("alternate", Gemma 2) or all but every sliding_window_pattern-th ("pattern", Gemma 3: 5 of 6).
+# and gpt-oss's slide without use_sliding_window, unless layer_types names them every second layer
+# from the first ("alternate", Gemma 2, gpt-oss) or all but every sliding_window_pattern-th
+# ("pattern", Gemma 3: 5 of 6).
 _WINDOW_RULES = {"mistral": "all", "mixtral": "all", "phi3": "all", "qwen3_moe": "all_if_used",
                  "qwen2": "from_max", "qwen3": "from_max", "qwen2_moe": "even_below_max",
-                 "gemma2": "alternate", "gemma3_text": "pattern"}
+                 "gemma2": "alternate", "gemma3_text": "pattern", "gpt_oss": "alternate"}
 
 
 def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
@@ -315,7 +325,10 @@ class Checkpoint:
         applies to GGUF files."""
         if self.gguf_reader is not None:
             return gguf_weights(self.gguf_reader, self.config, skip)
-        return hf_unfused(hf_weights(self.path), self.config)
+        weights = hf_weights(self.path)
+        if self.config.architecture == "gpt_oss":  # its experts, one tensor per layer, split per expert
+            weights = gpt_oss_weights(weights)
+        return hf_unfused(weights, self.config)
 
     def quantized_embedding(self) -> tuple[np.ndarray, object] | None:
         """A GGUF file's token embeddings as stored, (vocab, bytes) rows and their type, when they

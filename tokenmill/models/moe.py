@@ -1,8 +1,9 @@
-"""The mixture-of-experts feed-forward block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
+"""The mixture-of-experts feed-forward block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss).
 
-A router (one linear layer, `gate`) scores every expert for every token; softmax in float32,
-the top k kept, renormalised to sum to 1 where the model does it. A step then runs only the
-experts its tokens chose, each once over all the rows routed to it:
+A router (one linear layer, `gate`; gpt-oss's with a bias) scores every expert for every token;
+softmax in float32, the top k kept, renormalised to sum to 1 where the model does it (gpt-oss
+instead keeps the k largest logits and takes the softmax over those alone). A step then runs only
+the experts its tokens chose, each once over all the rows routed to it:
 
     (token, slot) pairs, T * k      sorted by expert:  e0 e0 e0 | e2 | e3 e3 | ...
     rows = x[token of each pair]    one product per active expert over its run of rows
@@ -10,8 +11,8 @@ experts its tokens chose, each once over all the rows routed to it:
 
 So an expert's weights are read once a step however many tokens chose it, and an expert no
 token chose is not read at all. The experts are the dense layers' SwiGLU modules (gate and up
-fused into one matrix), built by the caller: on a CPU the loader packs them for the panel
-kernel like any other projection.
+fused into one matrix), or gpt-oss's ClampedSwiGLU (below), built by the caller: on a CPU the
+loader packs them, biases and all, for the panel kernel like any other projection.
 
 Under tensor parallelism each rank holds a contiguous share of the experts (expert parallelism:
 whole experts, so a quantized file's blocks are never cut) and an AbsentExpert in place of the
@@ -29,7 +30,7 @@ from torch import nn
 
 from tokenmill.config import MoEConfig
 
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # model_type values this block serves
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")  # model_type values this block serves
 
 # Mixtral's checkpoint names for what the other models call mlp, gate_proj, up_proj and down_proj
 _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
@@ -49,14 +50,40 @@ class AbsentExpert(nn.Module):
     """An expert another tensor-parallel rank holds: no weights here, nothing computed."""
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalise: bool,
+          softmax_after_topk: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (T, E) -> (weights (T, k) float32, expert ids (T, k) int64): softmax in
-    float32 over all experts, the k most probable, divided by their sum when `renormalise`."""
+    float32 over all experts, the k most probable, divided by their sum when `renormalise`; or,
+    with `softmax_after_topk` (gpt-oss), the k largest logits and a softmax over those k."""
+    if softmax_after_topk:
+        top, experts = logits.topk(top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=torch.float32), experts
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = probs.topk(top_k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's expert: projections with biases around a clamped SwiGLU,
+
+        gate = min(gate, limit),  up = clamp(up, -limit, limit)
+        out  = down((up + 1) * gate * sigmoid(alpha * gate))
+
+    gate_up_proj holds the gate rows then the up rows, as the dense MLP's (the checkpoint
+    interleaves them: gpt_oss.py puts them in this order at load)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, alpha: float) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=True)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=True)
+        self.limit, self.alpha = limit, alpha
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)        # (N, I) each
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.down_proj.forward((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
 class SparseMoeBlock(nn.Module):
@@ -70,14 +97,16 @@ class SparseMoeBlock(nn.Module):
         if len(experts) != cfg.num_experts:
             raise ValueError(f"SparseMoeBlock: {len(experts)} experts given, the config has {cfg.num_experts}")
         self.top_k, self.norm_topk_prob, self.float32_weights = cfg.top_k, cfg.norm_topk_prob, cfg.float32_weights
-        self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=False)  # the router
+        self.softmax_after_topk = cfg.softmax_after_topk
+        self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=cfg.router_bias)  # the router
         self.experts = nn.ModuleList(experts)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
-        weights, experts = route(self.gate.forward(x), self.top_k, self.norm_topk_prob)  # (T, k) each
+        weights, experts = route(self.gate.forward(x), self.top_k, self.norm_topk_prob,
+                                 self.softmax_after_topk)                        # (T, k) each
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = self._every_expert(x, weights, experts, ops)
         else:

@@ -1,0 +1,138 @@
+"""OpenAI's gpt-oss (model_type gpt_oss) read from a Hugging Face directory, as transformers'
+modeling_gpt_oss.py defines it. The model is the Llama-family decoder (llama.py) with:
+
+    attention       biases on q, k, v and o; a learned sink logit per query head in each softmax
+                    (self_attn.sinks); every second layer from the first slides over sliding_window
+                    tokens (config.layer_types); YaRN rope
+    feed-forward    a mixture of experts (moe.py): a router with a bias, the k largest logits and a
+                    softmax over those k; experts with biases and a clamped SwiGLU (moe.ClampedSwiGLU)
+
+This module reads the config's fields for those, and turns the checkpoint's expert tensors, all
+of a layer's experts in one tensor each, into the per-expert names the model loads:
+
+    mlp.router.{weight,bias}                  -> mlp.gate.{weight,bias}
+    mlp.experts.gate_up_proj  (E, hidden, 2I)  -> mlp.experts.e.{gate,up}_proj.weight  (I, hidden) each
+    mlp.experts.gate_up_proj_bias  (E, 2I)    -> mlp.experts.e.{gate,up}_proj.bias    (I,) each
+    mlp.experts.down_proj     (E, I, hidden)   -> mlp.experts.e.down_proj.weight      (hidden, I)
+    mlp.experts.down_proj_bias  (E, hidden)   -> mlp.experts.e.down_proj.bias
+
+The fused gate_up interleaves its columns: even ones are the gate's, odd ones the up's.
+
+Released checkpoints store the experts' two matrices in MXFP4 (quantization_config quant_method
+mxfp4): `{gate_up,down}_proj_blocks` (E, N, K / 32, 16) uint8 and `_scales` (E, N, K / 32) uint8,
+each matrix in the (out, in) layout of a linear layer. A block is 32 values of 4 bits (FP4 E2M1,
+two a byte, the low nibble first) sharing a scale byte s that means 2^(s - 127) (E8M0). They are
+dequantized here, at load, to float32 (then the model's dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from tokenmill.config import MoEConfig
+
+# transformers' defaults (GptOssConfig) for what a config.json may leave out
+GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "rms_norm_eps": 1e-5, "attention_bias": True,
+                    "max_position_embeddings": 131072, "num_experts_per_tok": 4, "swiglu_limit": 7.0,
+                    "swiglu_alpha": 1.702}
+GPT_OSS_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096}
+GPT_OSS_DEFAULT_THETA = 150000.0
+
+# The 16 values of an FP4 E2M1 code (sign bit, 2 exponent bits, 1 mantissa bit)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def gpt_oss_config(cfg: dict) -> dict:
+    """A gpt-oss config.json with transformers' defaults filled in (rope: YaRN over a 4,096-token
+    original context; theta 150,000 where neither config.json's top level nor its rope_parameters
+    name one)."""
+    cfg = {**GPT_OSS_DEFAULTS, **cfg}
+    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        cfg["rope_parameters"] = dict(GPT_OSS_DEFAULT_ROPE)
+    if cfg.get("rope_theta") is None and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+        cfg["rope_theta"] = GPT_OSS_DEFAULT_THETA
+    return cfg
+
+
+def gpt_oss_moe(cfg: dict) -> MoEConfig:
+    """The experts of a gpt-oss config (gpt_oss_config's)."""
+    return MoEConfig(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
+                     norm_topk_prob=False, router_bias=True, softmax_after_topk=True,
+                     swiglu_limit=float(cfg["swiglu_limit"]), swiglu_alpha=float(cfg["swiglu_alpha"]))
+
+
+def gpt_oss_fields(cfg: dict) -> dict:
+    """The ModelConfig fields of a gpt-oss config (gpt_oss_config's) beyond the Llama family's and
+    its experts'; a quantization other than MXFP4 refused by name."""
+    quant = cfg.get("quantization_config")
+    if quant is not None and quant.get("quant_method") != "mxfp4":
+        raise ValueError(f"unsupported quantization_config quant_method {quant.get('quant_method')!r} for gpt_oss "
+                         "(supported: mxfp4, or none)")
+    if not cfg["attention_bias"]:
+        raise ValueError("unsupported gpt_oss variant: attention_bias = False (supported: True)")
+    return {"attention_bias": True, "o_proj_bias": True, "attention_sinks": True}
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 (..., G, 16) uint8 blocks and (..., G) uint8 scales -> (..., G * 32) float32: value
+    2i of a block from byte i's low nibble, 2i + 1 from its high one, times 2^(scale - 127)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
+            or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype}: expected uint8 (..., G, 16) and (..., G)")
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).int()           # (..., G, 16, 2)
+    values = table[codes].flatten(-3)                                          # (..., G * 32)
+    exponents = (scales.int() - 127).repeat_interleave(32, dim=-1)             # (..., G * 32)
+    return torch.ldexp(values, exponents)
+
+
+def _expert_tensors(prefix: str, kind: str, experts: Iterable[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One layer's fused expert tensor `kind` (gate_up_proj, down_proj or their _bias), given expert
+    by expert, under our per-expert names; a weight in the (out, in) layout of a linear layer."""
+    for e, part in enumerate(experts):
+        name = f"{prefix}mlp.experts.{e}."
+        if kind == "gate_up_proj":                                             # (2I, hidden), interleaved rows
+            yield name + "gate_proj.weight", part[0::2]
+            yield name + "up_proj.weight", part[1::2]
+        elif kind == "gate_up_proj_bias":
+            yield name + "gate_proj.bias", part[0::2]
+            yield name + "up_proj.bias", part[1::2]
+        elif kind == "down_proj":
+            yield name + "down_proj.weight", part
+        elif kind == "down_proj_bias":
+            yield name + "down_proj.bias", part
+        else:
+            raise ValueError(f"unexpected weight {prefix}mlp.experts.{kind!r} in checkpoint")
+
+
+def gpt_oss_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors under the names the model loads (the module docstring's table), MXFP4
+    expert matrices dequantized one expert at a time. A matrix's blocks wait for its scales (or
+    the other way round), which may come from another shard."""
+    waiting: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        prefix, sep, kind = name.partition("mlp.experts.")
+        if not sep:
+            yield name.replace(".mlp.router.", ".mlp.gate."), tensor
+            continue
+        if kind.endswith(("_blocks", "_scales")):
+            matrix, part = kind.rsplit("_", 1)
+            other = waiting.pop(f"{prefix}mlp.experts.{matrix}_{'scales' if part == 'blocks' else 'blocks'}", None)
+            if other is None:
+                waiting[name] = tensor
+                continue
+            blocks, scales = (tensor, other) if part == "blocks" else (other, tensor)
+            if blocks.shape[:-1] != scales.shape:
+                raise ValueError(f"{prefix}mlp.experts.{matrix}: MXFP4 blocks {tuple(blocks.shape)} do not match "
+                                 f"scales {tuple(scales.shape)}")
+            yield from _expert_tensors(prefix, matrix, (dequantize_mxfp4(b, s) for b, s in zip(blocks, scales)))
+        elif kind in ("gate_up_proj", "down_proj"):                            # (E, in, out): transposed
+            yield from _expert_tensors(prefix, kind, tensor.transpose(1, 2))
+        else:
+            yield from _expert_tensors(prefix, kind, tensor)
+    if waiting:
+        raise ValueError(f"MXFP4 tensors without their blocks or scales: {sorted(waiting)[:4]}")

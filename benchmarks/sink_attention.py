@@ -59,8 +59,8 @@ def main() -> None:
     args = parser.parse_args()
     cpu, sinks = torch.device("cpu"), torch.randn(HQ)
     runs = {"kernel, no sinks": (make_backend("cpu", cpu, BS, D), None),
-            "kernel, sinks": (make_backend("cpu", cpu, BS, D, sinks=True), sinks),
-            "torch, sinks": (make_backend("torch", cpu, BS, D, sinks=True), sinks)}
+            "kernel, sinks": (make_backend("cpu", cpu, BS, D), sinks),
+            "torch, sinks": (make_backend("torch", cpu, BS, D), sinks)}
     print(f"threads {torch.get_num_threads()}; ms per layer, median of {args.rounds} interleaved rounds")
     print(f"{'step':>16} {'context':>7} " + " ".join(f"{name:>16}" for name in runs))
     for label, query_lens in (("decode x1", [1]), ("decode x8", [1] * 8), ("prompt chunk 512", [512])):

@@ -93,7 +93,7 @@ class DraftModelProposer:
         cfg, device = self.config, torch.device(self.config.device)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         backend = make_backend(cfg.attention_backend, device, block_size, self.model_config.head_dim,
-                               getattr(torch, cfg.torch_dtype_name), sinks=self.model_config.attention_sinks)
+                               getattr(torch, cfg.torch_dtype_name))
         worker = ModelWorker(self.model, self.model_config, CacheConfig(num_blocks, block_size), backend, device,
                              getattr(torch, cfg.kv_dtype_name))
         self.runner = ModelRunner(worker, cfg.seed)

@@ -229,8 +229,7 @@ def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:
                                                      max_len))
     bytes_per_block = config.block_size * local.kv_bytes_per_token * kv_dtype.itemsize
     num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
-    backend = make_backend(config.attention_backend, device, config.block_size, local.head_dim, dtype,
-                           sinks=local.attention_sinks)
+    backend = make_backend(config.attention_backend, device, config.block_size, local.head_dim, dtype)
     cache = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
     return ModelWorker(model, local, cache, backend, device, kv_dtype, num_host_blocks, threads)
 

@@ -99,7 +99,7 @@ def test_logits_over_several_windows_match_transformers(tiny_gpt_oss, oracle_log
     checkpoint = open_checkpoint(tiny_gpt_oss)
     device = torch.device("cpu")
     model = load_model(checkpoint, 256, torch.float32, device, kernels=kernels)
-    backend = make_backend(backend_name, device, 16, checkpoint.config.head_dim, sinks=True)
+    backend = make_backend(backend_name, device, 16, checkpoint.config.head_dim)
     assert backend.name == {"auto": "cpu"}.get(backend_name, backend_name)
     tokens, ref = oracle_logits
     got = stepwise_logits(model, checkpoint.config, backend, tokens, 70,

@@ -415,22 +415,28 @@ SINK_CASES = {**CASES, "long_decodes": ([1, 1], [400, 700])}  # contexts the C++
 
 @pytest.mark.parametrize("backend_name, case, d", [
     *[(name, case, D) for name in ("reference", "torch", "cpu") for case in ("decodes_only", "long_decodes", "mixed")],
-    ("cpu", "long_chunks", 32)])
+    ("cpu", "long_chunks", 32),
+    *[pytest.param("triton", case, D, marks=needs_triton) for case in ("decodes_only", "long_decodes", "long_chunks")]])
 @pytest.mark.parametrize("window", [None, 16])
 def test_attention_sinks_match_the_dense_oracle(backend_name, window, case, d):
     """gpt-oss's sinks: each query head's logit joins its softmax denominator and adds no value, so
     out = sum_j e^s_j v_j / (sum_j e^s_j + e^sink); in decodes (the C++ kernel's parts merged or
     not) and prompt chunks (its row-by-row passes and, at head size 32 without a window, its tile
-    products), with and without a window; the sinks change the result at these values."""
-    backend = make_backend(backend_name, torch.device("cpu"), block_size=BS, head_dim=d, sinks=True)
+    products; Triton's decodes split in parts and its 64-query tiles), with and without a window;
+    the sinks change the result at these values."""
+    device = torch.device("cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu")
+    backend = make_backend(backend_name, device, block_size=BS, head_dim=d)
+    if backend_name == "triton":
+        backend.num_sms = 12  # decodes split over parts of their contexts, as on a GPU with few sequences
     q, k, v, k_cache, v_cache, meta, contexts = build_case(*SINK_CASES[case], seed=5, d=d)
     sinks = torch.linspace(-1.0, 9.0, HQ)  # up to where they outweigh several hundred keys
     expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, 0.5, window, sinks=sinks)
     if getattr(backend, "short_query_max", 0) < 1:
         meta.num_short = meta.num_short_tokens = 0
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.5, window, None, sinks)
+    inputs = (*(x.to(device) for x in (q, k, v, k_cache, v_cache)), _to(meta, device), 0.5, window)
+    out = backend.forward(*inputs, None, sinks.to(device)).cpu()
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
-    without = backend.forward(q, k, v, k_cache, v_cache, meta, 0.5, window)
+    without = backend.forward(*inputs).cpu()
     assert not torch.allclose(without, out, rtol=1e-2, atol=1e-2)
 
 
@@ -439,8 +445,8 @@ def test_cpu_kernel_with_sinks_matches_the_reference_backend(case, d):
     """The C++ kernel's sinks against the reference backend's on the same pool, a float16 pool
     included: a sink far above every score takes nearly all the mass (outputs near 0), one far
     below none of it."""
-    reference, cpu = make_backend("reference", torch.device("cpu"), sinks=True), make_backend(
-        "cpu", torch.device("cpu"), block_size=BS, head_dim=d, sinks=True)
+    reference, cpu = make_backend("reference", torch.device("cpu")), make_backend(
+        "cpu", torch.device("cpu"), block_size=BS, head_dim=d)
     sinks = torch.tensor([-30.0, 0.0, 1.0, 2.5, 30.0, 80.0])
     for dtype in (torch.float32, torch.float16):
         q, k, v, k_cache, v_cache, meta, _ = build_case(*SINK_CASES[case], seed=7, d=d)
@@ -449,15 +455,3 @@ def test_cpu_kernel_with_sinks_matches_the_reference_backend(case, d):
         got = cpu.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5, None, None, sinks)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         assert got[:, 5].abs().max() < 1e-20 and got[:, 0].abs().max() > 0.05
-
-
-def test_a_model_with_sinks_gets_a_backend_that_has_them_and_triton_refuses_them(caplog):
-    """As for soft-capped scores: the C++ kernel has sinks, so "auto" on a CPU keeps it; on CUDA
-    "auto" picks batched torch, saying so; "triton" is refused by name."""
-    cpu = torch.device("cpu")
-    assert make_backend("auto", cpu, sinks=True).name == "cpu"
-    with caplog.at_level("INFO", logger="tokenmill.attention"):
-        assert make_backend("auto", torch.device("cuda"), sinks=True).name == "torch"
-    assert "attention sinks" in caplog.text
-    with pytest.raises(ValueError, match="the triton attention backend has no attention sinks"):
-        make_backend("triton", cpu, sinks=True)

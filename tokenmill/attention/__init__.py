@@ -20,10 +20,8 @@ first position its queries see, so blocks before it (given back to the pool, the
 a scratch block) are never read.
 
 A layer may soft-cap its scores (Gemma 2, forward's `softcap`: s becomes c * tanh(s / c) before
-the softmax); every backend does. A layer may have attention sinks (gpt-oss, forward's `sinks`: a
-learned logit per query head that joins each softmax's denominator and adds no value). The
-reference, torch and cpu backends have them; the Triton kernels do not and raise if asked, so on
-CUDA make_backend gives such a model the torch backend under "auto" and refuses "triton".
+the softmax), and may have attention sinks (gpt-oss, forward's `sinks`: a learned logit per query
+head that joins each softmax's denominator and adds no value); every backend does both.
 
 Backends share that contract and differ in speed:
   * reference: per sequence, gather the context and call SDPA. Obvious; the oracle.
@@ -39,35 +37,25 @@ Backends share that contract and differ in speed:
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
-from tokenmill.attention.metadata import SINKS_UNSUPPORTED, AttentionMetadata, write_kv
-
-logger = logging.getLogger(__name__)
+from tokenmill.attention.metadata import AttentionMetadata, write_kv
 
 __all__ = ["AttentionMetadata", "make_backend", "write_kv"]
 
 
 def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim: int = 64,
-                 dtype: torch.dtype = torch.float32, sinks: bool = False):
+                 dtype: torch.dtype = torch.float32):
     """Pick an attention backend. "auto": the C++ kernel on a CPU (for float32 models, the only
     ones it takes), Triton on CUDA, and batched torch where those cannot be had (no compiler, no
-    triton, tile shapes Triton cannot take, another dtype on a CPU). A model with attention sinks
-    (`sinks`, gpt-oss) gets batched torch instead of Triton under "auto" (the Triton kernels have
-    none; logged), and "triton" is refused for it."""
+    triton, tile shapes Triton cannot take, another dtype on a CPU)."""
     from tokenmill.attention.reference import ReferenceAttention
     from tokenmill.attention.torch_batched import TorchBatchedAttention
 
     if name == "reference":
         return ReferenceAttention()
-    if sinks and name == "triton":
-        raise ValueError(SINKS_UNSUPPORTED.format(name=name))
-    if sinks and name == "auto" and device.type == "cuda":
-        logger.info("attention sinks: the torch attention backend, which has them (the Triton kernels do not)")
-        return TorchBatchedAttention()
     if name == "cpu" and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"attention_backend='cpu' runs float32 models on a CPU, not {dtype} on {device.type} "
                          "(use 'auto' or 'torch')")

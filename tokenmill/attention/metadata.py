@@ -7,10 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-# What a backend without attention sinks says when handed a layer that has them (never output without them).
-SINKS_UNSUPPORTED = ("the {name} attention backend has no attention sinks (gpt-oss's self_attn.sinks): use "
-                     "attention_backend 'auto' (torch on CUDA), 'torch' or 'reference' for this model")
-
 
 @dataclass
 class AttentionMetadata:

@@ -16,8 +16,10 @@ process against 0.2 s once seen).
 A layer's sliding window bounds both loops: they start at the first key in the window, so
 blocks before it (given back to the pool) are never read. A soft-capped layer (Gemma 2) turns each
 scaled score s into c * tanh(s / c) before the softmax; the cap is a compile-time switch, so an
-uncapped model's kernels carry no tanh. The kernels have no attention sinks (gpt-oss): make_backend
-gives such a model the torch backend on CUDA, and a layer with sinks here is an error.
+uncapped model's kernels carry no tanh. A layer with attention sinks (gpt-oss) starts each query
+row's online softmax at its head's sink logit (running max = sink, sum = 1, no value), so the
+sink's share of the softmax is in the denominator and nowhere else; split decodes add it once,
+when the merge kernel weighs the parts.
 
 The torch reference (attention/reference.py) is what tests compare both with.
 """
@@ -28,19 +30,19 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.metadata import SINKS_UNSUPPORTED, AttentionMetadata, write_kv
+from tokenmill.attention.metadata import AttentionMetadata, write_kv
 
 
 # Triton compiles a kernel again for each new pattern of integer arguments equal to 1 or divisible
 # by 16; those that vary from step to step are kept out of that, or the first steps of a fresh
 # process each paid about a second of compiling.
 @triton.jit(do_not_specialize=["stride_table"])
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr, scale, window,
-                         softcap, stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot,
-                         stride_oh,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr, sinks_ptr,
+                         scale, window, softcap, stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table,
+                         stride_ot, stride_oh,
                          G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                         CAP: tl.constexpr):
+                         CAP: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -55,8 +57,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr,
     heads = kv_head * G + g
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
                 other=0.0)                                                    # (GP, D)
-    m = tl.full((GP,), float("-inf"), tl.float32)
-    denom = tl.zeros((GP,), tl.float32)
+    if SINKS and SPLITS == 1:  # the sink as a key of its own with no value (split parts: at the merge)
+        m = tl.load(sinks_ptr + heads, mask=g < G, other=0.0).to(tl.float32)
+        denom = tl.full((GP,), 1.0, tl.float32)
+    else:
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        denom = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
     for start in range(lo, hi, BLOCK_N):  # BLOCK_N keys a step, from BLOCK_N / BS blocks
         n = start + tl.arange(0, BLOCK_N)
@@ -95,18 +101,25 @@ def _soft_cap(s, cap):
 
 
 @triton.jit
-def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-                         D: tl.constexpr, SPLITS: tl.constexpr):
-    """One program per (sequence, query head): weigh each split's result by its share of the softmax."""
+def _merge_splits_kernel(part_ptr, lse_ptr, sinks_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+                         D: tl.constexpr, SPLITS: tl.constexpr, SINKS: tl.constexpr):
+    """One program per (sequence, query head): weigh each split's result by its share of the softmax
+    (a sink takes its share of the denominator)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
     row = (seq * num_heads + head) * SPLITS
     lse = tl.load(lse_ptr + row + s)                     # split 0 always has keys, so the max is finite
-    w = tl.exp(lse - tl.max(lse, 0))
+    top = tl.max(lse, 0)
+    if SINKS:
+        top = tl.maximum(top, tl.load(sinks_ptr + head).to(tl.float32))
+    w = tl.exp(lse - top)
     part = tl.load(part_ptr + (row + s)[:, None] * D + d[None, :])
-    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    denom = tl.sum(w, 0)
+    if SINKS:
+        denom += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - top)
+    out = tl.sum(part * w[:, None], 0) / denom
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -123,10 +136,11 @@ def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: in
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, block_n: int = 64, num_splits: int = 1,
                  out: torch.Tensor | None = None, window: int | None = None,
-                 softcap: float | None = None) -> torch.Tensor:
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: (B, Hq, D), one query per sequence (its last position); caches (blocks, Hkv, bs, D).
     Writes into `out` (B, Hq, D) when given, a view of the step's output for a mixed step.
-    With a window, each query reads only its last `window` keys; with a softcap, its scores are capped."""
+    With a window, each query reads only its last `window` keys; with a softcap, its scores are
+    capped; with sinks (Hq,), each head's sink joins its softmax."""
     b, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -136,22 +150,27 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_splits > 1:
         part = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=q.device)
+    sinks_arg = sinks if sinks is not None else lse  # an unused pointer without sinks
     _paged_decode_kernel[(b, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, scale, _window_arg(window), softcap or 1.0,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, sinks_arg, scale, _window_arg(window),
+        softcap or 1.0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BS=bs,
-        BLOCK_N=max(block_n, bs), SPLITS=num_splits, PRECISION=_precision(q.dtype), CAP=softcap is not None)
+        BLOCK_N=max(block_n, bs), SPLITS=num_splits, PRECISION=_precision(q.dtype), CAP=softcap is not None,
+        SINKS=sinks is not None)
     if num_splits > 1:
-        _merge_splits_kernel[(b, hq)](part, lse, out, hq, out.stride(0), out.stride(1), D=d, SPLITS=num_splits)
+        _merge_splits_kernel[(b, hq)](part, lse, sinks_arg, out, hq, out.stride(0), out.stride(1), D=d,
+                                      SPLITS=num_splits, SINKS=sinks is not None)
     return out
 
 
 @triton.jit(do_not_specialize=["first_seq", "stride_table"])
-def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, scale, window, softcap,
-                          first_seq, stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table, stride_ot,
-                          stride_oh,
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, sinks_ptr, scale, window,
+                          softcap, first_seq, stride_qt, stride_qh, stride_kb, stride_kh, stride_kt, stride_table,
+                          stride_ot, stride_oh,
                           G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr):
+                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAP: tl.constexpr,
+                          SINKS: tl.constexpr):
     seq = first_seq + tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -167,8 +186,12 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (q_start + m_idx)[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=rows[:, None], other=0.0)                                # (BLOCK_M, D)
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    denom = tl.zeros((BLOCK_M,), tl.float32)
+    if SINKS:  # the sink as a key of its own with no value
+        m = tl.full((BLOCK_M,), 0.0, tl.float32) + tl.load(sinks_ptr + head).to(tl.float32)
+        denom = tl.full((BLOCK_M,), 1.0, tl.float32)
+    else:
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        denom = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     end = tl.minimum(seq_len - q_len + (tile + 1) * BLOCK_M, seq_len)  # keys the tile's last query sees
     # the first key the tile's first query sees: with BLOCK_M <= BLOCK_N, every row of the tile sees
@@ -199,9 +222,10 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float, out: torch.Tensor, first: int = 0, block_m: int = 64, block_n: int = 64,
-                  window: int | None = None, softcap: float | None = None) -> None:
+                  window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Causal attention of sequences first.. of the step (prompt chunks) into out (T, Hq, D), each
-    query over its last `window` keys when given, its scores capped at `softcap` when given."""
+    query over its last `window` keys when given, its scores capped at `softcap` when given, each
+    head's sink (Hq,) in its softmax when given."""
     if block_m > block_n:
         raise ValueError(f"block_m ({block_m}) must not exceed block_n ({block_n})")
     qsl = meta.query_start_loc_host
@@ -209,12 +233,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     hq, d = q.shape[1], q.shape[2]
     grid = (meta.num_seqs - first, triton.cdiv(longest, block_m), hq)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale, _window_arg(window),
-        softcap or 1.0, first,
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+        sinks if sinks is not None else out, scale, _window_arg(window), softcap or 1.0, first,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1), G=hq // k_cache.shape[1], D=d,
         BS=k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype),
-        CAP=softcap is not None)
+        CAP=softcap is not None, SINKS=sinks is not None)
 
 
 def _window_arg(window: int | None) -> int:
@@ -243,8 +267,6 @@ class TritonPagedAttention:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if sinks is not None:
-            raise ValueError(SINKS_UNSUPPORTED.format(name=self.name))
         write_kv(k, v, k_cache, v_cache, meta)
         b = meta.num_short
         if self.num_sms is None:
@@ -253,10 +275,10 @@ class TritonPagedAttention:
         splits = decode_splits(b, k_cache.shape[1], self.num_sms) if b else 1
         if b == meta.num_seqs:
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits=splits,
-                                window=window, softcap=softcap)
+                                window=window, softcap=softcap, sinks=sinks)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if b:
             paged_decode(q[:b], k_cache, v_cache, meta.block_tables[:b], meta.seq_lens[:b], scale,
-                         num_splits=splits, out=out[:b], window=window, softcap=softcap)
-        paged_prefill(q, k_cache, v_cache, meta, scale, out, first=b, window=window, softcap=softcap)
+                         num_splits=splits, out=out[:b], window=window, softcap=softcap, sinks=sinks)
+        paged_prefill(q, k_cache, v_cache, meta, scale, out, first=b, window=window, softcap=softcap, sinks=sinks)
         return out

@@ -455,6 +455,28 @@ def watch_chunked_prompts(engine) -> set[str]:
     return chunked
 
 
+def hf_model(path, attn_implementation: str | None = None, **changes):
+    """The transformers oracle of a model directory, in float32 (`changes`: config keys overridden)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn_implementation,
+                                                **changes).eval()
+
+
+def rel_err(a, b) -> float:
+    """|a - b| / |b|, Frobenius norms."""
+    return float((a - b).norm() / b.norm())
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt (token 1 ends it, as in the tiny models)."""
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=1, pad_token_id=1)
+    return out[0, len(prompt):].tolist()
+
+
 def stepwise_logits(model, config, backend, tokens: list[int], prompt_len: int,
                     steps: tuple[tuple[int, int], ...]):
     """`model`'s logits at every position of `tokens`, its first `prompt_len` a prompt fed in the

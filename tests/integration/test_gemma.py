@@ -10,8 +10,17 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_GEMMA_CONFIGS, _save_tokenizer, copy_model, stepwise_logits, watch_chunked_prompts
-from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+from conftest import (
+    TINY_GEMMA_CONFIGS,
+    _save_tokenizer,
+    copy_model,
+    hf_greedy,
+    hf_model,
+    rel_err,
+    stepwise_logits,
+    watch_chunked_prompts,
+)
+from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import make_backend
@@ -25,20 +34,9 @@ WITHOUT = {"gemma2": dict(attn_logit_softcapping=None, final_logit_softcapping=N
                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})}
 
 
-def hf_model(path, **changes):
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager",
-                                                **changes).eval()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=1, pad_token_id=1)
-    return out[0, len(prompt):].tolist()
+def hf_eager(path, **changes):
+    """The transformers oracle with eager attention (its SDPA path does not take this model's features)."""
+    return hf_model(path, "eager", **changes)
 
 
 @pytest.mark.parametrize("backend_name, kernels", [("reference", "torch"), ("torch", "auto"), ("auto", "auto")])
@@ -59,8 +57,8 @@ def test_logits_over_several_windows_match_transformers(tiny_gemma_models, arch,
     got = stepwise_logits(model, checkpoint.config, backend, tokens, 110,
                           ((0, 37), (37, 74), (74, 110), (110, 111), (111, 112), (112, 113), (113, 114)))
     with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([tokens])).logits[0]
-        without = hf_model(path, **WITHOUT[arch])(torch.tensor([tokens])).logits[0]
+        ref = hf_eager(path)(torch.tensor([tokens])).logits[0]
+        without = hf_eager(path, **WITHOUT[arch])(torch.tensor([tokens])).logits[0]
     assert rel_err(got, ref) <= 1e-4, f"{rel_err(got, ref):.2e}"
     assert rel_err(without, ref) > 1e-2
 
@@ -84,7 +82,7 @@ def test_greedy_generation_equals_transformers_with_chunked_prompts_and_a_shared
                         use_tqdm=False)
     assert len(chunked) >= 3 and engine.scheduler.kv.prompt_tokens_hit > 0
     assert sum(len(set(out.outputs[0].token_ids)) for out in outs) > 5 * len(outs)  # not one token repeated
-    hf = hf_model(path)
+    hf = hf_eager(path)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 20), f"prompt of {len(prompt)} tokens"
 
@@ -94,7 +92,7 @@ def test_an_end_of_turn_id_in_generation_config_ends_the_output(tiny_gemma_model
     eos_token_id: generation stops at the first of either, as transformers' generate does with both."""
     path = copy_model(tiny_gemma_models["gemma3_text"], tmp_path / "it")
     prompt = [random.Random(6).randrange(2, 384) for _ in range(12)]
-    free = hf_greedy(hf_model(path), prompt, 12)
+    free = hf_greedy(hf_eager(path), prompt, 12)
     end_of_turn = free[4]
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, end_of_turn]}))
     out = LLM(str(path), num_kv_blocks=8).generate([{"prompt_token_ids": prompt}],

@@ -14,8 +14,8 @@ import random
 
 import pytest
 import torch
-from conftest import build_tiny_model, stepwise_logits, watch_chunked_prompts, write_gguf_from_hf
-from test_gemma import hf_greedy, hf_model, rel_err
+from conftest import build_tiny_model, hf_greedy, rel_err, stepwise_logits, watch_chunked_prompts, write_gguf_from_hf
+from test_gemma import hf_eager as hf_model
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import make_backend

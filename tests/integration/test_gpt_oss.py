@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from conftest import _save_tokenizer, copy_model, stepwise_logits, watch_chunked_prompts
+from conftest import _save_tokenizer, copy_model, hf_greedy, hf_model, rel_err, stepwise_logits, watch_chunked_prompts
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GptOssConfig
 
@@ -31,6 +31,11 @@ TINY_GPT_OSS = dict(vocab_size=384, hidden_size=64, intermediate_size=64, num_hi
                                      "rope_theta": 50000.0})
 
 
+def hf_eager(path, **changes):
+    """The transformers oracle with eager attention (its SDPA path does not take this model's features)."""
+    return hf_model(path, "eager", **changes)
+
+
 @pytest.fixture(scope="module")
 def tiny_gpt_oss(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_gpt_oss") / "gpt_oss"
@@ -42,22 +47,6 @@ def tiny_gpt_oss(tmp_path_factory):
     model.save_pretrained(str(path))
     _save_tokenizer(path)
     return path
-
-
-def hf_model(path, **changes):
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager",
-                                                **changes).eval()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=1, pad_token_id=1)
-    return out[0, len(prompt):].tolist()
 
 
 def test_the_config_reads_as_transformers_builds_the_model(tiny_gpt_oss):
@@ -85,8 +74,8 @@ def oracle_logits(tiny_gpt_oss) -> tuple[list[int], torch.Tensor]:
     rng = random.Random(1)
     tokens = [rng.randrange(2, 384) for _ in range(73)]
     with torch.no_grad():
-        ref = hf_model(tiny_gpt_oss)(torch.tensor([tokens])).logits[0]
-        unclamped = hf_model(tiny_gpt_oss, swiglu_limit=1000.0)(torch.tensor([tokens])).logits[0]
+        ref = hf_eager(tiny_gpt_oss)(torch.tensor([tokens])).logits[0]
+        unclamped = hf_eager(tiny_gpt_oss, swiglu_limit=1000.0)(torch.tensor([tokens])).logits[0]
     assert rel_err(unclamped, ref) > 1e-2
     return tokens, ref
 
@@ -126,7 +115,7 @@ def test_greedy_generation_equals_transformers_with_chunked_prompts_and_a_shared
                         use_tqdm=False)
     assert len(chunked) >= 2 and any(out.metrics.num_cached_tokens >= 32 for out in outs)
     assert sum(len(set(out.outputs[0].token_ids)) for out in outs) > 3 * len(outs)  # not one token repeated
-    hf = hf_model(tiny_gpt_oss)
+    hf = hf_eager(tiny_gpt_oss)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12), f"prompt of {len(prompt)} tokens"
 
@@ -181,7 +170,7 @@ def test_mxfp4_experts_load_as_the_weights_their_blocks_encode(tiny_gpt_oss, tmp
     prompt = [random.Random(9).randrange(2, 384) for _ in range(30)]
     out = LLM(str(fp4_dir), num_kv_blocks=8).generate([{"prompt_token_ids": prompt}],
                                                       SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-    hf = hf_model(fp4_dir)
+    hf = hf_eager(fp4_dir)
     for name in ("gate_up_proj", "down_proj"):
         assert torch.equal(getattr(hf.model.layers[1].mlp.experts, name), decoded[f"model.layers.1.mlp.experts.{name}"])
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)

@@ -12,7 +12,15 @@ import random
 
 import pytest
 import torch
-from conftest import build_tiny_model, needs_triton, watch_chunked_prompts, write_gguf_from_hf
+from conftest import (
+    build_tiny_model,
+    hf_greedy,
+    hf_model,
+    needs_triton,
+    rel_err,
+    watch_chunked_prompts,
+    write_gguf_from_hf,
+)
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -25,14 +33,6 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import ModelWorker
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3"]
-
-
-def hf_model(path):
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("backend_name, kernels, kv_dtype, tol", [
@@ -99,13 +99,6 @@ def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, k
 
 
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 33, 48, 64, 65, 100, 128, 160, 200, 256, 300]
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=1, pad_token_id=1)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch,backend,threshold", [("llama", "cpu", 0), ("qwen2", "reference", 0),

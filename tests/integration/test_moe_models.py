@@ -19,7 +19,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_MOE_CONFIGS, copy_model, watch_chunked_prompts
+from conftest import TINY_MOE_CONFIGS, copy_model, hf_greedy, hf_model, rel_err, watch_chunked_prompts
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -33,14 +33,6 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import ModelWorker
 
 MOE_ARCHS = list(TINY_MOE_CONFIGS)
-
-
-def hf_model(path):
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def test_each_layer_is_dense_or_sparse_as_the_config_says(tiny_moe_models):
@@ -100,13 +92,6 @@ def test_ragged_step_logits_match_hf(tiny_moe_models, arch, backend_name, kernel
         with torch.no_grad():
             ref = hf(torch.tensor([reqs[rid].token_ids[:end]])).logits[0, start:end]
         assert rel_err(step[rid], ref) <= 1e-4, f"{arch}/{rid}: {rel_err(step[rid], ref):.2e}"
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=1, pad_token_id=1)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch, backend", [("mixtral", "cpu"), ("qwen2_moe", "reference"), ("qwen3_moe", "cpu"),

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import build_tiny_model, stepwise_logits
+from conftest import build_tiny_model, hf_greedy, hf_model, rel_err, stepwise_logits
 from transformers import AutoModelForCausalLM
 
 from tokenmill.attention import make_backend
@@ -28,18 +28,15 @@ WINDOWED = {
 GLOBAL = {"mistral": dict(sliding_window=None), "qwen2": dict(layer_types=["full_attention"] * 2)}  # windows off
 
 
+def hf_eager(path, **changes):
+    """The transformers oracle with eager attention (its SDPA path does not take this model's features)."""
+    return hf_model(path, "eager", **changes)
+
+
 @pytest.fixture(scope="module")
 def windowed_models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("windowed")
     return {arch: build_tiny_model(root / arch, arch, rope_theta=10000.0, **extra) for arch, extra in WINDOWED.items()}
-
-
-def hf_model(path):
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "torch", "cpu"])
@@ -56,18 +53,11 @@ def test_logits_over_several_windows_match_hfs_eager_attention(windowed_models, 
     got = stepwise_logits(model, checkpoint.config, make_backend(backend_name, device), tokens, 110,
                           ((0, 37), (37, 74), (74, 110), (110, 111), (111, 112), (112, 113), (113, 114)))
     with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([tokens])).logits[0]
+        ref = hf_eager(path)(torch.tensor([tokens])).logits[0]
         unwindowed = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **GLOBAL[arch]).eval()
         unwindowed = unwindowed(torch.tensor([tokens]), use_cache=False).logits[0]
     assert rel_err(got, ref) <= 1e-4, f"{rel_err(got, ref):.2e}"
     assert rel_err(unwindowed[40:], ref[40:]) > 1e-2  # the window matters past it
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=1, pad_token_id=1)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch,backend", [("mistral", "cpu"), ("qwen2", "torch"), ("mistral", "reference")])
@@ -95,7 +85,7 @@ def test_greedy_generation_equals_hf_under_chunking_prefix_caching_and_preemptio
     assert engine.scheduler.kv.prompt_tokens_hit > 0, "no prefix was reused"
     assert engine.scheduler.stats().kv_blocks_used == 0
 
-    hf = hf_model(path)
+    hf = hf_eager(path)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24), f"prompt of {len(prompt)} tokens"
 
@@ -134,7 +124,7 @@ def test_a_long_output_holds_only_the_blocks_its_window_spans(windowed_models, a
                                                                     ignore_eos=True), use_tqdm=False)
     assert held == expected
     assert max(held) == (3 if arch == "mistral" else 15)
-    assert out[0].outputs[0].token_ids == hf_greedy(hf_model(path), prompt, 200)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf_eager(path), prompt, 200)
 
 
 def test_fused_layers_apply_the_window_as_the_python_layers_do(windowed_models):

@@ -138,29 +138,40 @@ def test_greedy_tokens_of_the_file_equal_the_directorys_under_chunked_prefill(ph
     assert sum(len(set(tokens)) for tokens in outputs[path]) > 3 * len(prompts)  # not one token repeated
 
 
-def q8_0_file(phi3_dirs, tmp_path):
-    """Phi-4-mini's shape in Q8_0, and its oracle; skipped without the C++ kernels' block formats."""
+# Phi-4-mini's shape at hidden 256 (4 heads of 64 dims, 48 of them rotating), for the K-quants'
+# super-blocks of 256 weights
+K_QUANT_SHAPE = dict(VARIANTS["phi4_mini"], hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                     rope_scaling=longrope(24))
+
+
+def quantized_file(phi3_dirs, tmp_path, qtype: str):
+    """Phi-4-mini's shape in `qtype` (Q8_0; Q4_K at K_QUANT_SHAPE), and its oracle; skipped without
+    the C++ kernels' block formats."""
     kernels = load_cpu_kernels(required=False)
     if kernels is None or not kernels.block_formats:
         pytest.skip("needs the C++ kernels with AVX2")
-    path = tmp_path / "phi4_mini_q8_0.gguf"
-    return path, written(phi3_dirs["phi4_mini"], path, "Q8_0")
+    hf_dir = (phi3_dirs["phi4_mini"] if qtype == "Q8_0" else
+              build_tiny_model(tmp_path / "phi4_mini_256", "phi3", **K_QUANT_SHAPE))
+    path = tmp_path / f"phi4_mini_{qtype}.gguf"
+    return path, written(hf_dir, path, qtype)
 
 
-def test_a_q8_0_file_keeps_its_fused_projections_in_blocks_and_gives_its_values_logits(phi3_dirs, tmp_path):
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_a_quantized_file_keeps_its_fused_projections_in_blocks_and_gives_its_values_logits(
+        phi3_dirs, tmp_path, qtype):
     """q, k and v cut from attn_qkv's blocks, gate and up from ffn_up's, q and k rows reordered for
-    the partial rotary: every projection packed from the file's Q8_0 blocks, the tied head from the
-    embeddings' blocks and the embeddings looked up in the file's rows; the logits those of
-    transformers holding the dequantized weights."""
-    path, oracle = q8_0_file(phi3_dirs, tmp_path)
+    the partial rotary: every projection packed from the file's blocks (Q4_K re-cut), the tied head
+    from the embeddings' blocks and the embeddings looked up in the file's rows; the logits those
+    of transformers holding the dequantized weights."""
+    path, oracle = quantized_file(phi3_dirs, tmp_path, qtype)
     checkpoint = open_checkpoint(path)
     model = load_model(checkpoint, 128, torch.float32, torch.device("cpu"), kernels="auto")
-    q8_0 = BLOCK_FORMATS["Q8_0"]
+    blocks = BLOCK_FORMATS[qtype]
     for layer in model.layers:
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             projection = layer.get_submodule(name)
-            assert isinstance(projection, PackedLinear) and projection.format == q8_0, name
-    assert model.packed_lm_head.format == q8_0 and isinstance(model.embed_tokens, GGUFEmbedding)
+            assert isinstance(projection, PackedLinear) and projection.format == blocks, name
+    assert model.packed_lm_head.format == blocks and isinstance(model.embed_tokens, GGUFEmbedding)
     tokens = prompt(30, 7)
     backend = make_backend("auto", torch.device("cpu"), 16, checkpoint.config.head_dim)
     got = stepwise_logits(model, checkpoint.config, backend, tokens, 28, ((0, 28), (28, 29), (29, 30)))
@@ -172,7 +183,7 @@ def test_a_q8_0_file_keeps_its_fused_projections_in_blocks_and_gives_its_values_
 def test_a_tensor_parallel_ranks_blocks_of_the_fused_projections_are_its_shard(phi3_dirs, tmp_path):
     """Each of 2 ranks keeps its 3 q heads, 1 k and 1 v head and its half of gate and up in the
     file's Q8_0 blocks, giving what its float32 shard gives, bit for bit."""
-    path, _ = q8_0_file(phi3_dirs, tmp_path)
+    path, _ = quantized_file(phi3_dirs, tmp_path, "Q8_0")
     cpu, q8_0 = torch.device("cpu"), BLOCK_FORMATS["Q8_0"]
     for rank in (0, 1):
         shard = TPShard(rank, 2)

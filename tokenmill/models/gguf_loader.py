@@ -99,8 +99,9 @@ def _gguf_phi3(meta, reader, layers: int, rotary_dim: int) -> dict:
                     factors by itself (llama.Rotary); llama.cpp instead picks one set for all
                     positions, by the context size the server is started with.
         window      attention.sliding_window on every layer, as transformers applies Phi-3's
-                    sliding_window (Phi-3-mini: 2047; 0, no window, for Phi-4); llama.cpp turns
-                    Phi-3's window off and attends to the whole context.
+                    sliding_window (Phi-3-mini: 2047; 0, no window, for Phi-4; none in files
+                    converted before the key was written); llama.cpp turns Phi-3's window off
+                    and attends to the whole context.
         rotary_dim  rope.dimension_count (Phi-4-mini: 96 of 128 dims rotate).
     """
     if meta("expert_count"):

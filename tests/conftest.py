@@ -197,7 +197,8 @@ _GGUF_LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused projections, kept fused
 # Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP, as for Llama
 _GEMMA_GGUF_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "pre_feedforward_layernorm": "ffn_norm",
                            "post_attention_layernorm": "post_attention_norm",
@@ -262,6 +263,32 @@ def _gemma_gguf_metadata(w, c) -> None:
         w.add_final_logit_softcapping(c.final_logit_softcapping)
 
 
+def _phi3_gguf_metadata(w, c) -> list[tuple[str, object]]:
+    """The hyperparameters convert_hf_to_gguf.py's Phi3MiniModel writes for config `c` (the vocabulary
+    size too, for files written without one): no key length, the rotating dims of a head as
+    rope.dimension_count, the original context, sliding_window 0 where the config has none, and
+    with LongRoPE the attention factor it derives; returns the rope factor tensors it adds,
+    (name, float32 array) each."""
+    import math
+
+    import numpy as np
+    rope = c.rope_parameters
+    old_len = rope.get("original_max_position_embeddings") or c.original_max_position_embeddings
+    for add, value in ((w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
+                       (w.add_block_count, c.num_hidden_layers), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_rope_freq_base, rope["rope_theta"]),
+                       (w.add_rope_scaling_orig_ctx_len, old_len), (w.add_sliding_window, c.sliding_window or 0),
+                       (w.add_vocab_size, c.vocab_size)):
+        add(value)
+    w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * c.hidden_size) // c.num_attention_heads)
+    if not rope.get("long_factor"):
+        return []
+    scale = c.max_position_embeddings / old_len
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(old_len)) if scale > 1 else 1.0)
+    return [(f"rope_factors_{k}.weight", np.array(rope[f"{k}_factor"], np.float32)) for k in ("long", "short")]
+
+
 def _gguf_vocabulary(w, tokens: list[str], chat_template: str | None) -> None:
     """A sentencepiece vocabulary as llama.cpp's converter writes Gemma's: `tokens` (with "<bos>",
     "<eos>", "<unk>" and "<pad>" among them), "<...>" tokens marked control, the template."""
@@ -309,6 +336,7 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
                        tokens: list[str] | None = None, chat_template: str | None = None) -> None:
     """Write a transformers model as llama.cpp's convert_hf_to_gguf.py does (its metadata, llama's
     and Mixtral's q/k rows and biases permuted for interleaved rotary pairs, YaRN rope scaling,
+    Phi-3's fused attn_qkv and ffn_up (gate then up) and LongRoPE factors as tensors,
     experts merged into one tensor per projection, or with `merged_experts` False one tensor per
     expert, blk.L.ffn_gate.E.weight, as older Mixtral files have them; Gemma's norms w written as
     1 + w, its tied head left out), matrices in `qtype` (F32, F16, a type gguf quantizes to, or Q4_K
@@ -325,6 +353,9 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
     gemma = c.model_type in ("gemma2", "gemma3_text")
     if gemma:
         _gemma_gguf_metadata(w, c)
+    elif c.model_type == "phi3":
+        for gguf_name, factors in _phi3_gguf_metadata(w, c):
+            w.add_tensor(gguf_name, factors)
     else:
         _gguf_metadata(w, c, getattr(c, "head_dim", None) or c.hidden_size // heads)
     if tokens is not None:

@@ -1,12 +1,14 @@
 """GGUF files as llama.cpp writes them: the model config from the metadata (with llama.cpp's own
-defaults and derivations where the file is silent, as for Gemma's sliding layers and score scale),
-the tensors under Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted
-from llama.cpp's rotary layout, merged expert tensors split into one matrix per expert; Gemma's
-norms as the converter wrote them, 1 + w, which is how the model holds them), and on the CPU the
+defaults and derivations where the file is silent, as for Gemma's sliding layers and score scale;
+for phi3 files, the config the model's Hugging Face directory gives, as _gguf_phi3 says), the tensors
+under Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted from
+llama.cpp's rotary layout, or put in partial rotary's order (Phi-4-mini), merged expert tensors split
+into one matrix per expert, Phi-3's fused attn_qkv and ffn_up into q/k/v and gate/up; Gemma's norms
+as the converter wrote them, 1 + w, which is how the model holds them), and on the CPU the
 projections kept in their quantized blocks for the panel kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs),
-a tensor-parallel rank's part of each cut from the file's blocks on block boundaries.
-loader.py opens a file and picks these or the Hugging Face path.
+a fused projection's parts and a tensor-parallel rank's part of each cut from the file's blocks on
+block boundaries. loader.py opens a file and picks these or the Hugging Face path.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +26,7 @@ import torch
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.gemma import GEMMA_ARCHITECTURES
+from tokenmill.models.llama import partial_rotary_order, rope_attention_factor
 from tokenmill.models.moe import MOE_ARCHITECTURES
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix
 from tokenmill.models.parallel import TPShard, holds, tensor_cut
@@ -30,7 +34,7 @@ from tokenmill.models.parallel import TPShard, holds, tensor_cut
 logger = logging.getLogger(__name__)
 
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-              "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+              "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
 # whether llama.cpp renormalises each MoE architecture's top-k weights, where a file does not say
 # (expert_weights_norm): as the transformers models do for Mixtral and for Qwen3-MoE's released configs
 _GGUF_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
@@ -52,9 +56,13 @@ _GGUF_NAMES = {
 # of the attention's output, llama.cpp's post_attention_norm)
 _GEMMA_GGUF_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's fused projections, as its Hugging Face checkpoints have them: q, k and v rows in one
+# attn_qkv (or three tensors, which llama.cpp also reads), gate then up rows in one ffn_up
+_PHI3_GGUF_NAMES = {**_GGUF_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # what the end of a turn is spelled as in a vocabulary, found by its text as llama.cpp finds it
-# (the converter writes only <eos> as the file's end of generation)
-_END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3_text": "<end_of_turn>"}
+# (the converter writes only <eos> as Gemma's end of generation; Phi-3's file names <|endoftext|>, and
+# its turns end with <|end|>, as its generation_config.json has it)
+_END_OF_TURN = {"gemma2": ("<end_of_turn>",), "gemma3_text": ("<end_of_turn>",), "phi3": ("<|end|>", "<|endoftext|>")}
 # tensor name prefixes of what a text model has no use for: a vision tower and its projector, audio
 _MULTIMODAL_PREFIXES = ("v.", "mm.", "a.")
 
@@ -76,6 +84,50 @@ def _gguf_rope_scaling(meta) -> dict | None:
         scaling.update(original_max_position_embeddings=meta("rope.scaling.original_context_length"),
                        beta_fast=meta("rope.scaling.yarn_beta_fast"), beta_slow=meta("rope.scaling.yarn_beta_slow"))
     return scaling
+
+
+def _gguf_phi3(meta, reader, layers: int, rotary_dim: int) -> dict:
+    """The ModelConfig fields of a phi3 file (Phi-3, Phi-3.5, Phi-4, Phi-4-mini) that its Hugging
+    Face config.json would give (hf_model_config), so that the file runs as transformers runs the
+    model, the same as its directory does here:
+
+        LongRoPE    where the file has rope_factors_long and rope_factors_short (rotary_dim / 2
+                    each): transformers' longrope with those factors, original_context_length,
+                    factor context_length / original_context_length (what transformers derives),
+                    and attention_factor only where rope.scaling.attn_factor is not the one
+                    transformers derives from them. Each position takes the short or the long
+                    factors by itself (llama.Rotary); llama.cpp instead picks one set for all
+                    positions, by the context size the server is started with.
+        window      attention.sliding_window on every layer, as transformers applies Phi-3's
+                    sliding_window (Phi-3-mini: 2047; 0, no window, for Phi-4; none in files
+                    converted before the key was written); llama.cpp turns Phi-3's window off
+                    and attends to the whole context.
+        rotary_dim  rope.dimension_count (Phi-4-mini: 96 of 128 dims rotate).
+    """
+    if meta("expert_count"):
+        raise ValueError(f"unsupported GGUF phi3 variant: expert_count {meta('expert_count')} (supported: dense)")
+    window = meta("attention.sliding_window", 0)
+    fields = dict(layer_windows=(window,) * layers if window else ())
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if not factors:
+        return fields
+    if set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
+        raise ValueError(f"unsupported GGUF phi3 variant: rope factors {', '.join(sorted(factors))} (supported: "
+                         "rope_factors_long.weight with rope_factors_short.weight)")
+    long, short = (np.asarray(factors[f"rope_factors_{k}.weight"].data, np.float64).reshape(-1).tolist()
+                   for k in ("long", "short"))
+    if len(long) != rotary_dim // 2 or len(short) != rotary_dim // 2:
+        raise ValueError(f"GGUF phi3 rope factors: {len(long)} long and {len(short)} short for {rotary_dim // 2} "
+                         "rotary frequencies")
+    old_len = meta("rope.scaling.original_context_length")
+    if not old_len:
+        raise ValueError("GGUF phi3 rope factors without rope.scaling.original_context_length")
+    scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+               "original_max_position_embeddings": old_len, "factor": meta("context_length", old_len) / old_len}
+    attn_factor = meta("rope.scaling.attn_factor")
+    if attn_factor is not None and not math.isclose(attn_factor, rope_attention_factor(scaling), rel_tol=1e-6):
+        scaling["attention_factor"] = float(attn_factor)  # the file's own, where not transformers' derivation
+    return fields | dict(rope_scaling=scaling)
 
 
 def _gguf_moe(meta, arch: str, reader) -> MoEConfig:
@@ -142,15 +194,15 @@ def _gguf_gemma(meta, arch: str, hidden: int, heads: int, head_dim: int, layers:
         local_rope_theta=meta("rope.freq_base_swa", 10000.0) if not gemma2 and windows else None)
 
 
-def _token_id(reader, text: str) -> int | None:
-    """The id of the token spelled `text` in the file's vocabulary, or None."""
+def _token_ids(reader, texts: tuple[str, ...]) -> list[int]:
+    """The ids of the tokens spelled as one of `texts` in the file's vocabulary, in one pass over it."""
     field = reader.fields.get("tokenizer.ggml.tokens")
     if field is None:
-        return None
-    spelled = text.encode()
+        return []
+    spelled = {text.encode() for text in texts}
+    lengths = {len(text) for text in spelled}
     pieces = (field.parts[part] for part in field.data)  # each token's bytes; the lengths compared first
-    return next((i for i, piece in enumerate(pieces) if len(piece) == len(spelled) and piece.tobytes() == spelled),
-                None)
+    return [i for i, piece in enumerate(pieces) if len(piece) in lengths and piece.tobytes() in spelled]
 
 
 def gguf_model_config(reader) -> ModelConfig:
@@ -170,6 +222,10 @@ def gguf_model_config(reader) -> ModelConfig:
     tensor_names = {t.name for t in reader.tensors}
     moe = _gguf_moe(meta, arch, reader) if arch in MOE_ARCHITECTURES else None
     head_dim = meta("attention.key_length") or hidden // heads
+    rotary_dim = meta("rope.dimension_count") or head_dim
+    if rotary_dim != head_dim and arch != "phi3":
+        raise ValueError(f"unsupported GGUF {name} variant: rope.dimension_count {rotary_dim} of head_dim {head_dim} "
+                         "(partial rotary is read for phi3 files)")
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp keeps its rope scaling as a divisor per frequency
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors",
@@ -178,15 +234,17 @@ def gguf_model_config(reader) -> ModelConfig:
     # end of generation, as llama.cpp has it: <|eot_id|> and <|eom_id|> end a Llama 3 turn even
     # where the file's eos is <|end_of_text|>
     ends = [_gguf_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
-    if arch in _END_OF_TURN:  # Gemma's <end_of_turn>, which the file does not name
-        ends.append(_token_id(reader, _END_OF_TURN[arch]))
+    if arch in _END_OF_TURN:  # Gemma's <end_of_turn> and Phi-3's <|end|>, which the file does not name
+        ends += _token_ids(reader, _END_OF_TURN[arch])
     eos_ids = tuple(dict.fromkeys(int(t) for t in ends if t is not None))
     gemma = _gguf_gemma(meta, arch, hidden, heads, head_dim, layers) if arch in GEMMA_ARCHITECTURES else {}
+    phi3 = _gguf_phi3(meta, reader, layers, rotary_dim) if arch == "phi3" else {}
     return ModelConfig(**dict(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=meta("feed_forward_length") or (moe.expert_intermediate_size if moe else 0),
         num_layers=layers,
         num_heads=heads, num_kv_heads=meta("attention.head_count_kv") or heads, head_dim=head_dim,
+        rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=meta("rope.freq_base", 10000.0), rope_scaling=scaling,
         max_position_embeddings=meta("context_length", 2048),
@@ -194,7 +252,7 @@ def gguf_model_config(reader) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm=arch != "olmoe" and "blk.0.attn_q_norm.weight" in tensor_names, qk_norm_whole=arch == "olmoe",
         moe=moe, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids) | gemma)
+        eos_token_ids=eos_ids) | gemma | phi3)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -214,8 +272,34 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
     heads = 0
     if cfg.architecture in ("llama", "mistral", "mixtral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
         heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
-    names = _GEMMA_GGUF_NAMES if cfg.architecture in GEMMA_ARCHITECTURES else _GGUF_NAMES
+    names = (_GEMMA_GGUF_NAMES if cfg.architecture in GEMMA_ARCHITECTURES else
+             _PHI3_GGUF_NAMES if cfg.architecture == "phi3" else _GGUF_NAMES)
     return f"model.layers.{layer}.{names[kind]}.{suffix}", heads
+
+
+def _fused_parts(name: str, cfg: ModelConfig) -> list[tuple[str, int, int | None]]:
+    """(Hugging Face name, first row, row count or None for all) of each matrix a tensor holds:
+    Phi-3's fused qkv_proj as q, k and v, its gate_up_proj as gate and up; any other, itself whole.
+    The cuts fall between whole rows, so a quantized tensor's parts keep their blocks."""
+    q, kv, ff = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    if ".qkv_proj." in name:
+        return [(name.replace("qkv_proj", p), start, n) for p, start, n in
+                (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv))]
+    if ".gate_up_proj." in name:
+        return [(name.replace("gate_up_proj", "gate_proj"), 0, ff), (name.replace("gate_up_proj", "up_proj"), ff, ff)]
+    return [(name, 0, None)]
+
+
+def _our_rows(rows: np.ndarray, name: str, heads: int, cfg: ModelConfig) -> np.ndarray:
+    """Tensor `name`'s rows (floats, or a quantized matrix's rows of blocks) in the order the model
+    rotates q and k by: llama.cpp's permutation of llama-arch q/k rows undone (`heads`); with partial
+    rotary (Phi-4-mini), each q/k head's rows put in partial_rotary_order, as hf_unfused does."""
+    if heads:
+        rows = _unpermute(rows, heads)
+    if cfg.rotary_dim and (".q_proj." in name or ".k_proj." in name):
+        order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim).numpy()
+        rows = rows.reshape(-1, cfg.head_dim, *rows.shape[1:])[:, order].reshape(rows.shape)
+    return rows
 
 
 def _expert_names(name: str, tensor) -> list[str]:
@@ -225,23 +309,27 @@ def _expert_names(name: str, tensor) -> list[str]:
 
 def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor but those named in `skip`, dequantized to float32 under its Hugging Face name;
-    merged experts as one matrix per expert."""
+    merged experts as one matrix per expert, fused projections (Phi-3) as their parts."""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
-        wanted = [] if name is None else [(i, n) for i, n in enumerate(_expert_names(name, tensor)) if n not in skip]
+        if name is None:
+            continue
+        wanted = [(i, n) for i, n in enumerate(_expert_names(name, tensor))
+                  if any(part not in skip for part, _, _ in _fused_parts(n, cfg))]
         if not wanted:
             continue
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         data = data.reshape([int(d) for d in reversed(tensor.shape)])
-        if heads:
-            data = _unpermute(data, heads)
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps its one row as a vector
             data = data.reshape(1, -1)
-        for index, part in wanted:
+        for index, expert in wanted:
             values = data[index] if "{}" in name else data                # (rows, cols) of expert `index`
-            yield part, torch.from_numpy(np.require(values, requirements=["C", "W"]))
+            for part, start, count in _fused_parts(expert, cfg):
+                if part not in skip:
+                    rows = _our_rows(values if count is None else values[start:start + count], part, heads, cfg)
+                    yield part, torch.from_numpy(np.require(rows, requirements=["C", "W"]))
 
 
 def _bit_fields(packed: np.ndarray, groups: int, shifts: list[int], mask: int) -> np.ndarray:
@@ -321,24 +409,25 @@ def _cut_blocks(rows: np.ndarray, qtype, dim: int, start: int, length: int) -> n
     return blocks[:, start // block:(start + length) // block].reshape(rows.shape[0], -1)
 
 
-def _block_rows(tensor, heads: int, kernels, expert: int | None = None,
-                cut: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """A GGUF tensor's rows (N, bytes) as the panel kernel reads them (of one expert's matrix, for
-    merged experts; a tensor-parallel rank's part of them, `cut` as parallel.tensor_cut gives it):
-    q/k rows un-permuted, cut, then K-quants re-cut by the kernels' recut_k_quant (the same bytes
-    as k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, copied out of the
-    file's read-only mapping. Each step works on whole rows of whole blocks, so cutting before the
-    re-cut gives the rows the whole matrix would."""
+def _block_rows(tensor, name: str, heads: int, cfg: ModelConfig, kernels, expert: int | None = None,
+                part: tuple[int, int | None] = (0, None), cut: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The rows (N, bytes) of Hugging Face matrix `name` in a GGUF tensor, as the panel kernel reads
+    them: of one expert's matrix, for merged experts; `part`'s rows (first, count; None: all) of a
+    fused tensor; a tensor-parallel rank's part of them, `cut` as parallel.tensor_cut gives it.
+    Put in our row order (_our_rows), cut, then K-quants re-cut by the kernels' recut_k_quant (the
+    same bytes as k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, copied out
+    of the file's read-only mapping. Each step works on whole rows of whole blocks, so cutting
+    before the re-cut gives the rows the whole matrix would."""
     kind = tensor.tensor_type.name
     rows = np.asarray(tensor.data)
     rows = rows.reshape(int(tensor.shape[1]), -1) if expert is None else rows.reshape(
         int(tensor.shape[2]), int(tensor.shape[1]), -1)[expert]
-    if heads:
-        rows = _unpermute(rows, heads)
+    start, count = part
+    rows = _our_rows(rows if count is None else rows[start:start + count], name, heads, cfg)
     if cut is not None:
         rows = np.ascontiguousarray(_cut_blocks(rows, tensor.tensor_type, *cut))
     if kind in ("Q4_K", "Q5_K", "Q6_K"):
-        rows = kernels.recut_k_quant(read_only_tensor(rows), BLOCK_FORMATS[kind]).numpy()
+        rows = kernels.recut_k_quant(read_only_tensor(np.ascontiguousarray(rows)), BLOCK_FORMATS[kind]).numpy()
     elif kind in ("Q5_0", "Q5_1"):
         rows = q5_as_blocks_of_32(rows, kind)
     elif kind == "Q3_K":
@@ -350,7 +439,8 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
     """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
     rows (K-quants re-cut into blocks of 32 by `kernels`, the C++ module) are read when it is
     packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py); merged
-    experts give one matrix per expert, so each expert keeps its blocks.
+    experts give one matrix per expert, so each expert keeps its blocks, and a fused projection
+    (Phi-3's attn_qkv, ffn_up) one per part, cut between whole rows of blocks.
 
     With a tensor-parallel `shard`, each matrix is this rank's part (parallel.tensor_cut) cut from
     the file's blocks: output rows for any type; input columns only on the type's block boundaries.
@@ -363,19 +453,21 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
         merged = name is not None and "{}" in name
         if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != (3 if merged else 2):
             continue
-        cut = None if shard is None or merged else tensor_cut(name, cfg, shard)
         block = GGML_QUANT_SIZES[tensor.tensor_type][0]
-        if cut is not None and cut[0] == 1 and (cut[1] % block or cut[2] % block):
-            dequantized.append(f"{tensor.name} ({tensor.tensor_type.name}, blocks of {block} weights, "
-                               f"{cut[2]} columns a rank)")
-            continue
-        rows = cut[2] if cut is not None and cut[0] == 0 else int(tensor.shape[1])
-        cols = cut[2] if cut is not None and cut[0] == 1 else int(tensor.shape[0])
-        for index, part in enumerate(_expert_names(name, tensor)):
-            if shard is not None and not holds(part, cfg, shard):  # another rank's expert
+        for index, expert in enumerate(_expert_names(name, tensor)):
+            if shard is not None and not holds(expert, cfg, shard):  # another rank's expert
                 continue
-            read = functools.partial(_block_rows, tensor, heads, kernels, index if merged else None, cut)
-            out[part] = GGUFMatrix(tensor.tensor_type.name, rows, read, cols)
+            for part, start, count in _fused_parts(expert, cfg):
+                cut = None if shard is None or merged else tensor_cut(part, cfg, shard)
+                if cut is not None and cut[0] == 1 and (cut[1] % block or cut[2] % block):
+                    dequantized.append(f"{tensor.name} ({tensor.tensor_type.name}, blocks of {block} weights, "
+                                       f"{cut[2]} columns a rank)")
+                    continue
+                rows = cut[2] if cut is not None and cut[0] == 0 else count or int(tensor.shape[1])
+                cols = cut[2] if cut is not None and cut[0] == 1 else int(tensor.shape[0])
+                read = functools.partial(_block_rows, tensor, part, heads, cfg, kernels, index if merged else None,
+                                         (start, count), cut)
+                out[part] = GGUFMatrix(tensor.tensor_type.name, rows, read, cols)
     if dequantized:
         logger.warning("tensor_parallel_size %d, rank %d: %d GGUF %s dequantized to float32 (input-column "
                        "shards that would cut quantized blocks): %s", shard.size, shard.rank, len(dequantized),

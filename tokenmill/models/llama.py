@@ -113,8 +113,8 @@ def longrope_angles(positions: torch.Tensor, head_dim: int, theta: float, scalin
 
 def _longrope_factors(scaling: dict) -> tuple[torch.Tensor, torch.Tensor]:
     if "short_factor" not in scaling or "long_factor" not in scaling:
-        raise ValueError("unsupported rope scaling: longrope without short_factor and long_factor (a GGUF file "
-                         "keeps them in tensors this loader does not read)")
+        raise ValueError("unsupported rope scaling: longrope without short_factor and long_factor (GGUF files "
+                         "keep them as tensors, which are read for phi3 files only)")
     return tuple(torch.tensor(scaling[k], dtype=torch.float64, device="cpu") for k in ("short_factor", "long_factor"))
 
 

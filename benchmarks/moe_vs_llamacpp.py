@@ -3,13 +3,17 @@
 llama-bench's `-n 32` (tg32) times 32 single-token decodes from an empty context, `-p 128`
 (pp128) one 128-token prompt; this script times the same in the engine, at a fixed thread count:
 
-    python benchmarks/moe_vs_llamacpp.py PATH [--threads 2] [--reps 3] [--int8-rows 16]
+    python benchmarks/moe_vs_llamacpp.py PATH [--threads 2] [--reps 3] [--int8-rows 16] [--per-expert]
 
 tg: a one-token prompt, then the median of 32 decode steps, `reps` times (a new request each
 time); pp: a step holding one whole 128-token prompt (new token ids each time, so no prefix is
 cached), `reps` times. Prints ms and tokens/s as medians over the reps. With --int8-rows N both
 are repeated with the layers' products in steps of up to N rows taking x in 8-bit blocks
 (EngineConfig's gguf_int8_rows, set on the loaded model), as llama.cpp's do.
+
+--per-expert times both again (after each of the runs above), rep by rep, with each layer's
+experts run as one C++ call (SparseMoeBlock.fused_experts, the default on a CPU) and with one
+product per chosen expert, alternating in the same engine.
 
 --profile instead splits the batch-1 decode step by hand: each piece's forward is wrapped in a
 timer (the C++ kernels are invisible to torch.profiler), and the products' weight bytes are
@@ -24,6 +28,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 from torch import nn
 
@@ -73,9 +78,10 @@ def weight_bytes(module: nn.Module) -> int:
     return sum(m.panels.nbytes for m in module.modules() if isinstance(m, PackedLinear) and m.panels is not None)
 
 
-def wrap(module: nn.Module, key: str, seconds: dict[str, float], nbytes: dict[str, int]) -> None:
-    """module.forward, timed into seconds[key], its weights' bytes added to nbytes[key] per call."""
-    inner, size = module.forward, weight_bytes(module)
+def wrap(module: nn.Module, key: str, seconds: dict[str, float], nbytes: dict[str, int],
+         size: int | None = None) -> None:
+    """module.forward, timed into seconds[key], its weights' bytes (or `size`) added to nbytes[key] per call."""
+    inner, size = module.forward, weight_bytes(module) if size is None else size
 
     def forward(*args, **kwargs):
         start = time.perf_counter()
@@ -99,6 +105,9 @@ def profile(engine: LLMEngine, steps: int) -> None:
         wrap(moe.gate, "router product", seconds, nbytes)
         for expert in moe.experts:
             wrap(expert, "expert products", seconds, nbytes)
+        if moe.fused_experts is not None:  # one C++ call, which at batch 1 reads top_k experts' weights
+            moe.fused_experts = SimpleNamespace(forward=moe.fused_experts.forward)
+            wrap(moe.fused_experts, "expert products", seconds, nbytes, moe.top_k * weight_bytes(moe.experts[0]))
         wrap(moe, "moe block", seconds, nbytes)
         wrap(layer, "layers", seconds, nbytes)
     wrap(model, "model forward", seconds, nbytes)
@@ -134,6 +143,25 @@ def profile(engine: LLMEngine, steps: int) -> None:
         print(f"{name:<52} {sec * 1e3:8.2f} ms {sec / step * 100:5.1f}% {per_layer:>6} ms/layer{rate}", flush=True)
 
 
+def per_expert(engine: LLMEngine, reps: int, mode: str) -> None:
+    """tg and pp with each layer's experts in one C++ call and with one product per chosen expert,
+    alternating rep by rep in one engine; `mode` names the engine's settings in the labels."""
+    blocks = [layer.mlp for layer in engine.runner.worker.model.layers
+              if getattr(layer.mlp, "fused_experts", None) is not None]
+    fused = [block.fused_experts for block in blocks]
+    times: dict[str, list[float]] = defaultdict(list)
+    for rep in range(reps):
+        for name, on in (("fused", True), ("per-expert", False)):
+            for block, experts in zip(blocks, fused):
+                block.fused_experts = experts if on else None
+            times[f"tg{TG}{mode} {name}"].append(tg_step(engine, 100 + rep))
+            times[f"pp{PP}{mode} {name}"].append(pp_step(engine, 100 + rep))
+    for block, experts in zip(blocks, fused):
+        block.fused_experts = experts
+    for key in sorted(times, key=lambda k: (not k.startswith("tg"), k)):
+        report(key, 1 if key.startswith("tg") else PP, times[key])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("path", type=Path)
@@ -141,6 +169,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--int8-rows", type=int, default=0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--per-expert", action="store_true")
     args = ap.parse_args()
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(args.path), kv_cache_memory="1GiB", max_model_len=4096,
@@ -152,11 +181,15 @@ def main() -> None:
     tg_step(engine, -1)  # warm-up
     report(f"tg{TG} step", 1, [tg_step(engine, r) for r in range(args.reps)])
     report(f"pp{PP} step", PP, [pp_step(engine, r) for r in range(args.reps)])
+    if args.per_expert:
+        per_expert(engine, args.reps, "")
     if args.int8_rows:
         set_int8_rows(engine.runner.worker.model, args.int8_rows)
         tg_step(engine, -2)
         report(f"tg{TG} int8 x", 1, [tg_step(engine, r) for r in range(args.reps)])
         report(f"pp{PP} int8 x", PP, [pp_step(engine, r) for r in range(args.reps)])
+        if args.per_expert:
+            per_expert(engine, args.reps, " int8 x")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ token chose is not read at all. The experts are the dense layers' SwiGLU modules
 fused into one matrix), built by the caller: on a CPU the loader packs them for the panel
 kernel like any other projection.
 
+On a CPU with the C++ kernels, a layer's routed experts whose weights are all panel products
+run as one call instead (`fused_experts`, csrc/moe_cpu.cpp, built by cpu_packing.fuse_experts):
+the same grouping, products (with CpuFusedOps' silu_mul), weighting and sums, bit for bit,
+without a call from Python per expert product.
+
 While a CUDA graph is being captured the counts per expert cannot be read on the host, so each
 expert runs over every row, weighted by zero where it was not chosen: the same sums, slower.
 """
@@ -65,12 +70,15 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(experts)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        self.fused_experts = None  # the routed experts as one C++ call (cpu_packing.fuse_experts); None: per expert
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, experts = route(self.gate.forward(x), self.top_k, self.norm_topk_prob)  # (T, k) each
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = self._every_expert(x, weights, experts, ops)
+        elif self.fused_experts is not None:
+            out = self.fused_experts.forward(x, experts, weights)
         else:
             out = self._routed_experts(x, weights, experts, ops)
         if self.shared_expert is not None:

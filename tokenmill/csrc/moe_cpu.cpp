@@ -29,6 +29,11 @@
 namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel
+// Panels per take for small steps. A thread's first take would otherwise be three quarters of
+// its range (parallel.h), three of the eight experts at batch 1, which the other thread cannot
+// steal while the first waits for its core (on a shared machine, often); taken 16 at a time
+// (a few microseconds of work each), a stalled thread holds back at most that.
+constexpr int64_t kSmallChunk = 16;
 
 // The panels' data as a table of pointers, each checked to be a (N, K) matrix's panels in `format`.
 std::vector<const uint8_t*> panel_table(const std::vector<torch::Tensor>& panels, int64_t format, int64_t N,
@@ -74,7 +79,8 @@ torch::Tensor CpuMoeExperts::project(const std::vector<const uint8_t*>& panels, 
     most = std::max(most, g.count);
     decode = decode || tokenmill::decodes_panels(x.back(), format);
   }
-  tokenmill::parallel_chunks(items, tokenmill::panel_chunk_for(most), [&](tokenmill::ThreadChunks& chunks) {
+  const int64_t chunk = tokenmill::panel_chunk_for(most) > 0 ? tokenmill::panel_chunk_for(most) : kSmallChunk;
+  tokenmill::parallel_chunks(items, chunk, [&](tokenmill::ThreadChunks& chunks) {
     tokenmill::PanelScratch scratch(K, decode);
     for (int64_t begin, end; chunks.next(begin, end);)
     for (int64_t i = begin; i < end; ++i) {

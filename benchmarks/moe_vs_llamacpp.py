@@ -12,9 +12,10 @@ cached), `reps` times. Prints ms and tokens/s as medians over the reps. With --i
 are repeated with the layers' products in steps of up to N rows taking x in 8-bit blocks
 (EngineConfig's gguf_int8_rows, set on the loaded model), as llama.cpp's do.
 
---per-expert times both again (after each of the runs above), rep by rep, with each layer's
-experts run as one C++ call (SparseMoeBlock.fused_experts, the default on a CPU) and with one
-product per chosen expert, alternating in the same engine; with --llama-bench (the path of
+--per-expert (after each of the runs above) compares each layer's experts run as one C++ call
+(SparseMoeBlock.fused_experts, the default on a CPU) with one product per chosen expert: first
+the first sparse layer's MoE block alone (200 calls each way, alternating, at 1 and 16 tokens),
+then tg and pp, alternating rep by rep in the same engine; with --llama-bench (the path of
 llama.cpp's llama-bench) each rep also runs `llama-bench -m PATH -t THREADS -r 1` for tg32 and
 pp128, so that the three are timed side by side under the same load (the other agents' work on
 a shared machine swings every figure by several times).
@@ -36,6 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -181,6 +183,28 @@ def per_expert(engine: LLMEngine, reps: int, mode: str, bench: tuple[Path, Path,
         report(key, 1 if key.startswith("tg") else PP, times[key])
 
 
+def block_ab(engine: LLMEngine, trials: int) -> None:
+    """The first sparse layer's MoE block alone on random rows, fused and per expert, alternating
+    call by call, at 1 and 16 tokens: min and median of `trials` calls each. Calls of a few ms, so
+    that some run while no other process takes a core: the min is that uncontended time."""
+    model = engine.runner.worker.model
+    block = next(layer.mlp for layer in model.layers if getattr(layer.mlp, "fused_experts", None) is not None)
+    fused = block.fused_experts
+    for tokens in (1, 16):
+        x = torch.randn(tokens, block.gate.in_features)
+        times: dict[str, list[float]] = defaultdict(list)
+        with torch.no_grad():
+            for _ in range(trials):
+                for name, experts in (("fused", fused), ("per-expert", None)):
+                    block.fused_experts = experts
+                    start = time.perf_counter()
+                    block.forward(x, model.ops)
+                    times[name].append(time.perf_counter() - start)
+        block.fused_experts = fused
+        print("  ".join(f"MoE block, {tokens} tokens, {name}: min {min(t) * 1e3:.2f} ms, median "
+                        f"{statistics.median(t) * 1e3:.2f} ms" for name, t in times.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("path", type=Path)
@@ -203,6 +227,7 @@ def main() -> None:
     report(f"pp{PP} step", PP, [pp_step(engine, r) for r in range(args.reps)])
     bench = (args.llama_bench, args.path, args.threads) if args.llama_bench else None
     if args.per_expert:
+        block_ab(engine, 200)
         per_expert(engine, args.reps, "", bench)
     if args.int8_rows:
         set_int8_rows(engine.runner.worker.model, args.int8_rows)
@@ -210,6 +235,7 @@ def main() -> None:
         report(f"tg{TG} int8 x", 1, [tg_step(engine, r) for r in range(args.reps)])
         report(f"pp{PP} int8 x", PP, [pp_step(engine, r) for r in range(args.reps)])
         if args.per_expert:
+            block_ab(engine, 200)
             per_expert(engine, args.reps, " int8 x", bench)
 
 

@@ -3,13 +3,22 @@
 llama-bench's `-n 32` (tg32) times 32 single-token decodes from an empty context, `-p 128`
 (pp128) one 128-token prompt; this script times the same in the engine, at a fixed thread count:
 
-    python benchmarks/moe_vs_llamacpp.py PATH [--threads 2] [--reps 3] [--int8-rows 16]
+    python benchmarks/moe_vs_llamacpp.py PATH [--threads 2] [--reps 3] [--int8-rows 16] [--per-expert]
+                                              [--llama-bench BIN]
 
 tg: a one-token prompt, then the median of 32 decode steps, `reps` times (a new request each
 time); pp: a step holding one whole 128-token prompt (new token ids each time, so no prefix is
 cached), `reps` times. Prints ms and tokens/s as medians over the reps. With --int8-rows N both
 are repeated with the layers' products in steps of up to N rows taking x in 8-bit blocks
 (EngineConfig's gguf_int8_rows, set on the loaded model), as llama.cpp's do.
+
+--per-expert (after each of the runs above) compares each layer's experts run as one C++ call
+(SparseMoeBlock.fused_experts, the default on a CPU) with one product per chosen expert: first
+the first sparse layer's MoE block alone (200 calls each way, alternating, at 1 and 16 tokens),
+then tg and pp, alternating rep by rep in the same engine; with --llama-bench (the path of
+llama.cpp's llama-bench) each rep also runs `llama-bench -m PATH -t THREADS -r 1` for tg32 and
+pp128, so that the three are timed side by side under the same load (the other agents' work on
+a shared machine swings every figure by several times).
 
 --profile instead splits the batch-1 decode step by hand: each piece's forward is wrapped in a
 timer (the C++ kernels are invisible to torch.profiler), and the products' weight bytes are
@@ -19,12 +28,16 @@ counted per call, so each piece shows the rate at which it read them.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
+import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -73,9 +86,10 @@ def weight_bytes(module: nn.Module) -> int:
     return sum(m.panels.nbytes for m in module.modules() if isinstance(m, PackedLinear) and m.panels is not None)
 
 
-def wrap(module: nn.Module, key: str, seconds: dict[str, float], nbytes: dict[str, int]) -> None:
-    """module.forward, timed into seconds[key], its weights' bytes added to nbytes[key] per call."""
-    inner, size = module.forward, weight_bytes(module)
+def wrap(module: nn.Module, key: str, seconds: dict[str, float], nbytes: dict[str, int],
+         size: int | None = None) -> None:
+    """module.forward, timed into seconds[key], its weights' bytes (or `size`) added to nbytes[key] per call."""
+    inner, size = module.forward, weight_bytes(module) if size is None else size
 
     def forward(*args, **kwargs):
         start = time.perf_counter()
@@ -99,6 +113,9 @@ def profile(engine: LLMEngine, steps: int) -> None:
         wrap(moe.gate, "router product", seconds, nbytes)
         for expert in moe.experts:
             wrap(expert, "expert products", seconds, nbytes)
+        if moe.fused_experts is not None:  # one C++ call, which at batch 1 reads top_k experts' weights
+            moe.fused_experts = SimpleNamespace(forward=moe.fused_experts.forward)
+            wrap(moe.fused_experts, "expert products", seconds, nbytes, moe.top_k * weight_bytes(moe.experts[0]))
         wrap(moe, "moe block", seconds, nbytes)
         wrap(layer, "layers", seconds, nbytes)
     wrap(model, "model forward", seconds, nbytes)
@@ -134,6 +151,60 @@ def profile(engine: LLMEngine, steps: int) -> None:
         print(f"{name:<52} {sec * 1e3:8.2f} ms {sec / step * 100:5.1f}% {per_layer:>6} ms/layer{rate}", flush=True)
 
 
+def llama_bench(binary: Path, path: Path, threads: int, test: str) -> float:
+    """Seconds a token of llama-bench's tg32 or pp128 (one repetition) on the file."""
+    args = ["-p", "0", "-n", str(TG)] if test == f"tg{TG}" else ["-p", str(PP), "-n", "0"]
+    out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-r", "1", *args], capture_output=True,
+                         text=True, check=True).stdout
+    return 1.0 / float(re.search(rf"\|\s*{test}\s*\|\s*([\d.]+)", out).group(1))
+
+
+def per_expert(engine: LLMEngine, reps: int, mode: str, bench: tuple[Path, Path, int] | None) -> None:
+    """tg and pp with each layer's experts in one C++ call and with one product per chosen expert,
+    alternating rep by rep in one engine, and llama-bench's where `bench` (its binary, the file,
+    threads) is given; `mode` names the engine's settings in the labels."""
+    blocks = [layer.mlp for layer in engine.runner.worker.model.layers
+              if getattr(layer.mlp, "fused_experts", None) is not None]
+    fused = [block.fused_experts for block in blocks]
+    times: dict[str, list[float]] = defaultdict(list)
+    for rep in range(reps):
+        for name, on in (("fused", True), ("per-expert", False)):
+            for block, experts in zip(blocks, fused):
+                block.fused_experts = experts if on else None
+            times[f"tg{TG}{mode} {name}"].append(tg_step(engine, 100 + rep))
+            times[f"pp{PP}{mode} {name}"].append(pp_step(engine, 100 + rep))
+        if bench is not None:  # llama.cpp has no such setting: its figures beside each mode's
+            beside = f" (beside{mode or ' float32 x'})"
+            times[f"tg{TG} llama-bench{beside}"].append(llama_bench(*bench, f"tg{TG}"))
+            times[f"pp{PP} llama-bench{beside}"].append(llama_bench(*bench, f"pp{PP}") * PP)
+    for block, experts in zip(blocks, fused):
+        block.fused_experts = experts
+    for key in sorted(times, key=lambda k: (not k.startswith("tg"), k)):
+        report(key, 1 if key.startswith("tg") else PP, times[key])
+
+
+def block_ab(engine: LLMEngine, trials: int) -> None:
+    """The first sparse layer's MoE block alone on random rows, fused and per expert, alternating
+    call by call, at 1 and 16 tokens: min and median of `trials` calls each. Calls of a few ms, so
+    that some run while no other process takes a core: the min is that uncontended time."""
+    model = engine.runner.worker.model
+    block = next(layer.mlp for layer in model.layers if getattr(layer.mlp, "fused_experts", None) is not None)
+    fused = block.fused_experts
+    for tokens in (1, 16):
+        x = torch.randn(tokens, block.gate.in_features)
+        times: dict[str, list[float]] = defaultdict(list)
+        with torch.no_grad():
+            for _ in range(trials):
+                for name, experts in (("fused", fused), ("per-expert", None)):
+                    block.fused_experts = experts
+                    start = time.perf_counter()
+                    block.forward(x, model.ops)
+                    times[name].append(time.perf_counter() - start)
+        block.fused_experts = fused
+        print("  ".join(f"MoE block, {tokens} tokens, {name}: min {min(t) * 1e3:.2f} ms, median "
+                        f"{statistics.median(t) * 1e3:.2f} ms" for name, t in times.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("path", type=Path)
@@ -141,6 +212,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--int8-rows", type=int, default=0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--per-expert", action="store_true")
+    ap.add_argument("--llama-bench", type=Path, help="llama-bench's path: timed beside each --per-expert rep")
     args = ap.parse_args()
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(args.path), kv_cache_memory="1GiB", max_model_len=4096,
@@ -152,11 +225,18 @@ def main() -> None:
     tg_step(engine, -1)  # warm-up
     report(f"tg{TG} step", 1, [tg_step(engine, r) for r in range(args.reps)])
     report(f"pp{PP} step", PP, [pp_step(engine, r) for r in range(args.reps)])
+    bench = (args.llama_bench, args.path, args.threads) if args.llama_bench else None
+    if args.per_expert:
+        block_ab(engine, 200)
+        per_expert(engine, args.reps, "", bench)
     if args.int8_rows:
         set_int8_rows(engine.runner.worker.model, args.int8_rows)
         tg_step(engine, -2)
         report(f"tg{TG} int8 x", 1, [tg_step(engine, r) for r in range(args.reps)])
         report(f"pp{PP} int8 x", PP, [pp_step(engine, r) for r in range(args.reps)])
+        if args.per_expert:
+            block_ab(engine, 200)
+            per_expert(engine, args.reps, " int8 x", bench)
 
 
 if __name__ == "__main__":

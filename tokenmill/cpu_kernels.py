@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "gemm_cpu.cpp", "decoder_layer_cpu.cpp",
-            "sampler_cpu.cpp"]
+            "sampler_cpu.cpp", "moe_cpu.cpp"]
 
 _NAME = "tokenmill_cpu_ops"
 STALE_LOCK_SECONDS = 600  # a build takes 2-4 minutes on 2 cores

@@ -192,6 +192,7 @@ def test_gguf_written_as_llama_cpp_does_gives_hfs_logits_with_experts_in_their_b
         experts = model.layers[1].mlp.experts
         assert all(isinstance(e.gate_up_proj, PackedLinear) and e.gate_up_proj.format == BLOCK_FORMATS[qtype]
                    and e.down_proj.format == BLOCK_FORMATS[qtype] for e in experts)
+        assert model.layers[1].mlp.fused_experts is not None  # the layer's experts in one C++ call
 
 
 def test_a_gguf_with_another_expert_gating_function_is_refused_naming_it(tmp_path):

@@ -3,6 +3,7 @@
 
 #include "cpu_ops.h"
 #include "decoder_layer_cpu.h"
+#include "moe_cpu.h"
 #include "simd.h"
 
 // omp_pause_resource_all is OpenMP 5.0: GCC has it from version 9 (while still reporting an
@@ -58,6 +59,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<std::shared_ptr<CpuDecoderLayer>>, torch::Tensor, double>(), py::arg("layers"),
            py::arg("final_norm"), py::arg("eps"))
       .def("forward", &CpuDecoderStack::forward);
+  py::class_<CpuMoeExperts>(m, "MoeExperts", "A layer's routed SwiGLU experts in one call (see moe_cpu.cpp)")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t>(),
+           py::arg("gate_up"), py::arg("down"), py::arg("gate_up_format"), py::arg("down_format"), py::arg("hidden"),
+           py::arg("width"))
+      .def_readwrite("int8_rows", &CpuMoeExperts::int8_rows)
+      .def("forward", &CpuMoeExperts::forward, py::arg("x"), py::arg("experts"), py::arg("weights"));
 #ifdef TOKENMILL_AVX2
   m.attr("block_formats") = true;
 #else

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "panel_gemm.h"
 #include "parallel.h"
 #include "tile_gemm.h"
 
@@ -78,6 +79,41 @@ void tile_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, flo
       for (int64_t k = 0; k < K; ++k) s += x[r * ldx + k] * panel[k * kPanel + j];
       out[r * kPanel + j] = s;
     }
+  }
+}
+
+// Writes a finished tile (rows, 16) of panel p, for rows m0.. of x, into `out`.
+void store_tile(const tokenmill::PanelOut& out, const float* tile, int64_t p, int64_t m0, int64_t rows) {
+  const int64_t n0 = p * kPanel, width = std::min(kPanel, out.N - n0);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out.y + (m0 + r) * out.ldy + n0;
+    const float* t = tile + r * kPanel;
+    if (out.row_scale != nullptr) {
+      const float scale = out.row_scale[m0 + r];
+      for (int64_t j = 0; j < width; ++j) dst[j] = (t[j] + (out.bias ? out.bias[n0 + j] : 0.0f)) * scale;
+    } else {
+      for (int64_t j = 0; j < width; ++j) dst[j] = t[j] + (out.bias ? out.bias[n0 + j] : 0.0f);
+    }
+  }
+}
+
+// Rows [block, block_end) of x (M, K) times float32 panel p, tile by tile; a tile's pass also
+// prefetches its share of the next panel from kPrefetchRows rows up.
+void float_panel(const float* xp, int64_t block, int64_t block_end, int64_t K, const float* panel, const float* next,
+                 float* tile, const tokenmill::PanelOut& out, int64_t p) {
+  const int64_t block_rows = block_end - block, per_tile = tile_rows(block_rows);
+  const bool prefetch = next != nullptr && block_rows >= kPrefetchRows;
+  for (int64_t m0 = block; m0 < block_end; m0 += per_tile) {
+    const int64_t rows = std::min(per_tile, block_end - m0);
+#ifdef TOKENMILL_AVX2
+    // this pass's share of the next panel's K lines
+    const int64_t first = K * (m0 - block) / block_rows, last = K * (m0 - block + rows) / block_rows;
+    tokenmill::kTiles[rows](xp + m0 * K, K, panel, K, tile, kPanel, prefetch ? next + first * kPanel : panel,
+                            prefetch ? last - first : 0);
+#else
+    tile_scalar(xp + m0 * K, K, panel, K, tile, rows);
+#endif
+    store_tile(out, tile, p, m0, rows);
   }
 }
 
@@ -346,46 +382,33 @@ constexpr const BlockTileFn* kBlockTiles[kLastFormat + 1] = {
     nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>, kBlockTilesOf<kQ4F>, kBlockTilesOf<kQ5F>,
     kBlockTilesOf<kQ6F>, kBlockTilesOf<kQ5K>};
 
-// x (M, K) times block panels. The first block of rows with more than kDecodeRows rows decodes
-// a panel once into a buffer that the float32 path's tiles run over, for it and every block after
-// it; until then (small decode steps: one or two passes) each tile of rows decodes the
-// panel anew into registers. Either way each row's sum
-// is the float32 panels' own. store(tile, p, m0, rows) writes a finished tile.
-template <class Store>
-void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t* wp, int64_t format, Store store) {
-  const int64_t panel_bytes = K / unit_k(format) * unit_bytes(format);
-  tokenmill::parallel_chunks(P, panel_chunk(M), [&](tokenmill::ThreadChunks& chunks) {
-    float tile[kWideRows * kPanel];
-    // 64-byte aligned, as the float32 panels are: a panel row is one cache line, not two
-    std::vector<float> buffer(M > kDecodeRows ? K * kPanel + kPanel : 0);
-    float* decoded = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-    for (int64_t begin, end; chunks.next(begin, end);)
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* src = wp + p * panel_bytes;
-      // fetched by the first pass, if this thread is likely to take it next
-      const uint8_t* next = chunks.comes_next(p + 1, end) ? src + panel_bytes : nullptr;
-      bool buffered = false;  // the panel decoded into the buffer (once, for every block of rows)
-      // tiles restart at every kRowBlock rows, as in the float32 path: a one-row tile sums in
-      // another order than a row of a bigger tile, so both paths must cut the rows alike
-      for (int64_t block = 0; block < M; block += kRowBlock) {
-        const int64_t block_end = std::min(M, block + kRowBlock);
-        if (!buffered && block_end - block > kDecodeRows) {
-          kDecoders[format](src, K / kBlock, decoded, next);
-          buffered = true;
-        }
-        const int64_t per_tile = tile_rows(block_end - block);
-        for (int64_t m0 = block; m0 < block_end; m0 += per_tile) {
-          const int64_t rows = std::min(per_tile, block_end - m0);
-          if (buffered) {
-            tokenmill::kTiles[rows](xp + m0 * K, K, decoded, K, tile, kPanel, nullptr, 0);
-          } else {
-            kBlockTiles[format][rows](xp + m0 * K, K, src, K / kBlock, tile, m0 == 0 ? next : nullptr);
-          }
-          store(tile, p, m0, rows);
-        }
-      }
+// x (M, K) times panel p of blocks (at src). The first block of rows with more than kDecodeRows
+// rows decodes the panel once into the scratch buffer that the float32 path's tiles run over,
+// for it and every block after it; until then (small decode steps: one or two passes) each
+// tile of rows decodes the panel anew into registers. Either way each row's sum is the float32
+// panels' own. `next` (or nullptr) is prefetched by the first pass.
+void block_panel(const float* xp, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t format,
+                 int64_t p, tokenmill::PanelScratch& scratch, const tokenmill::PanelOut& out) {
+  bool buffered = false;  // the panel decoded into the buffer (once, for every block of rows)
+  // tiles restart at every kRowBlock rows, as in the float32 path: a one-row tile sums in
+  // another order than a row of a bigger tile, so both paths must cut the rows alike
+  for (int64_t block = 0; block < M; block += kRowBlock) {
+    const int64_t block_end = std::min(M, block + kRowBlock);
+    if (!buffered && block_end - block > kDecodeRows) {
+      kDecoders[format](src, K / kBlock, scratch.decoded(), next);
+      buffered = true;
     }
-  });
+    const int64_t per_tile = tile_rows(block_end - block);
+    for (int64_t m0 = block; m0 < block_end; m0 += per_tile) {
+      const int64_t rows = std::min(per_tile, block_end - m0);
+      if (buffered) {
+        tokenmill::kTiles[rows](xp + m0 * K, K, scratch.decoded(), K, scratch.tile, kPanel, nullptr, 0);
+      } else {
+        kBlockTiles[format][rows](xp + m0 * K, K, src, K / kBlock, scratch.tile, m0 == 0 ? next : nullptr);
+      }
+      store_tile(out, scratch.tile, p, m0, rows);
+    }
+  }
 }
 
 // ---- Small steps with x in 8-bit blocks ------------------------------------------------------
@@ -401,14 +424,7 @@ void block_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_
 // the layers of the default model took 0.73-0.87x the time of decoding the blocks to float32 at 1
 // to 8 rows, but 1.09x at 64 and 1.35x at 512, so not for big steps.
 
-// One row of x in 8-bit blocks, laid out for the two inner loops below.
-struct Int8Row {
-  std::vector<float> scale, sum;  // per block of 32 k: dx, and dx * sum(xq) for the offsets
-  std::vector<int32_t> qsum;      // per block: sum(xq), for Q4_0 (its values are d * (q - 8))
-  std::vector<int16_t> words;     // xq widened to int16: each int32 is a pair (xq[2i], xq[2i + 1])
-  std::vector<uint8_t> quads;     // per four k, 32 bytes: the pair (xq[4i], xq[4i + 1]) eight times,
-                                  // then (xq[4i + 2], xq[4i + 3]) eight times
-};
+using tokenmill::Int8Row;  // one row of x in 8-bit blocks (panel_gemm.h)
 
 inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -583,32 +599,67 @@ constexpr const Int8TileFn* kInt8Tiles[kLastFormat + 1] = {
     nullptr, kInt8TilesOf<kQ4_0>, kInt8TilesOf<kQ4_1>, kInt8TilesOf<kQ8_0>, kInt8TilesOf<kQ4F>,
     kInt8TilesOf<kQ5F>, kInt8TilesOf<kQ6F>, kInt8TilesOf<kQ5K>};
 
-// x (M, K) times block panels with x in 8-bit blocks, up to four rows per pass over a panel. The
-// first pass over a panel prefetches the next one: unlike the float32 decoding, these passes
-// outrun the hardware prefetcher (layers of the default model at one row: 0.84x the float32
-// decoding's time without, 0.76x with; its Q8_0 head 1.29x without, 0.76-0.94x with).
-template <class Store>
-void int8_panels(const float* xp, int64_t M, int64_t K, int64_t P, const uint8_t* wp, int64_t format, Store store) {
-  const int64_t panel_bytes = K / unit_k(format) * unit_bytes(format);
-  std::vector<Int8Row> rows(M);
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, rows[m]);
-  tokenmill::parallel_chunks(P, 0, [&](tokenmill::ThreadChunks& chunks) {
-    float tile[kInt8Rows * kPanel];
-    for (int64_t begin, end; chunks.next(begin, end);)
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t m0 = 0; m0 < M; m0 += kInt8Rows) {
-        const int64_t n = std::min(kInt8Rows, M - m0);
-        const uint8_t* src = wp + p * panel_bytes;
-        const bool prefetch = m0 == 0 && chunks.comes_next(p + 1, end);
-        kInt8Tiles[format][n](rows.data() + m0, src, K / kBlock, tile, prefetch ? src + panel_bytes : nullptr);
-        store(tile, p, m0, n);
-      }
-    }
-  });
+// x (M, K), in 8-bit blocks, times panel p of blocks (at src), up to four rows per pass. The
+// first pass prefetches `next` (or nullptr): unlike the float32 decoding, these passes outrun the
+// hardware prefetcher (layers of the default model at one row: 0.84x the float32 decoding's time
+// without, 0.76x with; its Q8_0 head 1.29x without, 0.76-0.94x with).
+void int8_panel(const Int8Row* rows, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t format,
+                int64_t p, float* tile, const tokenmill::PanelOut& out) {
+  for (int64_t m0 = 0; m0 < M; m0 += kInt8Rows) {
+    const int64_t n = std::min(kInt8Rows, M - m0);
+    kInt8Tiles[format][n](rows + m0, src, K / kBlock, tile, m0 == 0 ? next : nullptr);
+    store_tile(out, tile, p, m0, n);
+  }
 }
 #endif
 
 }  // namespace
+
+static_assert(kWideRows * kPanel <= tokenmill::kMostTileFloats && kInt8Rows <= kWideRows,
+              "PanelScratch's tile holds the widest tile's outputs");
+
+namespace tokenmill {
+
+PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows) {
+  PanelRows rows{x, M, K, {}};
+#ifdef TOKENMILL_AVX2
+  if (format != kFloat32 && M <= int8_rows) {
+    rows.int8.resize(M);
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, rows.int8[m]);
+  }
+#endif
+  return rows;
+}
+
+int64_t panel_stride(int64_t K, int64_t format) {
+  return format == kFloat32 ? K * kPanel * static_cast<int64_t>(sizeof(float)) : K / unit_k(format) * unit_bytes(format);
+}
+
+bool decodes_panels(const PanelRows& x, int64_t format) {
+  return format != kFloat32 && x.int8.empty() && x.M > kDecodeRows;
+}
+
+int64_t panel_chunk_for(int64_t rows) { return panel_chunk(rows); }
+
+void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t p, const uint8_t* next,
+               PanelScratch& scratch, const PanelOut& out) {
+  if (format == kFloat32) {
+    for (int64_t block = 0; block < x.M; block += kRowBlock) {
+      float_panel(x.x, block, std::min(x.M, block + kRowBlock), x.K, reinterpret_cast<const float*>(panel),
+                  reinterpret_cast<const float*>(next), scratch.tile, out, p);
+    }
+    return;
+  }
+#ifdef TOKENMILL_AVX2
+  if (!x.int8.empty()) {
+    int8_panel(x.int8.data(), x.M, x.K, panel, next, format, p, scratch.tile, out);
+  } else {
+    block_panel(x.x, x.M, x.K, panel, next, format, p, scratch, out);
+  }
+#endif
+}
+
+}  // namespace tokenmill
 
 // The shape of the panels of an (N, K) matrix in `format`: (ceil(N / 16), K, 16) float32, or
 // (ceil(N / 16), K / (32 or 256), panel unit bytes) uint8, for the loader to lay out every
@@ -868,24 +919,22 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   const int64_t ldy = y.stride(0);
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // the 16 outputs of panel p for rows m0.. of one tile, from the tile buffer, plus the bias
-  auto store = [&](const float* tile, int64_t p, int64_t m0, int64_t rows) {
-    const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* dst = yp + (m0 + r) * ldy + n0;
-      for (int64_t j = 0; j < width; ++j) dst[j] = tile[r * kPanel + j] + (b ? b[n0 + j] : 0.0f);
-    }
-  };
-#ifdef TOKENMILL_AVX2
-  if (format != kFloat32 && M <= int8_rows) {
-    int8_panels(xp, M, K, P, static_cast<const uint8_t*>(panels.data_ptr()), format, store);
+  const tokenmill::PanelOut o{yp, ldy, N, b, nullptr};
+  if (format != kFloat32) {  // a panel at a time, each over every row
+    const tokenmill::PanelRows rows = tokenmill::panel_rows(xp, M, K, format, int8_rows);
+    const uint8_t* wp = static_cast<const uint8_t*>(panels.data_ptr());
+    const int64_t stride = tokenmill::panel_stride(K, format);
+    tokenmill::parallel_chunks(P, rows.int8.empty() ? panel_chunk(M) : 0, [&](tokenmill::ThreadChunks& chunks) {
+      tokenmill::PanelScratch scratch(K, tokenmill::decodes_panels(rows, format));
+      for (int64_t begin, end; chunks.next(begin, end);)
+      for (int64_t p = begin; p < end; ++p) {
+        const uint8_t* next = chunks.comes_next(p + 1, end) ? wp + (p + 1) * stride : nullptr;
+        tokenmill::run_panel(rows, wp + p * stride, format, p, next, scratch, o);
+      }
+    });
     return y;
   }
-  if (format != kFloat32) {
-    block_panels(xp, M, K, P, static_cast<const uint8_t*>(panels.data_ptr()), format, store);
-    return y;
-  }
-#endif
+  // float32: a block of rows at a time, so that it stays in cache while the panels stream past
   const float* wp = panels.data_ptr<float>();
   for (int64_t block = 0; block < M; block += kRowBlock) {
     const int64_t block_end = std::min(M, block + kRowBlock);
@@ -893,21 +942,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
       float tile[kWideRows * kPanel];
       for (int64_t begin, end; chunks.next(begin, end);)
       for (int64_t p = begin; p < end; ++p) {
-        const float* panel = wp + p * K * kPanel;
-        const int64_t block_rows = block_end - block, per_tile = tile_rows(block_rows);
-        const bool prefetch = chunks.comes_next(p + 1, end) && block_rows >= kPrefetchRows;
-        for (int64_t m0 = block; m0 < block_end; m0 += per_tile) {
-          const int64_t rows = std::min(per_tile, block_end - m0);
-#ifdef TOKENMILL_AVX2
-          // this pass's share of the next panel's K lines
-          const int64_t first = K * (m0 - block) / block_rows, last = K * (m0 - block + rows) / block_rows;
-          tokenmill::kTiles[rows](xp + m0 * K, K, panel, K, tile, kPanel, panel + (K + first) * kPanel,
-                                  prefetch ? last - first : 0);
-#else
-          tile_scalar(xp + m0 * K, K, panel, K, tile, rows);
-#endif
-          store(tile, p, m0, rows);
-        }
+        const float* next = chunks.comes_next(p + 1, end) ? wp + (p + 1) * K * kPanel : nullptr;
+        float_panel(xp, block, block_end, K, wp + p * K * kPanel, next, tile, o, p);
       }
     });
   }

@@ -7,7 +7,7 @@ weights on a CPU, through the hooks the model's forward reads (`packed_lm_head`,
 `fused_stack`). The loader calls, in order:
 
     before loading   drop_block_weights, use_gguf_embedding   (float32 copies never allocated)
-    after loading    pack_for_cpu, fuse_layers, set_int8_rows
+    after loading    pack_for_cpu, fuse_layers, fuse_experts, set_int8_rows
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from tokenmill.host_memory import read_only_tensor
-from tokenmill.models.llama import FUSED, DecoderLayer
+from tokenmill.models.llama import FUSED, MLP, DecoderLayer
+from tokenmill.models.moe import SparseMoeBlock
 from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, GGUFMatrix, PackedLinear, ToPack, pack_all
 
 if TYPE_CHECKING:
@@ -166,6 +167,29 @@ def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
     model.fused_stack = kernels.DecoderStack(fused, model.norm.weight.detach(), model.norm.eps)
 
 
+def fuse_experts(model: LlamaForCausalLM, kernels) -> None:
+    """Each sparse layer's routed experts as one C++ object (csrc/moe_cpu.cpp) in the block's
+    `fused_experts`, where every expert's gate_up and down are single panel products without bias,
+    gate_up in one format for all and down in one (as a GGUF file's merged expert tensors give them).
+    SparseMoeBlock.forward then runs them in one call, the per-expert path's results bit for bit;
+    setting fused_experts to None goes back to that path (tests and benchmarks compare the two)."""
+    for layer in model.layers:
+        moe = layer.mlp
+        if not isinstance(moe, SparseMoeBlock) or not all(isinstance(e, MLP) for e in moe.experts):
+            continue  # the kernel's activation is SiLU * up: gpt-oss's clamped experts keep their own
+        parts = [(_panel_parts(e.gate_up_proj), _panel_parts(e.down_proj)) for e in moe.experts]
+        if any(g is None or d is None or len(g) != 1 or len(d) != 1 for g, d in parts):
+            continue  # oneDNN, float32 left as it was, or gate and up in different block types
+        gate_up, down = [g[0] for g, _ in parts], [d[0] for _, d in parts]  # (panels, bias, out_features, format)
+        formats = {(g[3], d[3]) for g, d in zip(gate_up, down)}
+        if len(formats) != 1 or any(p[1] is not None for p in gate_up + down):
+            continue
+        expert = moe.experts[0]
+        moe.fused_experts = kernels.MoeExperts([p[0] for p in gate_up], [p[0] for p in down], gate_up[0][3],
+                                               down[0][3], expert.gate_up_proj.in_features,
+                                               expert.down_proj.in_features)
+
+
 def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:
     """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit
     blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to float32 panels'.
@@ -177,3 +201,6 @@ def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:
                 m.int8_rows = rows
     for fused in model.fused_layers or []:
         fused.int8_rows = rows
+    for layer in model.layers:
+        if getattr(layer.mlp, "fused_experts", None) is not None:
+            layer.mlp.fused_experts.int8_rows = rows

@@ -32,6 +32,7 @@ from tokenmill.host_memory import memory_available
 from tokenmill.models.bert import BertModel, bert_model_config, load_bert
 from tokenmill.models.cpu_packing import (
     drop_block_weights,
+    fuse_experts,
     fuse_layers,
     pack_for_cpu,
     packed_bytes,
@@ -416,6 +417,7 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
             model.ops = CpuFusedOps(cpu_kernels)
             if not sharded:
                 fuse_layers(model, cpu_kernels)
+                fuse_experts(model, cpu_kernels)
             set_int8_rows(model, int8_rows)
     elif kernels == "auto" and device.type == "cuda":
         try:

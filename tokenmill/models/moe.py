@@ -19,6 +19,11 @@ whole experts, so a quantized file's blocks are never cut) and an AbsentExpert i
 others; the rows routed to an absent expert count zero here, and the sum over the ranks (one
 all-reduce after the block, models/parallel.py) adds every expert's share once.
 
+On a CPU with the C++ kernels, a layer's routed experts whose weights are all panel products
+run as one call instead (`fused_experts`, csrc/moe_cpu.cpp, built by cpu_packing.fuse_experts):
+the same grouping, products (with CpuFusedOps' silu_mul), weighting and sums, bit for bit,
+without a call from Python per expert product.
+
 While a CUDA graph is being captured the counts per expert cannot be read on the host, so each
 expert runs over every row, weighted by zero where it was not chosen: the same sums, slower.
 """
@@ -102,6 +107,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(experts)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        self.fused_experts = None  # the routed experts as one C++ call (cpu_packing.fuse_experts); None: per expert
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
@@ -109,6 +115,8 @@ class SparseMoeBlock(nn.Module):
                                  self.softmax_after_topk)                        # (T, k) each
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = self._every_expert(x, weights, experts, ops)
+        elif self.fused_experts is not None:
+            out = self.fused_experts.forward(x, experts, weights)
         else:
             out = self._routed_experts(x, weights, experts, ops)
         if self.shared_expert is not None:

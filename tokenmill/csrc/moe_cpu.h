@@ -1,0 +1,32 @@
+// See moe_cpu.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+// A layer's routed SwiGLU experts (models/moe.py, SparseMoeBlock) in one call: every expert's
+// gate_up panels and down panels, each set in one format (panel_linear's: 0 float32, 1-7 GGUF
+// blocks), and no biases.
+struct CpuMoeExperts {
+  CpuMoeExperts(std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, int64_t gate_up_format,
+                int64_t down_format, int64_t hidden, int64_t width);
+
+  // x (T, hidden) float32; experts (T, k) int64, each token's chosen experts; weights (T, k)
+  // float32, their weights -> (T, hidden), each token's sum of weight * expert(x).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor experts, torch::Tensor weights) const;
+
+  int64_t int8_rows = 0;  // see panel_linear: an expert's products over up to this many rows take x in 8-bit blocks
+
+ private:
+  struct Group {  // an expert chosen in this step, and its run of the rows grouped by expert
+    int64_t expert, start, count;
+  };
+  torch::Tensor project(const std::vector<const uint8_t*>& panels, int64_t format, const torch::Tensor& rows,
+                        int64_t N, const std::vector<Group>& groups, const float* row_scale) const;
+
+  std::vector<torch::Tensor> gate_up_, down_;  // held: the panels the pointers below point into
+  std::vector<const uint8_t*> gate_up_panels_, down_panels_;
+  int64_t gate_up_format_, down_format_, hidden_, width_;
+};

@@ -1,0 +1,66 @@
+// One panel of a panel product at a time (gemm_cpu.cpp), for callers that share out the panels
+// of several products among the threads themselves: a layer's routed experts (moe_cpu.cpp) run
+// every chosen expert's panels in one parallel region. panel_linear runs its own panels through
+// the same run_panel, so a panel computed either way gives the same bits.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace tokenmill {
+
+// One row of x in 8-bit blocks, laid out for the 8-bit tiles' two inner loops (gemm_cpu.cpp).
+struct Int8Row {
+  std::vector<float> scale, sum;  // per block of 32 k: dx, and dx * sum(xq) for the offsets
+  std::vector<int32_t> qsum;      // per block: sum(xq), for Q4_0 (its values are d * (q - 8))
+  std::vector<int16_t> words;     // xq widened to int16: each int32 is a pair (xq[2i], xq[2i + 1])
+  std::vector<uint8_t> quads;     // per four k, 32 bytes: the pair (xq[4i], xq[4i + 1]) eight times,
+                                  // then (xq[4i + 2], xq[4i + 3]) eight times
+};
+
+// The rows of x one product reads: M rows of K floats, contiguous; for block panels in a step of
+// up to int8_rows rows, the same rows in 8-bit blocks too (then the product reads those).
+struct PanelRows {
+  const float* x;
+  int64_t M, K;
+  std::vector<Int8Row> int8;  // empty: x in float32
+};
+PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows);
+
+// Where a panel's outputs go: columns [16 p, 16 p + 16) of y (N columns, rows ldy floats apart),
+// plus bias[n] where given, then times row_scale[m] where given: y = (x @ W.T + b) * scale.
+struct PanelOut {
+  float* y;
+  int64_t ldy, N;
+  const float* bias;
+  const float* row_scale;
+};
+
+constexpr int64_t kMostTileFloats = 12 * 16;  // the widest tile's outputs (gemm_cpu.cpp checks it)
+
+// What one thread needs to run panels: a tile of outputs, and where `decode` a 64-byte aligned
+// buffer for a panel of K k decoded to float32 (steps too big to decode in registers).
+class PanelScratch {
+ public:
+  PanelScratch(int64_t K, bool decode) : buffer_(decode ? K * 16 + 16 : 0) {}
+  float* decoded() {
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer_.data()) + 63) & ~uintptr_t{63});
+  }
+  float tile[kMostTileFloats];
+
+ private:
+  std::vector<float> buffer_;
+};
+
+// Bytes from one panel to the next of a (N, K) matrix's panels in `format` (0: float32).
+int64_t panel_stride(int64_t K, int64_t format);
+// Whether running panels over `x` needs PanelScratch's decode buffer.
+bool decodes_panels(const PanelRows& x, int64_t format);
+// Panels per take when threads share out the panels of products of up to `rows` rows (parallel.h).
+int64_t panel_chunk_for(int64_t rows);
+// Panel p (at `panel`) times every row of x into `out`; `next`, the panel this thread is likely to
+// run next (or nullptr), is prefetched meanwhile.
+void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t p, const uint8_t* next,
+               PanelScratch& scratch, const PanelOut& out);
+
+}  // namespace tokenmill

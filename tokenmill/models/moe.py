@@ -19,8 +19,9 @@ whole experts, so a quantized file's blocks are never cut) and an AbsentExpert i
 others; the rows routed to an absent expert count zero here, and the sum over the ranks (one
 all-reduce after the block, models/parallel.py) adds every expert's share once.
 
-On a CPU with the C++ kernels, a layer's routed experts whose weights are all panel products
-run as one call instead (`fused_experts`, csrc/moe_cpu.cpp, built by cpu_packing.fuse_experts):
+On a CPU with the C++ kernels, a layer's routed SwiGLU experts whose weights are all bias-free
+panel products of one format (not gpt-oss's clamped ones, nor a tensor-parallel rank's share) run
+as one call instead (`fused_experts`, csrc/moe_cpu.cpp, built by cpu_packing.fuse_experts):
 the same grouping, products (with CpuFusedOps' silu_mul), weighting and sums, bit for bit,
 without a call from Python per expert product.
 

@@ -1,17 +1,21 @@
 """The `long` workload over HTTP, colocated against disaggregated prefill/decode (issue 29).
 
-    python benchmarks/disagg_long.py [--rounds 2] [--model PATH]
+    python benchmarks/disagg_long.py [--rounds 2] [--model PATH] [--setups colocated shared_storage nixl]
 
 32 streamed completions (64-token prompts, 128 tokens out) decode; once each has 16 tokens, a
 4,000-token prompt arrives. The decoders' inter-token gaps are taken at the client, alone (the
 run before the long prompt arrives) and with it (from its send until the decoders finish).
 
     colocated       one `tokenmill serve` on both cores (its threads follow the free cores)
-    disaggregated   `serve --kv-role prefill` pinned to core 0 and `--kv-role decode` pinned to
+    shared_storage  `serve --kv-role prefill` pinned to core 0 and `--kv-role decode` pinned to
                     core 1 (one thread each), over a directory in /dev/shm, `tokenmill router
-                    --prefill` in front: the long prompt is computed on core 0
+                    --prefill` in front: the long prompt is computed on core 0, and the decode
+                    instance loads its blocks from the files at admission
+    nixl            the same two instances over NIXL: the decode instance reads the prompt's
+                    blocks from the prefill instance's pool while its steps go on
 
-Both see the same two cores; the setups alternate, in fresh processes, `--rounds` times.
+All see the same two cores; the setups take turns (in reverse order every other round), in fresh
+processes, `--rounds` times.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ def launch(setup: str, model: str, storage: str) -> tuple[str, list[subprocess.P
         wait_healthy(f"http://127.0.0.1:{port}", procs)
         return f"http://127.0.0.1:{port}", procs
     p, d, r = free_port(), free_port(), free_port()
-    shared = ["--kv-storage-path", storage, "--num-threads", "1"]
+    connector = ["--kv-storage-path", storage] if setup == "shared_storage" else ["--kv-connector", "nixl"]
+    shared = [*connector, "--num-threads", "1"]
     procs = [start(["serve", model, "--port", str(p), "--kv-role", "prefill", *shared], "0"),
              start(["serve", model, "--port", str(d), "--kv-role", "decode", *shared], "1")]
     for port in (p, d):
@@ -111,13 +116,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M Q4_1)")
+    parser.add_argument("--setups", nargs="+", choices=("colocated", "shared_storage", "nixl"),
+                        default=["colocated", "shared_storage", "nixl"])
     args = parser.parse_args()
     from tokenmill.models.loader import default_model_path
     model = args.model or str(default_model_path())
     print(f"{'setup':<14} {'p50 alone':>9} {'p99 alone':>9} {'p50 with':>9} {'p99 with':>9} "
           f"{'max in prefill':>14} {'long TTFT':>9}  (ms, TTFT s)")
     for round_ in range(args.rounds):
-        for setup in ("colocated", "disaggregated") if round_ % 2 == 0 else ("disaggregated", "colocated"):
+        for setup in args.setups if round_ % 2 == 0 else args.setups[::-1]:
             with tempfile.TemporaryDirectory(dir="/dev/shm") as storage:
                 url, procs = launch(setup, model, storage)
                 try:

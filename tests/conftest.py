@@ -508,6 +508,18 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def greedy_in_16_token_chunks(source, tokenizer, prompts: list[dict], num_kv_blocks: int) -> list[list[int]]:
+    """The greedy 12 tokens of each prompt from the model at `source` (a directory or a GGUF file),
+    its prompts cut in 16-token chunks (at least two of them seen chunked), four at a time."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(str(source), tokenizer=str(tokenizer), max_num_seqs=4, max_num_batched_tokens=16,
+              num_kv_blocks=num_kv_blocks, block_size=16, long_prefill_token_threshold=0)
+    chunked = watch_chunked_prompts(llm.engine)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    assert len(chunked) >= 2
+    return [out.outputs[0].token_ids for out in outputs]
+
+
 def stepwise_logits(model, config, backend, tokens: list[int], prompt_len: int,
                     steps: tuple[tuple[int, int], ...]):
     """`model`'s logits at every position of `tokens`, its first `prompt_len` a prompt fed in the

@@ -14,7 +14,14 @@ import random
 
 import pytest
 import torch
-from conftest import build_tiny_model, hf_greedy, rel_err, stepwise_logits, watch_chunked_prompts, write_gguf_from_hf
+from conftest import (
+    build_tiny_model,
+    greedy_in_16_token_chunks,
+    hf_greedy,
+    rel_err,
+    stepwise_logits,
+    write_gguf_from_hf,
+)
 from test_gemma import hf_eager as hf_model
 
 from tokenmill import LLM, SamplingParams
@@ -92,14 +99,8 @@ def test_greedy_tokens_of_the_file_equal_the_hf_directorys_under_chunked_prefill
     written(gemma_dirs[arch], path)
     rng = random.Random(5)
     prompts = [{"prompt_token_ids": [rng.randrange(2, 384) for _ in range(n)]} for n in (3, 20, 45, 70)]
-    params = SamplingParams(max_tokens=12, temperature=0.0)
-    outputs = {}
-    for source in (path, gemma_dirs[arch]):
-        llm = LLM(str(source), tokenizer=str(gemma_dirs[arch]), max_num_seqs=4, max_num_batched_tokens=16,
-                  num_kv_blocks=24, block_size=16, long_prefill_token_threshold=0)
-        chunked = watch_chunked_prompts(llm.engine)
-        outputs[source] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-        assert len(chunked) >= 2
+    outputs = {source: greedy_in_16_token_chunks(source, gemma_dirs[arch], prompts, 24)
+               for source in (path, gemma_dirs[arch])}
     assert outputs[path] == outputs[gemma_dirs[arch]]
     assert sum(len(set(tokens)) for tokens in outputs[path]) > 3 * len(prompts)  # not one token repeated
 

@@ -16,7 +16,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import build_tiny_model, stepwise_logits, watch_chunked_prompts, write_gguf_from_hf
+from conftest import (
+    build_tiny_model,
+    greedy_in_16_token_chunks,
+    stepwise_logits,
+    write_gguf_from_hf,
+)
 from test_gemma import hf_greedy, hf_model, rel_err
 from test_gemma_gguf import gemma_vocabulary
 
@@ -126,14 +131,8 @@ def test_greedy_tokens_of_the_file_equal_the_directorys_under_chunked_prefill(ph
     path = tmp_path / f"{variant}.gguf"
     written(phi3_dirs[variant], path)
     prompts = [{"prompt_token_ids": prompt(n, n)} for n in (3, 20, 45, 70)]
-    params = SamplingParams(max_tokens=12, temperature=0.0)
-    outputs = {}
-    for source in (path, phi3_dirs[variant]):
-        llm = LLM(str(source), tokenizer=str(phi3_dirs[variant]), max_num_seqs=4, max_num_batched_tokens=16,
-                  num_kv_blocks=32, block_size=16, long_prefill_token_threshold=0)
-        chunked = watch_chunked_prompts(llm.engine)
-        outputs[source] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-        assert len(chunked) >= 2
+    outputs = {source: greedy_in_16_token_chunks(source, phi3_dirs[variant], prompts, 32)
+               for source in (path, phi3_dirs[variant])}
     assert outputs[path] == outputs[phi3_dirs[variant]]
     assert sum(len(set(tokens)) for tokens in outputs[path]) > 3 * len(prompts)  # not one token repeated
 

@@ -9,32 +9,13 @@ capped model ran on before the kernel took the cap). Runs interleaved, medians o
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from attention_steps import interleaved_medians, paged_step
 
-from tokenmill.attention import AttentionMetadata, make_backend
+from tokenmill.attention import make_backend
 
 HQ, HKV, D, BS = 8, 4, 256, 16
-
-
-def decode_step(batch: int, context: int) -> tuple:
-    """One decode token per sequence over `context` keys each, in shuffled blocks of a fresh pool."""
-    blocks_per_seq = -(-context // BS)
-    num_blocks = batch * blocks_per_seq + 1
-    pool = torch.randperm(num_blocks - 1)
-    tables = pool.view(batch, blocks_per_seq).int()
-    last = context - 1
-    slots = tables[:, last // BS].long() * BS + last % BS
-    meta = AttentionMetadata(
-        slot_block=slots // BS, slot_offset=slots % BS, query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32), block_tables=tables,
-        query_start_loc_host=list(range(batch + 1)), seq_lens_host=[context] * batch, block_size=BS,
-        num_short=batch, num_short_tokens=batch)
-    k_cache, v_cache = torch.randn(num_blocks, HKV, BS, D), torch.randn(num_blocks, HKV, BS, D)
-    q, k, v = torch.randn(batch, HQ, D), torch.randn(batch, HKV, D), torch.randn(batch, HKV, D)
-    return q, k, v, k_cache, v_cache, meta
 
 
 def main() -> None:
@@ -51,16 +32,10 @@ def main() -> None:
     print(f"{'batch':>5} {'context':>7} " + " ".join(f"{name:>15}" for name in runs))
     for batch in args.batches:
         for context in args.contexts:
-            step = decode_step(batch, context)
-            times = {name: [] for name in runs}
-            with torch.inference_mode():
-                for _ in range(args.rounds + 2):  # the first two rounds warm up
-                    for name, (backend, cap) in runs.items():
-                        start = time.perf_counter()
-                        backend.forward(*step, D ** -0.5, None, cap)
-                        times[name].append(time.perf_counter() - start)
-            print(f"{batch:>5} {context:>7} " + " ".join(f"{statistics.median(t[2:]) * 1e3:>15.2f}"
-                                                          for t in times.values()))
+            step = paged_step([1] * batch, context, HQ, HKV, D, BS)
+            medians = interleaved_medians({name: (lambda b=backend, c=cap: b.forward(*step, D ** -0.5, None, c))
+                                           for name, (backend, cap) in runs.items()}, args.rounds)
+            print(f"{batch:>5} {context:>7} " + " ".join(f"{m:>15.2f}" for m in medians.values()))
 
 
 if __name__ == "__main__":

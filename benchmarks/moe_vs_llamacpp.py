@@ -12,15 +12,21 @@ cached), `reps` times. Prints ms and tokens/s as medians over the reps. With --i
 are repeated with the layers' products in steps of up to N rows taking x in 8-bit blocks
 (EngineConfig's gguf_int8_rows, set on the loaded model), as llama.cpp's do.
 
---per-expert (after each of the runs above) compares each layer's experts run as one C++ call
-(SparseMoeBlock.fused_experts, the default on a CPU) with one product per chosen expert: first
+--per-expert (after each of the runs above) compares all the layers run as one C++ call (the
+default on a CPU), the Python layers with each layer's experts as one C++ call
+(SparseMoeBlock.fused_experts), and the Python layers with one product per chosen expert: first
 the first sparse layer's MoE block alone (200 calls each way, alternating, at 1 and 16 tokens),
 then tg and pp, alternating rep by rep in the same engine; with --llama-bench (the path of
 llama.cpp's llama-bench) each rep also runs `llama-bench -m PATH -t THREADS -r 1` for tg32 and
 pp128, so that the three are timed side by side under the same load (the other agents' work on
 a shared machine swings every figure by several times).
 
---profile instead splits the batch-1 decode step by hand: each piece's forward is wrapped in a
+--batch N instead times decode steps of N requests at once (16-token prompts, then the median
+of 32 steps), and with --llama-batched-bench (the path of llama.cpp's llama-batched-bench) each
+rep also runs `llama-batched-bench -npp 16 -ntg 32 -npl N`, whose T_TG / 32 is its step.
+
+--profile instead splits the batch-1 decode step of the Python layers by hand (the one-call
+stack cannot be timed piece by piece): each piece's forward is wrapped in a
 timer (the C++ kernels are invisible to torch.profiler), and the products' weight bytes are
 counted per call, so each piece shows the rate at which it read them.
 """
@@ -48,6 +54,7 @@ from tokenmill.models.packed_linear import PackedLinear  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 TG, PP = 32, 128
+PROMPT = 16  # the prompt of each request in the batched decode
 
 
 def timed_step(engine: LLMEngine) -> float:
@@ -74,6 +81,21 @@ def pp_step(engine: LLMEngine, rep: int) -> float:
     step = timed_step(engine)
     engine.abort(rid)
     return step
+
+
+def batch_step(engine: LLMEngine, rep: int, batch: int) -> float:
+    """Median decode step of `batch` requests decoding together over TG tokens, after their
+    PROMPT-token prompts (computed in one step beforehand, as llama-batched-bench's PP is)."""
+    ids = [f"b{rep}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        prompt = [(11 * rep + 5 * i + 3 * j) % 30000 + 100 for j in range(PROMPT)]
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=TG + 2, ignore_eos=True, temperature=0.0))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < PROMPT for r in engine.scheduler.running):
+        engine.step()
+    times = [timed_step(engine) for _ in range(TG)]
+    for rid in ids:
+        engine.abort(rid)
+    return statistics.median(times)
 
 
 def report(name: str, tokens: int, steps: list[float]) -> None:
@@ -103,6 +125,7 @@ def wrap(module: nn.Module, key: str, seconds: dict[str, float], nbytes: dict[st
 def profile(engine: LLMEngine, steps: int) -> None:
     """Where a batch-1 decode step's time goes, per step, summed over the layers."""
     model = engine.runner.worker.model
+    model.fused_stack = None  # the Python layers, whose pieces can be timed one by one
     seconds: dict[str, float] = defaultdict(float)
     nbytes: dict[str, int] = defaultdict(int)
     for layer in model.layers:
@@ -159,16 +182,39 @@ def llama_bench(binary: Path, path: Path, threads: int, test: str) -> float:
     return 1.0 / float(re.search(rf"\|\s*{test}\s*\|\s*([\d.]+)", out).group(1))
 
 
-def per_expert(engine: LLMEngine, reps: int, mode: str, bench: tuple[Path, Path, int] | None) -> None:
-    """tg and pp with each layer's experts in one C++ call and with one product per chosen expert,
-    alternating rep by rep in one engine, and llama-bench's where `bench` (its binary, the file,
-    threads) is given; `mode` names the engine's settings in the labels."""
-    blocks = [layer.mlp for layer in engine.runner.worker.model.layers
-              if getattr(layer.mlp, "fused_experts", None) is not None]
-    fused = [block.fused_experts for block in blocks]
+def llama_batched(binary: Path, path: Path, threads: int, batch: int) -> float:
+    """Seconds a decode step of `batch` sequences in llama-batched-bench (PROMPT-token prompts, TG
+    tokens each): its T_TG over TG."""
+    out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-c", "4096", "-npp", str(PROMPT),
+                          "-ntg", str(TG), "-npl", str(batch)], capture_output=True, text=True, check=True).stdout
+    row = re.search(rf"\|\s*{PROMPT}\s*\|\s*{TG}\s*\|\s*{batch}\s*\|(.*)", out).group(1).split("|")
+    return float(row[3]) / TG  # columns after B: N_KV, T_PP s, S_PP t/s, T_TG s
+
+
+def batched(engine: LLMEngine, reps: int, batch: int, binary: Path | None, path: Path, threads: int) -> None:
+    """Batch-`batch` decode steps, alternating rep by rep with llama-batched-bench's where its binary is given."""
     times: dict[str, list[float]] = defaultdict(list)
     for rep in range(reps):
-        for name, on in (("fused", True), ("per-expert", False)):
+        times[f"batch-{batch} step"].append(batch_step(engine, rep, batch))
+        if binary is not None:
+            times[f"batch-{batch} llama"].append(llama_batched(binary, path, threads, batch))
+    for key, steps in times.items():
+        report(key, batch, steps)
+
+
+def per_expert(engine: LLMEngine, reps: int, mode: str, bench: tuple[Path, Path, int] | None) -> None:
+    """tg and pp three ways, alternating rep by rep in one engine: all the layers in one C++ call
+    (fused_stack, the default on a CPU), the Python layers with each layer's experts in one call,
+    and the Python layers with one product per chosen expert; and llama-bench's where `bench` (its
+    binary, the file, threads) is given; `mode` names the engine's settings in the labels."""
+    model = engine.runner.worker.model
+    blocks = [layer.mlp for layer in model.layers if getattr(layer.mlp, "fused_experts", None) is not None]
+    fused, stack = [block.fused_experts for block in blocks], model.fused_stack
+    paths = (("one call", stack, True), ("python layers", None, True), ("per-expert", None, False))
+    times: dict[str, list[float]] = defaultdict(list)
+    for rep in range(reps):
+        for name, layers, on in paths if stack is not None else paths[1:]:
+            model.fused_stack = layers
             for block, experts in zip(blocks, fused):
                 block.fused_experts = experts if on else None
             times[f"tg{TG}{mode} {name}"].append(tg_step(engine, 100 + rep))
@@ -177,6 +223,7 @@ def per_expert(engine: LLMEngine, reps: int, mode: str, bench: tuple[Path, Path,
             beside = f" (beside{mode or ' float32 x'})"
             times[f"tg{TG} llama-bench{beside}"].append(llama_bench(*bench, f"tg{TG}"))
             times[f"pp{PP} llama-bench{beside}"].append(llama_bench(*bench, f"pp{PP}") * PP)
+    model.fused_stack = stack
     for block, experts in zip(blocks, fused):
         block.fused_experts = experts
     for key in sorted(times, key=lambda k: (not k.startswith("tg"), k)):
@@ -214,6 +261,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--per-expert", action="store_true")
     ap.add_argument("--llama-bench", type=Path, help="llama-bench's path: timed beside each --per-expert rep")
+    ap.add_argument("--batch", type=int, default=0, help="instead: decode steps of this many requests at once")
+    ap.add_argument("--llama-batched-bench", type=Path, help="timed beside each --batch rep")
     args = ap.parse_args()
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(args.path), kv_cache_memory="1GiB", max_model_len=4096,
@@ -221,6 +270,14 @@ def main() -> None:
     print(f"{args.path}: loaded in {time.perf_counter() - start:.0f} s, {args.threads} threads", flush=True)
     if args.profile:
         profile(engine, TG)
+        return
+    if args.batch:
+        batch_step(engine, -1, args.batch)  # warm-up
+        batched(engine, args.reps, args.batch, args.llama_batched_bench, args.path, args.threads)
+        if args.int8_rows:
+            set_int8_rows(engine.runner.worker.model, args.int8_rows)
+            times = [batch_step(engine, 100 + r, args.batch) for r in range(args.reps)]
+            report(f"batch-{args.batch} int8 x", args.batch, times)
         return
     tg_step(engine, -1)  # warm-up
     report(f"tg{TG} step", 1, [tg_step(engine, r) for r in range(args.reps)])

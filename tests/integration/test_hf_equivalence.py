@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from conftest import (
+    TINY_MOE_CONFIGS,
     build_tiny_model,
     hf_greedy,
     hf_model,
@@ -127,13 +128,15 @@ def test_greedy_generation_equals_hf_under_chunking_and_preemption(tiny_models, 
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24), f"prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fused_layers_give_the_python_layers_results_bit_for_bit(tiny_models, arch):
+@pytest.mark.parametrize("arch", [*ARCHS, "mixtral", "qwen3_moe"])
+def test_fused_layers_give_the_python_layers_results_bit_for_bit(request, arch):
     """With the C++ kernels, a step whose attention is all in the kernel runs all the layers in one
-    C++ call (fused_stack: the same kernels in the same order, Qwen3's q/k norms included): its
-    hidden states equal the Python layers', bit for bit; a step with a chunk the kernel does not
-    take (over 32 tokens at head size 16) goes through the Python layers."""
-    checkpoint = open_checkpoint(tiny_models[arch])
+    C++ call (fused_stack: the same kernels in the same order, Qwen3's q/k norms and Mixtral's and
+    Qwen3-MoE's routers and experts included): its hidden states equal the Python layers', bit
+    for bit; a step with a chunk the kernel does not take (over 32 tokens at head size 16) goes
+    through the Python layers."""
+    models = request.getfixturevalue("tiny_moe_models" if arch in TINY_MOE_CONFIGS else "tiny_models")
+    checkpoint = open_checkpoint(models[arch])
     model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels="auto")
     with torch.no_grad():  # norms of ones would hide a swapped or ignored norm weight
         for name, p in model.named_parameters():

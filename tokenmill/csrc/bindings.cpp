@@ -53,13 +53,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("projections"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none())
+      .def("set_moe", &CpuDecoderLayer::set_moe, py::arg("router"), py::arg("experts"), py::arg("top_k"),
+           py::arg("renormalise"))
       .def_readwrite("int8_rows", &CpuDecoderLayer::int8_rows)
       .def_readwrite("window", &CpuDecoderLayer::window);
   py::class_<CpuDecoderStack>(m, "DecoderStack", "A model's DecoderLayers and final norm, in one call")
       .def(py::init<std::vector<std::shared_ptr<CpuDecoderLayer>>, torch::Tensor, double>(), py::arg("layers"),
            py::arg("final_norm"), py::arg("eps"))
       .def("forward", &CpuDecoderStack::forward);
-  py::class_<CpuMoeExperts>(m, "MoeExperts", "A layer's routed SwiGLU experts in one call (see moe_cpu.cpp)")
+  py::class_<CpuMoeExperts, std::shared_ptr<CpuMoeExperts>>(m, "MoeExperts",
+                                                             "A layer's routed SwiGLU experts in one call (see moe_cpu.cpp)")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("gate_up"), py::arg("down"), py::arg("gate_up_format"), py::arg("down_format"), py::arg("hidden"),
            py::arg("width"))

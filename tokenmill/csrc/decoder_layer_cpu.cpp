@@ -15,10 +15,32 @@ CpuDecoderLayer::CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_no
                                  c10::optional<torch::Tensor> k_norm)
     : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), eps(eps), q_norm(std::move(q_norm)),
       k_norm(std::move(k_norm)), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), scale(scale) {
-  TM_CHECK(projections.size() == 4, "DecoderLayer: qkv, o, gate_up and down projections");
+  TM_CHECK(projections.size() == 4 || projections.size() == 2,
+           "DecoderLayer: qkv, o, gate_up and down projections (qkv and o alone for a sparse layer)");
   for (const auto& p : projections) TM_CHECK(!p.empty(), "DecoderLayer: a projection without parts");
   TM_CHECK(this->q_norm.has_value() == this->k_norm.has_value(), "DecoderLayer: q and k norms go together");
-  qkv = projections[0], o = projections[1], gate_up = projections[2], down = projections[3];
+  qkv = projections[0], o = projections[1];
+  if (projections.size() == 4) gate_up = projections[2], down = projections[3];
+}
+
+void CpuDecoderLayer::set_moe(Projection router, std::shared_ptr<CpuMoeExperts> experts, int64_t top_k,
+                              bool renormalise) {
+  TM_CHECK(!router.empty() && experts && top_k > 0, "DecoderLayer.set_moe: a router, the experts and k >= 1");
+  moe = MoeFeedForward{std::move(router), std::move(experts), top_k, renormalise};
+  gate_up.clear(), down.clear();
+}
+
+// The dense SwiGLU MLP, or as SparseMoeBlock.forward with models/moe.py's route: softmax in float32
+// over the router's logits, the k most probable, renormalised where the model does it (the same
+// torch operations, so the same bits).
+torch::Tensor CpuDecoderLayer::feed_forward(const torch::Tensor& h) const {
+  if (!moe.has_value()) {
+    TM_CHECK(!gate_up.empty(), "DecoderLayer: a layer without its feed-forward (set_moe)");
+    return project(down, silu_mul(project(gate_up, h)));
+  }
+  auto [weights, experts] = at::softmax(project(moe->router, h), -1, torch::kFloat32).topk(moe->top_k, -1);
+  if (moe->renormalise) weights = weights / weights.sum(-1, true);
+  return moe->experts->forward(h, experts, weights);
 }
 
 // As PackedLinear.forward, or ConcatLinear.forward for several parts.
@@ -60,7 +82,7 @@ std::tuple<torch::Tensor, torch::Tensor> CpuDecoderLayer::forward(
            k_cache, v_cache, slot_block, slot_offset);
   torch::Tensor attn = paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
   h = add_rms_norm(project(o, attn.view({T, num_heads * head_dim})), stream, post_norm, eps);
-  return {project(down, silu_mul(project(gate_up, h))), stream};
+  return {feed_forward(h), stream};
 }
 
 CpuDecoderStack::CpuDecoderStack(std::vector<std::shared_ptr<CpuDecoderLayer>> layers, torch::Tensor final_norm,

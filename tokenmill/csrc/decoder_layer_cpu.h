@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 
 #include <memory>
+
+#include "moe_cpu.h"
 #include <tuple>
 #include <vector>
 
@@ -12,10 +14,21 @@
 using ProjectionPart = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>;
 using Projection = std::vector<ProjectionPart>;
 
+// A sparse layer's feed-forward (models/moe.py's SparseMoeBlock without a shared expert, a router
+// bias or gpt-oss's softmax over the top k): the router's projection, then the chosen experts.
+struct MoeFeedForward {
+  Projection router;
+  std::shared_ptr<CpuMoeExperts> experts;
+  int64_t top_k;
+  bool renormalise;  // the k weights divided by their sum
+};
+
 struct CpuDecoderLayer {
   CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<Projection> projections,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
                   c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm);
+
+  void set_moe(Projection router, std::shared_ptr<CpuMoeExperts> experts, int64_t top_k, bool renormalise);
 
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
@@ -25,7 +38,8 @@ struct CpuDecoderLayer {
 
   torch::Tensor input_norm, post_norm;
   double eps;
-  Projection qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;  // gate_up and down empty in a sparse layer
+  c10::optional<MoeFeedForward> moe;  // set_moe: the layer's feed-forward is a mixture of experts
   c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3: an RMSNorm on every q and k head
   int64_t num_heads, num_kv_heads, head_dim;
   double scale;
@@ -34,6 +48,7 @@ struct CpuDecoderLayer {
 
  private:
   torch::Tensor project(const Projection& p, const torch::Tensor& x) const;
+  torch::Tensor feed_forward(const torch::Tensor& h) const;
 };
 
 // A model's decoder layers run in one call and followed by the final norm: the loop of

@@ -7,7 +7,7 @@ weights on a CPU, through the hooks the model's forward reads (`packed_lm_head`,
 `fused_stack`). The loader calls, in order:
 
     before loading   drop_block_weights, use_gguf_embedding   (float32 copies never allocated)
-    after loading    pack_for_cpu, fuse_layers, fuse_experts, set_int8_rows
+    after loading    pack_for_cpu, fuse_experts, fuse_layers, set_int8_rows
 """
 
 from __future__ import annotations
@@ -139,29 +139,42 @@ def _panel_parts(projection: nn.Module) -> list[tuple] | None:
     return [(m.panels, m.bias, m.out_features, m.format) for m in linears]
 
 
+def _sparse_parts(moe: SparseMoeBlock) -> list[tuple] | None:
+    """The router's panel parts of a sparse layer the C++ layer can run (its experts in one call,
+    no shared expert, softmax before the top k); None for any other."""
+    if moe.fused_experts is None or moe.shared_expert is not None or moe.softmax_after_topk:
+        return None
+    return _panel_parts(moe.gate)
+
+
 def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
     """When every layer's projections are panel products (PackedLinear or ConcatLinear on the
     C++ kernel, not oneDNN) and its norms share one eps, build each layer as one C++ object
     (csrc/decoder_layer_cpu.cpp: the same kernels in the same order as the layer with
     CpuFusedOps, set with it by the loader) and `fused_stack`, which runs them all and the
-    final norm in one call. forward() takes it when the step's attention is all in the CPU
-    kernel, without the Python between the kernels, which costs small steps a sizeable part of
-    their time (BENCHMARKS.md). Setting fused_stack to None goes back to the Python layers
-    (tests and benchmarks compare the two)."""
-    if model.config.moe is not None or model.config.qk_norm_whole or model.layer_class is not DecoderLayer:
-        return  # the C++ layer is a Llama-family dense SwiGLU layer with per-head q/k norms
+    final norm in one call. A sparse layer's feed-forward is its router and its experts' one
+    call (fuse_experts, which runs first), where _sparse_parts takes it. forward() takes the
+    stack when the step's attention is all in the CPU kernel, without the Python between the
+    kernels, which costs small steps a sizeable part of their time (BENCHMARKS.md). Setting
+    fused_stack to None goes back to the Python layers (tests and benchmarks compare the two)."""
+    if model.config.qk_norm_whole or model.layer_class is not DecoderLayer:
+        return  # the C++ layer is a Llama-family SwiGLU layer (dense or sparse) with per-head q/k norms
     fused = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        projections = [_panel_parts(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        sparse = isinstance(mlp, SparseMoeBlock)
+        feed_forward = [_sparse_parts(mlp)] if sparse else [_panel_parts(mlp.gate_up_proj), _panel_parts(mlp.down_proj)]
+        projections = [_panel_parts(attn.qkv_proj), _panel_parts(attn.o_proj), *feed_forward]
         norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
         if any(p is None for p in projections) or len({n.eps for n in norms if n is not None}) > 1:
             return  # the C++ layer takes one eps for all its norms
         norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
         fused.append(kernels.DecoderLayer(
             layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-            layer.input_layernorm.eps, projections, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-            *norms))
+            layer.input_layernorm.eps, projections[:2] if sparse else projections, attn.num_heads,
+            attn.num_kv_heads, attn.head_dim, attn.scale, *norms))
+        if sparse:
+            fused[-1].set_moe(projections[2], mlp.fused_experts, mlp.top_k, mlp.norm_topk_prob)
         fused[-1].window = attn.window or 0  # its sliding window, 0 for none
     model.fused_layers = fused
     model.fused_stack = kernels.DecoderStack(fused, model.norm.weight.detach(), model.norm.eps)

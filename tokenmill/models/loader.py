@@ -416,8 +416,8 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
             if not sharded:
-                fuse_layers(model, cpu_kernels)
                 fuse_experts(model, cpu_kernels)
+                fuse_layers(model, cpu_kernels)
             set_int8_rows(model, int8_rows)
     elif kernels == "auto" and device.type == "cuda":
         try:

@@ -210,7 +210,7 @@ def test_gguf_embedding_checks_its_shape_at_load_and_takes_no_ids():
     assert model.embed_tokens(torch.tensor([], dtype=torch.long)).shape == (0, 64)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_kernel_embedding_lookup_is_ggufs_dequantization(kind):
     """The CPU kernels' embed_rows gives gguf's dequantized rows bit for bit (GGUFEmbedding's
     lookup for these types), empty and repeated ids included."""
@@ -220,13 +220,17 @@ def test_kernel_embedding_lookup_is_ggufs_dequantization(kind):
     if kernels is None:
         pytest.skip("no C++ compiler")
     qtype = GGMLQuantizationType[kind]
-    table = (np.random.default_rng(1).standard_normal((50, 96)) * [[1e-3], [1.0], [300.0], *[[1.0]] * 47])
-    rows = quantize(table.astype(np.float32), qtype)
-    embedding = GGUFEmbedding(rows, qtype, 96, kernels)
+    rng = np.random.default_rng(1)
+    if kind.endswith("_K"):  # random super-blocks, 512 values a row: gguf cannot quantize to these
+        rows, width = random_k_quant_rows(rng, kind, 50, 512), 512
+    else:
+        table = (rng.standard_normal((50, 96)) * [[1e-3], [1.0], [300.0], *[[1.0]] * 47])
+        rows, width = quantize(table.astype(np.float32), qtype), 96
+    embedding = GGUFEmbedding(rows, qtype, width, kernels)
     assert embedding.kernels is not None
     ids = torch.tensor([0, 1, 2, 49, 7, 7])
     assert torch.equal(embedding(ids), torch.from_numpy(dequantize(rows, qtype)[ids.numpy()]))
-    assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, 96)
+    assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, width)
     with pytest.raises(RuntimeError, match="out of range"):
         embedding(torch.tensor([50]))
 

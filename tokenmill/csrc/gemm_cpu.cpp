@@ -775,16 +775,92 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c
   return panels;
 }
 
-// GGUF rows (V, bytes) of Q4_0, Q4_1 or Q8_0 blocks, the ones at `ids` dequantized to float32
-// (T, K) with gguf's arithmetic ((q - 8) * d, d * q + m, d * q; each product exact, so fused or
-// not the same bits, tested): the token-embedding lookup in a GGUF file's own rows. gguf's numpy
-// took 0.15 ms for one token, 2% of a batch-1 decode step, most of it in per-call overhead.
+// A GGUF Q4_K, Q5_K or Q6_K super-block (format kQ4F, kQ5K or kQ6F, what the kernels re-cut it
+// into) -> its 256 codes in gguf's order of the values (Q6_K: 0..63, the value being q - 32);
+// for Q4_K and Q5_K also each 32 values' 6-bit scale and min.
+void k_quant_codes(int64_t format, const uint8_t* sb, uint8_t* q, uint8_t* scale, uint8_t* min) {
+  if (format == kQ6F) {  // ql (128), qh (64), 16 int8 scales, fp16 d
+    for (int g = 0; g < 2; ++g) {  // gguf's order: 128 values per half, from 64 bytes of ql, 32 of qh
+      const uint8_t *ql = sb + g * 64, *qh = sb + 128 + g * 32;
+      uint8_t* v = q + g * 128;
+      for (int j = 0; j < 64; ++j) v[j] = ql[j] & 0x0F, v[64 + j] = ql[j] >> 4;
+      for (int s = 0; s < 4; ++s) {
+        for (int j = 0; j < 32; ++j) v[s * 32 + j] |= ((qh[j] >> (2 * s)) & 0x03) << 4;
+      }
+    }
+    return;
+  }
+  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
+  const uint8_t* sc = sb + 4;
+  const uint8_t* qs = sb + (format == kQ4F ? 144 : 176) - 128;
+  for (int i = 0; i < 8; ++i) {
+    scale[i] = i < 4 ? sc[i] & 0x3F : (sc[i + 4] & 0x0F) | ((sc[i - 4] >> 2) & 0x30);
+    min[i] = i < 4 ? sc[i + 4] & 0x3F : (sc[i + 4] >> 4) | ((sc[i] >> 2) & 0x30);
+  }
+  for (int c = 0; c < 8; ++c) {  // sub-block c: nibbles of 32 bytes (c / 2), fifth bits at bit c
+    const uint8_t* bytes = qs + c / 2 * 32;
+    for (int j = 0; j < 32; ++j) q[c * 32 + j] = (bytes[j] >> (4 * (c % 2))) & 0x0F;
+    if (format == kQ5K) {
+      for (int j = 0; j < 32; ++j) q[c * 32 + j] |= ((sb[16 + j] >> c) & 0x01) << 4;
+    }
+  }
+}
+
+float half_at(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(p[0] | p[1] << 8); }
+
+// One GGUF block of a row -> its float32 values at o, with gguf's arithmetic; the formats as
+// embed_rows takes them. Every product is exact, or one rounding of the same product as gguf's,
+// so fused into an FMA or not the result has the same bits.
+void dequantize_block(int64_t format, const uint8_t* blk, float* o) {
+  if (format == kQ4F || format == kQ5K || format == kQ6F) {  // the K-quants: 256 values
+    uint8_t q[256], scale[8], min[8];
+    k_quant_codes(format, blk, q, scale, min);
+    if (format == kQ6F) {  // (d * scale) * (q - 32), a scale per 16 values
+      const float d = half_at(blk + 208);
+      for (int e = 0; e < 256; ++e) {
+        const float ds = d * static_cast<float>(static_cast<int8_t>(blk[192 + e / 16]));
+        o[e] = ds * static_cast<float>(static_cast<int>(q[e]) - 32);
+      }
+      return;
+    }
+    const float d = half_at(blk), dmin = half_at(blk + 2);  // (d * scale) * q - dmin * min, per 32 values
+    for (int e = 0; e < 256; ++e) {
+      const float ds = d * static_cast<float>(scale[e / 32]), dm = dmin * static_cast<float>(min[e / 32]);
+      o[e] = ds * static_cast<float>(q[e]) - dm;
+    }
+    return;
+  }
+  const float d = half_at(blk);
+  if (format == kQ8_0) {
+    for (int64_t i = 0; i < kBlock; ++i) o[i] = d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
+    return;
+  }
+  const float m = format == kQ4_1 ? half_at(blk + 2) : 0.0f;
+  const uint8_t* codes = blk + (format == kQ4_1 ? 4 : 2);
+  for (int64_t j = 0; j < kBlock / 2; ++j) {  // byte j: weight j in its low nibble, j + 16 in its high
+    const int lo = codes[j] & 0x0F, hi = codes[j] >> 4;
+    if (format == kQ4_0) {
+      o[j] = static_cast<float>(lo - 8) * d, o[j + 16] = static_cast<float>(hi - 8) * d;
+    } else {
+      o[j] = d * static_cast<float>(lo) + m, o[j + 16] = d * static_cast<float>(hi) + m;
+    }
+  }
+}
+
+// GGUF rows (V, bytes) of Q4_0, Q4_1 or Q8_0 blocks (format 1-3), or of Q4_K, Q6_K or Q5_K
+// super-blocks (format 4, 6, 7: the formats the panels re-cut them into), the ones at `ids`
+// dequantized to float32 (T, K) with gguf's arithmetic (dequantize_block: the same bits, tested):
+// the token-embedding lookup in a GGUF file's own rows. gguf's numpy took 0.15 ms for one Q8_0
+// token and 0.6 ms for one Q4_K token of 2,048 values, most of it in per-call overhead.
 torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) {
   TM_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
            "embed_rows: rows must be contiguous uint8 (V, bytes)");
-  TM_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "embed_rows: Q4_0, Q4_1 or Q8_0 only");
+  TM_CHECK(format >= kQ4_0 && format <= kQ5K && format != kQ5F,
+           "embed_rows: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K or Q5_K only");
   TM_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "embed_rows: ids must be int64 (T,)");
-  const int64_t V = rows.size(0), bytes = rows.size(1), block = row_unit_bytes(format);
+  const bool k_quant = super_blocks(format);
+  const int64_t V = rows.size(0), bytes = rows.size(1), values = k_quant ? 256 : kBlock;
+  const int64_t block = k_quant ? (format == kQ4F ? 144 : format == kQ5K ? 176 : 210) : row_unit_bytes(format);
   TM_CHECK(bytes % block == 0, "embed_rows: rows of whole blocks");
   const int64_t B = bytes / block, T = ids.size(0);
   const torch::Tensor idx = ids.contiguous();
@@ -792,30 +868,11 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
   for (int64_t t = 0; t < T; ++t) {
     TM_CHECK(ip[t] >= 0 && ip[t] < V, "embed_rows: token id " + std::to_string(ip[t]) + " out of range");
   }
-  auto out = torch::empty({T, B * kBlock}, rows.options().dtype(torch::kFloat32));
+  auto out = torch::empty({T, B * values}, rows.options().dtype(torch::kFloat32));
   const uint8_t* rp = rows.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const auto half = [](const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(p[0] | p[1] << 8); };
   for (int64_t t = 0; t < T; ++t) {
-    for (int64_t b = 0; b < B; ++b) {
-      const uint8_t* blk = rp + ip[t] * bytes + b * block;
-      float* o = op + (t * B + b) * kBlock;
-      const float d = half(blk);
-      if (format == kQ8_0) {
-        for (int64_t i = 0; i < kBlock; ++i) o[i] = d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
-        continue;
-      }
-      const float m = format == kQ4_1 ? half(blk + 2) : 0.0f;
-      const uint8_t* codes = blk + (format == kQ4_1 ? 4 : 2);
-      for (int64_t j = 0; j < kBlock / 2; ++j) {  // byte j: weight j in its low nibble, j + 16 in its high
-        const int lo = codes[j] & 0x0F, hi = codes[j] >> 4;
-        if (format == kQ4_0) {
-          o[j] = static_cast<float>(lo - 8) * d, o[j + 16] = static_cast<float>(hi - 8) * d;
-        } else {
-          o[j] = d * static_cast<float>(lo) + m, o[j + 16] = d * static_cast<float>(hi) + m;
-        }
-      }
-    }
+    for (int64_t b = 0; b < B; ++b) dequantize_block(format, rp + ip[t] * bytes + b * block, op + (t * B + b) * values);
   }
   return out;
 }
@@ -837,35 +894,13 @@ torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
     for (int64_t s = begin; s < end; ++s) {
       const uint8_t* sb = src + s * super_bytes;
       uint8_t* o = dst + s * out_unit;
-      uint8_t q[256];  // the super-block's codes in gguf's order of its values
+      uint8_t q[256], scale[8], min[8];  // the codes in gguf's order of the values; Q4_K/Q5_K's 6-bit scales
+      k_quant_codes(format, sb, q, scale, min);
       if (format == kQ6F) {  // ql (128), qh (64), 16 int8 scales, fp16 d -> d, the scales, q - 32
-        for (int g = 0; g < 2; ++g) {  // gguf's order: 128 values per half, from 64 bytes of ql, 32 of qh
-          const uint8_t *ql = sb + g * 64, *qh = sb + 128 + g * 32;
-          uint8_t* v = q + g * 128;
-          for (int j = 0; j < 64; ++j) v[j] = ql[j] & 0x0F, v[64 + j] = ql[j] >> 4;
-          for (int s = 0; s < 4; ++s) {
-            for (int j = 0; j < 32; ++j) v[s * 32 + j] |= ((qh[j] >> (2 * s)) & 0x03) << 4;
-          }
-        }
         std::memcpy(o, sb + 208, 2);
         std::memcpy(o + 2, sb + 192, 16);
         for (int e = 0; e < 256; ++e) o[18 + e] = static_cast<uint8_t>(static_cast<int8_t>(q[e]) - 32);
         continue;
-      }
-      // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
-      const uint8_t* sc = sb + 4;
-      const uint8_t* qs = sb + super_bytes - 128;
-      uint8_t scale[8], min[8];
-      for (int i = 0; i < 8; ++i) {
-        scale[i] = i < 4 ? sc[i] & 0x3F : (sc[i + 4] & 0x0F) | ((sc[i - 4] >> 2) & 0x30);
-        min[i] = i < 4 ? sc[i + 4] & 0x3F : (sc[i + 4] >> 4) | ((sc[i] >> 2) & 0x30);
-      }
-      for (int c = 0; c < 8; ++c) {  // sub-block c: nibbles of 32 bytes (c / 2), fifth bits at bit c
-        const uint8_t* bytes = qs + c / 2 * 32;
-        for (int j = 0; j < 32; ++j) q[c * 32 + j] = (bytes[j] >> (4 * (c % 2))) & 0x0F;
-        if (format == kQ5K) {
-          for (int j = 0; j < 32; ++j) q[c * 32 + j] |= ((sb[16 + j] >> c) & 0x01) << 4;
-        }
       }
       // d, dmin, the scales, the mins, then the codes: Q5K's bytes, or per block Q4_1's nibbles
       // (byte j holds weight j and weight j + 16)

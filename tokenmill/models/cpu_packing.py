@@ -50,18 +50,21 @@ def packed_bytes(blocks: dict[str, GGUFMatrix], kernels) -> int:
     return sum(math.prod(kernels.panel_shape(m.rows, m.cols, BLOCK_FORMATS[m.kind])) for m in blocks.values())
 
 
+_EMBED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # GGUF types embed_rows reads
+
+
 class GGUFEmbedding(nn.Module):
     """Token embeddings looked up in a GGUF file's own quantized rows (the file's mapping), each
     row dequantized when a token needs it: the float32 values dequantizing the whole table at
     load gives, bit for bit, without holding that table (113 MB for the default model, 2.1 GB
-    for Llama 3's vocabulary). Q4_0, Q4_1 and Q8_0 rows by the CPU kernels' embed_rows when
-    given, other types by gguf's numpy, an order of magnitude slower a step (BENCHMARKS.md)."""
+    for Llama 3's vocabulary). Q4_0, Q4_1, Q8_0 and Q4_K, Q5_K, Q6_K rows by the CPU kernels'
+    embed_rows when given, other types by gguf's numpy, an order of magnitude slower a step."""
 
     def __init__(self, rows, qtype, dim: int, kernels=None) -> None:
         super().__init__()
         self.rows, self.qtype = rows, qtype   # rows: (vocab, bytes) uint8, numpy
         self.num_embeddings, self.embedding_dim = rows.shape[0], dim
-        self.kernels = kernels if qtype.name in ("Q4_0", "Q4_1", "Q8_0") else None  # what embed_rows reads
+        self.kernels = kernels if qtype.name in _EMBED_TYPES else None  # what embed_rows reads
         self.format = BLOCK_FORMATS.get(qtype.name)
         if self.kernels is not None:
             self.table = read_only_tensor(rows)

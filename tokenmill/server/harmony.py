@@ -113,6 +113,14 @@ def _add(out: HarmonyOutput, header: str, body: str) -> None:
         out.reasoning += "\n" + body if out.reasoning else body
 
 
+def with_thinking(message: dict) -> dict:
+    """A chat message for a harmony chat template: an assistant's reasoning_content (as this server
+    returns it) as `thinking`, the field gpt-oss's template writes on the analysis channel."""
+    if message.get("role") != "assistant" or "reasoning_content" not in message or "thinking" in message:
+        return message
+    return {**message, "thinking": message["reasoning_content"]}
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

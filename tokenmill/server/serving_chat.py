@@ -22,7 +22,7 @@ from fastapi import Request
 from tokenmill.chat import render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, check_model
-from tokenmill.server.harmony import HarmonyStream, call_dict, call_id, parse_harmony, stop_token_ids
+from tokenmill.server.harmony import HarmonyStream, call_dict, call_id, parse_harmony, stop_token_ids, with_thinking
 from tokenmill.server.harmony import finish_reason as harmony_finish_reason
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest
@@ -36,11 +36,13 @@ if TYPE_CHECKING:
 
 
 def render_messages(tokenizer, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> dict:
+                    template_kwargs: dict | None = None, harmony: bool = False) -> dict:
     """{"prompt": text, "prompt_token_ids": ids} of a request's messages; a template that
-    rejects them is an APIError(400) on `messages`."""
+    rejects them is an APIError(400) on `messages`. harmony: an assistant's reasoning_content
+    goes to the template as `thinking` (gpt-oss's keeps it before the calls that followed it)."""
+    conversation = [m.model_dump(exclude_none=True) for m in messages]
     try:  # (with the messages' other fields: an assistant's tool_calls, a tool's tool_call_id)
-        return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+        return render_chat(tokenizer, [with_thinking(m) for m in conversation] if harmony else conversation,
                            add_generation_prompt, tools, template_kwargs)
     except ValueError as exc:  # (the message names the place of a bad tool call: messages.1.tool_calls.0...)
         where = str(exc).split(" ", 1)[0]
@@ -80,7 +82,7 @@ class ChatHandler:
         if req.reasoning_effort is not None:  # (a template that reads it: gpt-oss's "Reasoning: low")
             template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
         prompt = await asyncio.to_thread(render_messages, self.tokenizer, req.messages,  # tokenizes
-                                         req.add_generation_prompt, req.tools, template_kwargs)
+                                         req.add_generation_prompt, req.tools, template_kwargs, self.harmony)
         if plan is not None and plan.choice == "none":
             plan = None
         if self.harmony:  # its markers are special tokens; <|return|> and <|call|> end its turn

@@ -174,3 +174,35 @@ def test_a_bad_reasoning_effort_is_a_400_naming_it(server):
 def test_harmony_with_another_tool_call_parser_is_refused():
     with pytest.raises(ValueError, match="harmony carries its own tool calls"):
         create_app(None, "tiny", tool_call_parser="hermes", reasoning_parser="harmony")
+
+
+def test_the_responses_api_gives_the_reasoning_item_and_the_call_chat_gives(client):
+    """A required call, greedy, long enough for the random model to write some analysis first: its
+    reasoning item and function call (whole, and the stream's deltas added up) are chat's answer."""
+    answer = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                            max_tokens=300, temperature=0)
+    message = answer.choices[0].message
+    assert message.reasoning_content and answer.choices[0].finish_reason == "tool_calls"
+    options = dict(model="tiny", input=ASK[0]["content"], tools=[{"type": "function", **t["function"]} for t in TOOLS],
+                   tool_choice="required", max_output_tokens=300, temperature=0)
+    response = client.responses.create(**options)
+    reasoning, call = response.output
+    assert response.status == "completed" and reasoning.content[0].text == message.reasoning_content
+    assert (call.type, call.name, call.arguments) == ("function_call", message.tool_calls[0].function.name,
+                                                      message.tool_calls[0].function.arguments)
+    events = list(client.responses.create(**options, stream=True))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert [e.item.type for e in events if e.type == "response.output_item.added"] == ["reasoning", "function_call"]
+    assert (thought, arguments) == (reasoning.content[0].text, call.arguments)
+    assert events[-1].type == "response.completed" and events[-1].response.output[1].name == call.name
+
+
+def test_reasoning_effort_in_the_responses_api_reaches_the_template(client, tiny_harmony):
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_harmony))
+    for effort in ("low", "high"):
+        response = client.responses.create(model="tiny", input="hi", max_output_tokens=1, reasoning={"effort": effort})
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], reasoning_effort=effort,
+                                             tokenize=False, add_generation_prompt=True)
+        assert response.usage.input_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+        assert response.reasoning.effort == effort

@@ -115,7 +115,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     completion = CompletionHandler(serving, tokenizer, served_model_name)
     chat = ChatHandler(serving, tokenizer, served_model_name, tool_call_parser, thinking, harmony)
     responses = ResponsesHandler(serving, tokenizer, served_model_name, tool_call_parser,
-                                 ResponseStore(responses_store_size), thinking)
+                                 ResponseStore(responses_store_size), thinking, harmony)
     machine = {"device": str(engine.device), "cpu": this_cpu().as_dict()}
     models = ModelsHandler(served_model_name, engine.max_model_len, async_engine, metrics, machine)
     tokenization = TokenizationHandler(tokenizer, served_model_name, engine.max_model_len,

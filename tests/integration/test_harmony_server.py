@@ -106,8 +106,9 @@ def whole_and_streamed(client, **request) -> list[tuple[str | None, str | None, 
     return answers
 
 
-def test_reasoning_and_answer_are_split_and_return_ends_the_turn(client):
+def test_reasoning_and_answer_are_split_and_return_ends_the_turn(server, client):
     """<|return|> is a stop token: the grammar's "never" after it is never written."""
+    assert server.app.state.tool_call_parser == "harmony"  # from the architecture, with no flag
     whole, streamed = whole_and_streamed(client, max_tokens=60, extra_body={"guided_grammar": ANSWER})
     assert whole == ("Easy.", "It is sunny.", [], "stop")
     assert streamed == ("Easy.", "It is sunny.", [], "stop")

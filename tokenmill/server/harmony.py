@@ -1,5 +1,5 @@
 """gpt-oss's harmony format: its outputs split into reasoning, content and tool calls, whole or
-streamed, and the grammar that makes it call a named tool.
+streamed, and the grammar that makes it call a tool when tool_choice says it must.
 
 Harmony writes every message as `<|start|>{role}{header}<|message|>{body}` and an end token:
 <|end|> after a message the model goes on from, <|call|> after a tool call and <|return|> after
@@ -19,7 +19,9 @@ Each message goes to one place in the chat answer:
     final, or commentary to no one      content (a commentary message is a preamble the user sees)
     analysis, or any other recipient    reasoning_content (a built-in tool's call is thinking here)
 Several messages of one kind are joined with a newline. An output that opens with no header (one
-a structured output held to JSON) is all content.
+a structured output held to JSON) is all content. A call cut short by max_tokens comes back as far
+as it was written, with finish_reason "length" (as OpenAI's API answers); calls are read whatever
+tool_choice says, as the model made them ("none" still shows the tools to the chat template).
 """
 
 from __future__ import annotations

@@ -103,3 +103,10 @@ def test_the_responses_store_keeps_1000_responses_by_default_and_takes_no_negati
         with pytest.raises(SystemExit):
             parser.parse_args(["--responses-store-size", bad])
         assert "expected an integer >= 0" in capsys.readouterr().err
+
+
+def test_the_reasoning_parser_flag_takes_harmony_beside_the_think_parsers():
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert [parser.parse_args(["--reasoning-parser", name]).reasoning_parser
+            for name in ("qwen3", "deepseek_r1", "harmony")] == ["qwen3", "deepseek_r1", "harmony"]

@@ -33,6 +33,7 @@ from tokenmill.cpu_kernels import this_cpu
 from tokenmill.server.access import FullApiKeyMiddleware, HostAllowListMiddleware
 from tokenmill.server.dashboard import DashboardHandler
 from tokenmill.server.errors import add_error_handlers
+from tokenmill.server.harmony import is_harmony
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openapi import STREAM_RESPONSES, OpenAIStyleAPI, error_responses
 from tokenmill.server.otel import RequestSpans
@@ -48,7 +49,7 @@ from tokenmill.server.serving_tokenization import TokenizationHandler
 from tokenmill.server.step_history import StepHistory
 from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
 from tokenmill.server.tool_detection import tool_parser_of
-from tokenmill.server.tools import PARSERS
+from tokenmill.server.tools import HARMONY, PARSERS
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -69,13 +70,20 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     the timelines of the last `request_log_size` responses that ended (0: none). spans: where each
     request's OpenTelemetry span goes when it ends (server/otel.py; shut down with the app).
     tool_call_parser: the model's tool-call format (tools.PARSERS) for tool_choice 'auto'; None:
-    the one its chat template shows (server/tool_detection.py), if any."""
+    the one its chat template shows (server/tool_detection.py), if any. reasoning_parser: how
+    thinking is split off (REASONING_PARSERS, or "harmony": gpt-oss's messages, calls and all,
+    which a gpt-oss model gets without asking)."""
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("protect_metrics_and_docs needs an api_key")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+    if reasoning_parser is not None and reasoning_parser not in (*REASONING_PARSERS, HARMONY):
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or {HARMONY}, "
+                         f"got {reasoning_parser!r}")
+    harmony = reasoning_parser == HARMONY or (reasoning_parser is None and tool_call_parser is None
+                                              and is_harmony(engine.model_config.architecture))
+    if harmony and tool_call_parser is not None:
+        raise ValueError(f"harmony carries its own tool calls: tool_call_parser must be None, got {tool_call_parser!r}")
     metrics = ServerMetrics(engine, served_model_name)
     history = StepHistory()
     async_engine = AsyncLLMEngine(engine, listeners=[metrics.on_step, history.on_step]
@@ -101,13 +109,13 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     serving = ServingEngine(engine, async_engine, write_timeout=stream_write_timeout, request_log=request_log,
                             spans=spans)
     tokenizer = engine.tokenizer
-    tool_call_parser = tool_call_parser or tool_parser_of(tokenizer)
+    tool_call_parser = HARMONY if harmony else tool_call_parser or tool_parser_of(tokenizer)
     app.state.tool_call_parser = tool_call_parser
-    thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
+    thinking = ReasoningParser(reasoning_parser) if reasoning_parser is not None and not harmony else None
     completion = CompletionHandler(serving, tokenizer, served_model_name)
-    chat = ChatHandler(serving, tokenizer, served_model_name, tool_call_parser, thinking)
+    chat = ChatHandler(serving, tokenizer, served_model_name, tool_call_parser, thinking, harmony)
     responses = ResponsesHandler(serving, tokenizer, served_model_name, tool_call_parser,
-                                 ResponseStore(responses_store_size), thinking)
+                                 ResponseStore(responses_store_size), thinking, harmony)
     machine = {"device": str(engine.device), "cpu": this_cpu().as_dict()}
     models = ModelsHandler(served_model_name, engine.max_model_len, async_engine, metrics, machine)
     tokenization = TokenizationHandler(tokenizer, served_model_name, engine.max_model_len,

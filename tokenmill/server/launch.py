@@ -28,7 +28,7 @@ from tokenmill.server.api import create_app
 from tokenmill.server.connections import GuardedH11Protocol, connection_cap, raise_open_file_limit
 from tokenmill.server.otel import RequestSpans, otlp_exporter
 from tokenmill.server.reasoning import REASONING_PARSERS
-from tokenmill.server.tools import PARSERS
+from tokenmill.server.tools import HARMONY, PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 
@@ -126,9 +126,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="the model's tool-call format, for tool_choice 'auto' (default: the one its chat template "
                              "shows; hermes: Qwen 2.5/3, Hermes; "
                              "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2/4)")
-    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+    parser.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, HARMONY), default=None,
                         help="return <think> blocks as reasoning_content (qwen3; deepseek_r1: templates that open "
-                             "the block themselves)")
+                             "the block themselves; harmony: gpt-oss's channels and tool calls, its default)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="vLLM's flag, accepted: tool_choice 'auto' is on whenever the tool-call format is known "
                              "(from the chat template or --tool-call-parser)")

@@ -218,6 +218,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict | None = None
     chat_template_kwargs: dict | None = None  # the template's own variables (Qwen3's enable_thinking)
     parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the chat template (gpt-oss's reads it)
 
 
 class TokenizeRequest(APIRequest):

@@ -127,6 +127,10 @@ class TextConfig(StrictModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+class ReasoningConfig(StrictModel):
+    effort: Literal["low", "medium", "high"] | None = None   # to the chat template (gpt-oss's reads it)
+
+
 class ResponsesRequest(APIRequest):
     """POST /v1/responses."""
 
@@ -146,6 +150,7 @@ class ResponsesRequest(APIRequest):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
+    reasoning: ReasoningConfig | None = None
     user: str | None = None
     background: bool = False                      # known, not implemented: true is a 400
 

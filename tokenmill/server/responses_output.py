@@ -3,7 +3,7 @@
 A response's output is a `message` item (its text as one `output_text` part) and/or
 `function_call` items, in that order (a model writes its text before its calls), after a
 `reasoning` item (its thinking as one `reasoning_text` part) where the server splits thinking off
-(--reasoning-parser); a response cut short by max_output_tokens is "incomplete". Streamed, the
+(--reasoning-parser, or gpt-oss's harmony); a response cut short by max_output_tokens is "incomplete". Streamed, the
 same items are opened, filled and closed one at a time, each event numbered in order
 (`sequence_number`):
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.harmony import HarmonyStream, call_id, parse_harmony
 from tokenmill.server.protocol_responses import FunctionChoice, ResponsesRequest
 from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
 from tokenmill.server.tools import ToolPlan, ToolStream
@@ -71,15 +72,23 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "status": status}
 
 
-def output_items(plan: ToolPlan | None, text: str, status: str, thinking: ReasoningParser | None = None) -> list[dict]:
+def output_items(plan: ToolPlan | None, text: str, status: str, thinking: ReasoningParser | None = None,
+                 harmony: bool = False) -> list[dict]:
     """A whole output's items, each with `status`: its thinking (split off by `thinking`, if
-    any), the message (when there is text, or no call), then the function calls parsed from it."""
-    reasoning, text = thinking.split(text) if thinking is not None else ("", text)
+    any), the message (when there is text, or no call), then the function calls parsed from it
+    (harmony: all three read from its messages)."""
+    if harmony:
+        parsed = parse_harmony(text)
+        reasoning, content, calls = parsed.reasoning, parsed.content, [(call_id(), c.name, c.arguments)
+                                                                      for c in parsed.calls]
+    else:
+        reasoning, text = thinking.split(text) if thinking is not None else ("", text)
+        content, found = plan.parse(text) if plan is not None else (text, [])
+        calls = [(call.id, call.name, call.arguments) for call in found]
     items = [reasoning_item(new_id("rs"), [text_part("reasoning", reasoning)], status)] if reasoning else []
-    content, calls = plan.parse(text) if plan is not None else (text, [])
     if content or not calls:
         items.append(message_item(new_id("msg"), [output_text(content or "")], status))
-    return items + [call_item(new_id("fc"), call.id, call.name, call.arguments, status) for call in calls]
+    return items + [call_item(new_id("fc"), *call, status) for call in calls]
 
 
 def usage(out: RequestOutput) -> dict:
@@ -106,7 +115,8 @@ class ResponseHead:
                     "text": {"format": req.text_format.as_dict()},
                     "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or []],
                     "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice or "auto",
-                    "parallel_tool_calls": req.parallel_tool_calls, "truncation": "disabled", "reasoning": None,
+                    "parallel_tool_calls": req.parallel_tool_calls, "truncation": "disabled",
+                    "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
                     "user": req.user})
 
     def snapshot(self, status: str, output: list[dict], usage: dict | None = None,
@@ -122,10 +132,12 @@ class ResponseEvents:
     items so far, the last one maybe still open (being written); `final` is the Response object
     once the response ended (None until then, and for a response that failed)."""
 
-    def __init__(self, head: ResponseHead, plan: ToolPlan | None, thinking: ReasoningParser | None = None) -> None:
+    def __init__(self, head: ResponseHead, plan: ToolPlan | None, thinking: ReasoningParser | None = None,
+                 harmony: bool = False) -> None:
         self.head, self.plan = head, plan
-        self.tools = ToolStream(plan) if plan is not None else None
+        self.tools = ToolStream(plan) if plan is not None and not harmony else None
         self.thinking = ReasoningStream(thinking) if thinking is not None else None
+        self.harmony = HarmonyStream() if harmony else None
         self.sequence = 0
         self.output: list[dict] = []
         self.open: dict | None = None        # the item being written (the last of output), if any
@@ -137,17 +149,19 @@ class ResponseEvents:
         created = self.head.snapshot("in_progress", [])
         events = [self._event("response.created", response=created),
                   self._event("response.in_progress", response=created)]
-        return events + (self._open_text("message") if self.plan is None and self.thinking is None else [])
+        opens = self.plan is None and self.thinking is None and self.harmony is None
+        return events + (self._open_text("message") if opens else [])
 
     def step(self, out: RequestOutput) -> list[str]:
         """The events an output of the response's request adds."""
         if out.error is not None:
             return self.failed(out.error)
         events, text, new_text = [], out.outputs[0].text, out.new_text
-        if self.thinking is not None:  # the thinking first; what follows it is the answer
-            new_reasoning, text, new_text = self.thinking.step(text, out.finished)
-            events += self._text("reasoning", new_reasoning) if new_reasoning else []
-        delta = {"content": new_text} if self.tools is None else self.tools.delta(text, new_text, out.finished) or {}
+        if self.harmony is not None:  # reasoning, content and calls all from its messages
+            delta = self.harmony.delta(text, out.finished) or {}
+            events += self._text("reasoning", delta["reasoning_content"]) if "reasoning_content" in delta else []
+        else:
+            delta = self._delta(text, new_text, out.finished, events)
         events += self._text("message", delta["content"]) if delta.get("content") else []
         for call in delta.get("tool_calls", []):  # (a named function's first delta opens its call)
             if "id" in call:
@@ -155,6 +169,13 @@ class ResponseEvents:
             if call["function"].get("arguments"):
                 events += self._arguments(call["function"]["arguments"])
         return events + (self._finish(out) if out.finished else [])
+
+    def _delta(self, text: str, new_text: str, finished: bool, events: list[str]) -> dict:
+        """The content and calls an output adds; its thinking's events (if split off) added to `events`."""
+        if self.thinking is not None:  # the thinking first; what follows it is the answer
+            new_reasoning, text, new_text = self.thinking.step(text, finished)
+            events += self._text("reasoning", new_reasoning) if new_reasoning else []
+        return {"content": new_text} if self.tools is None else self.tools.delta(text, new_text, finished) or {}
 
     def failed(self, message: str) -> list[str]:
         """The events that end a response whose request failed (a step's error, the engine's death)."""

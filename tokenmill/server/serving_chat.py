@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages rendered through the model's chat template, answered
 streamed or whole, with tool calls (server/tools.py) and reasoning content
 (server/reasoning.py) split out of the text when the server knows their format: the tool-call
-format its chat template shows (server/tool_detection.py) or a flag names, the reasoning one a flag.
+format its chat template shows (server/tool_detection.py) or a flag names, the reasoning one a flag;
+or all three out of gpt-oss's harmony messages (server/harmony.py), for a model that writes them.
 
 A stream opens each choice with a delta holding only the role, then sends content (or
 reasoning, or tool-call) deltas, and closes the choice with an empty delta carrying the
@@ -21,11 +22,13 @@ from fastapi import Request
 from tokenmill.chat import render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, check_model
+from tokenmill.server.harmony import HarmonyStream, call_dict, call_id, parse_harmony, stop_token_ids, with_thinking
+from tokenmill.server.harmony import finish_reason as harmony_finish_reason
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
 from tokenmill.server.serving import ServingEngine, sampling_params, with_tool_plan
-from tokenmill.server.tools import ToolPlan, ToolStream
+from tokenmill.server.tools import HARMONY, ToolPlan, ToolStream
 from tokenmill.server.tools import finish_reason as tool_finish_reason
 
 if TYPE_CHECKING:
@@ -33,11 +36,13 @@ if TYPE_CHECKING:
 
 
 def render_messages(tokenizer, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> dict:
+                    template_kwargs: dict | None = None, harmony: bool = False) -> dict:
     """{"prompt": text, "prompt_token_ids": ids} of a request's messages; a template that
-    rejects them is an APIError(400) on `messages`."""
+    rejects them is an APIError(400) on `messages`. harmony: an assistant's reasoning_content
+    goes to the template as `thinking` (gpt-oss's keeps it before the calls that followed it)."""
+    conversation = [m.model_dump(exclude_none=True) for m in messages]
     try:  # (with the messages' other fields: an assistant's tool_calls, a tool's tool_call_id)
-        return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+        return render_chat(tokenizer, [with_thinking(m) for m in conversation] if harmony else conversation,
                            add_generation_prompt, tools, template_kwargs)
     except ValueError as exc:  # (the message names the place of a bad tool call: messages.1.tool_calls.0...)
         where = str(exc).split(" ", 1)[0]
@@ -64,18 +69,26 @@ class ChatHandler:
     model_name: str                      # the name clients send
     tool_call_parser: str | None         # the model's tool-call format (tools.PARSERS), for tool_choice 'auto'
     thinking: ReasoningParser | None     # splits <think> blocks off as reasoning_content
+    harmony: bool = False                # the model writes harmony (gpt-oss): reasoning, content and calls
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         check_model(req.model, self.model_name)
         params = _chat_sampling_params(req)
-        plan, params = with_tool_plan(params, req.tools, req.tool_choice, self.tool_call_parser,
+        plan, params = with_tool_plan(params, req.tools, req.tool_choice,
+                                      HARMONY if self.harmony else self.tool_call_parser,
                                       req.parallel_tool_calls is not False,
                                       "response_format or structured_outputs")
+        template_kwargs = req.chat_template_kwargs
+        if req.reasoning_effort is not None:  # (a template that reads it: gpt-oss's "Reasoning: low")
+            template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
         prompt = await asyncio.to_thread(render_messages, self.tokenizer, req.messages,  # tokenizes
-                                         req.add_generation_prompt, req.tools, req.chat_template_kwargs)
+                                         req.add_generation_prompt, req.tools, template_kwargs, self.harmony)
         if plan is not None and plan.choice == "none":
             plan = None
-        if plan is not None and plan.keeps_special_tokens:
+        if self.harmony:  # its markers are special tokens; <|return|> and <|call|> end its turn
+            stops = [t for t in stop_token_ids(self.tokenizer) if t not in params.stop_token_ids]
+            params = params.clone(skip_special_tokens=False, stop_token_ids=params.stop_token_ids + stops)
+        elif plan is not None and plan.keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)
         requests = await self.serving.build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}",
                                                      input_name="messages")
@@ -85,7 +98,7 @@ class ChatHandler:
         # grammar itself opens a block (deepseek_r1's rule would take all of it as thinking)
         split = (self.thinking if self.thinking is None or params.structured_outputs is None
                  else ReasoningParser("qwen3"))
-        response = ChatResponse(req, len(requests), self.tokenizer, base, plan, split)
+        response = ChatResponse(req, len(requests), self.tokenizer, base, plan, split, self.harmony)
         return await self.serving.respond(req, requests, params.n, raw, response)
 
 
@@ -99,10 +112,12 @@ class ChatResponse:
     base: dict
     plan: ToolPlan | None            # how tool calls come out; None: the text is the content
     split: ReasoningParser | None    # splits thinking off the answer; None: no reasoning content
+    harmony: bool = False            # the output is harmony messages (plan and split unused)
     chunk_base: dict = field(init=False)
     started: list[bool] = field(init=False)  # per choice: whether its role delta went out
     tool_streams: list[ToolStream | None] = field(init=False)
     reasoning_streams: list[ReasoningStream | None] = field(init=False)
+    harmony_streams: list[HarmonyStream] = field(init=False)
 
     def __post_init__(self) -> None:
         self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
@@ -110,6 +125,7 @@ class ChatResponse:
         self.tool_streams = [ToolStream(self.plan) if self.plan is not None else None for _ in self.started]
         self.reasoning_streams = [ReasoningStream(self.split) if self.split is not None else None
                                   for _ in self.started]
+        self.harmony_streams = [HarmonyStream() for _ in self.started]
 
     @property
     def top_n(self) -> int:
@@ -124,8 +140,20 @@ class ChatResponse:
         if self.req.logprobs and out.new_token_ids:
             lp = chat_logprobs(self.tokenizer, out.outputs[0].logprobs[-len(out.new_token_ids):],
                                out.new_token_ids, self.top_n)
+        delta, reason = self._delta(i, out)
+        if delta or lp is not None:
+            result.append(self._chunk(i, delta or {"content": ""}, lp))
+        if out.finished:
+            result.append(self._chunk(i, {}, finish_reason=reason))
+        return result
+
+    def _delta(self, i: int, out: RequestOutput) -> tuple[dict, str | None]:
+        """Choice i's delta for output `out`, and its finish reason so far."""
         stream, reason = self.tool_streams[i], out.outputs[0].finish_reason
         text, new_text, delta = out.outputs[0].text, out.new_text, {}
+        if self.harmony:
+            delta = self.harmony_streams[i].delta(text, out.finished) or {}
+            return delta, harmony_finish_reason(self.harmony_streams[i].num_calls, reason, self._named)
         if self.reasoning_streams[i] is not None:  # the thinking first; what follows it is the answer
             new_reasoning, text, new_text = self.reasoning_streams[i].step(text, out.finished)
             if new_reasoning:
@@ -136,27 +164,41 @@ class ChatResponse:
         else:
             delta.update(stream.delta(text, new_text, out.finished) or {})
             reason = stream.finish_reason(reason)
-        if delta or lp is not None:
-            result.append(self._chunk(i, delta or {"content": ""}, lp))
-        if out.finished:
-            result.append(self._chunk(i, {}, finish_reason=reason))
-        return result
+        return delta, reason
+
+    @property
+    def _named(self) -> bool:
+        return self.plan is not None and self.plan.choice == "named"
 
     def choice(self, i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        parse = self._harmony_message if self.harmony else self._message
+        message, reason = parse(c.text, c.finish_reason)
+        return {"index": i, "message": message,
+                "logprobs": chat_logprobs(self.tokenizer, c.logprobs, c.token_ids, self.top_n) if self.req.logprobs
+                else None,
+                "finish_reason": reason}
+
+    def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """The message of a whole output, its thinking and calls split off where the server knows how."""
+        message = {"role": "assistant", "content": text}
         if self.split is not None:
-            reasoning, message["content"] = self.split.split(c.text)
+            reasoning, message["content"] = self.split.split(text)
             message["reasoning_content"] = reasoning or None
         if self.plan is not None:
             message["content"], calls = self.plan.parse(message["content"])
             if calls:
                 message["tool_calls"] = [call.to_dict() for call in calls]
             reason = tool_finish_reason(self.plan, calls, reason)
-        return {"index": i, "message": message,
-                "logprobs": chat_logprobs(self.tokenizer, c.logprobs, c.token_ids, self.top_n) if self.req.logprobs
-                else None,
-                "finish_reason": reason}
+        return message, reason
+
+    def _harmony_message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        parsed = parse_harmony(text)
+        message = {"role": "assistant", "content": parsed.content or (None if parsed.calls else ""),
+                   "reasoning_content": parsed.reasoning or None}
+        if parsed.calls:
+            message["tool_calls"] = [call_dict(call, call_id()) for call in parsed.calls]
+        return message, harmony_finish_reason(len(parsed.calls), reason, self._named)
 
     def _chunk(self, i: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
         return {**self.chunk_base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,

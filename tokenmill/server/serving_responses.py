@@ -7,7 +7,8 @@ function_call item an assistant's tool call and a function_call_output item a to
 conversation goes through the model's chat template (chat.py) with the tools; `text.format` is a
 structured output (structured.py) and the tools and tool_choice a tool plan (tools.py), and a
 server started with a reasoning parser splits the thinking off as a `reasoning` item, as in chat
-completions. Reasoning items in the input are dropped, as chat templates drop earlier thinking.
+completions (a gpt-oss model's harmony messages give the reasoning item, the message and the calls,
+as in chat). Reasoning items in the input are dropped, as chat templates drop earlier thinking.
 
 The answer is a Response object whose output is a `message` item (its text as one `output_text`
 part) and/or `function_call` items; cut short by max_output_tokens it is "incomplete". A stream
@@ -31,6 +32,7 @@ from tokenmill.chat import render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, check_model
+from tokenmill.server.harmony import stop_token_ids
 from tokenmill.server.protocol_responses import FunctionChoice, InputItem, ResponsesRequest
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.responses_output import ResponseEvents, ResponseHead, new_id, output_items, status_of, usage
@@ -115,9 +117,9 @@ def output_message(output: list[dict]) -> dict:
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
-def _render(tokenizer, messages: list[dict], tools: list[dict] | None) -> dict:
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None, effort: str | None) -> dict:
     try:
-        return render_chat(tokenizer, messages, True, tools)
+        return render_chat(tokenizer, messages, True, tools, {"reasoning_effort": effort} if effort else None)
     except ValueError as exc:
         raise APIError(400, str(exc), param="input") from None
 
@@ -157,6 +159,7 @@ class ResponsesHandler:
     tool_call_parser: str | None         # the model's tool-call format (tools.PARSERS), for tool_choice 'auto'
     store: ResponseStore                 # the conversations previous_response_id reads
     thinking: ReasoningParser | None = None  # splits <think> blocks off as reasoning items
+    harmony: bool = False                # the model writes harmony (gpt-oss): reasoning, content and calls
 
     async def create(self, req: ResponsesRequest, raw: Request):
         check_model(req.model, self.model_name)
@@ -167,10 +170,13 @@ class ResponsesHandler:
         plan, params = _with_tools(req, params, self.tool_call_parser)
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
         prompt = await asyncio.to_thread(_render, self.tokenizer, system + conversation,  # tokenizes
-                                         plan.tools if plan is not None else None)
+                                         plan.tools if plan is not None else None,
+                                         req.reasoning.effort if req.reasoning is not None else None)
         if plan is not None and plan.choice == "none":
             plan = None
-        if plan is not None and plan.keeps_special_tokens:
+        if self.harmony:  # its markers are special tokens; <|return|> and <|call|> end its turn
+            params = params.clone(skip_special_tokens=False, stop_token_ids=stop_token_ids(self.tokenizer))
+        elif plan is not None and plan.keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)
         response_id = new_id("resp")
         request = await self._request(prompt, params, response_id)
@@ -180,11 +186,12 @@ class ResponsesHandler:
         split = (self.thinking if self.thinking is None or params.structured_outputs is None
                  else ReasoningParser("qwen3"))
         if req.stream:
-            events = self._stream(self.serving.stream([request], raw), ResponseEvents(head, plan, split), kept)
+            events = self._stream(self.serving.stream([request], raw), ResponseEvents(head, plan, split, self.harmony),
+                                  kept)
             return TimedStreamingResponse(events, self.serving.write_timeout, media_type="text/event-stream")
         out = (await self.serving.collect([request], raw))[0]  # (a 500 if a step failed)
         status = status_of(out.outputs[0].finish_reason)
-        output = output_items(plan, out.outputs[0].text, status, split)
+        output = output_items(plan, out.outputs[0].text, status, split, self.harmony)
         if kept is not None:
             self.store.put(response_id, kept + [output_message(output)])
         return head.snapshot(status, output, usage(out), out.outputs[0].finish_reason)

@@ -13,6 +13,7 @@ The tools go to the chat template; `tool_choice` decides how calls come out:
                       mistral      [TOOL_CALLS] then a JSON array of calls (Mistral 7B v0.3, Nemo), or
                                    name[ARGS]{...} / name{...} after each [TOOL_CALLS] (tokenizers v11+)
                       pythonic     the message is a Python list of calls, [f(a=1), g(b="x")] (Llama 3.2, 4)
+                    or gpt-oss's harmony (harmony.py), whose forced calls are a grammar of its own
   "none"            no calls are made
 """
 
@@ -24,9 +25,11 @@ import uuid
 from dataclasses import dataclass
 
 from tokenmill.sampling_params import check_schema_depth
+from tokenmill.server.harmony import call_grammar, parse_harmony
 from tokenmill.server.reasoning import partial_tag
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+HARMONY = "harmony"                     # gpt-oss's format: chosen by its architecture, not --tool-call-parser
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"                                     # Llama 3.1's, before a JSON call
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"   # Llama 4's, around pythonic calls
@@ -60,6 +63,8 @@ class ToolPlan:
         Arguments never carry a key the function's parameters do not declare (unless its schema
         allows others itself): a call made as f(**arguments) would fail on it."""
         functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
+        if self.parser == HARMONY and self.choice in ("named", "required"):  # one call, in harmony's header
+            return {"grammar": call_grammar({self.name: functions[self.name]} if self.name else functions)}
         if self.choice == "named":
             return {"json": functions[self.name], "disable_additional_properties": True}
         if self.choice == "required":
@@ -77,8 +82,8 @@ class ToolPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Mistral's [TOOL_CALLS] is a special token: its outputs must be decoded with it."""
-        return self.choice == "auto" and self.parser == "mistral"
+        """Mistral's [TOOL_CALLS] and harmony's markers are special tokens: outputs must be decoded with them."""
+        return (self.choice == "auto" and self.parser == "mistral") or self.parser == HARMONY
 
     def content_end(self, text: str) -> int:
         """How much of a partial output is surely content, not the start of a call (streaming)."""
@@ -104,6 +109,10 @@ class ToolPlan:
         return content, calls
 
     def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.parser == HARMONY:  # (its reasoning left out: harmony.parse_harmony has it)
+            out = parse_harmony(text)
+            return (out.content or None) if out.calls else out.content, [ToolCall(c.name, c.arguments)
+                                                                         for c in out.calls]
         if self.choice == "named":
             return None, [ToolCall(self.name, text)]
         if self.choice == "required":

@@ -1,15 +1,14 @@
 """GGUF files as llama.cpp writes them: the model config from the metadata (with llama.cpp's own
 defaults and derivations where the file is silent, as for Gemma's sliding layers and score scale;
 for phi3 files and gpt-oss's rope, what the model's Hugging Face directory gives, as _gguf_phi3 and
-_gguf_gpt_oss say), the tensors
-under Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted from
-llama.cpp's rotary layout, or put in partial rotary's order (Phi-4-mini), merged expert tensors split
-into one matrix per expert (with their biases, gpt-oss's), MXFP4 (gpt-oss's experts) decoded by
-gpt_oss.py, Phi-3's fused attn_qkv and ffn_up into q/k/v and gate/up; Gemma's norms as the converter
-wrote them, 1 + w, which is how the model holds them), and on the CPU the
-projections kept in their quantized blocks for the panel kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs),
-a fused projection's parts and a tensor-parallel rank's part of each cut from the file's blocks on
+_gguf_gpt_oss say), the tensors under Hugging Face's names (dequantized through the `gguf` package,
+q and k un-permuted from llama.cpp's rotary layout, or put in partial rotary's order (Phi-4-mini),
+merged expert tensors split into one matrix per expert (with their biases, gpt-oss's), MXFP4
+(gpt-oss's experts) decoded by gpt_oss.py, Phi-3's fused attn_qkv and ffn_up into q/k/v and gate/up;
+Gemma's norms as the converter wrote them, 1 + w, which is how the model holds them), and on the CPU
+the projections kept in their quantized blocks for the panel kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs), a
+fused projection's parts and a tensor-parallel rank's part of each cut from the file's blocks on
 block boundaries. loader.py opens a file and picks these or the Hugging Face path.
 """
 
@@ -396,10 +395,10 @@ def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -
 
 
 def _values(tensor) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
-    """A GGUF tensor as (data, decode): decode(data), or decode(data[e]) for expert e's part of
-    merged experts, is the float32 values in numpy's order of its shape (..., rows, cols). MXFP4
-    (gpt-oss's experts) is decoded here, by the part; any other type the gguf package decodes
-    whole, and decode returns its part as it is."""
+    """A GGUF tensor as (data, decode): decode(data) is its float32 values, (..., rows, cols) in
+    numpy's order of its shape, and decode(data[e]) expert e's (rows, cols) of merged experts.
+    MXFP4 is decoded one part at a time (gpt_oss.py's decoder); any other type by the gguf package,
+    whole, decode then handing its part back. A type neither decodes is refused naming the tensor."""
     shape = [int(d) for d in reversed(tensor.shape)]
     if tensor.tensor_type.name == "MXFP4":
         rows = np.asarray(tensor.data).reshape(*shape[:-1], -1)        # (..., rows, cols / 32 * 17) bytes

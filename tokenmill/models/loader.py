@@ -3,8 +3,8 @@ the Llama family, Phi-3, Gemma 2, Gemma 3 (text; of a multimodal checkpoint, its
 and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (its MXFP4 experts
 dequantized at load: gpt_oss.py))
 and GGUF files (gguf_loader.py: llama/qwen2/qwen3, gemma2/gemma3 (text) and the MoE
-architectures, and phi3; on the CPU their quantized projections stay as blocks, for the panel kernel to
-decode).
+architectures, gpt-oss (MXFP4 experts decoded at load) and phi3; on the CPU their quantized projections
+stay as blocks, for the panel kernel to decode).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
 model has one loading routine. The tokenizer and chat template come through

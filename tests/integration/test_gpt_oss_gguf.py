@@ -24,7 +24,6 @@ from tokenmill.attention import make_backend
 from tokenmill.chat import render_chat
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.cpu_packing import GGUFEmbedding
-from tokenmill.models.gguf_loader import gguf_model_config
 from tokenmill.models.gpt_oss import dequantize_ggml_mxfp4
 from tokenmill.models.loader import hf_model_config, load_model, load_tokenizer, open_checkpoint
 from tokenmill.models.moe import ClampedSwiGLU, SparseMoeBlock
@@ -86,6 +85,22 @@ def test_an_mxfp4_block_decodes_low_nibbles_first_then_high_times_the_scale():
     assert torch.equal(values[0], want)
     with pytest.raises(ValueError, match="MXFP4 rows"):
         dequantize_ggml_mxfp4(torch.zeros(1, 16, dtype=torch.uint8))
+
+
+def test_mxfp4_experts_load_as_exactly_the_values_their_codes_encode(files):
+    """Every expert's gate, up and down matrices and biases, decoded from the file's MXFP4 blocks
+    (gate and up from their own tensors), equal the values quantize_mxfp4 chose, bit for bit."""
+    path, oracle = files["mxfp4"]
+    model = load_model(open_checkpoint(path), 64, torch.float32, torch.device("cpu"), kernels="torch")
+    for ours, theirs in zip(model.layers, oracle.model.layers):
+        experts = theirs.mlp.experts
+        for e, expert in enumerate(ours.mlp.experts):
+            gate_up = experts.gate_up_proj[e].T                                  # (2I, hidden), alternating rows
+            assert torch.equal(expert.gate_up_proj.weight, torch.cat([gate_up[0::2], gate_up[1::2]]))
+            assert torch.equal(expert.down_proj.weight, experts.down_proj[e].T)
+            bias = experts.gate_up_proj_bias[e]
+            assert torch.equal(expert.gate_up_proj.bias, torch.cat([bias[0::2], bias[1::2]]))
+            assert torch.equal(expert.down_proj.bias, experts.down_proj_bias[e])
 
 
 def test_the_files_config_is_its_directorys(gpt_oss_dir, files):
@@ -198,8 +213,8 @@ def test_return_call_and_endoftext_end_generation_and_end_does_not(gpt_oss_dir, 
 
 def rewritten(src, out, fields: dict | None = None, drop: tuple[str, ...] = (), raw: dict | None = None):
     """A float32 gpt-oss file `src` written again to `out`: its gpt-oss. metadata with `fields`
-    (name -> uint32 or float32) set, tensors `drop` left out, `raw` (name -> (bytes, type name))
-    in place of those tensors."""
+    (name -> uint32 or float32, or None: left out) set, tensors `drop` left out, `raw` (name ->
+    (bytes, type name)) in place of those tensors."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     reader, fields, raw = GGUFReader(str(src)), fields or {}, raw or {}
     w = GGUFWriter(str(out), "gpt-oss")
@@ -207,7 +222,8 @@ def rewritten(src, out, fields: dict | None = None, drop: tuple[str, ...] = (), 
         if field.name.startswith("gpt-oss.") and field.name not in fields:
             w.add_key_value(field.name, field.contents(), field.types[0])
     for key, value in fields.items():
-        w.add_key_value(key, value, GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32)
+        if value is not None:
+            w.add_key_value(key, value, GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32)
     for t in reader.tensors:
         if t.name in raw:
             w.add_tensor(t.name, raw[t.name][0], raw_dtype=GGMLQuantizationType[raw[t.name][1]])
@@ -221,13 +237,16 @@ def rewritten(src, out, fields: dict | None = None, drop: tuple[str, ...] = (), 
 
 
 def test_unsupported_gpt_oss_files_are_refused_by_name(files, tmp_path):
-    """Sliding layers with a rope base of their own, q/k/v without biases, experts in a type
-    nothing here decodes (Q8_1), and tensor parallelism (the sinks and o_proj bias are not split):
-    ValueErrors naming what is wrong."""
+    """Sliding layers with a rope base of their own or without a window, q/k/v without biases,
+    experts in a type nothing here decodes (Q8_1), and tensor parallelism (the sinks and o_proj
+    bias are not split): ValueErrors naming what is wrong, where the file as written loads."""
     src = files["f32"][0]
+    assert open_checkpoint(src).config.architecture == "gpt_oss"
     swa = rewritten(src, tmp_path / "swa.gguf", {"gpt-oss.rope.freq_base_swa": 10000.0})
     with pytest.raises(ValueError, match="rope.freq_base_swa 10000.0 beside rope.freq_base 50000.0"):
         open_checkpoint(swa)
+    with pytest.raises(ValueError, match="without attention.sliding_window"):
+        open_checkpoint(rewritten(src, tmp_path / "no_window.gguf", {"gpt-oss.attention.sliding_window": None}))
     biases = tuple(f"blk.{i}.attn_{p}.bias" for i in range(3) for p in "qkv")
     with pytest.raises(ValueError, match="unsupported gpt_oss variant: attention_bias = False"):
         open_checkpoint(rewritten(src, tmp_path / "no_bias.gguf", drop=biases))
@@ -237,4 +256,3 @@ def test_unsupported_gpt_oss_files_are_refused_by_name(files, tmp_path):
         load_model(bad, 64, torch.float32, torch.device("cpu"), kernels="torch")
     with pytest.raises(ValueError, match="tensor_parallel_size 2: gpt_oss's attention sinks and o_proj bias"):
         LLM(str(src), tensor_parallel_size=2)
-    assert gguf_model_config(open_checkpoint(src).gguf_reader).architecture == "gpt_oss"

@@ -232,13 +232,15 @@ def _gguf_gpt_oss(meta, reader, moe: MoEConfig, layers: int, scaling: dict | Non
     if swa_base is not None and swa_base != base:
         raise ValueError(f"unsupported GGUF gpt-oss variant: rope.freq_base_swa {swa_base} beside rope.freq_base "
                          f"{base} (supported: one base for every layer)")
+    if not meta("attention.sliding_window"):  # llama.cpp requires it too
+        raise ValueError("GGUF gpt-oss file without attention.sliding_window (its sliding layers need one)")
     names = {t.name for t in reader.tensors}
     cfg = gpt_oss_config({"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
                           "intermediate_size": moe.expert_intermediate_size,
                           "attention_bias": "blk.0.attn_q.bias" in names})
     if scaling is not None and scaling["rope_type"] == "yarn":
         scaling = {**scaling, "truncate": False}
-    windows = _layer_windows(meta, layers, meta("attention.sliding_window", 0), 2)
+    windows = _layer_windows(meta, layers, meta("attention.sliding_window"), 2)
     return gpt_oss_fields(cfg) | dict(moe=gpt_oss_moe(cfg), rope_scaling=scaling, layer_windows=windows)
 
 

@@ -106,7 +106,8 @@ def test_mxfp4_experts_load_as_exactly_the_values_their_codes_encode(files):
 def test_the_files_config_is_its_directorys(gpt_oss_dir, files):
     """Every field the model runs by, as the Hugging Face directory gives it: the even layers
     sliding, sinks and biases, the experts (router bias, softmax over the top 2, the clamp at 7),
-    YaRN without truncation; the experts' widths read from their tensors."""
+    YaRN without truncation; the experts' widths read from their tensors. The clamp at 7 (not in
+    the file) bites in this model: transformers' logits move with it out of reach."""
     cfg, hf = open_checkpoint(files["mxfp4"][0]).config, hf_model_config(gpt_oss_dir)
     assert cfg.layer_windows == (12, None, 12) and cfg.rope_scaling["truncate"] is False
     for field in ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -117,6 +118,11 @@ def test_the_files_config_is_its_directorys(gpt_oss_dir, files):
     assert cfg.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)  # float32 in the file
     # transformers 5's rope_parameters also carry the base, read apart
     assert cfg.rope_scaling == {k: v for k, v in hf.rope_scaling.items() if k != "rope_theta"}
+    assert cfg.moe.swiglu_limit == 7.0
+    tokens = torch.tensor([prompt(73, 1)])
+    with torch.no_grad():
+        clamped, unclamped = (hf_eager(gpt_oss_dir, swiglu_limit=limit)(tokens).logits[0] for limit in (7.0, 1000.0))
+    assert rel_err(unclamped, clamped) > 1e-2
 
 
 @pytest.mark.parametrize("variant", ["f32", "mxfp4"])

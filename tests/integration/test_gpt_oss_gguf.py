@@ -217,10 +217,11 @@ def test_return_call_and_endoftext_end_generation_and_end_does_not(gpt_oss_dir, 
     assert [rendered["prompt_token_ids"].count(t) for t in (10, 11, 8)] == [2, 1, 1]
 
 
-def rewritten(src, out, fields: dict | None = None, drop: tuple[str, ...] = (), raw: dict | None = None):
+def rewritten(src, out, fields: dict | None = None, drop: tuple[str, ...] = (), raw: dict | None = None,
+              renamed: dict | None = None):
     """A float32 gpt-oss file `src` written again to `out`: its gpt-oss. metadata with `fields`
     (name -> uint32 or float32, or None: left out) set, tensors `drop` left out, `raw` (name ->
-    (bytes, type name)) in place of those tensors."""
+    (bytes, type name)) in place of those tensors, `renamed` (name -> new name) written as named."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     reader, fields, raw = GGUFReader(str(src)), fields or {}, raw or {}
     w = GGUFWriter(str(out), "gpt-oss")
@@ -234,7 +235,7 @@ def rewritten(src, out, fields: dict | None = None, drop: tuple[str, ...] = (), 
         if t.name in raw:
             w.add_tensor(t.name, raw[t.name][0], raw_dtype=GGMLQuantizationType[raw[t.name][1]])
         elif t.name not in drop:
-            w.add_tensor(t.name, np.asarray(t.data))
+            w.add_tensor((renamed or {}).get(t.name, t.name), np.asarray(t.data))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -243,9 +244,10 @@ def rewritten(src, out, fields: dict | None = None, drop: tuple[str, ...] = (), 
 
 
 def test_unsupported_gpt_oss_files_are_refused_by_name(files, tmp_path):
-    """Sliding layers with a rope base of their own or without a window, q/k/v without biases,
-    experts in a type nothing here decodes (Q8_1), and tensor parallelism (the sinks and o_proj
-    bias are not split): ValueErrors naming what is wrong, where the file as written loads."""
+    """Sliding layers with a rope base of their own or without a window, q/k/v without biases, a
+    tensor of a name not read here (a fused attn_qkv), experts in a type nothing here decodes
+    (Q8_1), and tensor parallelism (the sinks and o_proj bias are not split): ValueErrors naming
+    what is wrong, where the file as written loads."""
     src = files["f32"][0]
     assert open_checkpoint(src).config.architecture == "gpt_oss"
     swa = rewritten(src, tmp_path / "swa.gguf", {"gpt-oss.rope.freq_base_swa": 10000.0})
@@ -256,6 +258,10 @@ def test_unsupported_gpt_oss_files_are_refused_by_name(files, tmp_path):
     biases = tuple(f"blk.{i}.attn_{p}.bias" for i in range(3) for p in "qkv")
     with pytest.raises(ValueError, match="unsupported gpt_oss variant: attention_bias = False"):
         open_checkpoint(rewritten(src, tmp_path / "no_bias.gguf", drop=biases))
+    fused = {"blk.0.attn_q.weight": "blk.0.attn_qkv.weight"}
+    with pytest.raises(ValueError, match="unsupported GGUF tensor blk.0.attn_qkv.weight in a gpt_oss file"):
+        load_model(open_checkpoint(rewritten(src, tmp_path / "qkv.gguf", renamed=fused)), 64, torch.float32,
+                   torch.device("cpu"), kernels="torch")
     q8_1 = np.zeros((6, 64, 2 * 40), np.uint8)                         # (E, I, hidden / 32 blocks of 40 bytes)
     bad = open_checkpoint(rewritten(src, tmp_path / "q8_1.gguf", raw={"blk.0.ffn_gate_exps.weight": (q8_1, "Q8_1")}))
     with pytest.raises(ValueError, match="unsupported GGUF tensor type Q8_1 of blk.0.ffn_gate_exps.weight"):

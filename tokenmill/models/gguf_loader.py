@@ -338,6 +338,8 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
     names = (_GEMMA_GGUF_NAMES if cfg.architecture in GEMMA_ARCHITECTURES else
              _PHI3_GGUF_NAMES if cfg.architecture == "phi3" else
              _GPT_OSS_GGUF_NAMES if cfg.architecture == "gpt_oss" else _GGUF_NAMES)
+    if kind not in names:  # such as llama.cpp's optionally fused attn_qkv or ffn_gate_up_exps
+        raise ValueError(f"unsupported GGUF tensor {gguf_name} in a {cfg.architecture} file")
     return f"model.layers.{layer}.{names[kind]}.{suffix}", heads
 
 

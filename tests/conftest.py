@@ -103,6 +103,25 @@ def quantize_q4_k(data):
     return blocks.reshape(data.shape[0], -1)
 
 
+def quantize_mxfp4(data):
+    """float32 (..., k) -> (MXFP4 rows (..., k / 32 * 17) uint8 in ggml's block layout, the float32
+    values they hold): each 32 weights' E8M0 scale the power of two that brings their largest to at
+    most 6, each weight the nearest FP4 E2M1 code; a block is its scale byte, then byte j holding
+    weight j's code in its low nibble and weight j + 16's in its high one."""
+    import numpy as np
+
+    from tokenmill.models.gpt_oss import FP4_VALUES
+    table = np.array(FP4_VALUES)
+    x = data.reshape(*data.shape[:-1], -1, 32).astype(np.float64)          # (..., G, 32)
+    exponent = np.clip(np.ceil(np.log2(np.maximum(np.abs(x).max(-1), 1e-30) / 6.0)), -127, 127)  # (..., G)
+    scale = np.exp2(exponent)[..., None]
+    codes = np.abs((x / scale)[..., None] - table).argmin(-1).astype(np.uint8)  # (..., G, 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)                           # (..., G, 16)
+    raw = np.concatenate([(exponent + 127).astype(np.uint8)[..., None], qs], axis=-1)
+    values = (table[codes] * scale).astype(np.float32)
+    return raw.reshape(*data.shape[:-1], -1), values.reshape(data.shape)
+
+
 def _save_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -203,8 +222,12 @@ _GGUF_LAYER_NAMES = {
 _GEMMA_GGUF_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "pre_feedforward_layernorm": "ffn_norm",
                            "post_attention_layernorm": "post_attention_norm",
                            "post_feedforward_layernorm": "post_ffw_norm"}
+# gpt-oss's norm before the experts, and its router (its sinks and experts: _gpt_oss_expert_tensors)
+_GPT_OSS_GGUF_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                             "mlp.router": "ffn_gate_inp"}
 # transformers' model_type -> llama.cpp's architecture (Mixtral: a llama with experts)
-_GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
+_GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3",
+               "gpt_oss": "gpt-oss"}
 
 
 def _gguf_metadata(w, c, head_dim: int) -> None:
@@ -289,6 +312,63 @@ def _phi3_gguf_metadata(w, c) -> list[tuple[str, object]]:
     return [(f"rope_factors_{k}.weight", np.array(rope[f"{k}_factor"], np.float32)) for k in ("long", "short")]
 
 
+def _gpt_oss_gguf_metadata(w, c) -> None:
+    """The hyperparameters convert_hf_to_gguf.py's GptOssModel writes for config `c` (TextModel's,
+    YaRN's with its betas, then the window and the experts' width; no rope dimension count), and
+    the vocabulary size, for files written without a vocabulary."""
+    from gguf import RopeScalingType
+    rope = c.rope_parameters
+    for add, value in ((w.add_context_length, c.max_position_embeddings), (w.add_embedding_length, c.hidden_size),
+                       (w.add_block_count, c.num_hidden_layers), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_rope_freq_base, rope["rope_theta"]), (w.add_layer_norm_rms_eps, c.rms_norm_eps),
+                       (w.add_expert_count, c.num_local_experts), (w.add_expert_used_count, c.num_experts_per_tok),
+                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
+                       (w.add_sliding_window, c.sliding_window),
+                       (w.add_expert_feed_forward_length, c.intermediate_size), (w.add_vocab_size, c.vocab_size)):
+        add(value)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def _gpt_oss_expert_tensors(name: str, data, block: str) -> list[tuple[str, str, object]] | None:
+    """gpt-oss's tensors of layer `block` ("blk.L.") that GptOssModel converts by itself: gate_up
+    (E, hidden, 2I), gate and up columns alternating, and its bias (E, 2I) into ffn_gate_exps and
+    ffn_up_exps (E, I, hidden) and their (E, I) biases ("name:gate", "name:up"); down (E, I, hidden)
+    transposed into ffn_down_exps (E, hidden, I); the sinks as attn_sinks.weight. None for others."""
+    if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+        kind = "bias" if name.endswith("_bias") else "weight"
+        rows = data if kind == "bias" else data.swapaxes(1, 2)                 # (E, 2I[, hidden])
+        return [(f"{name}:gate", f"{block}ffn_gate_exps.{kind}", rows[:, 0::2]),
+                (f"{name}:up", f"{block}ffn_up_exps.{kind}", rows[:, 1::2])]
+    if name.endswith("experts.down_proj"):
+        return [(name, f"{block}ffn_down_exps.weight", data.swapaxes(1, 2))]
+    if name.endswith("experts.down_proj_bias"):
+        return [(name, f"{block}ffn_down_exps.bias", data)]
+    if name.endswith("self_attn.sinks"):
+        return [(name, f"{block}attn_sinks.weight", data)]
+    return None
+
+
+def _hf_values(name: str, values_of: dict, c):
+    """The values the file holds of transformers tensor `name`, in its layout (None: not written):
+    gate_up from its two halves (gpt-oss's alternating, and transposed back), gpt-oss's down
+    transposed back."""
+    import numpy as np
+    if f"{name}:gate" not in values_of:
+        values = values_of.get(name)
+        return values.swapaxes(1, 2) if c.model_type == "gpt_oss" and name.endswith("experts.down_proj") else values
+    gate, up = values_of[f"{name}:gate"], values_of[f"{name}:up"]
+    if c.model_type != "gpt_oss":
+        return np.concatenate([gate, up], axis=1)
+    rows = np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, *gate.shape[2:])  # (E, 2I[, hidden])
+    return rows if rows.ndim == 2 else rows.swapaxes(1, 2)
+
+
 def _gguf_vocabulary(w, tokens: list[str], chat_template: str | None) -> None:
     """A sentencepiece vocabulary as llama.cpp's converter writes Gemma's: `tokens` (with "<bos>",
     "<eos>", "<unk>" and "<pad>" among them), "<...>" tokens marked control, the template."""
@@ -314,6 +394,10 @@ def _gguf_tensors(state: dict, c) -> list[tuple[str, str, object]]:
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         parts = name.split(".")
+        block = f"blk.{parts[2]}." if parts[1] == "layers" else ""
+        if c.model_type == "gpt_oss" and (converted := _gpt_oss_expert_tensors(name, tensor.numpy(), block)):
+            out += converted
+            continue
         if name.endswith("mlp.experts.gate_up_proj"):
             gate, up = tensor.numpy().reshape(tensor.shape[0], 2, -1, tensor.shape[2]).swapaxes(0, 1)
             out += [(f"{name}:gate", f"blk.{parts[2]}.ffn_gate_exps.weight", gate),
@@ -325,7 +409,8 @@ def _gguf_tensors(state: dict, c) -> list[tuple[str, str, object]]:
         gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}.get(name)
         if gguf_name is None:
-            names = _GEMMA_GGUF_LAYER_NAMES if c.model_type in ("gemma2", "gemma3_text") else _GGUF_LAYER_NAMES
+            names = (_GEMMA_GGUF_LAYER_NAMES if c.model_type in ("gemma2", "gemma3_text") else
+                     _GPT_OSS_GGUF_LAYER_NAMES if c.model_type == "gpt_oss" else _GGUF_LAYER_NAMES)
             gguf_name = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
         data = tensor.numpy()
         out.append((name, gguf_name, data.reshape(-1) if ".shared_expert_gate." in name else data))  # a vector
@@ -333,15 +418,19 @@ def _gguf_tensors(state: dict, c) -> list[tuple[str, str, object]]:
 
 
 def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bool = True,
-                       tokens: list[str] | None = None, chat_template: str | None = None) -> None:
+                       tokens: list[str] | None = None, chat_template: str | None = None,
+                       expert_qtype: str | None = None, token_ids: dict[str, int] | None = None) -> None:
     """Write a transformers model as llama.cpp's convert_hf_to_gguf.py does (its metadata, llama's
     and Mixtral's q/k rows and biases permuted for interleaved rotary pairs, YaRN rope scaling,
     Phi-3's fused attn_qkv and ffn_up (gate then up) and LongRoPE factors as tensors,
     experts merged into one tensor per projection, or with `merged_experts` False one tensor per
     expert, blk.L.ffn_gate.E.weight, as older Mixtral files have them; Gemma's norms w written as
-    1 + w, its tied head left out), matrices in `qtype` (F32, F16, a type gguf quantizes to, or Q4_K
-    by quantize_q4_k), with `tokens` a sentencepiece vocabulary and the chat template; then put the
-    dequantized values back into `model`, which becomes the oracle for the file."""
+    1 + w, its tied head left out; gpt-oss's experts de-interleaved and biased, its sinks), matrices
+    in `qtype` (F32, F16, a type gguf quantizes to, or Q4_K by quantize_q4_k), merged experts in
+    `expert_qtype` (default `qtype`; MXFP4 by quantize_mxfp4), biases and routers in float32, with
+    `tokens` a sentencepiece vocabulary, the chat template and `token_ids` (such as {"eot": 5},
+    tokenizer.ggml.eot_token_id); then put the dequantized values back into `model`, which becomes
+    the oracle for the file."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -356,10 +445,14 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
     elif c.model_type == "phi3":
         for gguf_name, factors in _phi3_gguf_metadata(w, c):
             w.add_tensor(gguf_name, factors)
+    elif c.model_type == "gpt_oss":
+        _gpt_oss_gguf_metadata(w, c)
     else:
         _gguf_metadata(w, c, getattr(c, "head_dim", None) or c.hidden_size // heads)
     if tokens is not None:
         _gguf_vocabulary(w, tokens, chat_template)
+    for name, token in (token_ids or {}).items():
+        w.add_uint32(f"tokenizer.ggml.{name}_token_id", token)
 
     def permute(a, n: int, inverse: bool = False):
         if arch != "llama":
@@ -369,16 +462,21 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
 
     def write(gguf_name: str, data):
         """Add one tensor; returns the values the file holds."""
-        if data.ndim == 1 or qtype == "F32" or ".ffn_gate_inp" in gguf_name:  # routers stay float32
-            w.add_tensor(gguf_name, np.ascontiguousarray(data, np.float32))
+        kind = (expert_qtype or qtype) if "_exps.weight" in gguf_name else qtype
+        if data.ndim == 1 or kind == "F32" or ".ffn_gate_inp" in gguf_name or gguf_name.endswith(".bias"):
+            w.add_tensor(gguf_name, np.ascontiguousarray(data, np.float32))  # routers and biases stay float32
             return data
-        if qtype == "F16":
+        if kind == "MXFP4":
+            raw, values = quantize_mxfp4(data)
+            w.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType.MXFP4)
+            return values
+        if kind == "F16":
             w.add_tensor(gguf_name, data.astype(np.float16))
             return data.astype(np.float16).astype(np.float32)
         data = np.ascontiguousarray(data)
-        raw = quantize_q4_k(data) if qtype == "Q4_K" else quantize(data, GGMLQuantizationType[qtype])
-        w.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[qtype])
-        return dequantize(raw, GGMLQuantizationType[qtype]).reshape(data.shape)
+        raw = quantize_q4_k(data) if kind == "Q4_K" else quantize(data, GGMLQuantizationType[kind])
+        w.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[kind])
+        return dequantize(raw, GGMLQuantizationType[kind]).reshape(data.shape)
 
     state = model.state_dict()
     values_of = {}
@@ -396,11 +494,8 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
         values_of[name] = permute(values, heads_of, inverse=True) if heads_of else values
     with torch.no_grad():
         for name, tensor in state.items():
-            if f"{name}:gate" in values_of:  # gate_up from its two halves
-                values = np.concatenate([values_of[f"{name}:gate"], values_of[f"{name}:up"]], axis=1)
-            elif name in values_of:
-                values = values_of[name]
-            else:
+            values = _hf_values(name, values_of, c)
+            if values is None:
                 continue
             tensor.copy_(torch.from_numpy(np.ascontiguousarray(values)))
     w.write_header_to_file()

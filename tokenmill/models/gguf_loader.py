@@ -1,13 +1,14 @@
 """GGUF files as llama.cpp writes them: the model config from the metadata (with llama.cpp's own
 defaults and derivations where the file is silent, as for Gemma's sliding layers and score scale;
-for phi3 files, the config the model's Hugging Face directory gives, as _gguf_phi3 says), the tensors
-under Hugging Face's names (dequantized through the `gguf` package, q and k un-permuted from
-llama.cpp's rotary layout, or put in partial rotary's order (Phi-4-mini), merged expert tensors split
-into one matrix per expert, Phi-3's fused attn_qkv and ffn_up into q/k/v and gate/up; Gemma's norms
-as the converter wrote them, 1 + w, which is how the model holds them), and on the CPU the
-projections kept in their quantized blocks for the panel kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs),
-a fused projection's parts and a tensor-parallel rank's part of each cut from the file's blocks on
+for phi3 files and gpt-oss's rope, what the model's Hugging Face directory gives, as _gguf_phi3 and
+_gguf_gpt_oss say), the tensors under Hugging Face's names (dequantized through the `gguf` package,
+q and k un-permuted from llama.cpp's rotary layout, or put in partial rotary's order (Phi-4-mini),
+merged expert tensors split into one matrix per expert (with their biases, gpt-oss's), MXFP4
+(gpt-oss's experts) decoded by gpt_oss.py, Phi-3's fused attn_qkv and ffn_up into q/k/v and gate/up;
+Gemma's norms as the converter wrote them, 1 + w, which is how the model holds them), and on the CPU
+the projections kept in their quantized blocks for the panel kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q3_K, Q4_K, Q5_K, Q6_K; Q5 and K-quants re-laid out in blocks of 32 rows where the kernel needs), a
+fused projection's parts and a tensor-parallel rank's part of each cut from the file's blocks on
 block boundaries. loader.py opens a file and picks these or the Hugging Face path.
 """
 
@@ -17,7 +18,7 @@ import functools
 import inspect
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.gemma import GEMMA_ARCHITECTURES
+from tokenmill.models.gpt_oss import dequantize_ggml_mxfp4, gpt_oss_config, gpt_oss_fields, gpt_oss_moe
 from tokenmill.models.llama import partial_rotary_order, rope_attention_factor
 from tokenmill.models.moe import MOE_ARCHITECTURES
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix
@@ -34,10 +36,12 @@ from tokenmill.models.parallel import TPShard, holds, tensor_cut
 logger = logging.getLogger(__name__)
 
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-              "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
+              "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
+              "gpt-oss": "gpt_oss"}
 # whether llama.cpp renormalises each MoE architecture's top-k weights, where a file does not say
 # (expert_weights_norm): as the transformers models do for Mixtral and for Qwen3-MoE's released configs
-_GGUF_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
+# (gpt-oss's softmax over the top k needs none)
+_GGUF_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False, "gpt_oss": False}
 
 _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -59,10 +63,19 @@ _GEMMA_GGUF_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
 # Phi-3's fused projections, as its Hugging Face checkpoints have them: q, k and v rows in one
 # attn_qkv (or three tensors, which llama.cpp also reads), gate then up rows in one ffn_up
 _PHI3_GGUF_NAMES = {**_GGUF_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# gpt-oss's norm before its experts is llama.cpp's post_attention_norm; its router and each merged
+# expert tensor have a bias (blk.L.ffn_gate_exps.bias (E, I): one row per expert); its sinks
+# (blk.L.attn_sinks.weight) are the parameter self_attn.sinks (_gguf_name)
+_GPT_OSS_GGUF_NAMES = {**_GGUF_NAMES, "post_attention_norm": "post_attention_layernorm"}
 # what the end of a turn is spelled as in a vocabulary, found by its text as llama.cpp finds it
 # (the converter writes only <eos> as Gemma's end of generation; Phi-3's file names <|endoftext|>, and
 # its turns end with <|end|>, as its generation_config.json has it)
-_END_OF_TURN = {"gemma2": ("<end_of_turn>",), "gemma3_text": ("<end_of_turn>",), "phi3": ("<|end|>", "<|endoftext|>")}
+# gpt-oss's harmony format ends generation with <|return|> (the final answer) or <|call|> (a tool
+# call), and <|endoftext|>, as its generation_config.json and llama.cpp have it; its <|end|> ends a
+# message, not the output, and llama.cpp takes it out of the end tokens where the file names it
+_END_OF_TURN = {"gemma2": ("<end_of_turn>",), "gemma3_text": ("<end_of_turn>",), "phi3": ("<|end|>", "<|endoftext|>"),
+                "gpt_oss": ("<|return|>", "<|call|>", "<|endoftext|>")}
+_NOT_END_OF_TURN = {"gpt_oss": b"<|end|>"}
 # tensor name prefixes of what a text model has no use for: a vision tower and its projector, audio
 _MULTIMODAL_PREFIXES = ("v.", "mm.", "a.")
 
@@ -144,13 +157,30 @@ def _gguf_moe(meta, arch: str, reader) -> MoEConfig:
     widths = {}  # ffn_gate_exps / ffn_gate_shexp -> width; older Mixtral files: blk.L.ffn_gate.E.weight per expert
     for t in reader.tensors:
         parts = t.name.split(".")
-        if parts[0] == "blk" and (parts[2] in ("ffn_gate_exps", "ffn_gate_shexp") or parts[2:4] == ["ffn_gate", "0"]):
+        if parts[0] == "blk" and parts[-1] == "weight" and (
+                parts[2] in ("ffn_gate_exps", "ffn_gate_shexp") or parts[2:4] == ["ffn_gate", "0"]):
             widths["ffn_gate_exps" if parts[2] == "ffn_gate" else parts[2]] = int(t.shape[1])
     routers = {t.name for t in reader.tensors if t.name.endswith(".ffn_gate_inp.weight")}
     dense = tuple(i for i in range(meta("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in routers)
     return MoEConfig(meta("expert_count"), meta("expert_used_count"), widths.get("ffn_gate_exps", 0),
                      bool(meta("expert_weights_norm", _GGUF_NORM_TOPK[arch])), float32_weights=arch == "mixtral",
                      shared_expert_intermediate_size=widths.get("ffn_gate_shexp", 0), dense_layers=dense)
+
+
+def _layer_windows(meta, layers: int, window: int, period: int) -> tuple[int | None, ...]:
+    """Each layer's window as llama.cpp's load_swa_pattern sets it: `window` on the layers that
+    attention.sliding_window_pattern names (a flag per layer), or else on all but the last of each
+    run of its period (`period` where the file has none; 0: every layer); () when none slides."""
+    pattern = meta("attention.sliding_window_pattern", period)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"GGUF attention.sliding_window_pattern names {len(pattern)} layers, "
+                             f"block_count is {layers}")
+        slides = [bool(flag) for flag in pattern]
+    else:
+        slides = [pattern == 0 or (i + 1) % pattern != 0 for i in range(layers)]
+    windows = tuple(window if slide else None for slide in slides) if window else ()
+    return windows if any(w is not None for w in windows) else ()
 
 
 # Gemma's 27B models, which llama.cpp knows by their layer count: their scores are scaled by
@@ -173,18 +203,8 @@ def _gguf_gemma(meta, arch: str, hidden: int, heads: int, head_dim: int, layers:
         rope            Gemma 3's sliding layers rotate with rope.freq_base_swa (10000 where
                         absent), unscaled; the global ones with rope.freq_base and its scaling
     """
-    window = meta("attention.sliding_window", 4096 if arch == "gemma2" else 0)
-    pattern = meta("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise ValueError(f"GGUF attention.sliding_window_pattern names {len(pattern)} layers, "
-                             f"block_count is {layers}")
-        slides = [bool(flag) for flag in pattern]
-    else:  # llama.cpp's period: layer i slides unless it is the last of each run of `pattern`
-        slides = [pattern == 0 or (i + 1) % pattern != 0 for i in range(layers)]
-    windows = tuple(window if slide else None for slide in slides) if window else ()
-    if not any(w is not None for w in windows):
-        windows = ()
+    windows = _layer_windows(meta, layers, meta("attention.sliding_window", 4096 if arch == "gemma2" else 0),
+                             2 if arch == "gemma2" else 6)
     gemma2 = arch == "gemma2"
     return dict(
         layer_windows=windows,
@@ -192,6 +212,44 @@ def _gguf_gemma(meta, arch: str, hidden: int, heads: int, head_dim: int, layers:
         attn_softcap=meta("attn_logit_softcapping", 50.0) if gemma2 else None,
         final_softcap=meta("final_logit_softcapping", 30.0 if gemma2 else None),
         local_rope_theta=meta("rope.freq_base_swa", 10000.0) if not gemma2 and windows else None)
+
+
+def _gguf_gpt_oss(meta, reader, moe: MoEConfig, layers: int, scaling: dict | None) -> dict:
+    """The ModelConfig fields of a gpt-oss file beyond the Llama family's, as llama.cpp reads them
+    (llama_model_openai_moe) and transformers runs the model (gpt_oss.py's fields):
+
+        experts     _gguf_moe's count, top k and width, with gpt-oss's router (a bias, a softmax
+                    over the k largest logits) and clamped SwiGLU, whose limit (7) and alpha
+                    (1.702) llama.cpp holds as constants, not in the file: transformers' defaults
+        attention   biases on q, k, v and o, a sink logit per head; attention.sliding_window on
+                    every second layer from the first (llama.cpp's period 2, or the file's
+                    attention.sliding_window_pattern), as transformers' default layer_types
+        rope        YaRN as transformers and gpt-oss's config.json have it (truncate False: the
+                    ramp's ends not rounded to whole dimensions, which llama.cpp rounds); sliding
+                    layers with a rope base of their own (rope.freq_base_swa) refused by name
+    """
+    base, swa_base = meta("rope.freq_base"), meta("rope.freq_base_swa")
+    if swa_base is not None and swa_base != base:
+        raise ValueError(f"unsupported GGUF gpt-oss variant: rope.freq_base_swa {swa_base} beside rope.freq_base "
+                         f"{base} (supported: one base for every layer)")
+    if not meta("attention.sliding_window"):  # llama.cpp requires it too
+        raise ValueError("GGUF gpt-oss file without attention.sliding_window (its sliding layers need one)")
+    names = {t.name for t in reader.tensors}
+    cfg = gpt_oss_config({"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                          "intermediate_size": moe.expert_intermediate_size,
+                          "attention_bias": "blk.0.attn_q.bias" in names})
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaling = {**scaling, "truncate": False}
+    windows = _layer_windows(meta, layers, meta("attention.sliding_window"), 2)
+    return gpt_oss_fields(cfg) | dict(moe=gpt_oss_moe(cfg), rope_scaling=scaling, layer_windows=windows)
+
+
+def _token_text(reader, token: int) -> bytes:
+    """Token `token`'s bytes in the file's vocabulary (b"" where it has none or no such token)."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None or not 0 <= token < len(field.data):
+        return b""
+    return field.parts[field.data[token]].tobytes()
 
 
 def _token_ids(reader, texts: tuple[str, ...]) -> list[int]:
@@ -234,11 +292,14 @@ def gguf_model_config(reader) -> ModelConfig:
     # end of generation, as llama.cpp has it: <|eot_id|> and <|eom_id|> end a Llama 3 turn even
     # where the file's eos is <|end_of_text|>
     ends = [_gguf_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
-    if arch in _END_OF_TURN:  # Gemma's <end_of_turn> and Phi-3's <|end|>, which the file does not name
+    if arch in _END_OF_TURN:  # Gemma's <end_of_turn>, Phi-3's <|end|>, gpt-oss's, which the file does not name
         ends += _token_ids(reader, _END_OF_TURN[arch])
+    if arch in _NOT_END_OF_TURN:  # gpt-oss's <|end|>, even where the file names it
+        ends = [t for t in ends if t is None or _token_text(reader, int(t)) != _NOT_END_OF_TURN[arch]]
     eos_ids = tuple(dict.fromkeys(int(t) for t in ends if t is not None))
     gemma = _gguf_gemma(meta, arch, hidden, heads, head_dim, layers) if arch in GEMMA_ARCHITECTURES else {}
     phi3 = _gguf_phi3(meta, reader, layers, rotary_dim) if arch == "phi3" else {}
+    gpt_oss = _gguf_gpt_oss(meta, reader, moe, layers, scaling) if arch == "gpt_oss" else {}
     return ModelConfig(**dict(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=meta("feed_forward_length") or (moe.expert_intermediate_size if moe else 0),
@@ -252,7 +313,7 @@ def gguf_model_config(reader) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm=arch != "olmoe" and "blk.0.attn_q_norm.weight" in tensor_names, qk_norm_whole=arch == "olmoe",
         moe=moe, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids) | gemma | phi3)
+        eos_token_ids=eos_ids) | gemma | phi3 | gpt_oss)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -267,13 +328,18 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
         return {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}.get(gguf_name), 0
     layer, kind, suffix = parts[1], parts[2], parts[-1]
+    if kind == "attn_sinks":  # gpt-oss: a parameter, not a layer's weight
+        return f"model.layers.{layer}.self_attn.sinks", 0
     if len(parts) == 5:  # one expert's own tensor, as older Mixtral files have them: blk.0.ffn_gate.3.weight
         return f"model.layers.{layer}.mlp.experts.{parts[3]}.{_GGUF_NAMES[kind].removeprefix('mlp.')}.{suffix}", 0
     heads = 0
     if cfg.architecture in ("llama", "mistral", "mixtral") and kind in ("attn_q", "attn_k"):  # biases too, as permuted
         heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
     names = (_GEMMA_GGUF_NAMES if cfg.architecture in GEMMA_ARCHITECTURES else
-             _PHI3_GGUF_NAMES if cfg.architecture == "phi3" else _GGUF_NAMES)
+             _PHI3_GGUF_NAMES if cfg.architecture == "phi3" else
+             _GPT_OSS_GGUF_NAMES if cfg.architecture == "gpt_oss" else _GGUF_NAMES)
+    if kind not in names:  # such as llama.cpp's optionally fused attn_qkv or ffn_gate_up_exps
+        raise ValueError(f"unsupported GGUF tensor {gguf_name} in a {cfg.architecture} file")
     return f"model.layers.{layer}.{names[kind]}.{suffix}", heads
 
 
@@ -303,14 +369,15 @@ def _our_rows(rows: np.ndarray, name: str, heads: int, cfg: ModelConfig) -> np.n
 
 
 def _expert_names(name: str, tensor) -> list[str]:
-    """The Hugging Face names a GGUF tensor holds: one per expert for merged experts (E, rows, cols)."""
-    return [name.format(e) for e in range(int(tensor.shape[2]))] if "{}" in name else [name]
+    """The Hugging Face names a GGUF tensor holds: one per expert for merged experts (E, rows, cols),
+    or their biases (E, rows)."""
+    return [name.format(e) for e in range(int(tensor.shape[-1]))] if "{}" in name else [name]
 
 
 def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor but those named in `skip`, dequantized to float32 under its Hugging Face name;
-    merged experts as one matrix per expert, fused projections (Phi-3) as their parts."""
-    from gguf.quants import dequantize
+    merged experts as one matrix per expert (MXFP4 ones decoded an expert at a time), fused
+    projections (Phi-3) as their parts."""
 
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
@@ -320,16 +387,32 @@ def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -
                   if any(part not in skip for part, _, _ in _fused_parts(n, cfg))]
         if not wanted:
             continue
-        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        data = data.reshape([int(d) for d in reversed(tensor.shape)])
+        data, decode = _values(tensor)
         if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps its one row as a vector
             data = data.reshape(1, -1)
         for index, expert in wanted:
-            values = data[index] if "{}" in name else data                # (rows, cols) of expert `index`
+            values = decode(data[index] if "{}" in name else data)        # (rows, cols) of expert `index`
             for part, start, count in _fused_parts(expert, cfg):
                 if part not in skip:
                     rows = _our_rows(values if count is None else values[start:start + count], part, heads, cfg)
                     yield part, torch.from_numpy(np.require(rows, requirements=["C", "W"]))
+
+
+def _values(tensor) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
+    """A GGUF tensor as (data, decode): decode(data) is its float32 values, (..., rows, cols) in
+    numpy's order of its shape, and decode(data[e]) expert e's (rows, cols) of merged experts.
+    MXFP4 is decoded one part at a time (gpt_oss.py's decoder); any other type by the gguf package,
+    whole, decode then handing its part back. A type neither decodes is refused naming the tensor."""
+    shape = [int(d) for d in reversed(tensor.shape)]
+    if tensor.tensor_type.name == "MXFP4":
+        rows = np.asarray(tensor.data).reshape(*shape[:-1], -1)        # (..., rows, cols / 32 * 17) bytes
+        return rows, lambda part: dequantize_ggml_mxfp4(torch.from_numpy(np.array(part))).numpy()  # a copy
+    from gguf.quants import dequantize
+    try:
+        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    except NotImplementedError:
+        raise ValueError(f"unsupported GGUF tensor type {tensor.tensor_type.name} of {tensor.name}") from None
+    return data.reshape(shape), lambda part: part
 
 
 def _bit_fields(packed: np.ndarray, groups: int, shifts: list[int], mask: int) -> np.ndarray:
@@ -474,6 +557,11 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
                        "matrix" if len(dequantized) == 1 else "matrices",
                        ", ".join(dequantized[:4]) + (", ..." if len(dequantized) > 4 else ""))
     return out
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """The general.architecture of the GGUF file at `path` (its metadata read)."""
+    return _gguf_field(open_gguf(path), "general.architecture")
 
 
 def open_gguf(path: Path):

@@ -22,7 +22,8 @@ Released checkpoints store the experts' two matrices in MXFP4 (quantization_conf
 mxfp4): `{gate_up,down}_proj_blocks` (E, N, K / 32, 16) uint8 and `_scales` (E, N, K / 32) uint8,
 each matrix in the (out, in) layout of a linear layer. A block is 32 values of 4 bits (FP4 E2M1,
 two a byte, the low nibble first) sharing a scale byte s that means 2^(s - 127) (E8M0). They are
-dequantized here, at load, to float32 (then the model's dtype).
+dequantized here, at load, to float32 (then the model's dtype); so are those of GGUF files
+(dequantize_ggml_mxfp4: the same values in ggml's block layout), which gguf_loader.py reads.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ def gpt_oss_fields(cfg: dict) -> dict:
     return {"attention_bias": True, "o_proj_bias": True, "attention_sinks": True}
 
 
+def _fp4_times_scale(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP4 codes (..., G, 32) and E8M0 scale bytes (..., G) -> (..., G * 32) float32: each code's
+    value (FP4_VALUES) times 2^(scale - 127)."""
+    values = torch.tensor(FP4_VALUES, dtype=torch.float32)[codes.int()].flatten(-2)   # (..., G * 32)
+    exponents = (scales.int() - 127).repeat_interleave(32, dim=-1)                    # (..., G * 32)
+    return torch.ldexp(values, exponents)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """MXFP4 (..., G, 16) uint8 blocks and (..., G) uint8 scales -> (..., G * 32) float32: value
     2i of a block from byte i's low nibble, 2i + 1 from its high one, times 2^(scale - 127)."""
@@ -83,11 +92,22 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
             or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
                          f"{scales.dtype}: expected uint8 (..., G, 16) and (..., G)")
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).int()           # (..., G, 16, 2)
-    values = table[codes].flatten(-3)                                          # (..., G * 32)
-    exponents = (scales.int() - 127).repeat_interleave(32, dim=-1)             # (..., G * 32)
-    return torch.ldexp(values, exponents)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)      # (..., G, 32)
+    return _fp4_times_scale(codes, scales)
+
+
+def dequantize_ggml_mxfp4(rows: torch.Tensor) -> torch.Tensor:
+    """MXFP4 rows as a GGUF file stores them (ggml's block_mxfp4, type 39), (..., G * 17) uint8
+    -> (..., G * 32) float32. A block of 32 values is its E8M0 scale byte, then 16 bytes whose low
+    nibbles are values 0-15 and high nibbles values 16-31 (Q4_0's order, not the Hugging Face
+    checkpoints' pairs). ggml's table holds twice FP4_VALUES and its scale is 2^(scale - 128):
+    the same products as FP4_VALUES times 2^(scale - 127), which this computes."""
+    if rows.dtype != torch.uint8 or rows.shape[-1] % 17:
+        raise ValueError(f"MXFP4 rows {tuple(rows.shape)} {rows.dtype}: expected uint8 (..., G * 17)")
+    blocks = rows.reshape(*rows.shape[:-1], -1, 17)                             # (..., G, 17)
+    qs = blocks[..., 1:]                                                        # (..., G, 16)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)                             # (..., G, 32)
+    return _fp4_times_scale(codes, blocks[..., 0])
 
 
 def _expert_tensors(prefix: str, kind: str, experts: Iterable[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

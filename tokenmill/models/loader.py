@@ -3,8 +3,8 @@ the Llama family, Phi-3, Gemma 2, Gemma 3 (text; of a multimodal checkpoint, its
 and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (its MXFP4 experts
 dequantized at load: gpt_oss.py))
 and GGUF files (gguf_loader.py: llama/qwen2/qwen3, gemma2/gemma3 (text) and the MoE
-architectures, and phi3; on the CPU their quantized projections stay as blocks, for the panel kernel to
-decode).
+architectures, gpt-oss (MXFP4 experts decoded at load) and phi3; on the CPU their quantized projections
+stay as blocks, for the panel kernel to decode).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
 model has one loading routine. The tokenizer and chat template come through
@@ -40,7 +40,13 @@ from tokenmill.models.cpu_packing import (
     use_gguf_embedding,
 )
 from tokenmill.models.gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
-from tokenmill.models.gguf_loader import gguf_model_config, gguf_weight_blocks, gguf_weights, open_gguf
+from tokenmill.models.gguf_loader import (
+    gguf_architecture,
+    gguf_model_config,
+    gguf_weight_blocks,
+    gguf_weights,
+    open_gguf,
+)
 from tokenmill.models.gpt_oss import gpt_oss_config, gpt_oss_fields, gpt_oss_moe, gpt_oss_weights
 from tokenmill.models.llama import LlamaForCausalLM, partial_rotary_order, rope_kind
 from tokenmill.models.moe import MOE_ARCHITECTURES
@@ -476,7 +482,13 @@ def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = D
     cached = cache_dir / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if gguf_architecture(path) == "gpt-oss":
+        # transformers 5 misreads gpt-oss's rope scaling fields when AutoTokenizer builds the model's
+        # config, which the tokenizer does not need: the class it would pick for gpt-oss, directly
+        from transformers import PreTrainedTokenizerFast
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     try:
         tok.save_pretrained(str(cached))
     except OSError as exc:  # a read-only home: just convert again next time

@@ -27,7 +27,13 @@ import torch
 from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.gemma import GEMMA_ARCHITECTURES
-from tokenmill.models.gpt_oss import dequantize_ggml_mxfp4, gpt_oss_config, gpt_oss_fields, gpt_oss_moe
+from tokenmill.models.gpt_oss import (
+    dequantize_ggml_mxfp4,
+    ggml_mxfp4_as_q8_0,
+    gpt_oss_config,
+    gpt_oss_fields,
+    gpt_oss_moe,
+)
 from tokenmill.models.llama import partial_rotary_order, rope_attention_factor
 from tokenmill.models.moe import MOE_ARCHITECTURES
 from tokenmill.models.packed_linear import BLOCK_FORMATS, GGUFMatrix
@@ -498,7 +504,8 @@ def _block_rows(tensor, name: str, heads: int, cfg: ModelConfig, kernels, expert
     them: of one expert's matrix, for merged experts; `part`'s rows (first, count; None: all) of a
     fused tensor; a tensor-parallel rank's part of them, `cut` as parallel.tensor_cut gives it.
     Put in our row order (_our_rows), cut, then K-quants re-cut by the kernels' recut_k_quant (the
-    same bytes as k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, copied out
+    same bytes as k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, MXFP4 as
+    Q8_0 blocks of the same values (gpt_oss.ggml_mxfp4_as_q8_0), copied out
     of the file's read-only mapping. Each step works on whole rows of whole blocks, so cutting
     before the re-cut gives the rows the whole matrix would."""
     kind = tensor.tensor_type.name
@@ -515,11 +522,14 @@ def _block_rows(tensor, name: str, heads: int, cfg: ModelConfig, kernels, expert
         rows = q5_as_blocks_of_32(rows, kind)
     elif kind == "Q3_K":
         rows = q3_k_rows(rows)
+    elif kind == "MXFP4":
+        return ggml_mxfp4_as_q8_0(read_only_tensor(np.ascontiguousarray(rows)))
     return torch.from_numpy(np.require(rows, requirements=["C", "W"]))
 
 
 def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None = None) -> dict[str, GGUFMatrix]:
-    """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
+    """Every matrix in a block type of BLOCK_FORMATS, or in MXFP4 (gpt-oss's experts, kept as Q8_0):
+    Hugging Face name -> GGUFMatrix, whose
     rows (K-quants re-cut into blocks of 32 by `kernels`, the C++ module) are read when it is
     packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py); merged
     experts give one matrix per expert, so each expert keeps its blocks, and a fused projection
@@ -534,7 +544,8 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
         merged = name is not None and "{}" in name
-        if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != (3 if merged else 2):
+        kind = "Q8_0" if tensor.tensor_type.name == "MXFP4" else tensor.tensor_type.name  # see _block_rows
+        if name is None or kind not in BLOCK_FORMATS or len(tensor.shape) != (3 if merged else 2):
             continue
         block = GGML_QUANT_SIZES[tensor.tensor_type][0]
         for index, expert in enumerate(_expert_names(name, tensor)):
@@ -550,7 +561,7 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
                 cols = cut[2] if cut is not None and cut[0] == 1 else int(tensor.shape[0])
                 read = functools.partial(_block_rows, tensor, part, heads, cfg, kernels, index if merged else None,
                                          (start, count), cut)
-                out[part] = GGUFMatrix(tensor.tensor_type.name, rows, read, cols)
+                out[part] = GGUFMatrix(kind, rows, read, cols)
     if dequantized:
         logger.warning("tensor_parallel_size %d, rank %d: %d GGUF %s dequantized to float32 (input-column "
                        "shards that would cut quantized blocks): %s", shard.size, shard.rank, len(dequantized),

@@ -236,8 +236,9 @@ def _parse_phi4_mini(text: str) -> tuple[str | None, list[ToolCall]]:
                 at += 1
             if at == len(text):
                 break
-            if text.startswith((PHI4_START, PHI4_END), at):
-                at += len(PHI4_START) if text.startswith(PHI4_START, at) else len(PHI4_END)
+            tag = next((t for t in (PHI4_START, PHI4_END) if text.startswith(t, at)), None)
+            if tag is not None:
+                at += len(tag)
                 continue
             if text.startswith(PHI4_FUNCTOOLS, at):
                 at += len(PHI4_FUNCTOOLS) - 1  # to its "[", which opens the list

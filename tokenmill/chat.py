@@ -49,6 +49,38 @@ def _with_argument_objects(tool_calls: list, where: str) -> list:
     return out
 
 
+# Phi-4-mini's template (and Phi-4-multimodal's) reads the tools from a system message's own
+# `tools`, a JSON text it shows between <|tool|> and <|/tool|>, not from the `tools` variable, and
+# writes no calls: the model's own come back in the assistant's content, between these tokens
+TOOLS_IN_SYSTEM_MARKERS = ("<|tool|>", "message['tools']")
+TOOLS_SYSTEM_PROMPT = "You are a helpful assistant with some tools."   # the model card's, where none is given
+CALL_START, CALL_END = "<|tool_call|>", "<|/tool_call|>"
+
+
+def _takes_tools_in_system(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and all(marker in template for marker in TOOLS_IN_SYSTEM_MARKERS)
+
+
+def _with_tools_in_system(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The conversation as Phi-4-mini's template takes it: the tools' functions as JSON text in the
+    first system message's `tools` (one with the model card's wording put first where there is
+    none; a system message that has its own `tools` keeps them), and each assistant's calls after
+    its content as the model writes them, <|tool_call|>[{"name", "arguments"}, ...]<|/tool_call|>."""
+    out = [dict(m) for m in messages]
+    if tools and not any(m["role"] == "system" and "tools" in m for m in out):
+        if not out or out[0]["role"] != "system":
+            out.insert(0, {"role": "system", "content": TOOLS_SYSTEM_PROMPT})
+        functions = [t.get("function", t) if isinstance(t, dict) else t for t in tools]
+        out[0]["tools"] = json.dumps(functions, ensure_ascii=False)
+    for m in out:
+        functions = [c.get("function") for c in m.get("tool_calls") or [] if isinstance(c, dict)]
+        calls = [{"name": f.get("name"), "arguments": f.get("arguments", {})} for f in functions if isinstance(f, dict)]
+        if m["role"] == "assistant" and calls:
+            m["content"] += CALL_START + json.dumps(calls, ensure_ascii=False) + CALL_END
+    return out
+
+
 def _template_options(tokenizer) -> set[str]:
     """apply_chat_template's own parameters (chat_template, tokenizer_kwargs, return_dict, ...):
     what template variables from a request may not set. A template is code the server runs: one
@@ -70,6 +102,8 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
         messages.append({**m, "content": content_text(m.get("content"))})
         if isinstance(m.get("tool_calls"), list):
             messages[-1]["tool_calls"] = _with_argument_objects(m["tool_calls"], f"messages.{i}")
+    if _takes_tools_in_system(tokenizer):
+        messages = _with_tools_in_system(messages, tools)
     reserved = _template_options(tokenizer) & set(template_kwargs or {})
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: only the template's "

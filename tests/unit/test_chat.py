@@ -70,3 +70,38 @@ def test_template_variables_cannot_replace_the_template_or_its_options():
     for option in ("chat_template", "tokenizer_kwargs", "return_dict", "continue_final_message", "messages"):
         with pytest.raises(ValueError, match=f"may not set {option}"):
             render_chat(tokenizer, hi, template_kwargs={option: "{% for i in range(10**9) %}{% endfor %}"})
+
+
+class Phi4MiniTokenizer(FakeTokenizer):
+    """Its template (the markers are what count) reads the tools from the system message."""
+    chat_template = ("{% for m in messages %}{% if m['role'] == 'system' and 'tools' in m %}{{ '<|system|>' + "
+                     "m['content'] + '<|tool|>' + message['tools'] + '<|/tool|><|end|>' }}{% endif %}{% endfor %}")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_phi4_minis_template_gets_the_tools_in_the_system_message_and_calls_in_the_content():
+    tokenizer = Phi4MiniTokenizer()
+    render_chat(tokenizer, [{"role": "user", "content": "weather?"}], tools=[WEATHER])
+    assert tokenizer.seen[0] == [
+        {"role": "system", "content": "You are a helpful assistant with some tools.",
+         "tools": '[{"name": "get_weather", "parameters": {"type": "object"}}]'},
+        {"role": "user", "content": "weather?"}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    render_chat(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather?"},
+                            {"role": "assistant", "content": None, "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}], tools=[WEATHER])
+    system, _, assistant, tool = tokenizer.seen[0]
+    assert system == {"role": "system", "content": "Be brief.",
+                      "tools": '[{"name": "get_weather", "parameters": {"type": "object"}}]'}
+    assert assistant["content"] == '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]<|/tool_call|>'
+    assert tool == {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}
+    own = {"role": "system", "content": "Hi.", "tools": "[]"}                 # tools given the Phi way stay
+    render_chat(tokenizer, [own, {"role": "user", "content": "x"}], tools=[WEATHER])
+    assert tokenizer.seen[0][0] == own
+    render_chat(tokenizer, [{"role": "user", "content": "x"}])                  # no tools: no system message
+    assert tokenizer.seen[0] == [{"role": "user", "content": "x"}]
+    plain = FakeTokenizer()                                                     # other templates: as given
+    render_chat(plain, [{"role": "user", "content": "x"}], tools=[WEATHER])
+    assert plain.seen[:2] == ([{"role": "user", "content": "x"}], [WEATHER])

@@ -185,3 +185,68 @@ def test_streamed_content_holds_back_what_may_open_mistral_or_pythonic_calls():
     assert len(deltas) == 1 and deltas[0]["tool_calls"][0]["function"]["name"] == "now"
     deltas, _ = stream(pythonic, ["It is", " noon."])
     assert [d.get("content") for d in deltas] == ["It is", " noon."]          # plain text streams as it comes
+
+
+PHI4_CALLS = [("get_weather", {"city": "Paris"}), ("now", {})]
+
+
+@pytest.mark.parametrize("text, content", [
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]'
+     '<|/tool_call|>', None),                                                     # Phi-4-mini's own tokens
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]',
+     None),                                                                       # its closing token left out
+    ('<|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "parameters": {}}'
+     '<|/tool_call|>', None),                                                     # calls with no list around them
+    ('<|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris"}}<|/tool_call|>\n'
+     '<|tool_call|>{"name": "now", "arguments": {}}<|/tool_call|>', None),        # a block a call
+    ('functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]',
+     None),                                                                       # vLLM's template's prefix
+    ('I will check. functools[{"name": "get_weather", "arguments": {"city": "Paris"}},\n'
+     ' {"name": "now", "arguments": {}}]\n', "I will check. "),
+])
+def test_phi4_mini_outputs_parse_into_calls(text, content):
+    phi4 = plan_tools([WEATHER, NOW], "auto", "phi4_mini_json")
+    parsed = phi4.parse(text)
+    assert parsed[0] == content and calls(parsed) == PHI4_CALLS
+    assert [c.arguments for c in parsed[1]] == ['{"city": "Paris"}', "{}"]
+    assert all(c.id.startswith("call_") for c in parsed[1])
+    assert phi4.keeps_special_tokens   # <|tool_call|> is a special token of Phi-4-mini's
+    assert not plan_tools([WEATHER], "required", "phi4_mini_json").keeps_special_tokens
+
+
+@pytest.mark.parametrize("text", [
+    "No tools needed.", "Use functools.lru_cache here.", "functools[]", "<|tool_call|><|/tool_call|>",
+    '<|tool_call|>[{"name": "now", "argu', 'functools[{"name": "now", "arguments": {}}', 'functools[{"city": "Paris"}]',
+    'functools[{"name": 3, "arguments": {}}]', 'functools["now"]', '<|tool_call|>{"name": "now"}<|/tool_call|> Done.',
+    'functools[{"name": "now", "arguments": {}}] and more', "<|tool_call|>" + "[" * 5000,
+])
+def test_phi4_mini_text_that_is_not_calls_stays_content(text):
+    """Cut short, not calls, or followed by text that is not a call: all of it is content."""
+    assert plan_tools([WEATHER, NOW], "auto", "phi4_mini_json").parse(text) == (text, [])
+
+
+PHI4_TEXT = ('Checking.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+             '{"name": "now", "arguments": {}}]<|/tool_call|>')
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 16, len(PHI4_TEXT)])
+@pytest.mark.parametrize("text, content", [
+    (PHI4_TEXT, "Checking."), (PHI4_TEXT.replace("<|tool_call|>", "functools").removesuffix("<|/tool_call|>"),
+                               "Checking."),
+])
+def test_streamed_phi4_mini_content_stops_before_the_calls(size, text, content):
+    phi4 = plan_tools([WEATHER, NOW], "auto", "phi4_mini_json")
+    deltas, s = stream(phi4, [text[i:i + size] for i in range(0, len(text), size)])
+    assert "".join(d.get("content", "") for d in deltas) == content   # no piece of a marker leaks
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in deltas[-1]["tool_calls"]] == (
+        PHI4_CALLS)
+    assert [c["index"] for c in deltas[-1]["tool_calls"]] == [0, 1] and s.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("size", [1, 4, 100])
+def test_streamed_phi4_mini_text_without_calls_is_all_content(size):
+    phi4 = plan_tools([WEATHER], "auto", "phi4_mini_json")
+    text = "Try functools.partial or <|tool_cal in prose."
+    deltas, s = stream(phi4, [text[i:i + size] for i in range(0, len(text), size)])
+    assert "".join(d.get("content", "") for d in deltas) == text and s.finish_reason("stop") == "stop"
+    assert all("tool_calls" not in d for d in deltas)

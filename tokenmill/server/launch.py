@@ -125,7 +125,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (default: the one its chat template "
                              "shows; hermes: Qwen 2.5/3, Hermes; "
-                             "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; pythonic: Llama 3.2/4)")
+                             "llama3_json: Llama 3.1+; mistral: Mistral's [TOOL_CALLS]; phi4_mini_json: Phi-4-mini's "
+                             "<|tool_call|> or functools[...]; pythonic: Llama 3.2/4)")
     parser.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, HARMONY), default=None,
                         help="return <think> blocks as reasoning_content (qwen3; deepseek_r1: templates that open "
                              "the block themselves; harmony: gpt-oss's channels and tool calls, its default)")

@@ -7,8 +7,11 @@ model was trained to produce, so the markers it holds name the parser (tools.PAR
     [TOOL_CALLS]                                  mistral      (Mistral 7B v0.3, Nemo, Small)
     <tool_call>                                   hermes       (Qwen 2.5 / 3, Hermes 2 Pro / 3)
     <|python_start|>, [func_name1(params_name1=   pythonic     (Llama 4, Llama 3.2's pythonic template)
+    <|tool|>, functools[                          phi4_mini_json  (Phi-4-mini / -multimodal, vLLM's template)
     <|python_tag|>, ipython turns, "parameters"   llama3_json  (Llama 3.1 / 3.2 / 3.3)
 
+Phi-4-mini's own template renders no calls: it shows the tools to the model between <|tool|> and
+<|/tool|> (a token no other family's template holds), and the model answers with <|tool_call|>.
 Pythonic is tried before llama3_json: a Llama 4 template may keep Llama 3's ipython role. A
 template with none of them (or no template) gives None, and tool_choice "auto" stays a 400 that
 says to start the server with --tool-call-parser.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from tokenmill.server.tools import HERMES_START, MISTRAL_START, PARSERS, PYTHON_START, PYTHON_TAG
+from tokenmill.server.tools import HERMES_START, MISTRAL_START, PARSERS, PHI4_FUNCTOOLS, PYTHON_START, PYTHON_TAG
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -27,6 +30,7 @@ TEMPLATE_MARKERS = (
     ("mistral", (MISTRAL_START,)),
     ("hermes", (HERMES_START,)),
     ("pythonic", (PYTHON_START, "[func_name1(")),
+    ("phi4_mini_json", ("<|tool|>", PHI4_FUNCTOOLS)),
     ("llama3_json", (PYTHON_TAG, "ipython<|end_header_id|>", '"parameters"')),
 )
 

@@ -13,6 +13,9 @@ The tools go to the chat template; `tool_choice` decides how calls come out:
                       mistral      [TOOL_CALLS] then a JSON array of calls (Mistral 7B v0.3, Nemo), or
                                    name[ARGS]{...} / name{...} after each [TOOL_CALLS] (tokenizers v11+)
                       pythonic     the message is a Python list of calls, [f(a=1), g(b="x")] (Llama 3.2, 4)
+                      phi4_mini_json  after the content, a JSON list of {"name", "arguments"} calls after
+                                   <|tool_call|> (Phi-4-mini's own token, its <|/tool_call|> optional) or
+                                   after the word functools, as vLLM's Phi-4-mini template asks: functools[...]
                     or gpt-oss's harmony (harmony.py), whose forced calls are a grammar of its own
   "none"            no calls are made
 """
@@ -28,14 +31,16 @@ from tokenmill.sampling_params import check_schema_depth
 from tokenmill.server.harmony import call_grammar, parse_harmony
 from tokenmill.server.reasoning import partial_tag
 
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
 HARMONY = "harmony"                     # gpt-oss's format: chosen by its architecture, not --tool-call-parser
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"                                     # Llama 3.1's, before a JSON call
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"   # Llama 4's, around pythonic calls
 MISTRAL_START, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
-# content first, then calls after a tag; or the whole message is calls, opening with one of these
-CALLS_AFTER = {"hermes": HERMES_START, "mistral": MISTRAL_START}
+PHI4_START, PHI4_END = "<|tool_call|>", "<|/tool_call|>"          # Phi-4-mini's special tokens around calls
+PHI4_FUNCTOOLS = "functools["                                     # the prefix vLLM's Phi-4-mini template asks for
+# content first, then calls after one of these tags; or the whole message is calls, opening with one of these
+CALLS_AFTER = {"hermes": (HERMES_START,), "mistral": (MISTRAL_START,), "phi4_mini_json": (PHI4_START, PHI4_FUNCTOOLS)}
 CALLS_OPEN_WITH = {"llama3_json": ("{", PYTHON_TAG), "pythonic": ("[", PYTHON_START)}
 
 
@@ -82,8 +87,9 @@ class ToolPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Mistral's [TOOL_CALLS] and harmony's markers are special tokens: outputs must be decoded with them."""
-        return (self.choice == "auto" and self.parser == "mistral") or self.parser == HARMONY
+        """Mistral's [TOOL_CALLS], Phi-4-mini's <|tool_call|> and harmony's markers are special tokens:
+        outputs must be decoded with them."""
+        return (self.choice == "auto" and self.parser in ("mistral", "phi4_mini_json")) or self.parser == HARMONY
 
     def content_end(self, text: str) -> int:
         """How much of a partial output is surely content, not the start of a call (streaming)."""
@@ -92,11 +98,10 @@ class ToolPlan:
         if self.choice != "auto":
             return len(text)
         if self.parser in CALLS_AFTER:
-            tag = CALLS_AFTER[self.parser]
-            found = text.find(tag)
-            if found != -1:
-                return found
-            return len(text) - partial_tag(text, tag)  # a start tag may be on its way
+            found = [at for tag in CALLS_AFTER[self.parser] if (at := text.find(tag)) != -1]
+            if found:
+                return min(found)
+            return len(text) - max(partial_tag(text, tag) for tag in CALLS_AFTER[self.parser])  # one may be coming
         head = text.lstrip()  # the whole message is the calls, or it is content
         undecided = not head or any(o.startswith(head) or head.startswith(o) for o in CALLS_OPEN_WITH[self.parser])
         return 0 if undecided else len(text)
@@ -217,8 +222,35 @@ def _parse_pythonic(text: str) -> tuple[str | None, list[ToolCall]]:
     return None, calls
 
 
+def _parse_phi4_mini(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Content, then calls: each <|tool_call|> (its <|/tool_call|> optional) or functools[ opens a
+    JSON list of calls, or calls separated by commas; nothing else may follow them."""
+    found = [at for tag in (PHI4_START, PHI4_FUNCTOOLS) if (at := text.find(tag)) != -1]
+    if not found:
+        return text, []
+    start = min(found)
+    decoder, calls, at = json.JSONDecoder(), [], start
+    try:
+        while True:
+            while at < len(text) and text[at] in " \t\r\n,":
+                at += 1
+            if at == len(text):
+                break
+            tag = next((t for t in (PHI4_START, PHI4_END) if text.startswith(t, at)), None)
+            if tag is not None:
+                at += len(tag)
+                continue
+            if text.startswith(PHI4_FUNCTOOLS, at):
+                at += len(PHI4_FUNCTOOLS) - 1  # to its "[", which opens the list
+            found_calls, at = decoder.raw_decode(text, at)
+            calls += [_call(c) for c in (found_calls if isinstance(found_calls, list) else [found_calls])]
+    except (ValueError, RecursionError):  # (a model's JSON nested past the decoder's limit)
+        return text, []
+    return (text[:start] or None, calls) if calls else (text, [])
+
+
 _PARSE = {"hermes": _parse_hermes, "llama3_json": _parse_llama3_json, "mistral": _parse_mistral,
-          "pythonic": _parse_pythonic}
+          "phi4_mini_json": _parse_phi4_mini, "pythonic": _parse_pythonic}
 
 
 def plan_tools(tools: list | None, tool_choice, parser: str | None, parallel: bool = True) -> ToolPlan | None:

@@ -615,6 +615,20 @@ def greedy_in_16_token_chunks(source, tokenizer, prompts: list[dict], num_kv_blo
     return [out.outputs[0].token_ids for out in outputs]
 
 
+def assert_short_prompt_logits(model, config, oracle, tokens: list[int]) -> None:
+    """`model`'s logits over `tokens` (all but the last two a prompt in one step, then two decodes,
+    on the "auto" backend at block size 16) within 1e-4 of transformers model `oracle`'s."""
+    import torch
+
+    from tokenmill.attention import make_backend
+    backend = make_backend("auto", torch.device("cpu"), 16, config.head_dim)
+    n = len(tokens)
+    got = stepwise_logits(model, config, backend, tokens, n - 2, ((0, n - 2), (n - 2, n - 1), (n - 1, n)))
+    with torch.no_grad():
+        ref = oracle(torch.tensor([tokens])).logits[0]
+    assert rel_err(got, ref) <= 1e-4, f"{rel_err(got, ref):.2e}"
+
+
 def stepwise_logits(model, config, backend, tokens: list[int], prompt_len: int,
                     steps: tuple[tuple[int, int], ...]):
     """`model`'s logits at every position of `tokens`, its first `prompt_len` a prompt fed in the

@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 from conftest import (
+    assert_short_prompt_logits,
     build_tiny_model,
     greedy_in_16_token_chunks,
     hf_greedy,
@@ -124,11 +125,7 @@ def test_a_q8_0_file_keeps_its_projections_in_blocks_and_gives_its_values_logits
             assert isinstance(projection, PackedLinear) and projection.format == q8_0, name
     assert model.packed_lm_head.format == q8_0 and isinstance(model.embed_tokens, GGUFEmbedding)
     tokens = [random.Random(7).randrange(2, 384) for _ in range(30)]
-    backend = make_backend("auto", torch.device("cpu"), 16, checkpoint.config.head_dim)
-    got = stepwise_logits(model, checkpoint.config, backend, tokens, 28, ((0, 28), (28, 29), (29, 30)))
-    with torch.no_grad():
-        ref = oracle(torch.tensor([tokens])).logits[0]
-    assert rel_err(got, ref) <= 1e-4, f"{rel_err(got, ref):.2e}"
+    assert_short_prompt_logits(model, checkpoint.config, oracle, tokens)
 
 
 def test_the_files_chat_template_renders_gemma_turns_and_end_of_turn_ends_generation(gemma_dirs, tmp_path):

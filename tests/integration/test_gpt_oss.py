@@ -36,17 +36,22 @@ def hf_eager(path, **changes):
     return hf_model(path, "eager", **changes)
 
 
-@pytest.fixture(scope="module")
-def tiny_gpt_oss(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_gpt_oss") / "gpt_oss"
+def save_tiny_gpt_oss(path, shape: dict):
+    """A random gpt-oss of config `shape` and its tokenizer saved at `path`; its sinks drawn from
+    N(0, 2), as transformers' init draws them about 0."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(GptOssConfig(**TINY_GPT_OSS), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(GptOssConfig(**shape), dtype=torch.float32)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 2.0)  # transformers' init draws them about 0
+            layer.self_attn.sinks.normal_(0.0, 2.0)
     model.save_pretrained(str(path))
     _save_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory):
+    return save_tiny_gpt_oss(tmp_path_factory.mktemp("tiny_gpt_oss") / "gpt_oss", TINY_GPT_OSS)
 
 
 def test_the_config_reads_as_transformers_builds_the_model(tiny_gpt_oss):

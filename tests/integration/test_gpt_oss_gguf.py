@@ -14,10 +14,15 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import _save_tokenizer, hf_greedy, rel_err, stepwise_logits, write_gguf_from_hf
+from conftest import (
+    assert_short_prompt_logits,
+    hf_greedy,
+    rel_err,
+    stepwise_logits,
+    write_gguf_from_hf,
+)
 from test_gemma_gguf import gemma_vocabulary
-from test_gpt_oss import TINY_GPT_OSS, hf_eager
-from transformers import AutoModelForCausalLM, GptOssConfig
+from test_gpt_oss import TINY_GPT_OSS, hf_eager, save_tiny_gpt_oss
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import make_backend
@@ -41,15 +46,7 @@ TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['con
 
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt_oss_gguf") / "gpt_oss"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(GptOssConfig(**SHAPE), dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 2.0)  # transformers' init draws them about 0
-    model.save_pretrained(str(path))
-    _save_tokenizer(path)
-    return path
+    return save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss_gguf") / "gpt_oss", SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -202,12 +199,7 @@ def test_a_q8_0_file_gives_its_values_logits_with_and_without_its_blocks(files, 
             assert isinstance(projection, PackedLinear) and projection.format == format, name
             assert projection.bias is not None, name
     assert model.packed_lm_head.format == q8_0 and isinstance(model.embed_tokens, GGUFEmbedding) == gguf_blocks
-    tokens = prompt(30, 7)
-    backend = make_backend("auto", torch.device("cpu"), 16, checkpoint.config.head_dim)
-    got = stepwise_logits(model, checkpoint.config, backend, tokens, 28, ((0, 28), (28, 29), (29, 30)))
-    with torch.no_grad():
-        ref = oracle(torch.tensor([tokens])).logits[0]
-    assert rel_err(got, ref) <= 1e-4, f"{rel_err(got, ref):.2e}"
+    assert_short_prompt_logits(model, checkpoint.config, oracle, prompt(30, 7))
 
 
 def test_return_call_and_endoftext_end_generation_and_end_does_not(gpt_oss_dir, tmp_path):

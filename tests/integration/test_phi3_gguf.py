@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    assert_short_prompt_logits,
     build_tiny_model,
     greedy_in_16_token_chunks,
     stepwise_logits,
@@ -171,12 +172,7 @@ def test_a_quantized_file_keeps_its_fused_projections_in_blocks_and_gives_its_va
             projection = layer.get_submodule(name)
             assert isinstance(projection, PackedLinear) and projection.format == blocks, name
     assert model.packed_lm_head.format == blocks and isinstance(model.embed_tokens, GGUFEmbedding)
-    tokens = prompt(30, 7)
-    backend = make_backend("auto", torch.device("cpu"), 16, checkpoint.config.head_dim)
-    got = stepwise_logits(model, checkpoint.config, backend, tokens, 28, ((0, 28), (28, 29), (29, 30)))
-    with torch.no_grad():
-        ref = oracle(torch.tensor([tokens])).logits[0]
-    assert rel_err(got, ref) <= 1e-4, f"{rel_err(got, ref):.2e}"
+    assert_short_prompt_logits(model, checkpoint.config, oracle, prompt(30, 7))
 
 
 def test_a_tensor_parallel_ranks_blocks_of_the_fused_projections_are_its_shard(phi3_dirs, tmp_path):

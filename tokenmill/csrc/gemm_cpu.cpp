@@ -850,8 +850,8 @@ void dequantize_block(int64_t format, const uint8_t* blk, float* o) {
 // GGUF rows (V, bytes) of Q4_0, Q4_1 or Q8_0 blocks (format 1-3), or of Q4_K, Q6_K or Q5_K
 // super-blocks (format 4, 6, 7: the formats the panels re-cut them into), the ones at `ids`
 // dequantized to float32 (T, K) with gguf's arithmetic (dequantize_block: the same bits, tested):
-// the token-embedding lookup in a GGUF file's own rows. gguf's numpy took 0.15 ms for one Q8_0
-// token and 0.6 ms for one Q4_K token of 2,048 values, most of it in per-call overhead.
+// the token-embedding lookup in a GGUF file's own rows, where gguf's numpy spends a batch-1 step's
+// lookup mostly in per-call overhead (BENCHMARKS.md).
 torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) {
   TM_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
            "embed_rows: rows must be contiguous uint8 (V, bytes)");

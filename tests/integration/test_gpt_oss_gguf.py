@@ -29,7 +29,8 @@ from tokenmill.attention import make_backend
 from tokenmill.chat import render_chat
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.cpu_packing import GGUFEmbedding
-from tokenmill.models.gpt_oss import dequantize_ggml_mxfp4, ggml_mxfp4_as_q8_0
+from tokenmill.models.gguf_loader import check_mxfp4_scales
+from tokenmill.models.gpt_oss import dequantize_ggml_mxfp4
 from tokenmill.models.loader import hf_model_config, load_model, load_tokenizer, open_checkpoint
 from tokenmill.models.moe import ClampedSwiGLU, SparseMoeBlock
 from tokenmill.models.packed_linear import BLOCK_FORMATS, PackedLinear
@@ -84,24 +85,21 @@ def test_an_mxfp4_block_decodes_low_nibbles_first_then_high_times_the_scale():
         dequantize_ggml_mxfp4(torch.zeros(1, 16, dtype=torch.uint8))
 
 
-def test_mxfp4_rows_as_q8_0_blocks_hold_exactly_their_values():
-    """MXFP4 rows re-cut to Q8_0 (the kernel's blocks for gpt-oss's experts) dequantize, with gguf's
-    Q8_0 arithmetic, to the MXFP4 values bit for bit: scales from 2^-24 to 2^15, a zero block with a
-    scale fp16 cannot hold; a nonzero block with such a scale is refused naming it."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-    rng = np.random.default_rng(0)
-    rows = rng.integers(0, 256, (4, 6 * 17), dtype=np.uint8)
-    blocks = rows.reshape(4, 6, 17)
-    blocks[..., 0] = rng.integers(128 - 24, 128 + 16, (4, 6))
-    blocks[0, 0, 0], blocks[0, 1, 0], blocks[1, 0] = 128 - 24, 128 + 15, 0   # the ends; a zero block, scale 2^-128
-    q8_0 = ggml_mxfp4_as_q8_0(torch.from_numpy(rows))
-    assert q8_0.shape == (4, 6 * 34) and q8_0.dtype == torch.uint8
-    values = dequantize(q8_0.numpy(), GGMLQuantizationType.Q8_0)
-    assert np.array_equal(values, dequantize_ggml_mxfp4(torch.from_numpy(rows)).numpy())
-    blocks[1, 0, 0], blocks[1, 0, 1] = 128 - 25, 0x10   # one nonzero code at a scale below fp16's
-    with pytest.raises(ValueError, match=r"scale 2\^-25 is outside"):
-        ggml_mxfp4_as_q8_0(torch.from_numpy(rows))
+def test_mxfp4_scales_the_kernel_cannot_decode_are_refused_naming_the_tensor():
+    """The kernel's scale is the float whose bits are e << 23: a block of zeros may have e = 0, a
+    block with a nonzero value may not (its values are below float32's normal range), nor any
+    block e = 255 (E8M0's NaN)."""
+    rows = np.zeros((2, 3 * 17), dtype=np.uint8)
+    rows[:, 17 * 1] = 127
+    rows[0, 17 * 1 + 5] = 0x9A                   # values -1.0 and 0.5 in a block of scale 2^0
+    rows[1, 17 * 2 + 3] = 0x08                   # -0.0 in a block of scale byte 0: still zeros
+    check_mxfp4_scales(rows, "blk.0.ffn_up_exps.weight")
+    rows[1, 17 * 2 + 3] = 0x01                   # 0.5 in it
+    with pytest.raises(ValueError, match=r"blk.0.ffn_up_exps.weight: an MXFP4 block's scale byte is 0"):
+        check_mxfp4_scales(rows, "blk.0.ffn_up_exps.weight")
+    rows[1, 17 * 2 + 3], rows[0, 0] = 0, 255
+    with pytest.raises(ValueError, match="scale byte is 255"):
+        check_mxfp4_scales(rows, "blk.0.ffn_up_exps.weight")
 
 
 def test_mxfp4_experts_load_as_exactly_the_values_their_codes_encode(files):
@@ -182,9 +180,9 @@ def test_greedy_tokens_under_chunked_prefill_are_transformers(files, gpt_oss_dir
 @pytest.mark.parametrize("gguf_blocks", [True, False])
 def test_a_q8_0_file_gives_its_values_logits_with_and_without_its_blocks(files, variant, gguf_blocks):
     """Attention, head and embeddings in Q8_0 (the experts too, or MXFP4): with gguf_blocks, each
-    Q8_0 projection packed from the file's blocks, its bias beside it, MXFP4 experts as Q8_0 blocks
-    of their values, and the embeddings looked up in the file's rows; without, every matrix in
-    float32. Either way the logits are transformers' holding the file's values."""
+    Q8_0 projection packed from the file's blocks (MXFP4 experts from theirs), its bias beside it,
+    and the embeddings looked up in the file's rows; without, every matrix in float32. Either way
+    the logits are transformers' holding the file's values."""
     kernels = load_cpu_kernels(required=False)
     if kernels is None or not kernels.block_formats:
         pytest.skip("needs the C++ kernels with AVX2")
@@ -192,9 +190,10 @@ def test_a_q8_0_file_gives_its_values_logits_with_and_without_its_blocks(files, 
     checkpoint = open_checkpoint(path)
     model = load_model(checkpoint, 128, torch.float32, torch.device("cpu"), "auto", gguf_blocks)
     q8_0 = BLOCK_FORMATS["Q8_0"] if gguf_blocks else 0
+    experts = BLOCK_FORMATS["MXFP4" if variant == "q8_0_mxfp4" else "Q8_0"] if gguf_blocks else 0
     for layer in model.layers:
         for name, format in (("self_attn.qkv_proj", q8_0), ("self_attn.o_proj", q8_0), ("mlp.gate", 0),
-                             ("mlp.experts.5.gate_up_proj", q8_0), ("mlp.experts.5.down_proj", q8_0)):
+                             ("mlp.experts.5.gate_up_proj", experts), ("mlp.experts.5.down_proj", experts)):
             projection = layer.get_submodule(name)
             assert isinstance(projection, PackedLinear) and projection.format == format, name
             assert projection.bias is not None, name

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conftest import needs_triton, random_k_quant_rows
 
 from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.models.gpt_oss import dequantize_ggml_mxfp4
 from tokenmill.models.llama import RMSNorm
 from tokenmill.models.ops import CpuFusedOps, TorchOps
 from tokenmill.models.packed_linear import PackedLinear, onednn_available
@@ -101,16 +102,23 @@ def _gguf_rows(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if kind.endswith("_K"):
         raw = random_k_quant_rows(rng, kind, n, k)
         rows = k_quant_rows(raw, kind)
+    elif kind == "MXFP4":  # random codes, scales 2^-27 to 2^12 (gguf cannot quantize to it)
+        raw = rows = rng.integers(0, 256, (n, k // 32, 17), dtype=np.uint8)
+        raw[..., 0] = rng.integers(100, 140, (n, k // 32))
+        raw = rows = raw.reshape(n, -1)
+        weights = dequantize_ggml_mxfp4(torch.from_numpy(raw)).numpy()
+        return torch.from_numpy(rows.copy()), torch.from_numpy(weights.copy())
     else:
         raw = rows = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     weights = dequantize(raw, qtype).astype(np.float32).reshape(n, k)
     return torch.from_numpy(rows.copy()), torch.from_numpy(weights.copy())
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
-    """The kernel decodes GGUF blocks with gguf's own arithmetic and sums in the float32 panels'
-    order, so the two products must be identical, not just close."""
+    """The kernel decodes GGUF blocks with gguf's own arithmetic (MXFP4: FP4 times 2^(e - 127),
+    exact) and sums in the float32 panels' order, so the two products must be identical, not just
+    close."""
     if not fused.kernels.block_formats:
         pytest.skip("block formats need AVX2")
     from tokenmill.models.packed_linear import BLOCK_FORMATS

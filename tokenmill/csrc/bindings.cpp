@@ -35,7 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("format"), py::arg("K"), py::arg("out") = py::none());
   m.def("recut_k_quant", &recut_k_quant, "Q4_K/Q5_K/Q6_K rows -> rows of super-blocks of 256 in format Q4F/Q5K/Q6F");
   m.def("embed_rows", &embed_rows, "GGUF Q4_0/Q4_1/Q8_0 rows at ids -> float32 (T, K), as gguf dequantizes them");
-  m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-7: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F, Q5K)",
+  m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-8: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F, Q5K, MXF)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0,
         py::arg("out") = py::none(), py::arg("int8_rows") = 0);
   // libgomp gives each thread that starts a parallel region a team of workers of its own, kept

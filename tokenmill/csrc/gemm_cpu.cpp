@@ -128,11 +128,15 @@ void float_panel(const float* xp, int64_t block, int64_t block_end, int64_t K, c
 //        re-cut in loader.py)
 //   Q6F  super-blocks of 256: fp16 d, an int8 scale sc per 16 k, a signed byte per code (Q6_K's
 //        q - 32; Q3_K's q - 4, re-cut in loader.py); scale d * sc
+//   MXF  MXFP4 (gpt-oss's experts) as GGUF stores it: per block of 32 an E8M0 scale byte e and
+//        Q4_0's nibbles, each an FP4 E2M1 code; value FP4(q) * 2^(e - 127), exact in float32
 // The super-block formats keep a panel's 16 scales per super-block in a header before its
 // codes: 0.58 bytes a weight for Q4F (the file's 0.56), 1.08 for Q5K (0.69) and 1.07 for Q6F
 // (0.82), where float32 scales for every block of 32 took 0.75, 1.25 and 1.25.
-enum Format : int64_t { kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6, kQ5K = 7 };
-constexpr int64_t kLastFormat = kQ5K;
+enum Format : int64_t {
+  kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6, kQ5K = 7, kMXF = 8
+};
+constexpr int64_t kLastFormat = kMXF;
 constexpr int64_t kBlock = 32;  // weights per GGUF block
 constexpr int64_t kSuper = 8;   // blocks per super-block (Q4F, Q6F)
 
@@ -149,7 +153,7 @@ constexpr int64_t unit_k(int64_t f) { return kBlock * unit_blocks(f); }
 // Q5F), then its codes (32 k x 8 bytes of two nibbles, or 32 k x 16 bytes). A super-block: a
 // header (fp16 d, for Q4F fp16 dmin, then per block the 16 8-bit scales and for Q4F the 16 mins,
 // or for Q6F per 16 k the 16 int8 scales), then its 8 blocks' codes.
-constexpr int64_t scale_bytes(int64_t format) { return (format == kQ5F ? 4 : 2) * kPanel; }
+constexpr int64_t scale_bytes(int64_t format) { return (format == kQ5F ? 4 : format == kMXF ? 1 : 2) * kPanel; }
 constexpr int64_t offset_bytes(int64_t format) {  // a block's own offsets (Q4_1, Q5F)
   return has_offset(format) && !super_blocks(format) ? scale_bytes(format) : 0;
 }
@@ -174,7 +178,8 @@ constexpr int64_t row_unit_bytes(int64_t format) { return unit_bytes(format) / k
 constexpr int64_t row_codes_at(int64_t format) { return codes_at(format) / kPanel; }
 static_assert(row_unit_bytes(kQ4_0) == 18 && row_unit_bytes(kQ4_1) == 20 && row_unit_bytes(kQ8_0) == 34 &&
                   row_unit_bytes(kQ5F) == 40 && row_unit_bytes(kQ4F) == 2 + 2 + 8 + 8 + 128 &&
-                  row_unit_bytes(kQ5K) == 2 + 2 + 8 + 8 + 256 && row_unit_bytes(kQ6F) == 2 + 16 + 256,
+                  row_unit_bytes(kQ5K) == 2 + 2 + 8 + 8 + 256 && row_unit_bytes(kQ6F) == 2 + 16 + 256 &&
+                  row_unit_bytes(kMXF) == 17,
               "a row's unit is a sixteenth of a panel's: GGUF's block sizes, and the re-cut rows'");
 // What a block of 32 k takes of a panel, on average over its unit: a tile's first pass prefetches
 // that much of the next panel per block, the whole panel over its blocks.
@@ -218,6 +223,13 @@ inline BlockScales block_scales(const uint8_t* blk) {
   if constexpr (F == kQ5F) {
     const float* f = reinterpret_cast<const float*>(blk);
     s.d0 = _mm256_loadu_ps(f), s.d1 = _mm256_loadu_ps(f + 8), s.m0 = _mm256_loadu_ps(f + 16), s.m1 = _mm256_loadu_ps(f + 24);
+    return s;
+  }
+  if constexpr (F == kMXF) {  // e << 23 is the float 2^(e - 127) (e = 0, a zero block in practice, gives 0)
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+    s.d0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(e), 23));
+    s.d1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(e, 8)), 23));
+    s.m0 = s.m1 = _mm256_setzero_ps();
     return s;
   }
   s.d0 = halves8(blk), s.d1 = halves8(blk + 16);
@@ -264,6 +276,13 @@ inline void next_half(BlockScales& s) {
   if constexpr (F == kQ6F) s.d0 = s.m0, s.d1 = s.m1;
 }
 
+// Eight FP4 E2M1 codes (int32 lanes, 0..15) -> their values: the magnitude by the code's low three
+// bits, the sign from its fourth.
+inline __m256 fp4_values(__m256i q) {
+  const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f), q);
+  return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(q, 3), 31)));
+}
+
 // The 16 weights of code row i of a block -> (w0, w1).
 template <int64_t F>
 inline void decode_row(const uint8_t* codes, int64_t i, const BlockScales& s, __m256& w0, __m256& w1) {
@@ -282,6 +301,11 @@ inline void decode_row(const uint8_t* codes, int64_t i, const BlockScales& s, __
       q0 = _mm256_sub_epi32(q0, _mm256_set1_epi32(8));
       q1 = _mm256_sub_epi32(q1, _mm256_set1_epi32(8));
     }
+  }
+  if constexpr (F == kMXF) {  // FP4 (q & 7 its magnitude's index, bit 3 its sign) times the scale
+    w0 = _mm256_mul_ps(s.d0, fp4_values(q0));
+    w1 = _mm256_mul_ps(s.d1, fp4_values(q1));
+    return;
   }
   w0 = decode8<F>(q0, s.d0, s.m0);
   w1 = decode8<F>(q1, s.d1, s.m1);
@@ -365,7 +389,7 @@ void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint
 using DecodeFn = void (*)(const uint8_t*, int64_t, float*, const uint8_t*);
 constexpr DecodeFn kDecoders[kLastFormat + 1] = {nullptr,           decode_panel<kQ4_0>, decode_panel<kQ4_1>,
                                                  decode_panel<kQ8_0>, decode_panel<kQ4F>,  decode_panel<kQ5F>,
-                                                 decode_panel<kQ6F>,  decode_panel<kQ5K>};
+                                                 decode_panel<kQ6F>,  decode_panel<kQ5K>, decode_panel<kMXF>};
 
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
 template <int64_t F>
@@ -380,7 +404,7 @@ constexpr BlockTileFn kBlockTilesOf[kRows + 1] = {nullptr,           block_tile<
 #endif
 constexpr const BlockTileFn* kBlockTiles[kLastFormat + 1] = {
     nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>, kBlockTilesOf<kQ4F>, kBlockTilesOf<kQ5F>,
-    kBlockTilesOf<kQ6F>, kBlockTilesOf<kQ5K>};
+    kBlockTilesOf<kQ6F>, kBlockTilesOf<kQ5K>, kBlockTilesOf<kMXF>};
 
 // x (M, K) times panel p of blocks (at src). The first block of rows with more than kDecodeRows
 // rows decodes the panel once into the scratch buffer that the float32 path's tiles run over,
@@ -597,7 +621,7 @@ constexpr Int8TileFn kInt8TilesOf[kInt8Rows + 1] = {nullptr, int8_tile<F, 1>, in
                                                     int8_tile<F, 4>};
 constexpr const Int8TileFn* kInt8Tiles[kLastFormat + 1] = {
     nullptr, kInt8TilesOf<kQ4_0>, kInt8TilesOf<kQ4_1>, kInt8TilesOf<kQ8_0>, kInt8TilesOf<kQ4F>,
-    kInt8TilesOf<kQ5F>, kInt8TilesOf<kQ6F>, kInt8TilesOf<kQ5K>};
+    kInt8TilesOf<kQ5F>, kInt8TilesOf<kQ6F>, kInt8TilesOf<kQ5K>, nullptr};  // MXF: never in 8 bits (panel_rows)
 
 // x (M, K), in 8-bit blocks, times panel p of blocks (at src), up to four rows per pass. The
 // first pass prefetches `next` (or nullptr): unlike the float32 decoding, these passes outrun the
@@ -623,7 +647,7 @@ namespace tokenmill {
 PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows) {
   PanelRows rows{x, M, K, {}};
 #ifdef TOKENMILL_AVX2
-  if (format != kFloat32 && M <= int8_rows) {
+  if (format != kFloat32 && format != kMXF && M <= int8_rows) {  // FP4 codes have no integer form here
     rows.int8.resize(M);
     for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, rows.int8[m]);
   }
@@ -920,7 +944,7 @@ torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
 }
 
 // y = x @ W.T + bias for x (M, K), with W given as panels from pack_panels (format 0) or
-// pack_block_panels (formats 1-6) and N its row count. With `out` (M, N), rows any distance
+// pack_block_panels (formats 1-8) and N its row count. With `out` (M, N), rows any distance
 // apart, y is written there: a column range of a wider output (a fused projection whose parts
 // came in different block formats).
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,

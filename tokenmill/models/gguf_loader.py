@@ -29,7 +29,6 @@ from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.gemma import GEMMA_ARCHITECTURES
 from tokenmill.models.gpt_oss import (
     dequantize_ggml_mxfp4,
-    ggml_mxfp4_as_q8_0,
     gpt_oss_config,
     gpt_oss_fields,
     gpt_oss_moe,
@@ -498,14 +497,27 @@ def _cut_blocks(rows: np.ndarray, qtype, dim: int, start: int, length: int) -> n
     return blocks[:, start // block:(start + length) // block].reshape(rows.shape[0], -1)
 
 
+def check_mxfp4_scales(rows: np.ndarray, name: str) -> None:
+    """MXFP4 rows (N, G * 17) as the panel kernel decodes them: each value FP4 times the float
+    whose bits are the scale byte e << 23, 2^(e - 127) for e from 1 to 254. A block with a nonzero
+    value and e = 0 (values below float32's normal range, which the kernel would take as 0) or any
+    block with e = 255 (E8M0's NaN) is refused naming the tensor."""
+    blocks = rows.reshape(rows.shape[0], -1, 17)
+    e = blocks[..., 0]
+    bad = (e == 255) | ((e == 0) & (blocks[..., 1:] & 0x77).any(-1))
+    if bad.any():
+        raise ValueError(f"{name}: an MXFP4 block's scale byte is {int(e[bad][0])} (0 with nonzero values, or 255: "
+                         "NaN), which the CPU kernel does not decode")
+
+
 def _block_rows(tensor, name: str, heads: int, cfg: ModelConfig, kernels, expert: int | None = None,
                 part: tuple[int, int | None] = (0, None), cut: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The rows (N, bytes) of Hugging Face matrix `name` in a GGUF tensor, as the panel kernel reads
     them: of one expert's matrix, for merged experts; `part`'s rows (first, count; None: all) of a
     fused tensor; a tensor-parallel rank's part of them, `cut` as parallel.tensor_cut gives it.
     Put in our row order (_our_rows), cut, then K-quants re-cut by the kernels' recut_k_quant (the
-    same bytes as k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows, MXFP4 as
-    Q8_0 blocks of the same values (gpt_oss.ggml_mxfp4_as_q8_0), copied out
+    same bytes as k_quant_rows), Q5_0 and Q5_1 by q5_as_blocks_of_32, Q3_K by q3_k_rows (MXFP4's
+    scales checked: check_mxfp4_scales), copied out
     of the file's read-only mapping. Each step works on whole rows of whole blocks, so cutting
     before the re-cut gives the rows the whole matrix would."""
     kind = tensor.tensor_type.name
@@ -523,13 +535,12 @@ def _block_rows(tensor, name: str, heads: int, cfg: ModelConfig, kernels, expert
     elif kind == "Q3_K":
         rows = q3_k_rows(rows)
     elif kind == "MXFP4":
-        return ggml_mxfp4_as_q8_0(read_only_tensor(np.ascontiguousarray(rows)))
+        check_mxfp4_scales(rows, name)
     return torch.from_numpy(np.require(rows, requirements=["C", "W"]))
 
 
 def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None = None) -> dict[str, GGUFMatrix]:
-    """Every matrix in a block type of BLOCK_FORMATS, or in MXFP4 (gpt-oss's experts, kept as Q8_0):
-    Hugging Face name -> GGUFMatrix, whose
+    """Every matrix in a block type of BLOCK_FORMATS: Hugging Face name -> GGUFMatrix, whose
     rows (K-quants re-cut into blocks of 32 by `kernels`, the C++ module) are read when it is
     packed. The CPU panel kernel reads these instead of float32 copies (packed_linear.py); merged
     experts give one matrix per expert, so each expert keeps its blocks, and a fused projection
@@ -544,8 +555,7 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
     for tensor in reader.tensors:
         name, heads = _gguf_name(tensor.name, cfg)
         merged = name is not None and "{}" in name
-        kind = "Q8_0" if tensor.tensor_type.name == "MXFP4" else tensor.tensor_type.name  # see _block_rows
-        if name is None or kind not in BLOCK_FORMATS or len(tensor.shape) != (3 if merged else 2):
+        if name is None or tensor.tensor_type.name not in BLOCK_FORMATS or len(tensor.shape) != (3 if merged else 2):
             continue
         block = GGML_QUANT_SIZES[tensor.tensor_type][0]
         for index, expert in enumerate(_expert_names(name, tensor)):
@@ -561,7 +571,7 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
                 cols = cut[2] if cut is not None and cut[0] == 1 else int(tensor.shape[0])
                 read = functools.partial(_block_rows, tensor, part, heads, cfg, kernels, index if merged else None,
                                          (start, count), cut)
-                out[part] = GGUFMatrix(kind, rows, read, cols)
+                out[part] = GGUFMatrix(tensor.tensor_type.name, rows, read, cols)
     if dequantized:
         logger.warning("tensor_parallel_size %d, rank %d: %d GGUF %s dequantized to float32 (input-column "
                        "shards that would cut quantized blocks): %s", shard.size, shard.rank, len(dequantized),

@@ -110,26 +110,6 @@ def dequantize_ggml_mxfp4(rows: torch.Tensor) -> torch.Tensor:
     return _fp4_times_scale(codes, blocks[..., 0])
 
 
-def ggml_mxfp4_as_q8_0(rows: torch.Tensor) -> torch.Tensor:
-    """MXFP4 rows as a GGUF file stores them, (N, G * 17) uint8 -> Q8_0 rows (N, G * 34) holding
-    the same values, which the CPU panel kernel reads as blocks (a third of float32's bytes, where
-    the kernel has no FP4 decoding): each code as twice its FP4 value (an int8 from -12 to 12),
-    the scale 2^(scale - 128) as Q8_0's fp16 d, so d * q is the value exactly. fp16 holds such
-    powers of two from 2^-24 to 2^15; a block with a nonzero code and a scale outside that range
-    is refused naming it (a block of zeros takes d = 0)."""
-    blocks = rows.reshape(rows.shape[0], -1, 17)                                # (N, G, 17)
-    qs = blocks[..., 1:]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()                      # (N, G, 32)
-    q = (2 * torch.tensor(FP4_VALUES))[codes].to(torch.int8)                    # (N, G, 32)
-    exponents, nonzero = blocks[..., 0].int() - 128, q.ne(0).any(-1)
-    outside = nonzero & ((exponents < -24) | (exponents > 15))
-    if outside.any():
-        raise ValueError(f"an MXFP4 block's scale 2^{int(exponents[outside][0])} is outside what a Q8_0 block's "
-                         "fp16 scale holds (2^-24 to 2^15)")
-    d = torch.where(nonzero, torch.ldexp(torch.ones(()), exponents.float()), 0.0).to(torch.float16)  # exact
-    return torch.cat([d.unsqueeze(-1).view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows.shape[0], -1)
-
-
 def _expert_tensors(prefix: str, kind: str, experts: Iterable[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """One layer's fused expert tensor `kind` (gate_up_proj, down_proj or their _bias), given expert
     by expert, under our per-expert names; a weight in the (out, in) layout of a linear layer."""

@@ -11,13 +11,14 @@ other and against `F.linear` are in BENCHMARKS.md):
 
 `F.linear` stays the reference (kernels="torch"), and tests compare all three.
 
-Weights that came from a GGUF file in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or a K-quant (Q3_K to Q6_K) stay
+Weights that came from a GGUF file in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, a K-quant (Q3_K to Q6_K) or MXFP4 stay
 in their blocks instead (a fifth of the float32 bytes for Q4_1), re-laid as panels the same
 kernel reads and decodes with gguf's own arithmetic, so results are bit-identical to the float32
 panels': faster at batch-1 decode, which streams every weight once, and even with them on
 the default workload (BENCHMARKS.md). As an option, small steps (up to `int8_rows` rows,
 EngineConfig.gguf_int8_rows) take x in 8-bit blocks and multiply the codes as integers instead,
-as llama.cpp does: faster, within about half a percent of the float32 product, not bit-identical.
+as llama.cpp does: faster, within about half a percent of the float32 product, not bit-identical
+(not MXFP4, whose steps stay in float32).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works wit
 # GGUF types the panel kernel reads as blocks; the K-quants, Q5_0 and Q5_1 re-cut at load
 # (loader.py) into the kernel's formats Q4F and Q5K (Q4_K's and Q5_K's super-blocks), Q5F
 # (32-weight blocks with float32 scales: Q5_0, Q5_1) and Q6F (super-blocks with a scale per 16
-# weights: Q6_K, and Q3_K too)
+# weights: Q6_K, and Q3_K too); MXFP4 (gpt-oss's experts) as the file has it, its FP4 codes decoded by
+# the kernel (never in 8-bit steps)
 BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 7, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
-                 "Q3_K": 6}
+                 "Q3_K": 6, "MXFP4": 8}
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:

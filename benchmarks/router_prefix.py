@@ -6,15 +6,17 @@ the replicas' prefix-cache hit rate and the clients' time to first token.
                                        [--serve-arg=--num-threads=1 ...] [--router-arg=--policy-option ...]
 
 The workload: `--groups` documents of `--prefix-words` words each (seeded pseudo-English), and
-for each `--per-group` chat requests whose system message is the document and whose user
-message is a question of its own; all requests in one seeded random order, `--concurrency` at
-a time, streamed, greedy, `--max-tokens` each. Each policy gets fresh replicas (empty caches) and
-a router of its own, all on 127.0.0.1; one warm-up request per replica goes straight to it
-first. The hit rate is the replicas' vllm:prefix_cache_hits over vllm:prefix_cache_queries (prompt
-tokens) during the run; TTFT is measured by the client, from sending the request to the first
-event that carries text. A policy written POLICY@DIR runs the router of the checkout DIR (a
-worktree of another commit; the replicas stay this tree's), so two versions of a policy compare in
-one run. Results are printed and written to benchmarks/results/router_prefix.json.
+for each `--per-group` chat requests whose system message is the document and whose user message
+is a question of its own; all requests in one seeded random order, `--concurrency` at a time,
+streamed, greedy, `--max-tokens` each. `--groups 1` is a hot prefix: one document that every
+request shares (its spread over the replicas is the "per replica" column). Each policy gets fresh
+replicas (empty caches) and a router of its own, all on 127.0.0.1; one warm-up request per
+replica goes straight to it first. The hit rate is the replicas' vllm:prefix_cache_hits over
+vllm:prefix_cache_queries (prompt tokens) during the run; TTFT is measured by the client, from
+sending the request to the first event that carries text. A policy written POLICY@DIR runs the
+router of the checkout DIR (a worktree of another commit; the replicas stay this tree's), so two
+versions of a policy compare in one run. Results are printed and written to
+benchmarks/results/router_prefix.json.
 """
 
 from __future__ import annotations

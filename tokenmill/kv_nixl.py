@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 READ_MEMORY = 65536          # remote requests remembered as read (a sibling of one reads nothing)
 FAILED_ENGINE_PAUSE = 30.0   # seconds a prefill engine that failed a fetch or read is not tried again
+PROGRESS_DELAY_US = 1000     # the NIXL progress thread's poll timeout (make_agent); poll() counts whole ms
 
 
 def well_formed(params: dict | None) -> bool:
@@ -150,17 +151,41 @@ class _Load:
     handle: object = None   # NIXL's transfer handle, until released
 
 
+def make_agent(name: str, progress_delay_us: int = PROGRESS_DELAY_US):
+    """A NIXL agent with the UCX backend whose progress thread sleeps between polls.
+
+    UCX's progress thread waits in poll() on its workers' event descriptors, so traffic (a peer's
+    read of this pool over TCP, a notification) wakes it at once; the agent config's `pthrDelay`
+    is that poll's timeout, after which every worker is progressed anyway. The thread is kept
+    because without it UCX moves only when the engine calls the agent, and an idle prefill
+    instance whose blocks a peer reads over TCP would not. nixl_agent.__init__ fixes pthrDelay at
+    0, a timeout that returns at once: the thread spins, taking a core from the engine's threads.
+    nixl_agent_config has no field for it, so the agent is made without backends or thread, and
+    its binding replaced by one built with the delay (nixlAgentConfig, NIXL's documented C++
+    config) before the UCX backend is created on it."""
+    try:
+        from nixl_cu12 import _bindings
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise ImportError("kv_connector 'nixl' needs nixl-cu12: pip install nixl-cu12 (or tokenmill[disagg]; "
+                          f"not the 'nixl' meta-package, which pulls both CUDA variants): {exc}") from exc
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    config = _bindings.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = _bindings.NIXL_THREAD_SYNC_NONE  # nixl_agent's own choice without a listener thread
+    config.pthrDelay = progress_delay_us
+    agent.agent = _bindings.nixlAgent(name, config)
+    agent.create_backend("UCX")
+    return agent
+
+
 class _Agent:
     """The one reference to the NIXL agent, with everything made from it, so that close() can
     release them in order and drop the agent (its destructor disconnects from every peer)."""
 
     def __init__(self, name: str, pool) -> None:
-        try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise ImportError("kv_connector 'nixl' needs nixl-cu12: pip install nixl-cu12 (or tokenmill[disagg]; "
-                              f"not the 'nixl' meta-package, which pulls both CUDA variants): {exc}") from exc
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.agent = make_agent(name)
         self.registered = self.agent.register_memory(pool)
         self.local = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", pool_regions(pool.data_ptr(), tuple(pool.shape), pool.element_size(),

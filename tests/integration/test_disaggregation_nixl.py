@@ -5,8 +5,10 @@ here reading its blocks over UCX on loopback, against one engine doing both."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,20 @@ def test_the_decode_instance_reads_the_blocks_computes_each_last_prompt_token_an
     assert llm.engine.scheduler.connector.num_blocks_loaded == 8
     # the reads' notifications free the blocks, long before the hold times out
     assert peer.ask(op="held", within=10) == {"requests": 0, "blocks": 0, "timeouts": 0}
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_prefill_instance_takes_under_a_fifth_of_a_core(peer):
+    """Its agent's progress thread sleeps in poll() between polls (kv_nixl.make_agent); one that
+    spins takes most of a core, or whatever share of it a loaded machine leaves it."""
+    before, start = cpu_seconds(peer.proc.pid), time.monotonic()
+    time.sleep(2.0)
+    assert (cpu_seconds(peer.proc.pid) - before) / (time.monotonic() - start) < 0.2
 
 
 def test_a_request_preempted_on_the_decode_instance_still_answers_right(tiny_models, peer):

@@ -16,7 +16,15 @@ from tokenmill.router.forward import Forwarder, sse_events
 from tokenmill.router.launch import add_router_args, replica_url
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin, make_policy
-from tokenmill.router.prefix import CHUNK_CHARS, PrefixSet, chunk_hashes, routing_text
+from tokenmill.router.prefix import (
+    CHUNK_CHARS,
+    DEFAULT_DECODE_TOKENS,
+    MAX_DECODE_TOKENS,
+    PrefixSet,
+    chunk_hashes,
+    decode_tokens,
+    routing_text,
+)
 from tokenmill.router.replicas import Replica, waiting_requests
 
 
@@ -87,7 +95,7 @@ def test_cache_aware_sends_a_shared_prefix_where_it_went_before_and_a_new_one_to
     assert sent(policy, [a, b], first) == (a, "least_loaded")
     other = chunk_hashes("q" * (4 * CHUNK_CHARS))
     assert sent(policy, [a, b], other) == (b, "least_loaded")  # a holds prefixes, b none
-    a.in_flight = 3   # three answers being decoded: 0.75 chunks of wait against the 4 chunks a holds
+    a.in_flight = 3   # three requests in flight: 3 chunks of wait (16 decode steps each) against the 4 a holds
     again = chunk_hashes("p" * (4 * CHUNK_CHARS) + "two" * CHUNK_CHARS)
     assert sent(policy, [a, b], again) == (a, "prefix")
 
@@ -98,7 +106,7 @@ def test_cache_aware_wants_the_threshold_share_of_the_chain_matched():
     b.in_flight = 1
     short_match = chunk_hashes("p" * (2 * CHUNK_CHARS) + "z" * (3 * CHUNK_CHARS))  # 2 of 5 chunks held by a
     a.in_flight = 2
-    assert sent(policy, [a, b], short_match) == (b, "least_loaded")  # wait 5.25 against a's 5.5
+    assert sent(policy, [a, b], short_match) == (b, "least_loaded")  # wait 6 against a's 7
 
 
 def test_cache_aware_sends_a_prompt_past_a_prefix_holder_with_more_prompt_work_queued_than_it_saves():
@@ -106,12 +114,57 @@ def test_cache_aware_sends_a_prompt_past_a_prefix_holder_with_more_prompt_work_q
     document = chunk_hashes("d" * (8 * CHUNK_CHARS) + "question one")
     sent(policy, [a, b], document)
     question = chunk_hashes("d" * (8 * CHUNK_CHARS) + "q" * (2 * CHUNK_CHARS))  # a holds 8 of its 10 chunks
-    a.in_flight, a.prefilling, a.backlog = 2, 2, 15
-    assert policy.choose([a, b], question) == (a, "prefix")     # wait 15 + 2 against b's 10 + 8 held by a
-    a.backlog = 16
+    a.in_flight, a.prefilling, a.backlog = 2, 2, 13
+    assert policy.choose([a, b], question) == (a, "prefix")     # wait 13 + 2 + 2 in flight against b's 10 + 8
+    a.backlog = 14
     assert policy.choose([a, b], question) == (a, "prefix")     # a tie: the longer match wins
-    a.backlog = 17
+    a.backlog = 15
     assert policy.choose([a, b], question) == (b, "backlog")    # 19 against 18
+
+
+def route_hot_prefix(policy: CacheAware, candidates: list[Replica], count: int, decode_tokens: int) -> list[str]:
+    """Send `count` requests sharing an 8-chunk prefix (each with a chunk of its own) that all stay in
+    flight, decoding; the last port digit of the replica each went to."""
+    chosen = []
+    for i in range(count):
+        replica, _ = policy.choose(candidates, hot := chunk_hashes("h" * (8 * CHUNK_CHARS) + f"{i:064d}"),
+                                   decode_tokens)
+        replica.route(hot)
+        replica.in_flight += 1
+        chosen.append(replica.url[-1])
+    return chosen
+
+
+def test_a_hot_prefix_is_copied_to_another_replica_once_its_holders_wait_passes_computing_it_there():
+    """16 decode steps: each request in flight adds a chunk to a replica's wait. b has 4 chunks of
+    other prompt work queued. A non-holder's wait for a request is its backlog + 9 chunks + the 8
+    held elsewhere once more: 21 on b, 17 on c. (Balancing by request counts is set out of the way.)"""
+    policy, (a, b, c) = CacheAware(balance_abs=100), replicas(3)
+    b.backlog = 4
+    chosen = route_hot_prefix(policy, [a, b, c], 43, decode_tokens=16)
+    # a takes the prefix while 1 + in flight <= 17 (a tie goes to the holder), then c copies it; the two
+    # share it (ties to the first) until both have 21 in flight, past b's 21
+    assert chosen == ["1"] * 17 + ["3"] * 17 + ["1", "3"] * 4 + ["2"]
+    assert (a.in_flight, b.in_flight, c.in_flight) == (21, 1, 21)
+    prefix = chunk_hashes("h" * (8 * CHUNK_CHARS))
+    assert [r.prefixes.match(prefix) for r in (a, b, c)] == [8, 8, 8]
+    hot = chunk_hashes("h" * (8 * CHUNK_CHARS) + "x" * CHUNK_CHARS)
+    assert policy.choose([a, b, c], hot, 16) == (b, "prefix")  # b holds it now: 4 + 1 + 1 in flight
+
+
+def test_a_hot_prefix_of_short_answers_stays_on_its_replica():
+    """One decode step: a request in flight adds 1/16 chunk, and 43 of them stay under c's 17."""
+    policy, (a, b, c) = CacheAware(balance_abs=100), replicas(3)
+    b.backlog = 4
+    assert route_hot_prefix(policy, [a, b, c], 43, decode_tokens=1) == ["1"] * 43
+
+
+def test_the_decode_steps_weighed_are_max_tokens_capped_or_a_default():
+    assert decode_tokens({"max_tokens": 64}) == 64
+    assert decode_tokens({"max_completion_tokens": 8, "max_tokens": 64}) == 8
+    assert decode_tokens({"max_tokens": 100_000}) == MAX_DECODE_TOKENS == 256
+    for body in ({}, {"max_tokens": None}, {"max_tokens": 0}, {"max_tokens": "9"}, {"max_tokens": True}):
+        assert decode_tokens(body) == DEFAULT_DECODE_TOKENS == 16
 
 
 def test_cache_aware_goes_to_the_least_loaded_when_loads_are_uneven():

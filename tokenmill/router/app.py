@@ -30,7 +30,7 @@ from tokenmill.router.disagg import PrefillStage
 from tokenmill.router.forward import ClientGone, Forwarder, request_headers, unless_disconnected
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin
-from tokenmill.router.prefix import PrefixSet, chunk_hashes, routing_text
+from tokenmill.router.prefix import DEFAULT_DECODE_TOKENS, PrefixSet, chunk_hashes, decode_tokens, routing_text
 from tokenmill.router.replicas import Replica, poll, watch
 from tokenmill.server.access import HostAllowListMiddleware
 from tokenmill.server.openapi import STREAM_RESPONSES, OpenAIStyleAPI, error_responses
@@ -88,13 +88,14 @@ class RouterHandler:
                 content = await unless_disconnected(leg, raw.receive)
             except ClientGone:
                 return Response(status_code=499)
-        return await self._forward(raw, content, hashes)
+        return await self._forward(raw, content, hashes, decode_tokens(body))
 
-    async def _forward(self, raw: Request, content: bytes, hashes: list[bytes] | None) -> Response:
+    async def _forward(self, raw: Request, content: bytes, hashes: list[bytes] | None,
+                       steps: int = DEFAULT_DECODE_TOKENS) -> Response:
         target = raw.scope.get("raw_path", raw.url.path.encode()).decode("latin-1")
         if raw.url.query:
             target += "?" + raw.url.query
-        work = self.forwarder.forward(raw.method, target, content, request_headers(raw.headers), hashes)
+        work = self.forwarder.forward(raw.method, target, content, request_headers(raw.headers), hashes, steps)
         try:
             return await unless_disconnected(work, raw.receive)
         except ClientGone:  # nobody reads this answer; its replica's work was cancelled

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin, least_loaded
+from tokenmill.router.prefix import DEFAULT_DECODE_TOKENS
 from tokenmill.router.replicas import Replica
 from tokenmill.server.protocol import error_body
 
@@ -111,17 +112,17 @@ class Forwarder:
     metrics: RouterMetrics
 
     async def forward(self, method: str, path: str, content: bytes, headers: dict[str, str],
-                      hashes: list[bytes] | None) -> Response:
+                      hashes: list[bytes] | None, decode_tokens: int = DEFAULT_DECODE_TOKENS) -> Response:
         """The first answer a replica gives that is not a failed attempt. hashes: the request's
         prefix chain, for the policy; None for a request that generates nothing (any replica,
-        the least loaded, takes it)."""
+        the least loaded, takes it). decode_tokens: the decode steps it asks for (prefix.decode_tokens)."""
         tried: list[Replica] = []
         last_answer: Response | None = None
         while candidates := [r for r in self.replicas if r.healthy and r not in tried]:
             if hashes is None:
                 replica, reason = least_loaded(candidates), "other"
             else:
-                replica, reason = self.policy.choose(candidates, hashes)
+                replica, reason = self.policy.choose(candidates, hashes, decode_tokens)
             tried.append(replica)
             self.metrics.routed.labels(replica.url, reason).inc()
             uncached = replica.route(hashes) if hashes is not None else 0

@@ -68,9 +68,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "requests over the least loaded ... (default: 8)")
     parser.add_argument("--balance-rel-threshold", type=float, default=1.5,
                         help="... and more than this many times its load (default: 1.5)")
-    parser.add_argument("--decode-weight", type=float, default=0.25,
-                        help="cache_aware: how many 64-character prompt chunks a request being decoded counts as "
-                             "when replicas' queued prompt work is compared (default: 0.25)")
+    parser.add_argument("--decode-weight", type=float, default=1 / 16,
+                        help="cache_aware: the 64-character prompt chunks one row of a step costs: each request "
+                             "in flight on a replica adds this times the new request's max_tokens (at most 256) to "
+                             "its wait (default: 1/16, a token's work)")
     parser.add_argument("--health-interval", type=seconds, default=1.0,
                         help="poll each replica's /health and /metrics this often (default: 1 s)")
     parser.add_argument("--allowed-hosts", default=None,

@@ -23,6 +23,8 @@ import json
 from collections import OrderedDict
 
 CHUNK_CHARS = 64
+DEFAULT_DECODE_TOKENS = 16   # a request's decode steps when its body names no max_tokens (the completions default)
+MAX_DECODE_TOKENS = 256      # max_tokens is a bound, often set high: past this it says little of an answer's length
 
 
 def chunk_hashes(text: str, chunk_chars: int = CHUNK_CHARS) -> list[bytes]:
@@ -55,6 +57,17 @@ def routing_text(path: str, body: dict) -> str:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def decode_tokens(body: dict) -> int:
+    """The decode steps a request asks for, as the policy weighs them: its max_completion_tokens or
+    max_tokens, at most MAX_DECODE_TOKENS; DEFAULT_DECODE_TOKENS when it names neither as a
+    positive integer (the replica answers a bad one's 400)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return min(value, MAX_DECODE_TOKENS)
+    return DEFAULT_DECODE_TOKENS
 
 
 class PrefixSet:

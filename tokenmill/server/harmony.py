@@ -174,6 +174,13 @@ def finish_reason(num_calls: int, reason: str | None, named: bool = False) -> st
     return "tool_calls" if num_calls and reason == "stop" and not named else reason
 
 
+def harmony_params(params, tokenizer):
+    """SamplingParams `params` for a harmony output: decoded with its markers, which are special
+    tokens, and ended by <|return|> and <|call|> besides the stops it already has."""
+    stops = [t for t in stop_token_ids(tokenizer) if t not in params.stop_token_ids]
+    return params.clone(skip_special_tokens=False, stop_token_ids=params.stop_token_ids + stops)
+
+
 def stop_token_ids(tokenizer) -> list[int]:
     """The ids of <|return|> and <|call|> in this tokenizer (those it has as tokens of their own)."""
     ids = []

@@ -22,7 +22,7 @@ from fastapi import Request
 from tokenmill.chat import render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, check_model
-from tokenmill.server.harmony import HarmonyStream, call_dict, call_id, parse_harmony, stop_token_ids, with_thinking
+from tokenmill.server.harmony import HarmonyStream, call_dict, call_id, harmony_params, parse_harmony, with_thinking
 from tokenmill.server.harmony import finish_reason as harmony_finish_reason
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest
@@ -85,9 +85,8 @@ class ChatHandler:
                                          req.add_generation_prompt, req.tools, template_kwargs, self.harmony)
         if plan is not None and plan.choice == "none":
             plan = None
-        if self.harmony:  # its markers are special tokens; <|return|> and <|call|> end its turn
-            stops = [t for t in stop_token_ids(self.tokenizer) if t not in params.stop_token_ids]
-            params = params.clone(skip_special_tokens=False, stop_token_ids=params.stop_token_ids + stops)
+        if self.harmony:
+            params = harmony_params(params, self.tokenizer)
         elif plan is not None and plan.keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)
         requests = await self.serving.build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}",
@@ -122,7 +121,8 @@ class ChatResponse:
     def __post_init__(self) -> None:
         self.chunk_base = {**self.base, "object": "chat.completion.chunk"}
         self.started = [False] * self.num_choices
-        self.tool_streams = [ToolStream(self.plan) if self.plan is not None else None for _ in self.started]
+        self.tool_streams = [ToolStream(self.plan) if self.plan is not None and not self.harmony else None
+                             for _ in self.started]
         self.reasoning_streams = [ReasoningStream(self.split) if self.split is not None else None
                                   for _ in self.started]
         self.harmony_streams = [HarmonyStream() for _ in self.started]

@@ -32,7 +32,7 @@ from tokenmill.chat import render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, check_model
-from tokenmill.server.harmony import stop_token_ids
+from tokenmill.server.harmony import harmony_params
 from tokenmill.server.protocol_responses import FunctionChoice, InputItem, ResponsesRequest
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.responses_output import ResponseEvents, ResponseHead, new_id, output_items, status_of, usage
@@ -174,8 +174,8 @@ class ResponsesHandler:
                                          req.reasoning.effort if req.reasoning is not None else None)
         if plan is not None and plan.choice == "none":
             plan = None
-        if self.harmony:  # its markers are special tokens; <|return|> and <|call|> end its turn
-            params = params.clone(skip_special_tokens=False, stop_token_ids=stop_token_ids(self.tokenizer))
+        if self.harmony:
+            params = harmony_params(params, self.tokenizer)
         elif plan is not None and plan.keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)
         response_id = new_id("resp")

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 
 from tokenmill.sampling_params import check_schema_depth
-from tokenmill.server.harmony import call_grammar, parse_harmony
+from tokenmill.server.harmony import call_grammar
 from tokenmill.server.reasoning import partial_tag
 
 PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
@@ -87,9 +87,9 @@ class ToolPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Mistral's [TOOL_CALLS], Phi-4-mini's <|tool_call|> and harmony's markers are special tokens:
-        outputs must be decoded with them."""
-        return (self.choice == "auto" and self.parser in ("mistral", "phi4_mini_json")) or self.parser == HARMONY
+        """Mistral's [TOOL_CALLS] and Phi-4-mini's <|tool_call|> are special tokens: outputs must be
+        decoded with them (harmony's markers too: harmony.harmony_params)."""
+        return self.choice == "auto" and self.parser in ("mistral", "phi4_mini_json")
 
     def content_end(self, text: str) -> int:
         """How much of a partial output is surely content, not the start of a call (streaming)."""
@@ -114,10 +114,6 @@ class ToolPlan:
         return content, calls
 
     def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.parser == HARMONY:  # (its reasoning left out: harmony.parse_harmony has it)
-            out = parse_harmony(text)
-            return (out.content or None) if out.calls else out.content, [ToolCall(c.name, c.arguments)
-                                                                         for c in out.calls]
         if self.choice == "named":
             return None, [ToolCall(self.name, text)]
         if self.choice == "required":
@@ -225,7 +221,7 @@ def _parse_pythonic(text: str) -> tuple[str | None, list[ToolCall]]:
 def _parse_phi4_mini(text: str) -> tuple[str | None, list[ToolCall]]:
     """Content, then calls: each <|tool_call|> (its <|/tool_call|> optional) or functools[ opens a
     JSON list of calls, or calls separated by commas; nothing else may follow them."""
-    found = [at for tag in (PHI4_START, PHI4_FUNCTOOLS) if (at := text.find(tag)) != -1]
+    found = [at for tag in CALLS_AFTER["phi4_mini_json"] if (at := text.find(tag)) != -1]
     if not found:
         return text, []
     start = min(found)

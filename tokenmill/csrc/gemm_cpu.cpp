@@ -799,6 +799,9 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c
   return panels;
 }
 
+// The bytes of a GGUF Q4_K, Q5_K or Q6_K super-block (format kQ4F, kQ5K or kQ6F), 256 weights.
+constexpr int64_t k_quant_bytes(int64_t format) { return format == kQ4F ? 144 : format == kQ5K ? 176 : 210; }
+
 // A GGUF Q4_K, Q5_K or Q6_K super-block (format kQ4F, kQ5K or kQ6F, what the kernels re-cut it
 // into) -> its 256 codes in gguf's order of the values (Q6_K: 0..63, the value being q - 32);
 // for Q4_K and Q5_K also each 32 values' 6-bit scale and min.
@@ -816,7 +819,7 @@ void k_quant_codes(int64_t format, const uint8_t* sb, uint8_t* q, uint8_t* scale
   }
   // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
   const uint8_t* sc = sb + 4;
-  const uint8_t* qs = sb + (format == kQ4F ? 144 : 176) - 128;
+  const uint8_t* qs = sb + k_quant_bytes(format) - 128;
   for (int i = 0; i < 8; ++i) {
     scale[i] = i < 4 ? sc[i] & 0x3F : (sc[i + 4] & 0x0F) | ((sc[i - 4] >> 2) & 0x30);
     min[i] = i < 4 ? sc[i + 4] & 0x3F : (sc[i + 4] >> 4) | ((sc[i] >> 2) & 0x30);
@@ -884,7 +887,7 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
   TM_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "embed_rows: ids must be int64 (T,)");
   const bool k_quant = super_blocks(format);
   const int64_t V = rows.size(0), bytes = rows.size(1), values = k_quant ? 256 : kBlock;
-  const int64_t block = k_quant ? (format == kQ4F ? 144 : format == kQ5K ? 176 : 210) : row_unit_bytes(format);
+  const int64_t block = k_quant ? k_quant_bytes(format) : row_unit_bytes(format);
   TM_CHECK(bytes % block == 0, "embed_rows: rows of whole blocks");
   const int64_t B = bytes / block, T = ids.size(0);
   const torch::Tensor idx = ids.contiguous();
@@ -906,7 +909,7 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
 // in one pass over the rows instead of numpy's several.
 torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
   TM_CHECK(format == kQ4F || format == kQ5K || format == kQ6F, "recut_k_quant: format Q4F, Q5K or Q6F");
-  const int64_t super_bytes = format == kQ4F ? 144 : format == kQ5K ? 176 : 210;
+  const int64_t super_bytes = k_quant_bytes(format);
   TM_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.size(1) % super_bytes == 0,
            "recut_k_quant: rows (N, K / 256 * super-block bytes) uint8");
   auto r = raw.contiguous();

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import _save_tokenizer, copy_model, hf_greedy, hf_model, rel_err, stepwise_logits, watch_chunked_prompts
@@ -156,18 +157,18 @@ def test_checkpoint_blocks_reordered_into_ggml_rows_decode_to_the_same_floats():
     gives dequantize_mxfp4's floats bit for bit, over every byte value and scale the kernel takes."""
     blocks = torch.zeros(1, 16, dtype=torch.uint8)
     blocks[0, 0], blocks[0, 8], blocks[0, 15] = 0x21, 0x9C, 0x7F   # values 0, 1 | 16, 17 | 30, 31
-    rows = ggml_mxfp4_rows(blocks, torch.tensor([130], dtype=torch.uint8))
+    rows = torch.from_numpy(ggml_mxfp4_rows(blocks.numpy(), np.array([130], np.uint8)))
     want = torch.zeros(17, dtype=torch.uint8)
     want[0], want[1 + 0], want[1 + 1], want[1 + 14], want[1 + 15] = 130, 0xC1, 0x92, 0xF0, 0x70  # byte j: j, j + 16
     assert torch.equal(rows, want)
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 5, 7, 16), dtype=torch.uint8, generator=gen)       # (E, N, G, 16)
     scales = torch.randint(1, 255, (3, 5, 7), dtype=torch.uint8, generator=gen)
-    rows = ggml_mxfp4_rows(blocks, scales)
+    rows = torch.from_numpy(ggml_mxfp4_rows(blocks.numpy(), scales.numpy()))
     assert rows.shape == (3, 5, 7 * 17)
     assert torch.equal(dequantize_ggml_mxfp4(rows), dequantize_mxfp4(blocks, scales))
     with pytest.raises(ValueError, match="MXFP4 blocks"):
-        ggml_mxfp4_rows(blocks, scales[..., :6])
+        ggml_mxfp4_rows(blocks.numpy(), scales[..., :6].numpy())
 
 
 @pytest.fixture(scope="module")

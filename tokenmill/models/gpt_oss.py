@@ -117,18 +117,23 @@ def dequantize_ggml_mxfp4(rows: torch.Tensor) -> torch.Tensor:
     return _fp4_times_scale(codes, blocks[..., 0])
 
 
-def ggml_mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def ggml_mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """Hugging Face MXFP4 (..., G, 16) uint8 blocks and (..., G) uint8 scales -> the same values as
     ggml's block_mxfp4 rows (..., G * 17) uint8, which dequantize_ggml_mxfp4 and the panel kernel
     read: per block the scale byte, then byte j holding value j's code in its low nibble and value
     j + 16's in its high one (the checkpoint's byte i holds values 2i and 2i + 1)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape \
             or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
                          f"{scales.dtype}: expected uint8 (..., G, 16) and (..., G)")
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)      # (..., G, 32) in value order
-    qs = codes[..., :16] | (codes[..., 16:] << 4)                              # (..., G, 16)
-    return torch.cat([scales.unsqueeze(-1), qs], dim=-1).flatten(-2)           # (..., G * 17)
+    # ggml's byte 2m holds values 2m and 2m + 16: the low nibbles of the checkpoint's bytes m and
+    # m + 8; its byte 2m + 1 values 2m + 1 and 2m + 17: their high nibbles
+    first, second = blocks[..., :8], blocks[..., 8:]                           # (..., G, 8) each
+    rows = np.empty((*blocks.shape[:-1], 17), dtype=np.uint8)                  # (..., G, 17)
+    rows[..., 0] = scales
+    rows[..., 1::2] = (first & 0x0F) | (second << 4)
+    rows[..., 2::2] = (first >> 4) | (second & 0xF0)
+    return rows.reshape(*blocks.shape[:-2], -1)                                # (..., G * 17)
 
 
 def check_mxfp4_scales(rows: np.ndarray, name: str) -> None:
@@ -136,11 +141,12 @@ def check_mxfp4_scales(rows: np.ndarray, name: str) -> None:
     whose bits are the scale byte e << 23, 2^(e - 127) for e from 1 to 254. A block with a nonzero
     value and e = 0 (values below float32's normal range, which the kernel would take as 0) or any
     block with e = 255 (E8M0's NaN) is refused naming the tensor."""
-    blocks = rows.reshape(rows.shape[0], -1, 17)
-    e = blocks[..., 0]
-    bad = (e == 255) | ((e == 0) & (blocks[..., 1:] & 0x77).any(-1))
-    if bad.any():
-        raise ValueError(f"{name}: an MXFP4 block's scale byte is {int(e[bad][0])} (0 with nonzero values, or 255: "
+    blocks = rows.reshape(-1, 17)
+    e = blocks[:, 0]
+    suspect = np.flatnonzero((e == 0) | (e == 255))                            # the codes read only there
+    bad = suspect[(e[suspect] == 255) | (blocks[suspect, 1:] & 0x77).any(-1)]
+    if bad.size:
+        raise ValueError(f"{name}: an MXFP4 block's scale byte is {int(e[bad[0]])} (0 with nonzero values, or 255: "
                          "NaN), which the CPU kernel does not decode")
 
 
@@ -168,11 +174,11 @@ def _expert_rows(blocks_at: tuple[Path, str], scales_at: tuple[Path, str], exper
     from safetensors import safe_open
     parts = []
     for file, tensor in (blocks_at, scales_at):
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="numpy") as f:
             parts.append(f.get_slice(tensor)[expert, rows])             # (N, G, 16) blocks, (N, G) scales
     out = ggml_mxfp4_rows(*parts)
-    check_mxfp4_scales(out.numpy(), name)
-    return out
+    check_mxfp4_scales(out, name)
+    return torch.from_numpy(out)
 
 
 def mxfp4_weight_blocks(files: list[Path], cfg: ModelConfig, wanted: Callable[[str], bool]) -> dict[str, GGUFMatrix]:

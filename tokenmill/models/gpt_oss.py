@@ -183,13 +183,13 @@ def _expert_rows(blocks_at: tuple[Path, str], scales_at: tuple[Path, str], exper
 
 def mxfp4_weight_blocks(files: list[Path], cfg: ModelConfig, wanted: Callable[[str], bool]) -> dict[str, GGUFMatrix]:
     """Every expert matrix a gpt-oss checkpoint (its safetensors `files`) stores in MXFP4, as the
-    panel kernel reads it: our per-expert name (one `wanted`) -> a GGUFMatrix of kind MXFP4 whose
+    panel kernel reads it: our per-expert name (those `wanted`) -> a GGUFMatrix of kind MXFP4 whose
     rows (N, G * 17) are read from the files when it is packed, one expert at a time. A matrix of
     another shape than the config's, or blocks without their scales, is refused naming it."""
     from safetensors import safe_open
     where, shapes = {}, {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="numpy") as f:
             for name in f.keys():
                 if mxfp4_expert_names(name, 1):
                     where[name], shapes[name] = file, tuple(f.get_slice(name).get_shape())

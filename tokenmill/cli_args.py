@@ -19,7 +19,7 @@ _ENGINE_HELP = {
     "max_model_len": "context length (prompt + output)",
     "kv_cache_memory": "KV pool size, bytes or a string like 2GiB",
     "num_kv_blocks": "exact KV pool size in blocks",
-    "gguf_blocks": "CPU: keep GGUF projections in their blocks (bit-identical to float32)",
+    "gguf_blocks": "CPU: keep GGUF projections and MXFP4 experts in their blocks (bit-identical to float32)",
     "gguf_int8_rows": "CPU, GGUF blocks: steps of up to N rows take x in 8-bit blocks, as llama.cpp "
                       "(faster at batch 1-8, perplexity +0.75%%, results then depend on the step's size; 0: off)",
     "num_threads": "CPU: threads for a step, fixed (default: the cores other processes leave free, "

@@ -207,7 +207,8 @@ class EngineConfig:
                                              # "torch": plain torch ops (the reference)
     gguf_blocks: bool = True                 # CPU: GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q3-6_K projections stay in blocks,
                                              # decoded in the kernel (bit-identical results, a fifth of
-                                             # the memory); False: dequantized to float32 panels
+                                             # the memory), as do MXFP4 experts (GGUF or Hugging Face
+                                             # gpt-oss); False: dequantized to float32 panels
     gguf_int8_rows: int = 0                  # CPU, GGUF blocks: the layers' products in steps of up to
                                              # this many rows take x in 8 bits per 32 values, multiplied
                                              # with the codes as integers, as llama.cpp does (faster at

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import _save_tokenizer, copy_model, hf_greedy, hf_model, rel_err, stepwise_logits, watch_chunked_prompts
@@ -17,10 +18,11 @@ from transformers import AutoModelForCausalLM, GptOssConfig
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import make_backend
-from tokenmill.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
+from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.models.gpt_oss import FP4_VALUES, dequantize_ggml_mxfp4, dequantize_mxfp4, ggml_mxfp4_rows
 from tokenmill.models.loader import load_model, open_checkpoint
 from tokenmill.models.moe import ClampedSwiGLU, SparseMoeBlock
-from tokenmill.models.packed_linear import PackedLinear
+from tokenmill.models.packed_linear import BLOCK_FORMATS, PackedLinear
 
 TINY_GPT_OSS = dict(vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=32, num_local_experts=6, num_experts_per_tok=2, sliding_window=12,
@@ -149,11 +151,32 @@ def test_mxfp4_codes_decode_low_nibble_first_times_the_block_scale():
         dequantize_mxfp4(blocks, torch.tensor([1, 2, 3], dtype=torch.uint8))
 
 
-def test_mxfp4_experts_load_as_the_weights_their_blocks_encode(tiny_gpt_oss, tmp_path):
-    """The tiny model's expert matrices written as a released checkpoint has them (MXFP4 blocks and
-    scales in the (out, in) layout, quantization_config mxfp4) load as the float checkpoint holding
-    the values those codes decode to, every parameter equal; transformers, loading the MXFP4
-    directory itself (dequantized, without Triton), holds those values too and generates as we do."""
+def test_checkpoint_blocks_reordered_into_ggml_rows_decode_to_the_same_floats():
+    """Byte i of a checkpoint block holds values 2i and 2i + 1, byte j of ggml's values j and j + 16:
+    ggml_mxfp4_rows moves every code to its place and puts the scale first, so that ggml's decoder
+    gives dequantize_mxfp4's floats bit for bit, over every byte value and scale the kernel takes."""
+    blocks = torch.zeros(1, 16, dtype=torch.uint8)
+    blocks[0, 0], blocks[0, 8], blocks[0, 15] = 0x21, 0x9C, 0x7F   # values 0, 1 | 16, 17 | 30, 31
+    rows = torch.from_numpy(ggml_mxfp4_rows(blocks.numpy(), np.array([130], np.uint8)))
+    want = torch.zeros(17, dtype=torch.uint8)
+    want[0], want[1 + 0], want[1 + 1], want[1 + 14], want[1 + 15] = 130, 0xC1, 0x92, 0xF0, 0x70  # byte j: j, j + 16
+    assert torch.equal(rows, want)
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 5, 7, 16), dtype=torch.uint8, generator=gen)       # (E, N, G, 16)
+    scales = torch.randint(1, 255, (3, 5, 7), dtype=torch.uint8, generator=gen)
+    rows = torch.from_numpy(ggml_mxfp4_rows(blocks.numpy(), scales.numpy()))
+    assert rows.shape == (3, 5, 7 * 17)
+    assert torch.equal(dequantize_ggml_mxfp4(rows), dequantize_mxfp4(blocks, scales))
+    with pytest.raises(ValueError, match="MXFP4 blocks"):
+        ggml_mxfp4_rows(blocks.numpy(), scales[..., :6].numpy())
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(tiny_gpt_oss, tmp_path_factory) -> tuple:
+    """The tiny model with its expert matrices as a released checkpoint has them (MXFP4 blocks and
+    scales in the (out, in) layout, quantization_config mxfp4), and as a float checkpoint holding
+    the values those codes decode to: (float directory, MXFP4 directory, the decoded tensors)."""
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     tensors = load_file(str(tiny_gpt_oss / "model.safetensors"))
     fused = ("experts.gate_up_proj", "experts.down_proj")
     decoded, quantized = dict(tensors), {k: v for k, v in tensors.items() if not k.endswith(fused)}
@@ -163,11 +186,19 @@ def test_mxfp4_experts_load_as_the_weights_their_blocks_encode(tiny_gpt_oss, tmp
             quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
             decoded[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
             assert rel_err(decoded[name], tensor) < 0.2                      # 4-bit codes of the same weights
-    float_dir, fp4_dir = copy_model(tiny_gpt_oss, tmp_path / "float"), copy_model(tiny_gpt_oss, tmp_path / "fp4")
+    float_dir, fp4_dir = copy_model(tiny_gpt_oss, root / "float"), copy_model(tiny_gpt_oss, root / "fp4")
     save_file(decoded, str(float_dir / "model.safetensors"), metadata={"format": "pt"})
     save_file(quantized, str(fp4_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((fp4_dir / "config.json").read_text())
     (fp4_dir / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    return float_dir, fp4_dir, decoded
+
+
+def test_mxfp4_experts_load_as_the_weights_their_blocks_encode(mxfp4_dirs):
+    """Decoded at load (the torch path), the MXFP4 directory's experts are the float checkpoint's
+    values, every parameter equal; transformers, loading the MXFP4 directory itself (dequantized,
+    without Triton), holds those values too and generates as we do on the CPU kernels' path."""
+    float_dir, fp4_dir, decoded = mxfp4_dirs
     cpu = torch.device("cpu")
     want = load_model(open_checkpoint(float_dir), 64, torch.float32, cpu, kernels="torch").state_dict()
     got = load_model(open_checkpoint(fp4_dir), 64, torch.float32, cpu, kernels="torch").state_dict()
@@ -179,6 +210,74 @@ def test_mxfp4_experts_load_as_the_weights_their_blocks_encode(tiny_gpt_oss, tmp
     for name in ("gate_up_proj", "down_proj"):
         assert torch.equal(getattr(hf.model.layers[1].mlp.experts, name), decoded[f"model.layers.1.mlp.experts.{name}"])
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
+
+
+def needs_block_formats():
+    kernels = load_cpu_kernels(required=False)
+    if kernels is None or not kernels.block_formats:
+        pytest.skip("needs the C++ kernels with AVX2")
+
+
+def test_mxfp4_experts_stay_in_mxf_panels_and_give_the_decoded_models_logits_bit_for_bit(mxfp4_dirs):
+    """On the CPU kernels' path every expert's gate_up and down are packed from the checkpoint's
+    blocks (format MXF, biases beside them; the router in float32 panels), the blocks never read
+    as weights; over a prompt in chunks and decodes the logits equal, bit for bit, those of the
+    same directory with its experts decoded to float32 (gguf_blocks off), and transformers'."""
+    needs_block_formats()
+    fp4_dir, cpu = mxfp4_dirs[1], torch.device("cpu")
+    checkpoint = open_checkpoint(fp4_dir)
+    blocks = checkpoint.weight_blocks(load_cpu_kernels(required=True))
+    assert len(blocks) == 3 * 6 * 3 and {m.kind for m in blocks.values()} == {"MXFP4"}
+    gate = blocks["model.layers.2.mlp.experts.5.gate_proj.weight"]
+    assert (gate.rows, gate.cols, tuple(gate.read().shape)) == (64, 64, (64, 2 * 17))
+    assert not {name for name, _ in checkpoint.weights(frozenset(blocks))} & set(blocks)
+    panels = load_model(checkpoint, 256, torch.float32, cpu, kernels="auto")
+    floats = load_model(checkpoint, 256, torch.float32, cpu, kernels="auto", gguf_blocks=False)
+    for layer, float_layer in zip(panels.layers, floats.layers):
+        assert layer.mlp.gate.format == 0
+        for e in range(6):
+            for name in ("gate_up_proj", "down_proj"):
+                projection = getattr(layer.mlp.experts[e], name)
+                assert projection.format == BLOCK_FORMATS["MXFP4"] and projection.panels.dtype == torch.uint8, name
+                assert torch.equal(projection.bias, getattr(float_layer.mlp.experts[e], name).bias), name
+                assert getattr(float_layer.mlp.experts[e], name).format == 0
+    backend = make_backend("auto", cpu, 16, checkpoint.config.head_dim)
+    tokens = [random.Random(3).randrange(2, 384) for _ in range(40)]
+    steps = ((0, 20), (20, 37), (37, 38), (38, 39), (39, 40))
+    got = stepwise_logits(panels, checkpoint.config, backend, tokens, 37, steps)
+    assert torch.equal(got, stepwise_logits(floats, checkpoint.config, backend, tokens, 37, steps))
+    with torch.no_grad():
+        ref = hf_eager(fp4_dir)(torch.tensor([tokens])).logits[0]
+    assert rel_err(got, ref) <= 1e-4, f"{rel_err(got, ref):.2e}"
+
+
+def test_greedy_output_with_the_mxf_panels_is_the_decoded_models(mxfp4_dirs):
+    needs_block_formats()
+    fp4_dir = str(mxfp4_dirs[1])
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(2, 384) for _ in range(n)]} for n in (4, 33)]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    outs = [[o.outputs[0].token_ids for o in LLM(fp4_dir, num_kv_blocks=16, gguf_blocks=blocks).generate(
+        prompts, params, use_tqdm=False)] for blocks in (True, False)]
+    assert outs[0] == outs[1] and sum(len(set(t)) for t in outs[0]) > 6
+
+
+def test_an_mxfp4_scale_the_kernel_cannot_decode_is_refused_naming_the_expert(mxfp4_dirs, tmp_path):
+    needs_block_formats()
+    path = copy_model(mxfp4_dirs[1], tmp_path / "nan_scale")
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.1.mlp.experts.down_proj_scales"][4, 7, 1] = 255       # E8M0's NaN
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.4.down_proj.weight: an MXFP4 block's scale "
+                                         r"byte is 255"):
+        load_model(open_checkpoint(path), 64, torch.float32, torch.device("cpu"), kernels="auto")
+
+
+def test_mxfp4_experts_of_another_shape_than_the_config_are_refused_naming_them(mxfp4_dirs, tmp_path):
+    path = copy_model(mxfp4_dirs[1], tmp_path / "narrow", intermediate_size=32)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.down_proj: MXFP4 blocks \(6, 64, 2, 16\) "
+                                         r"and scales \(6, 64, 2\), expected \(6, 64, 1, 16\)"):
+        open_checkpoint(path).weight_blocks(None)
 
 
 def test_rope_left_out_of_config_json_is_transformers_yarn_default(tiny_gpt_oss, tmp_path):

@@ -28,6 +28,7 @@ from tokenmill.config import ModelConfig, MoEConfig
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.gemma import GEMMA_ARCHITECTURES
 from tokenmill.models.gpt_oss import (
+    check_mxfp4_scales,
     dequantize_ggml_mxfp4,
     gpt_oss_config,
     gpt_oss_fields,
@@ -495,19 +496,6 @@ def _cut_blocks(rows: np.ndarray, qtype, dim: int, start: int, length: int) -> n
         raise ValueError(f"columns {start}..{start + length} cut {qtype.name}'s blocks of {block} weights")
     blocks = rows.reshape(rows.shape[0], -1, size)                     # (N, K / block, bytes a block)
     return blocks[:, start // block:(start + length) // block].reshape(rows.shape[0], -1)
-
-
-def check_mxfp4_scales(rows: np.ndarray, name: str) -> None:
-    """MXFP4 rows (N, G * 17) as the panel kernel decodes them: each value FP4 times the float
-    whose bits are the scale byte e << 23, 2^(e - 127) for e from 1 to 254. A block with a nonzero
-    value and e = 0 (values below float32's normal range, which the kernel would take as 0) or any
-    block with e = 255 (E8M0's NaN) is refused naming the tensor."""
-    blocks = rows.reshape(rows.shape[0], -1, 17)
-    e = blocks[..., 0]
-    bad = (e == 255) | ((e == 0) & (blocks[..., 1:] & 0x77).any(-1))
-    if bad.any():
-        raise ValueError(f"{name}: an MXFP4 block's scale byte is {int(e[bad][0])} (0 with nonzero values, or 255: "
-                         "NaN), which the CPU kernel does not decode")
 
 
 def _block_rows(tensor, name: str, heads: int, cfg: ModelConfig, kernels, expert: int | None = None,

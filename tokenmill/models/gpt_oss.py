@@ -21,18 +21,25 @@ The fused gate_up interleaves its columns: even ones are the gate's, odd ones th
 Released checkpoints store the experts' two matrices in MXFP4 (quantization_config quant_method
 mxfp4): `{gate_up,down}_proj_blocks` (E, N, K / 32, 16) uint8 and `_scales` (E, N, K / 32) uint8,
 each matrix in the (out, in) layout of a linear layer. A block is 32 values of 4 bits (FP4 E2M1,
-two a byte, the low nibble first) sharing a scale byte s that means 2^(s - 127) (E8M0). They are
-dequantized here, at load, to float32 (then the model's dtype); so are those of GGUF files
-(dequantize_ggml_mxfp4: the same values in ggml's block layout), which gguf_loader.py reads.
+two a byte, the low nibble first) sharing a scale byte s that means 2^(s - 127) (E8M0). On the CPU
+with the panel kernel they stay in their blocks: mxfp4_weight_blocks gives each expert's gate, up
+and down rows in ggml's block layout (ggml_mxfp4_rows: the layout GGUF files store, which
+gguf_loader.py gives the kernel the same way), read one expert at a time when packed. Elsewhere
+they are dequantized at load to float32 (then the model's dtype), as are a GGUF file's
+(dequantize_ggml_mxfp4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
+import numpy as np
 import torch
 
-from tokenmill.config import MoEConfig
+from tokenmill.config import ModelConfig, MoEConfig
+from tokenmill.models.packed_linear import GGUFMatrix
 
 # transformers' defaults (GptOssConfig) for what a config.json may leave out
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "rms_norm_eps": 1e-5, "attention_bias": True,
@@ -108,6 +115,103 @@ def dequantize_ggml_mxfp4(rows: torch.Tensor) -> torch.Tensor:
     qs = blocks[..., 1:]                                                        # (..., G, 16)
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)                             # (..., G, 32)
     return _fp4_times_scale(codes, blocks[..., 0])
+
+
+def ggml_mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Hugging Face MXFP4 (..., G, 16) uint8 blocks and (..., G) uint8 scales -> the same values as
+    ggml's block_mxfp4 rows (..., G * 17) uint8, which dequantize_ggml_mxfp4 and the panel kernel
+    read: per block the scale byte, then byte j holding value j's code in its low nibble and value
+    j + 16's in its high one (the checkpoint's byte i holds values 2i and 2i + 1)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape \
+            or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype}: expected uint8 (..., G, 16) and (..., G)")
+    # ggml's byte 2m holds values 2m and 2m + 16: the low nibbles of the checkpoint's bytes m and
+    # m + 8; its byte 2m + 1 values 2m + 1 and 2m + 17: their high nibbles
+    first, second = blocks[..., :8], blocks[..., 8:]                           # (..., G, 8) each
+    rows = np.empty((*blocks.shape[:-1], 17), dtype=np.uint8)                  # (..., G, 17)
+    rows[..., 0] = scales
+    rows[..., 1::2] = (first & 0x0F) | (second << 4)
+    rows[..., 2::2] = (first >> 4) | (second & 0xF0)
+    return rows.reshape(*blocks.shape[:-2], -1)                                # (..., G * 17)
+
+
+def check_mxfp4_scales(rows: np.ndarray, name: str) -> None:
+    """MXFP4 rows (N, G * 17) as the panel kernel decodes them: each value FP4 times the float
+    whose bits are the scale byte e << 23, 2^(e - 127) for e from 1 to 254. A block with a nonzero
+    value and e = 0 (values below float32's normal range, which the kernel would take as 0) or any
+    block with e = 255 (E8M0's NaN) is refused naming the tensor."""
+    blocks = rows.reshape(-1, 17)
+    e = blocks[:, 0]
+    suspect = np.flatnonzero((e == 0) | (e == 255))                            # the codes read only there
+    bad = suspect[(e[suspect] == 255) | (blocks[suspect, 1:] & 0x77).any(-1)]
+    if bad.size:
+        raise ValueError(f"{name}: an MXFP4 block's scale byte is {int(e[bad[0]])} (0 with nonzero values, or 255: "
+                         "NaN), which the CPU kernel does not decode")
+
+
+# each expert matrix a checkpoint stores in MXFP4: (our matrix, its rows of the checkpoint's: the
+# gate_up's interleaved even and odd ones, or all)
+_MXFP4_PARTS = {"gate_up_proj": (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))),
+                "down_proj": (("down_proj", slice(None)),)}
+
+
+def mxfp4_expert_names(name: str, num_experts: int) -> list[str]:
+    """The per-expert weight names checkpoint tensor `name` holds when it is an expert matrix's
+    MXFP4 blocks or scales (model.layers.0.mlp.experts.gate_up_proj_blocks ->
+    model.layers.0.mlp.experts.{0..E-1}.{gate,up}_proj.weight); [] for any other tensor."""
+    prefix, sep, kind = name.partition("mlp.experts.")
+    matrix = kind.removesuffix("_blocks").removesuffix("_scales")
+    if not sep or matrix == kind or matrix not in _MXFP4_PARTS:
+        return []
+    return [f"{prefix}mlp.experts.{e}.{part}.weight" for e in range(num_experts) for part, _ in _MXFP4_PARTS[matrix]]
+
+
+def _expert_rows(blocks_at: tuple[Path, str], scales_at: tuple[Path, str], expert: int, rows: slice,
+                 name: str) -> torch.Tensor:
+    """Rows `rows` of one expert's MXFP4 matrix, read from the safetensors files holding its blocks
+    and scales ((file, tensor name) each), as ggml_mxfp4_rows lays them out, scales checked."""
+    from safetensors import safe_open
+    parts = []
+    for file, tensor in (blocks_at, scales_at):
+        with safe_open(str(file), framework="numpy") as f:
+            parts.append(f.get_slice(tensor)[expert, rows])             # (N, G, 16) blocks, (N, G) scales
+    out = ggml_mxfp4_rows(*parts)
+    check_mxfp4_scales(out, name)
+    return torch.from_numpy(out)
+
+
+def mxfp4_weight_blocks(files: list[Path], cfg: ModelConfig, wanted: Callable[[str], bool]) -> dict[str, GGUFMatrix]:
+    """Every expert matrix a gpt-oss checkpoint (its safetensors `files`) stores in MXFP4, as the
+    panel kernel reads it: our per-expert name (those `wanted`) -> a GGUFMatrix of kind MXFP4 whose
+    rows (N, G * 17) are read from the files when it is packed, one expert at a time. A matrix of
+    another shape than the config's, or blocks without their scales, is refused naming it."""
+    from safetensors import safe_open
+    where, shapes = {}, {}
+    for file in files:
+        with safe_open(str(file), framework="numpy") as f:
+            for name in f.keys():
+                if mxfp4_expert_names(name, 1):
+                    where[name], shapes[name] = file, tuple(f.get_slice(name).get_shape())
+    hidden, inter, experts = cfg.hidden_size, cfg.moe.expert_intermediate_size, cfg.moe.num_experts
+    out = {}
+    for name in (n for n in where if n.endswith("_blocks")):
+        matrix = name.partition("mlp.experts.")[2].removesuffix("_blocks")
+        scales = name.removesuffix("_blocks") + "_scales"
+        rows, cols = (2 * inter, hidden) if matrix == "gate_up_proj" else (hidden, inter)
+        if shapes[name] != (experts, rows, cols // 32, 16) or shapes.get(scales) != (experts, rows, cols // 32):
+            raise ValueError(f"{name.removesuffix('_blocks')}: MXFP4 blocks {shapes[name]} and scales "
+                             f"{shapes.get(scales)}, expected ({experts}, {rows}, {cols // 32}, 16) and "
+                             f"({experts}, {rows}, {cols // 32})")
+        names = iter(mxfp4_expert_names(name, experts))
+        for expert in range(experts):
+            for _, part_rows in _MXFP4_PARTS[matrix]:
+                ours = next(names)
+                if wanted(ours):
+                    read = functools.partial(_expert_rows, (where[name], name), (where[scales], scales), expert,
+                                             part_rows, ours)
+                    out[ours] = GGUFMatrix("MXFP4", len(range(rows)[part_rows]), read, cols)
+    return out
 
 
 def _expert_tensors(prefix: str, kind: str, experts: Iterable[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

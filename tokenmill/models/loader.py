@@ -1,9 +1,9 @@
 """Find and load a model: Hugging Face directories (config.json + *.safetensors + tokenizer;
 the Llama family, Phi-3, Gemma 2, Gemma 3 (text; of a multimodal checkpoint, its language model),
 and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss (its MXFP4 experts
-dequantized at load: gpt_oss.py))
+kept in their blocks for the CPU panel kernel, elsewhere dequantized at load: gpt_oss.py))
 and GGUF files (gguf_loader.py: llama/qwen2/qwen3, gemma2/gemma3 (text) and the MoE
-architectures, gpt-oss (MXFP4 experts decoded at load) and phi3; on the CPU their quantized projections
+architectures, gpt-oss and phi3; on the CPU their quantized projections
 stay as blocks, for the panel kernel to decode).
 
 Both paths end as Hugging Face-named tensors fed to the model's `load_weights`, so the
@@ -18,7 +18,7 @@ import itertools
 import json
 import logging
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,12 +47,27 @@ from tokenmill.models.gguf_loader import (
     gguf_weights,
     open_gguf,
 )
-from tokenmill.models.gpt_oss import gpt_oss_config, gpt_oss_fields, gpt_oss_moe, gpt_oss_weights
+from tokenmill.models.gpt_oss import (
+    gpt_oss_config,
+    gpt_oss_fields,
+    gpt_oss_moe,
+    gpt_oss_weights,
+    mxfp4_expert_names,
+    mxfp4_weight_blocks,
+)
 from tokenmill.models.llama import LlamaForCausalLM, partial_rotary_order, rope_kind
 from tokenmill.models.moe import MOE_ARCHITECTURES
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import GGUFMatrix, onednn_available
-from tokenmill.models.parallel import AllReduce, TPShard, local_config, parallelize, shard_vocab, shard_weights
+from tokenmill.models.parallel import (
+    AllReduce,
+    TPShard,
+    holds,
+    local_config,
+    parallelize,
+    shard_vocab,
+    shard_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -300,11 +315,10 @@ def hf_unfused(weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) ->
             yield part_name, part
 
 
-def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    # The index names the shards; without one, model*.safetensors first: Mistral's snapshots also
-    # ship consolidated.safetensors, the same weights under Mistral's own names.
+def hf_files(path: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face directory. The index names the shards; without one,
+    model*.safetensors first: Mistral's snapshots also ship consolidated.safetensors, the same
+    weights under Mistral's own names."""
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
@@ -312,10 +326,18 @@ def hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
-    for file in files:
+    return files
+
+
+def hf_weights(path: Path, wanted: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, those `wanted` (by name) read."""
+    from safetensors import safe_open
+
+    for file in hf_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 # ---- entry points ----------------------------------------------------------------------
@@ -329,14 +351,19 @@ class Checkpoint:
     gguf_reader: object | None = None  # the open GGUFReader (reading its metadata takes seconds)
 
     def weights(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-        """Hugging Face-named float tensors; `skip` (names of GGUF tensors kept as blocks) only
-        applies to GGUF files."""
+        """Hugging Face-named float tensors but those in `skip` (matrices kept in blocks: a GGUF
+        file's, or gpt-oss's MXFP4 experts, whose checkpoint tensors are then not read)."""
         if self.gguf_reader is not None:
             return gguf_weights(self.gguf_reader, self.config, skip)
-        weights = hf_weights(self.path)
-        if self.config.architecture == "gpt_oss":  # its experts, one tensor per layer, split per expert
-            weights = gpt_oss_weights(weights)
-        return hf_unfused(weights, self.config)
+        if self.config.architecture != "gpt_oss":
+            return hf_unfused(hf_weights(self.path), self.config)
+        experts = self.config.moe.num_experts
+
+        def wanted(name: str) -> bool:
+            held = mxfp4_expert_names(name, experts)
+            return not held or not skip.issuperset(held)
+        # its experts, one tensor per layer, split per expert
+        return hf_unfused(gpt_oss_weights(hf_weights(self.path, wanted)), self.config)
 
     def quantized_embedding(self) -> tuple[np.ndarray, object] | None:
         """A GGUF file's token embeddings as stored, (vocab, bytes) rows and their type, when they
@@ -347,9 +374,15 @@ class Checkpoint:
         return None
 
     def weight_blocks(self, kernels, shard: TPShard | None = None) -> dict[str, GGUFMatrix]:
-        """GGUF matrices in the block types the CPU kernel (`kernels`) reads (none for other
-        checkpoints); with a tensor-parallel `shard`, this rank's parts of them."""
-        return {} if self.gguf_reader is None else gguf_weight_blocks(self.gguf_reader, self.config, kernels, shard)
+        """Matrices in the block types the CPU kernel (`kernels`) reads: a GGUF file's, a gpt-oss
+        directory's MXFP4 experts (none for other checkpoints); with a tensor-parallel `shard`,
+        this rank's parts of them (gpt-oss: its experts)."""
+        if self.gguf_reader is not None:
+            return gguf_weight_blocks(self.gguf_reader, self.config, kernels, shard)
+        if self.config.architecture != "gpt_oss":
+            return {}
+        return mxfp4_weight_blocks(hf_files(self.path), self.config,
+                                   lambda name: shard is None or holds(name, self.config, shard))
 
 
 # What reading a truncated, corrupt or incomplete file raises from inside gguf, numpy, json or

@@ -4,7 +4,7 @@ llama-bench's `-n 32` (tg32) times 32 single-token decodes from an empty context
 (pp128) one 128-token prompt; this script times the same in the engine, at a fixed thread count:
 
     python benchmarks/moe_vs_llamacpp.py PATH [--threads 2] [--reps 3] [--int8-rows 16] [--per-expert]
-                                              [--llama-bench BIN]
+                                              [--llama-bench BIN] [--tokenizer DIR]
 
 tg: a one-token prompt, then the median of 32 decode steps, `reps` times (a new request each
 time); pp: a step holding one whole 128-token prompt (new token ids each time, so no prefix is
@@ -22,8 +22,9 @@ pp128, so that the three are timed side by side under the same load (the other a
 a shared machine swings every figure by several times).
 
 --batch N instead times decode steps of N requests at once (16-token prompts, then the median
-of 32 steps), and with --llama-batched-bench (the path of llama.cpp's llama-batched-bench) each
-rep also runs `llama-batched-bench -npp 16 -ntg 32 -npl N`, whose T_TG / 32 is its step.
+of 32 steps), all the layers in one C++ call and the Python layers alternating rep by rep, and
+with --llama-batched-bench (the path of llama.cpp's llama-batched-bench) each rep also runs
+`llama-batched-bench -npp 16 -ntg 32 -npl N`, whose T_TG / 32 is its step.
 
 --profile instead splits the batch-1 decode step of the Python layers by hand (the one-call
 stack cannot be timed piece by piece): each piece's forward is wrapped in a
@@ -192,10 +193,18 @@ def llama_batched(binary: Path, path: Path, threads: int, batch: int) -> float:
 
 
 def batched(engine: LLMEngine, reps: int, batch: int, binary: Path | None, path: Path, threads: int) -> None:
-    """Batch-`batch` decode steps, alternating rep by rep with llama-batched-bench's where its binary is given."""
+    """Batch-`batch` decode steps, all the layers in one C++ call (where the model has the stack)
+    and the Python layers alternating rep by rep, and llama-batched-bench's beside them where its
+    binary is given."""
+    model = engine.runner.worker.model
+    stack = model.fused_stack
+    paths = (("one call", stack), ("python layers", None)) if stack is not None else (("python layers", None),)
     times: dict[str, list[float]] = defaultdict(list)
     for rep in range(reps):
-        times[f"batch-{batch} step"].append(batch_step(engine, rep, batch))
+        for name, layers in paths:
+            model.fused_stack = layers
+            times[f"batch-{batch} {name}"].append(batch_step(engine, rep, batch))
+        model.fused_stack = stack
         if binary is not None:
             times[f"batch-{batch} llama"].append(llama_batched(binary, path, threads, batch))
     for key, steps in times.items():
@@ -263,10 +272,12 @@ def main() -> None:
     ap.add_argument("--llama-bench", type=Path, help="llama-bench's path: timed beside each --per-expert rep")
     ap.add_argument("--batch", type=int, default=0, help="instead: decode steps of this many requests at once")
     ap.add_argument("--llama-batched-bench", type=Path, help="timed beside each --batch rep")
+    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer directory, for files whose architecture "
+                                        "transformers cannot read a tokenizer from (olmoe)")
     args = ap.parse_args()
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(args.path), kv_cache_memory="1GiB", max_model_len=4096,
-                                    num_threads=args.threads, enable_prefix_caching=False))
+                                    num_threads=args.threads, enable_prefix_caching=False, tokenizer=args.tokenizer))
     print(f"{args.path}: loaded in {time.perf_counter() - start:.0f} s, {args.threads} threads", flush=True)
     if args.profile:
         profile(engine, TG)

@@ -128,13 +128,14 @@ def test_greedy_generation_equals_hf_under_chunking_and_preemption(tiny_models, 
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24), f"prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", [*ARCHS, "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_fused_layers_give_the_python_layers_results_bit_for_bit(request, arch):
     """With the C++ kernels, a step whose attention is all in the kernel runs all the layers in one
-    C++ call (fused_stack: the same kernels in the same order, Qwen3's q/k norms and Mixtral's and
-    Qwen3-MoE's routers and experts included): its hidden states equal the Python layers', bit
-    for bit; a step with a chunk the kernel does not take (over 32 tokens at head size 16) goes
-    through the Python layers."""
+    C++ call (fused_stack: the same kernels in the same order, Qwen3's per-head and OLMoE's whole
+    q/k norms, the routers and experts of Mixtral, Qwen3-MoE and OLMoE, Qwen2-MoE's shared expert
+    and its dense first layer included): its hidden states equal the Python layers', bit for bit;
+    a step with a chunk the kernel does not take (over 32 tokens at head size 16) goes through the
+    Python layers."""
     models = request.getfixturevalue("tiny_moe_models" if arch in TINY_MOE_CONFIGS else "tiny_models")
     checkpoint = open_checkpoint(models[arch])
     model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels="auto")

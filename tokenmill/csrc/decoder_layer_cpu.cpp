@@ -30,9 +30,22 @@ void CpuDecoderLayer::set_moe(Projection router, std::shared_ptr<CpuMoeExperts> 
   gate_up.clear(), down.clear();
 }
 
+void CpuDecoderLayer::set_shared_expert(Projection gate_up, Projection down, Projection gate) {
+  TM_CHECK(moe.has_value(), "DecoderLayer.set_shared_expert: after set_moe");
+  TM_CHECK(!gate_up.empty() && !down.empty() && !gate.empty() && gate.size() == 1 && std::get<2>(gate[0]) == 1,
+           "DecoderLayer.set_shared_expert: gate_up, down and a gate of one output");
+  moe->shared_gate_up = std::move(gate_up), moe->shared_down = std::move(down), moe->shared_gate = std::move(gate);
+}
+
+void CpuDecoderLayer::set_whole_qk_norms(torch::Tensor q, torch::Tensor k) {
+  TM_CHECK(q.dim() == 1 && q.size(0) == num_heads * head_dim && k.dim() == 1 && k.size(0) == num_kv_heads * head_dim,
+           "DecoderLayer.set_whole_qk_norms: weights of num_heads * head_dim and num_kv_heads * head_dim");
+  q_norm = std::move(q), k_norm = std::move(k), whole_qk_norms = true;
+}
+
 // The dense SwiGLU MLP, or as SparseMoeBlock.forward with models/moe.py's route: softmax in float32
-// over the router's logits, the k most probable, renormalised where the model does it (the same
-// torch operations, so the same bits).
+// over the router's logits, the k most probable, renormalised where the model does it, and the shared
+// expert's output times the sigmoid of its gate added (the same torch operations, so the same bits).
 torch::Tensor CpuDecoderLayer::feed_forward(const torch::Tensor& h) const {
   if (!moe.has_value()) {
     TM_CHECK(!gate_up.empty(), "DecoderLayer: a layer without its feed-forward (set_moe)");
@@ -40,7 +53,10 @@ torch::Tensor CpuDecoderLayer::feed_forward(const torch::Tensor& h) const {
   }
   auto [weights, experts] = at::softmax(project(moe->router, h), -1, torch::kFloat32).topk(moe->top_k, -1);
   if (moe->renormalise) weights = weights / weights.sum(-1, true);
-  return moe->experts->forward(h, experts, weights);
+  torch::Tensor out = moe->experts->forward(h, experts, weights);
+  if (moe->shared_down.empty()) return out;
+  torch::Tensor shared = project(moe->shared_down, silu_mul(project(moe->shared_gate_up, h)));  // (T, hidden)
+  return out + at::sigmoid(project(moe->shared_gate, h)) * shared;                             // gate (T, 1)
 }
 
 // As PackedLinear.forward, or ConcatLinear.forward for several parts.
@@ -72,7 +88,12 @@ std::tuple<torch::Tensor, torch::Tensor> CpuDecoderLayer::forward(
   torch::Tensor qkv_rows = project(qkv, h);
   torch::Tensor heads = qkv_rows.view({T, num_heads + 2 * num_kv_heads, head_dim});
   torch::Tensor q = heads.narrow(1, 0, num_heads);
-  if (q_norm.has_value()) {  // as CpuFusedOps.rotary_qkv: torch's rms_norm, copied in place
+  if (whole_qk_norms) {  // as Attention.forward: torch's rms_norm over all of q and of k, copied in place
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    torch::Tensor q_rows = qkv_rows.narrow(1, 0, q_size), k_rows = qkv_rows.narrow(1, q_size, kv_size);
+    q_rows.copy_(at::rms_norm(q_rows, {q_size}, *q_norm, eps));
+    k_rows.copy_(at::rms_norm(k_rows, {kv_size}, *k_norm, eps));
+  } else if (q_norm.has_value()) {  // as CpuFusedOps.rotary_qkv: torch's rms_norm, copied in place
     torch::Tensor k = heads.narrow(1, num_heads, num_kv_heads);
     q.copy_(at::rms_norm(q, {head_dim}, *q_norm, eps));
     k.copy_(at::rms_norm(k, {head_dim}, *k_norm, eps));

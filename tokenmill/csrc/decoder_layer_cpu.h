@@ -14,13 +14,17 @@
 using ProjectionPart = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>;
 using Projection = std::vector<ProjectionPart>;
 
-// A sparse layer's feed-forward (models/moe.py's SparseMoeBlock without a shared expert, a router
-// bias or gpt-oss's softmax over the top k): the router's projection, then the chosen experts.
+// A sparse layer's feed-forward (models/moe.py's SparseMoeBlock without a router bias or gpt-oss's
+// softmax over the top k): the router's projection, then the chosen experts, then Qwen2-MoE's
+// shared expert where there is one.
 struct MoeFeedForward {
   Projection router;
   std::shared_ptr<CpuMoeExperts> experts;
   int64_t top_k;
   bool renormalise;  // the k weights divided by their sum
+  // set_shared_expert: a SwiGLU expert every token takes, times the sigmoid of its gate's one
+  // output (all three empty: none)
+  Projection shared_gate_up, shared_down, shared_gate;
 };
 
 struct CpuDecoderLayer {
@@ -29,6 +33,11 @@ struct CpuDecoderLayer {
                   c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm);
 
   void set_moe(Projection router, std::shared_ptr<CpuMoeExperts> experts, int64_t top_k, bool renormalise);
+  // after set_moe: Qwen2-MoE's shared expert and its gate (hidden -> 1)
+  void set_shared_expert(Projection gate_up, Projection down, Projection gate);
+  // OLMoE: one RMSNorm over all of q (weight: num_heads * head_dim) and one over all of k, in place
+  // of the per-head norms
+  void set_whole_qk_norms(torch::Tensor q_norm, torch::Tensor k_norm);
 
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
@@ -41,6 +50,7 @@ struct CpuDecoderLayer {
   Projection qkv, o, gate_up, down;  // gate_up and down empty in a sparse layer
   c10::optional<MoeFeedForward> moe;  // set_moe: the layer's feed-forward is a mixture of experts
   c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3: an RMSNorm on every q and k head
+  bool whole_qk_norms = false;                  // OLMoE: q_norm and k_norm span all the heads
   int64_t num_heads, num_kv_heads, head_dim;
   double scale;
   int64_t int8_rows = 0;  // see panel_linear

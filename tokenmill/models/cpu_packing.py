@@ -142,12 +142,16 @@ def _panel_parts(projection: nn.Module) -> list[tuple] | None:
     return [(m.panels, m.bias, m.out_features, m.format) for m in linears]
 
 
-def _sparse_parts(moe: SparseMoeBlock) -> list[tuple] | None:
-    """The router's panel parts of a sparse layer the C++ layer can run (its experts in one call,
-    no shared expert, softmax before the top k); None for any other."""
-    if moe.fused_experts is None or moe.shared_expert is not None or moe.softmax_after_topk:
-        return None
-    return _panel_parts(moe.gate)
+def _sparse_parts(moe: SparseMoeBlock) -> list[list[tuple] | None]:
+    """The panel parts of a sparse layer's router, then, where it has a shared expert, of that
+    expert's gate_up, down and gate; a None among them where the C++ layer cannot run the layer
+    (experts not in one call, gpt-oss's softmax after the top k, a projection not in panels)."""
+    if moe.fused_experts is None or moe.softmax_after_topk:
+        return [None]
+    if moe.shared_expert is None:
+        return [_panel_parts(moe.gate)]
+    shared = moe.shared_expert
+    return [_panel_parts(p) for p in (moe.gate, shared.gate_up_proj, shared.down_proj, moe.shared_expert_gate)]
 
 
 def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
@@ -156,28 +160,34 @@ def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
     (csrc/decoder_layer_cpu.cpp: the same kernels in the same order as the layer with
     CpuFusedOps, set with it by the loader) and `fused_stack`, which runs them all and the
     final norm in one call. A sparse layer's feed-forward is its router and its experts' one
-    call (fuse_experts, which runs first), where _sparse_parts takes it. forward() takes the
-    stack when the step's attention is all in the CPU kernel, without the Python between the
-    kernels, which costs small steps a sizeable part of their time (BENCHMARKS.md). Setting
-    fused_stack to None goes back to the Python layers (tests and benchmarks compare the two)."""
-    if model.config.qk_norm_whole or model.layer_class is not DecoderLayer:
-        return  # the C++ layer is a Llama-family SwiGLU layer (dense or sparse) with per-head q/k norms
+    call (fuse_experts, which runs first) and Qwen2-MoE's shared expert, where _sparse_parts
+    takes them; OLMoE's q and k norms over the whole projection go in with set_whole_qk_norms.
+    forward() takes the stack when the step's attention is all in the CPU kernel, without the
+    Python between the kernels, which costs small steps a sizeable part of their time
+    (BENCHMARKS.md). Setting fused_stack to None goes back to the Python layers (tests and
+    benchmarks compare the two)."""
+    if model.layer_class is not DecoderLayer:
+        return  # the C++ layer is a Llama-family SwiGLU layer (dense or sparse)
     fused = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         sparse = isinstance(mlp, SparseMoeBlock)
-        feed_forward = [_sparse_parts(mlp)] if sparse else [_panel_parts(mlp.gate_up_proj), _panel_parts(mlp.down_proj)]
+        feed_forward = _sparse_parts(mlp) if sparse else [_panel_parts(mlp.gate_up_proj), _panel_parts(mlp.down_proj)]
         projections = [_panel_parts(attn.qkv_proj), _panel_parts(attn.o_proj), *feed_forward]
         norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
         if any(p is None for p in projections) or len({n.eps for n in norms if n is not None}) > 1:
             return  # the C++ layer takes one eps for all its norms
-        norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
+        qk_norms = [None if n is None else n.weight.detach() for n in (attn.q_norm, attn.k_norm)]
         fused.append(kernels.DecoderLayer(
             layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
             layer.input_layernorm.eps, projections[:2] if sparse else projections, attn.num_heads,
-            attn.num_kv_heads, attn.head_dim, attn.scale, *norms))
+            attn.num_kv_heads, attn.head_dim, attn.scale, *([None, None] if attn.qk_norm_whole else qk_norms)))
+        if attn.qk_norm_whole:
+            fused[-1].set_whole_qk_norms(*qk_norms)
         if sparse:
             fused[-1].set_moe(projections[2], mlp.fused_experts, mlp.top_k, mlp.norm_topk_prob)
+        if sparse and mlp.shared_expert is not None:  # Qwen2-MoE
+            fused[-1].set_shared_expert(*projections[3:])
         fused[-1].window = attn.window or 0  # its sliding window, 0 for none
     model.fused_layers = fused
     model.fused_stack = kernels.DecoderStack(fused, model.norm.weight.detach(), model.norm.eps)

@@ -195,6 +195,24 @@ def test_gguf_written_as_llama_cpp_does_gives_hfs_logits_with_experts_in_their_b
         assert model.layers[1].mlp.fused_experts is not None  # the layer's experts in one C++ call
 
 
+def test_an_olmoe_gguf_brings_its_own_tokenizer_though_transformers_cannot_read_its_config(tmp_path):
+    """transformers' GGUF reader refuses the olmoe architecture when AutoTokenizer reads the
+    model's config; the tokenizer comes from the file's vocabulary all the same."""
+    from conftest import _TINY_MOE_SHAPE, write_gguf_from_hf
+    from test_gemma_gguf import gemma_vocabulary
+    from transformers import AutoConfig
+
+    from tokenmill.models.loader import load_tokenizer
+    options = {**_TINY_MOE_SHAPE, **TINY_MOE_CONFIGS["olmoe"]}
+    config = AutoConfig.for_model(options.pop("model_type"), vocab_size=96, num_hidden_layers=1,
+                                  num_key_value_heads=2, max_position_embeddings=128, **options)
+    path = tmp_path / "olmoe.gguf"
+    write_gguf_from_hf(AutoModelForCausalLM.from_config(config), path, tokens=gemma_vocabulary(size=96))
+    tokenizer = load_tokenizer(path, cache_dir=tmp_path / "cache")
+    ids = tokenizer.encode("ab", add_special_tokens=False)
+    assert tokenizer.vocab_size == 96 and tokenizer.convert_ids_to_tokens(ids) == ["▁a", "b"]
+
+
 def test_a_gguf_with_another_expert_gating_function_is_refused_naming_it(tmp_path):
     """llama.cpp's expert_gating_func 2 is a sigmoid over the router's logits (DeepSeek-V3's kind)."""
     from gguf import GGUFWriter

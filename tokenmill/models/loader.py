@@ -496,6 +496,22 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
+def _gguf_tokenizer(path: Path):
+    """The tokenizer transformers builds from a GGUF file's metadata. AutoTokenizer first reads the
+    model's config, which the tokenizer does not need: it misreads gpt-oss's rope scaling fields and
+    refuses architectures its GGUF reader does not know (olmoe), where the generic fast tokenizer,
+    the class it picks for them, is built directly."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if gguf_architecture(path) != "gpt-oss":
+        try:
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as exc:  # "GGUF model with architecture X is not supported yet."
+            if "not supported" not in str(exc):
+                raise
+    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = DEFAULT_CACHE_DIR):
     """A transformers tokenizer (with its chat template) for a model directory or GGUF file.
 
@@ -515,13 +531,7 @@ def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = D
     cached = cache_dir / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
-    if gguf_architecture(path) == "gpt-oss":
-        # transformers 5 misreads gpt-oss's rope scaling fields when AutoTokenizer builds the model's
-        # config, which the tokenizer does not need: the class it would pick for gpt-oss, directly
-        from transformers import PreTrainedTokenizerFast
-        tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-    else:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = _gguf_tokenizer(path)
     try:
         tok.save_pretrained(str(cached))
     except OSError as exc:  # a read-only home: just convert again next time

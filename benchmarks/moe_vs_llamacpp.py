@@ -272,8 +272,8 @@ def main() -> None:
     ap.add_argument("--llama-bench", type=Path, help="llama-bench's path: timed beside each --per-expert rep")
     ap.add_argument("--batch", type=int, default=0, help="instead: decode steps of this many requests at once")
     ap.add_argument("--llama-batched-bench", type=Path, help="timed beside each --batch rep")
-    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer directory, for files whose architecture "
-                                        "transformers cannot read a tokenizer from (olmoe)")
+    ap.add_argument("--tokenizer", help="a Hugging Face tokenizer directory instead of the file's own "
+                                        "(EngineConfig.tokenizer)")
     args = ap.parse_args()
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(args.path), kv_cache_memory="1GiB", max_model_len=4096,

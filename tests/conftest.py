@@ -200,6 +200,15 @@ def build_tiny_model(path: Path, arch: str, seed: int = 0, vocab_size: int = VOC
     return path
 
 
+def save_chat_template(path: Path, template: str) -> None:
+    """Set the chat template of the tokenizer saved in `path` (a model family's own, for the
+    messages and tool calls it writes)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(path))
+
+
 def copy_model(src: Path, dst: Path, **config_changes) -> Path:
     """A copy of the model directory `src` at `dst`, with config.json's keys changed as given."""
     import json

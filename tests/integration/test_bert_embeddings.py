@@ -13,9 +13,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import openai
 import pytest
-from test_server import running_server
+from test_server import openai_client, running_server
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.pooling_params import PoolingParams
@@ -166,7 +165,7 @@ def server(minilm):
 
 
 def test_the_server_serves_float_and_base64_vectors_equal_to_sentence_transformers(server, minilm):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    client = openai_client(server.url)
     floats = client.embeddings.create(model="tiny", input=TEXTS, encoding_format="float")
     encoded = client.embeddings.create(model="tiny", input=TEXTS, encoding_format="base64")
     vectors = np.array([d.embedding for d in floats.data], dtype=np.float32)

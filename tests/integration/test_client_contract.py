@@ -13,7 +13,7 @@ import json
 import httpx
 import openai
 import pytest
-from test_server import running_server
+from test_server import openai_client, running_server
 
 # A Qwen-style template, written here: tools in <tools>, calls in <tool_call> blocks, results as
 # tool turns. Its <tool_call> marker is what tells the server the model writes Hermes calls.
@@ -33,12 +33,9 @@ ANSWER = "It is 21 C in Paris\\."
 
 @pytest.fixture(scope="module")
 def hermes_model(tiny_bytes, tmp_path_factory):
-    from conftest import copy_model
-    from transformers import AutoTokenizer
+    from conftest import copy_model, save_chat_template
     model = copy_model(tiny_bytes, tmp_path_factory.mktemp("hermes") / "llama")
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    tokenizer.chat_template = HERMES_TEMPLATE
-    tokenizer.save_pretrained(str(model))
+    save_chat_template(model, HERMES_TEMPLATE)
     return model
 
 
@@ -50,7 +47,7 @@ def server(hermes_model):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 # ---- tools with no flags --------------------------------------------------------------------------

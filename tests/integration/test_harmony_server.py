@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 import torch
-from conftest import save_byte_tokenizer
+from conftest import save_byte_tokenizer, save_chat_template
+from test_server import openai_client, running_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, GptOssConfig
 
 from tokenmill.server.api import create_app
@@ -64,22 +64,19 @@ def tiny_harmony(tmp_path_factory):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(GptOssConfig(**TINY_GPT_OSS), dtype=torch.float32).save_pretrained(str(path))
     save_byte_tokenizer(path, TINY_GPT_OSS["vocab_size"], special=SPECIAL)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(str(path))
+    save_chat_template(path, TEMPLATE)
     return path
 
 
 @pytest.fixture(scope="module")
 def server(tiny_harmony):
-    from test_server import running_server
     with running_server(tiny_harmony) as s:  # no flag: the architecture says harmony
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 def whole_and_streamed(client, **request) -> list[tuple[str | None, str | None, list[tuple[str, str]], str]]:

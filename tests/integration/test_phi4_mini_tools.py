@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
-from test_server import running_server
+from test_server import openai_client, running_server
 
 # Phi-4-mini-instruct's chat template, as its tokenizer_config.json holds it
 PHI4_MINI_TEMPLATE = (
@@ -35,13 +34,10 @@ CALL_JSON = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 @pytest.fixture(scope="module")
 def phi4_model(tiny_bytes, tmp_path_factory):
-    from conftest import copy_model, save_byte_tokenizer
-    from transformers import AutoTokenizer
+    from conftest import copy_model, save_byte_tokenizer, save_chat_template
     model = copy_model(tiny_bytes, tmp_path_factory.mktemp("phi4") / "llama")
     save_byte_tokenizer(model, special=SPECIAL)
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    tokenizer.chat_template = PHI4_MINI_TEMPLATE
-    tokenizer.save_pretrained(str(model))
+    save_chat_template(model, PHI4_MINI_TEMPLATE)
     return model
 
 
@@ -59,7 +55,7 @@ def server(phi4_model):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 def prompt_tokens(tokenizer, messages: list[dict]) -> int:

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server import metric, running_server
+from test_server import metric, openai_client, running_server
 from test_structured_outputs import SCHEMA, check
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -32,7 +32,7 @@ def server(tiny_bytes):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 def chat(client, messages: list[dict], max_tokens: int, **options):
@@ -274,7 +274,7 @@ def test_the_openapi_schema_documents_the_endpoint(server):
 def test_a_reasoning_parser_splits_the_thinking_off_as_a_reasoning_item(tiny_bytes):
     """deepseek_r1 takes all of an output that never closes its block as thinking (a random model's)."""
     with running_server(tiny_bytes, reasoning_parser="deepseek_r1") as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        client = openai_client(s.url)
         options = dict(model="tiny", input="hi", max_output_tokens=5, temperature=0)
         response = client.responses.create(**options)
         answer = chat(client, [{"role": "user", "content": "hi"}], 5).choices[0].message

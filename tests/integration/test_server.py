@@ -59,6 +59,12 @@ def running_server(model_dir, send_buffer: int | None = None, engine_options: di
         sock.close()
 
 
+def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    """The openai client a test talks to a running server's /v1 with; no retries, so that a refusal
+    or a failure shows as it is."""
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     with running_server(tiny_llama, max_body_bytes=64 * 1024) as s:
@@ -67,7 +73,7 @@ def server(tiny_llama):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 def metric(url: str, name: str) -> float:
@@ -553,10 +559,10 @@ def test_api_key_is_enforced(tiny_llama):
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
                 return (await http.get("/api/v1/models")).status_code
         assert asyncio.run(mounted()) == 401
-        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        ok = openai_client(s.url, "s3cret")
         assert_still_serving(ok)
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
+            openai_client(s.url, "nope").models.list()
         assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
 
 
@@ -756,7 +762,7 @@ def test_clients_that_stop_reading_hold_one_output_per_request_and_are_aborted_a
                        "messages": [{"role": "user", "content": "w7"}], "max_tokens": 900, "logprobs": True,
                        "top_logprobs": 5, "ignore_eos": True})]
         most, most_bytes = live_outputs()
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        client = openai_client(s.url)
         served = list(client.completions.create(model="tiny", prompt="w8", max_tokens=50, stream=True,
                                                 stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True}))

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from test_server import metric, running_server
+from test_server import metric, openai_client, running_server
 
 WIDTH = 96  # the tiny model's hidden size
 
@@ -24,7 +24,7 @@ def server(tiny_llama):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 def test_float_base64_and_the_sdks_default_give_the_same_vectors(client):

@@ -11,6 +11,7 @@ import re
 import httpx
 import openai
 import pytest
+from test_server import openai_client, running_server
 
 from tokenmill import LLM, SamplingParams
 
@@ -124,14 +125,13 @@ def test_a_grammar_that_fails_mid_output_ends_its_request_with_an_error(tiny_byt
 
 @pytest.fixture(scope="module")
 def server(tiny_bytes):
-    from test_server import running_server
     with running_server(tiny_bytes) as s:
         yield s
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 def test_response_format_json_schema_in_chat_whole_and_streamed(client):
@@ -243,9 +243,8 @@ ASK = [{"role": "user", "content": "weather in Paris?"}]
 @pytest.fixture(scope="module")
 def hermes_client(tiny_bytes):
     """A server that parses Hermes tool calls and Qwen3's thinking."""
-    from test_server import running_server
     with running_server(tiny_bytes, tool_call_parser="hermes", reasoning_parser="qwen3") as s:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        yield openai_client(s.url)
 
 
 def test_a_named_tool_choice_calls_that_function_whole_and_streamed(client):
@@ -305,11 +304,10 @@ def test_auto_tool_calls_are_parsed_from_the_models_own_format(hermes_client):
 def mistral_client(tiny_bytes, tmp_path_factory):
     """A server that parses Mistral's tool calls, its tokenizer with "[TOOL_CALLS]" as a special token."""
     from conftest import copy_model, save_byte_tokenizer
-    from test_server import running_server
     model = copy_model(tiny_bytes, tmp_path_factory.mktemp("mistral") / "llama")
     save_byte_tokenizer(model, special=("[TOOL_CALLS]",))
     with running_server(model, tool_call_parser="mistral") as s:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        yield openai_client(s.url)
 
 
 def test_mistral_calls_after_the_special_token_are_parsed(mistral_client):
@@ -401,9 +399,8 @@ def test_thinking_comes_back_as_reasoning_content_before_the_answer_and_its_call
 def test_a_structured_output_under_a_reasoning_parser_is_the_answer(tiny_bytes):
     """deepseek_r1 takes text with no </think> as thinking; a grammar-held output never has one,
     so it is all answer (it used to come back as reasoning_content, content empty)."""
-    from test_server import running_server
     with running_server(tiny_bytes, reasoning_parser="deepseek_r1") as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        client = openai_client(s.url)
         fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
         out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=0,
                                              response_format=fmt)

@@ -1,6 +1,6 @@
 """The `long` workload over HTTP, colocated against disaggregated prefill/decode (issue 29).
 
-    python benchmarks/disagg_long.py [--rounds 2] [--model PATH] [--setups colocated shared_storage nixl]
+    python benchmarks/disagg_long.py [--rounds 2] [--model PATH] [--setups colocated nixl nixl_niced ...]
 
 32 streamed completions (64-token prompts, 128 tokens out) decode; once each has 16 tokens, a
 4,000-token prompt arrives. The decoders' inter-token gaps are taken at the client, alone (the
@@ -13,6 +13,9 @@ run before the long prompt arrives) and with it (from its send until the decoder
                     instance loads its blocks from the files at admission
     nixl            the same two instances over NIXL: the decode instance reads the prompt's
                     blocks from the prefill instance's pool while its steps go on
+    nixl_niced      the same over NIXL, neither pinned and both with the default threads, the
+                    prefill instance under `nice -n 19`: the decode instance's steps take both
+                    cores when they run, and the prefill instance the time they leave
 
 All see the same two cores; the setups take turns (in reverse order every other round), in fresh
 processes, `--rounds` times.
@@ -40,8 +43,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], cores: str | None = None) -> subprocess.Popen:
+def start(args: list[str], cores: str | None = None, nice: int = 0) -> subprocess.Popen:
     pin = ["taskset", "-c", cores] if cores else []
+    pin += ["nice", "-n", str(nice)] if nice else []
     return subprocess.Popen([*pin, sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -68,9 +72,13 @@ def launch(setup: str, model: str, storage: str) -> tuple[str, list[subprocess.P
         return f"http://127.0.0.1:{port}", procs
     p, d, r = free_port(), free_port(), free_port()
     connector = ["--kv-storage-path", storage] if setup == "shared_storage" else ["--kv-connector", "nixl"]
-    shared = [*connector, "--num-threads", "1"]
-    procs = [start(["serve", model, "--port", str(p), "--kv-role", "prefill", *shared], "0"),
-             start(["serve", model, "--port", str(d), "--kv-role", "decode", *shared], "1")]
+    if setup == "nixl_niced":
+        procs = [start(["serve", model, "--port", str(p), "--kv-role", "prefill", *connector], nice=19),
+                 start(["serve", model, "--port", str(d), "--kv-role", "decode", *connector])]
+    else:
+        shared = [*connector, "--num-threads", "1"]
+        procs = [start(["serve", model, "--port", str(p), "--kv-role", "prefill", *shared], "0"),
+                 start(["serve", model, "--port", str(d), "--kv-role", "decode", *shared], "1")]
     for port in (p, d):
         wait_healthy(f"http://127.0.0.1:{port}", procs)
     procs.append(start(["router", "--prefill", f"http://127.0.0.1:{p}", "--replica", f"http://127.0.0.1:{d}",
@@ -116,7 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M Q4_1)")
-    parser.add_argument("--setups", nargs="+", choices=("colocated", "shared_storage", "nixl"),
+    parser.add_argument("--setups", nargs="+", choices=("colocated", "shared_storage", "nixl", "nixl_niced"),
                         default=["colocated", "shared_storage", "nixl"])
     args = parser.parse_args()
     from tokenmill.models.loader import default_model_path

@@ -4,8 +4,10 @@ fixed thread per usable core and --num-threads 1, alternated in one run, so the 
 like with like on the same machine.
 
     python benchmarks/shared_cpu.py [--rounds 2] [--num-requests 16] [--env OMP_WAIT_POLICY=passive ...]
+                                    [--hog-nice 19]
 
-Each --env adds a row run with that variable set (the OpenMP runtime reads it at start).
+Each --env adds a row run with that variable set (the OpenMP runtime reads it at start);
+--hog-nice runs the hog at that niceness (a background job's).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--env", nargs="*", default=[])
+    parser.add_argument("--hog-nice", type=int, default=0, help="the hog's niceness (0: as the engine's)")
     args = parser.parse_args()
     cores = str(len(os.sched_getaffinity(0)))
     variants = {"default": ([], {}), f"--num-threads {cores}": (["--num-threads", cores], {}),
@@ -41,7 +44,7 @@ def main() -> None:
     figures: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         for load in ("quiet", "hog"):
-            hog = subprocess.Popen(HOG) if load == "hog" else None
+            hog = subprocess.Popen(HOG, preexec_fn=lambda: os.nice(args.hog_nice)) if load == "hog" else None
             time.sleep(0.5 if hog else 0)
             try:
                 for name, (extra, env) in variants.items():

@@ -16,6 +16,10 @@ that shares its core) than one thread too few on a free core.
 
 Busy time counts steal (a virtual CPU the host gave to another guest is as unavailable as one
 a local process holds); this process's own time, its spinning OpenMP workers included, does not.
+Nor does the time of niced processes (niceness above 0) while the engine itself is not niced: the
+kernel's scheduler gives a core to the engine's thread at once and leaves such a neighbour the
+rest, so the core stays the engine's (a `nice -n 19` prefill instance beside a decode instance,
+a background job). A niced engine counts them, as its peers.
 `--num-threads N` fixes the count instead.
 """
 
@@ -31,6 +35,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _IDLE_FIELDS = (3, 4)  # idle, iowait in a /proc/stat cpu line's values (after the name)
+_NICE_FIELD = 1        # the time of processes with a niceness above 0
 
 
 def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
@@ -64,15 +69,17 @@ def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"),
     return cpus, count
 
 
-def cpus_busy_seconds(cpus: set[int], stat: Path = Path("/proc/stat")) -> float:
-    """Time the given CPUs spent on anything but idling since boot (steal included), in seconds."""
+def cpus_busy_seconds(cpus: set[int], stat: Path = Path("/proc/stat"), count_nice: bool = True) -> float:
+    """Time the given CPUs spent on anything but idling since boot (steal included), in seconds;
+    without the time of niced processes unless `count_nice`."""
+    free = _IDLE_FIELDS if count_nice else (*_IDLE_FIELDS, _NICE_FIELD)
     ticks = 0
     for line in stat.read_text().splitlines():
         name, _, rest = line.partition(" ")
         if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
             continue
         values = [int(v) for v in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
-        ticks += sum(v for i, v in enumerate(values) if i not in _IDLE_FIELDS)
+        ticks += sum(v for i, v in enumerate(values) if i not in free)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -96,7 +103,8 @@ class ThreadGovernor:
         self.threads = limit            # the count in force
         self.set_threads = set_threads
         self.interval = interval
-        self._busy = busy if busy is not None else (lambda: cpus_busy_seconds(cpus))
+        count_nice = os.getpriority(os.PRIO_PROCESS, 0) > 0  # niced neighbours are peers of a niced engine
+        self._busy = busy if busy is not None else (lambda: cpus_busy_seconds(cpus, count_nice=count_nice))
         self._own = own
         self._clock = clock
         self._asked_up = 0              # windows in a row that asked for more threads

@@ -143,3 +143,28 @@ def test_a_busy_process_on_this_machine_shows_in_proc_stat() -> None:
         hog.kill()
         hog.wait()
     assert busy >= 0.7  # the hog's core, at least (other work on the machine only adds)
+
+
+def test_niced_time_is_left_out_of_busy_time_only_when_asked(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    hz = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal
+    stat.write_text(f"cpu  9 9 9 9 9 9 9 9\ncpu0 {hz} {2 * hz} {hz} 500 500 0 0 {hz}\ncpu1 0 {hz} 0 9 9 0 0 0\n")
+    assert cpus_busy_seconds({0, 1}, stat) == 6.0
+    assert cpus_busy_seconds({0, 1}, stat, count_nice=False) == 3.0
+    assert cpus_busy_seconds({1}, stat, count_nice=False) == 0.0
+
+
+def test_a_niced_busy_process_shows_only_in_the_nice_inclusive_count() -> None:
+    cpus = os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", "import os, time\nos.nice(19)\nend = time.time() + 3\n"
+                            "while time.time() < end: pass"])
+    try:
+        time.sleep(0.3)
+        all_before, unniced_before = cpus_busy_seconds(cpus), cpus_busy_seconds(cpus, count_nice=False)
+        time.sleep(0.6)
+        niced = (cpus_busy_seconds(cpus) - all_before) - (cpus_busy_seconds(cpus, count_nice=False) - unniced_before)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert niced >= 0.4  # the hog's 0.6 s of a core, at least most of it (other niced work only adds)

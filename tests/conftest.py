@@ -528,7 +528,7 @@ def engine_device():
     init = EngineConfig.__init__
 
     def on_device(self, *args, **kwargs):
-        cpu_only = kwargs.get("attention_backend") == "cpu" or kwargs.get("kv_cache_dtype") == "float16"
+        cpu_only = kwargs.get("attention_backend") == "cpu" or kwargs.get("kv_cache_dtype", "auto") != "auto"
         if not args and "model" in kwargs and "device" not in kwargs and not cpu_only:
             kwargs.update(device=device, dtype=kwargs.get("dtype", "float32"),
                           kv_cache_memory=kwargs.get("kv_cache_memory", 1 << 30))

@@ -23,7 +23,7 @@ KV_CONNECTORS = ("shared_storage", "nixl")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "fp32": "float32"}  # vLLM's names (auto: float32 on CPU, bfloat16 on CUDA)
-KV_CACHE_DTYPES = ("auto", "float16")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
 
 def parse_size(value: int | str) -> int:
@@ -189,9 +189,9 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # KV pool size in bytes or "2GiB"
     num_kv_blocks: int | None = None         # exact pool size in blocks (overrides kv_cache_memory)
     dtype: str | None = None                 # "float32" (CPU default), "bfloat16" (CUDA default)
-    kv_cache_dtype: str = "auto"             # "auto": the model's dtype; "float16" (CPU): half the KV
-                                             # bytes to store and read, values rounded to 11 bits
-                                             # (and held within +-65504)
+    kv_cache_dtype: str = "auto"             # "auto": the model's dtype; "float16" or "bfloat16" (CPU):
+                                             # half the KV bytes to store and read, values rounded to
+                                             # 11 bits (and held within +-65504) or to 8 bits
     device: str = "cpu"                      # "cpu" or "cuda"
     seed: int | None = 0                     # seeds the sampler for requests without their own seed
                                              # (None: a random one, drawn here)
@@ -272,9 +272,9 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "float16" and self.device.split(":")[0] != "cpu":
-            raise ValueError("kv_cache_dtype='float16' is for the CPU (on CUDA the pool already takes the "
-                             "model's 2-byte dtype)")
+        if self.kv_cache_dtype != "auto" and self.device.split(":")[0] != "cpu":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is for the CPU (on CUDA the pool "
+                             "already takes the model's 2-byte dtype)")
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("async_scheduling does not combine with speculative decoding: drafts are "
                              "proposed from tokens on the host")

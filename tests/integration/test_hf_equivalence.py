@@ -38,13 +38,13 @@ ARCHS = ["llama", "qwen2", "qwen3", "phi3"]
 
 @pytest.mark.parametrize("backend_name, kernels, kv_dtype, tol", [
     ("reference", "torch", torch.float32, 1e-4), ("cpu", "auto", torch.float32, 1e-4),
-    ("cpu", "auto", torch.float16, 3e-3),
+    ("cpu", "auto", torch.float16, 3e-3), ("cpu", "auto", torch.bfloat16, 2e-2),
     pytest.param("reference", "triton", torch.float32, 1e-4, marks=needs_triton)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, kv_dtype, tol):
     """Reference path (SDPA, F.linear, torch ops) and fast path (C++ attention kernel, panel
-    GEMM projections, fused C++ ops) both match transformers; with a float16 KV pool, to within
-    what rounding K and V to float16 costs; and the Triton element-wise kernels of CUDA (on a GPU, or
+    GEMM projections, fused C++ ops) both match transformers; with a float16 or bfloat16 KV pool, to
+    within what rounding K and V to it costs; and the Triton element-wise kernels of CUDA (on a GPU, or
     under the Triton interpreter without one)."""
     path = tiny_models[arch]
     checkpoint = open_checkpoint(path)

@@ -319,23 +319,26 @@ FP16_CASES = {**CASES, "many_decodes": ([1] * 40, [1 + (7 * i) % 61 for i in ran
               "kernel_tiles": ([20, 1, 9], [50, 17, 9])}
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend_name", ["reference", "torch", "cpu"])
 @pytest.mark.parametrize("case", list(FP16_CASES))
-def test_float16_pool_matches_the_oracle_on_its_rounded_values(backend_name, case):
-    """kv_cache_dtype="float16": the step's K/V are rounded into the pool, and attention over the
-    pool equals exact attention over those rounded values (the kernel widens them to float32)."""
+def test_two_byte_pool_matches_the_oracle_on_its_rounded_values(backend_name, case, pool_dtype):
+    """kv_cache_dtype="float16" or "bfloat16": the step's K/V are rounded into the pool (to nearest,
+    as torch converts), and attention over the pool equals exact attention over those rounded values
+    (the kernel widens them to float32)."""
     backend = make_backend(backend_name, torch.device("cpu"), block_size=BS, head_dim=64)
     q, k, v, k_cache, v_cache, meta, contexts = build_case(*FP16_CASES[case], seed=7, hkv=3, hq=9, d=64)
     if case == "kernel_tiles" and backend_name == "cpu":  # every sequence through the kernel
         meta.num_short, meta.num_short_tokens = 3, 30
-    k_cache, v_cache = k_cache.half(), v_cache.half()
-    expected = dense_oracle(q, k.half().float(), v.half().float(), k_cache.float(), v_cache.float(), meta,
-                            contexts, 0.125)
+    k_cache, v_cache = k_cache.to(pool_dtype), v_cache.to(pool_dtype)
+    expected = dense_oracle(q, k.to(pool_dtype).float(), v.to(pool_dtype).float(), k_cache.float(), v_cache.float(),
+                            meta, contexts, 0.125)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
     assert out.dtype == torch.float32
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
     slots = meta.slot_block * BS + meta.slot_offset
-    assert torch.equal(by_slot(k_cache)[slots], k.half()) and torch.equal(by_slot(v_cache)[slots], v.half())
+    assert torch.equal(by_slot(k_cache)[slots], k.to(pool_dtype))
+    assert torch.equal(by_slot(v_cache)[slots], v.to(pool_dtype))
 
 
 @pytest.mark.parametrize("backend_name", ["reference", "cpu"])

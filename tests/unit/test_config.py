@@ -56,11 +56,13 @@ def test_tensor_parallelism_flags_reach_the_config_and_a_draft_model_is_refused_
         EngineConfig(tensor_parallel_size=2, speculative="draft:/some/model")
 
 
-def test_float16_kv_cache_is_for_the_cpu():
+def test_two_byte_kv_caches_are_for_the_cpu():
     assert EngineConfig(kv_cache_dtype="float16").kv_dtype_name == "float16"
+    assert EngineConfig(kv_cache_dtype="bfloat16").kv_dtype_name == "bfloat16"
     assert EngineConfig(device="cuda").kv_dtype_name == "bfloat16"
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(device="cuda", kv_cache_dtype="float16")
+    for kv in ("float16", "bfloat16"):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype='{kv}' is for the CPU"):
+            EngineConfig(device="cuda", kv_cache_dtype=kv)
 
 
 def test_parse_size():

@@ -14,7 +14,8 @@
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention for short queries (float32 queries, float32 or float16 pool)",
+  m.def("paged_attention", &paged_attention,
+        "Paged attention for short queries (float32 queries, float32, float16 or bfloat16 pool)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
         py::arg("sinks") = py::none());

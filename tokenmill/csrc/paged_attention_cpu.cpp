@@ -27,8 +27,9 @@
 // (A single pass with an online softmax per block was a third slower again: its per-block max,
 // exp and rescaling were scalar work on every 16 keys.)
 //
-// The pool holds float32 or float16 (kv_cache_dtype="float16": half the bytes to read, each
-// row widened to float32 as it is loaded, F16C); queries, scores and sums are float32.
+// The pool holds float32, float16 or bfloat16 (kv_cache_dtype="float16" or "bfloat16": half the
+// bytes to read, each row widened to float32 as it is loaded: F16C, or a 16-bit shift for
+// bfloat16, whose bits are a float32's upper half); queries, scores and sums are float32.
 //
 // Shapes (contiguous):
 //   q            (T, Hq, D)                         queries, flat (rows may be strided)
@@ -86,7 +87,7 @@ struct PrefetchCursor {
   }
 };
 
-// ---- portable primitives (any D); KV is float or at::Half -------------------------------
+// ---- portable primitives (any D); KV is float, at::Half or at::BFloat16 -------------------
 
 // scores[j] = scale * <q, k_j> for j < n, k: (n, D)
 template <typename KV>
@@ -135,6 +136,10 @@ float softmax_numerator_scalar(float* x, int64_t n, float* max_out) {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(halves, 16));
 }
 
 // [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in seven shuffles instead of forty.
@@ -641,6 +646,9 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   return out;
 }
 
+// The pool's element types the kernels read and write.
+bool pool_dtype(c10::ScalarType t) { return t == torch::kFloat32 || t == torch::kFloat16 || t == torch::kBFloat16; }
+
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -653,19 +661,22 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                                   sinks->size(0) == q.size(1) && sinks->is_contiguous()),
            "paged_attention: sinks must be a contiguous float32 tensor of one logit per query head");
   const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  TM_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
-               (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16),
-           "paged_attention: float32 queries, a float32 or float16 pool");
+  TM_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() && pool_dtype(k_cache.scalar_type()),
+           "paged_attention: float32 queries, a float32, float16 or bfloat16 pool");
   if (k_cache.dtype() == torch::kFloat16)
     return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
                                           softcap, sink_ptr);
+  if (k_cache.dtype() == torch::kBFloat16)
+    return paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale,
+                                              window, softcap, sink_ptr);
   return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, softcap,
                                      sink_ptr);
 }
 
 // Store this step's keys and values: token t goes to block slot_block[t], offset slot_offset[t].
 // k, v: (T, Hkv, D) float32 (rows may be strided views of the fused qkv projection); caches as
-// above, float32 or float16 (rounded to nearest on the way in, saturating at +-65504).
+// above, float32, float16 (rounded to nearest on the way in, saturating at +-65504) or bfloat16
+// (rounded to nearest even, as torch's conversion does).
 template <typename KV>
 void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
                    const int64_t* blocks, const int64_t* offsets) {
@@ -715,9 +726,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
            "write_kv: heads must be contiguous");
   TM_CHECK(slot_block.dtype() == torch::kInt64 && slot_offset.dtype() == torch::kInt64, "write_kv: int64 slots");
   TM_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
-           (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16) &&
-           k_cache.is_contiguous() && v_cache.is_contiguous(),
-           "write_kv: float32 k/v, contiguous float32 or float16 caches");
+           pool_dtype(k_cache.scalar_type()) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+           "write_kv: float32 k/v, contiguous float32, float16 or bfloat16 caches");
   const int64_t T = k.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
   TM_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
            v_cache.sizes() == k_cache.sizes(), "write_kv: k/v shapes disagree with the cache");
@@ -727,6 +737,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   const int64_t* offsets = slot_offset.data_ptr<int64_t>();
   if (k_cache.dtype() == torch::kFloat16) {
     write_kv_impl<at::Half>(k, v, k_cache, v_cache, blocks, offsets);
+  } else if (k_cache.dtype() == torch::kBFloat16) {
+    write_kv_impl<at::BFloat16>(k, v, k_cache, v_cache, blocks, offsets);
   } else {
     write_kv_impl<float>(k, v, k_cache, v_cache, blocks, offsets);
   }

@@ -4,8 +4,8 @@ top-2; Qwen2-MoE with a dense first layer and a shared expert, Qwen3-MoE sparse 
 layer).
 
 1. The logits of a ragged step (a chunk continuing an earlier one, a decode, a first chunk)
-   match transformers' forward of each sequence alone, on the reference path and on the CPU
-   kernels' path (experts packed in panels).
+   match transformers' forward of each sequence alone, on the reference path, with the experts
+   grouped as CUDA runs them, and on the CPU kernels' path (experts packed in panels).
 2. Greedy generation under chunked prefill, prefix caching and forced preemption equals
    transformers' `generate` on each prompt alone, token for token.
 3. The same models written to GGUF as llama.cpp writes them (merged expert tensors) give
@@ -27,7 +27,7 @@ from tokenmill.config import CacheConfig
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_runner import ModelRunner
 from tokenmill.models.loader import load_model, open_checkpoint
-from tokenmill.models.moe import SparseMoeBlock
+from tokenmill.models.moe import SparseMoeBlock, group_experts
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import ModelWorker
@@ -48,13 +48,17 @@ def test_each_layer_is_dense_or_sparse_as_the_config_says(tiny_moe_models):
         assert (block.shared_expert is not None) == (arch == "qwen2_moe")
 
 
-@pytest.mark.parametrize("backend_name, kernels", [("reference", "torch"), ("cpu", "auto")])
+@pytest.mark.parametrize("backend_name, kernels", [("reference", "torch"), ("reference", "grouped"), ("cpu", "auto")])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_ragged_step_logits_match_hf(tiny_moe_models, arch, backend_name, kernels):
+    """kernels="grouped": the torch path with the experts stacked for grouped products, as CUDA
+    loads them (torch's CPU fallback of _grouped_mm computes them here)."""
     path = tiny_moe_models[arch]
     checkpoint = open_checkpoint(path)
     cpu = torch.device("cpu")
-    model = load_model(checkpoint, 256, torch.float32, cpu, kernels=kernels)
+    model = load_model(checkpoint, 256, torch.float32, cpu, kernels="torch" if kernels == "grouped" else kernels)
+    if kernels == "grouped":
+        assert group_experts(model) == sum(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
     kv = KVCacheManager(num_blocks=32, block_size=16, enable_prefix_caching=False)
     runner = ModelRunner(ModelWorker(model, checkpoint.config, CacheConfig(32, 16), make_backend(backend_name, cpu),
                                      cpu, torch.float32), seed=0)

@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from tokenmill.config import MoEConfig
 from tokenmill.models.llama import MLP
-from tokenmill.models.moe import ClampedSwiGLU, SparseMoeBlock, checkpoint_name, route
+from tokenmill.models.moe import (
+    AbsentExpert,
+    ClampedSwiGLU,
+    SparseMoeBlock,
+    checkpoint_name,
+    group_experts,
+    grouped_mm_runs,
+    route,
+)
 from tokenmill.models.ops import TorchOps
 
 HIDDEN, WIDTH, SHARED = 64, 32, 48
@@ -133,3 +142,58 @@ def test_gpt_oss_experts_grouped_equal_a_loop_over_tokens_with_the_clamped_swigl
                                  + expert.down_proj.bias)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (block.experts[0].gate_up_proj(x)[:, :WIDTH] > limit).any()  # the clamp bites at these weights
+
+
+@pytest.mark.parametrize("num_experts, top_k, renormalise, shared, tokens", [
+    (8, 2, True, False, 37), (4, 2, False, True, 9), (8, 1, False, False, 1), (6, 3, True, True, 64)])
+def test_grouped_products_equal_the_loop_over_experts(num_experts, top_k, renormalise, shared, tokens):
+    """group_experts' path (torch._grouped_mm, which CUDA runs as one kernel a projection; torch's CPU
+    fallback here) gives the per-expert loop's output, its experts' weights views of the stacks."""
+    block = make_block(num_experts, top_k, renormalise, shared)
+    x = torch.randn(tokens, HIDDEN)
+    with torch.no_grad():
+        want = block.forward(x, TorchOps())
+        assert group_experts(block) == 1
+        got = block.forward(x, TorchOps())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    gate_up, down = block.grouped
+    assert gate_up.shape == (num_experts, 2 * WIDTH, HIDDEN) and down.shape == (num_experts, HIDDEN, WIDTH)
+    for index, expert in enumerate(block.experts):
+        assert expert.gate_up_proj.weight.data_ptr() == gate_up[index].data_ptr()
+        assert expert.down_proj.weight.data_ptr() == down[index].data_ptr()
+
+
+def test_experts_with_biases_or_held_elsewhere_are_not_grouped():
+    gpt_oss = SparseMoeBlock(MoEConfig(4, 2, WIDTH, False, router_bias=True, softmax_after_topk=True,
+                                       swiglu_limit=7.0), HIDDEN,
+                             [ClampedSwiGLU(HIDDEN, WIDTH, 7.0, 1.702) for _ in range(4)])
+    rank_share = SparseMoeBlock(MoEConfig(4, 2, WIDTH, True), HIDDEN,
+                                [MLP(HIDDEN, WIDTH), MLP(HIDDEN, WIDTH), AbsentExpert(), AbsentExpert()])
+    assert group_experts(nn.ModuleList([gpt_oss, rank_share])) == 0
+    assert gpt_oss.grouped is None and rank_share.grouped is None
+
+
+def test_grouped_mm_runs_in_float32_on_this_cpu():
+    assert grouped_mm_runs(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_grouped_products_match_the_loop_and_replay_in_a_cuda_graph():
+    """CUDA's grouped GEMM in bfloat16, eagerly and captured in a CUDA graph (no host sync inside)."""
+    device = torch.device("cuda")
+    if not grouped_mm_runs(device, torch.bfloat16):
+        pytest.skip("torch._grouped_mm does not run on this GPU")
+    block = make_block(8, 2, True, True).to(device, torch.bfloat16)
+    x = torch.randn(24, HIDDEN, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = block.forward(x, TorchOps()).float()
+        assert group_experts(block) == 1
+        torch.testing.assert_close(block.forward(x, TorchOps()).float(), want, rtol=2e-2, atol=2e-2)
+        static_x = x.clone()
+        block.forward(static_x, TorchOps())  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = block.forward(static_x, TorchOps())
+        static_x.copy_(x.flip(0))
+        graph.replay()
+        torch.testing.assert_close(static_out.float(), want.flip(0), rtol=2e-2, atol=2e-2)

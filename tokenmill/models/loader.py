@@ -56,7 +56,7 @@ from tokenmill.models.gpt_oss import (
     mxfp4_weight_blocks,
 )
 from tokenmill.models.llama import LlamaForCausalLM, partial_rotary_order, rope_kind
-from tokenmill.models.moe import MOE_ARCHITECTURES
+from tokenmill.models.moe import MOE_ARCHITECTURES, group_experts, grouped_mm_runs
 from tokenmill.models.ops import CpuFusedOps
 from tokenmill.models.packed_linear import GGUFMatrix, onednn_available
 from tokenmill.models.parallel import (
@@ -464,6 +464,8 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
             model.ops = TritonFusedOps()
         except ImportError:  # no triton: torch's own element-wise kernels
             pass
+        if grouped_mm_runs(device, dtype):
+            group_experts(model)
     if sharded:
         parallelize(model, all_reduce)
     if device.type == "cpu":

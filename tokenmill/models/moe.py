@@ -25,8 +25,15 @@ as one call instead (`fused_experts`, csrc/moe_cpu.cpp, built by cpu_packing.fus
 the same grouping, products (with CpuFusedOps' silu_mul), weighting and sums, bit for bit,
 without a call from Python per expert product.
 
-While a CUDA graph is being captured the counts per expert cannot be read on the host, so each
-expert runs over every row, weighted by zero where it was not chosen: the same sums, slower.
+On CUDA, a layer's routed SwiGLU experts (bias-free, all on this rank) are stacked into one
+gate_up and one down tensor at load (`group_experts`; each expert's weights become views of them)
+and run as two grouped products (`torch._grouped_mm`, one kernel each over every expert's run of
+rows, the runs' ends given on the device): no host sync and no Python per expert, so the same
+path also runs inside a captured CUDA graph. Without it (another device or dtype
+`_grouped_mm` refuses, gpt-oss's biased experts, a tensor-parallel rank's share), the loop above
+runs; and while a CUDA graph is being captured, where the counts per expert cannot be read on the
+host, each expert runs over every row, weighted by zero where it was not chosen: the same sums,
+slower.
 """
 
 from __future__ import annotations
@@ -109,12 +116,15 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
         self.fused_experts = None  # the routed experts as one C++ call (cpu_packing.fuse_experts); None: per expert
+        self.grouped: tuple[torch.Tensor, torch.Tensor] | None = None  # stacked (gate_up, down): group_experts
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, experts = route(self.gate.forward(x), self.top_k, self.norm_topk_prob,
                                  self.softmax_after_topk)                        # (T, k) each
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if self.grouped is not None:
+            out = self._grouped_experts(x, weights, experts, ops)
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = self._every_expert(x, weights, experts, ops)
         elif self.fused_experts is not None:
             out = self.fused_experts.forward(x, experts, weights)
@@ -149,6 +159,20 @@ class SparseMoeBlock(nn.Module):
                 start += count
         return torch.zeros_like(x).index_add_(0, tokens, self._scaled(y, weights.flatten()[order]))
 
+    def _grouped_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops) -> torch.Tensor:
+        """The same grouping as _routed_experts, each projection one grouped product over the
+        experts' runs of rows; the runs' ends computed on the device (no host sync)."""
+        gate_up, down = self.grouped
+        flat = experts.flatten()                                        # (T * k,) expert of each pair
+        order = flat.argsort(stable=True)                               # pairs grouped by expert
+        counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+        ends = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+        tokens = order // self.top_k                                    # (T * k,) token of each pair
+        rows = x.index_select(0, tokens)                                # (T * k, hidden) grouped by expert
+        h = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=ends)           # (T * k, 2 * width)
+        y = torch._grouped_mm(ops.silu_mul(h), down.transpose(-2, -1), offs=ends)   # (T * k, hidden)
+        return torch.zeros_like(x).index_add_(0, tokens, self._scaled(y, weights.flatten()[order]))
+
     def _every_expert(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops) -> torch.Tensor:
         """Every expert over every row, weighted by zero where it was not chosen: no host sync."""
         out = torch.zeros_like(x)
@@ -158,3 +182,48 @@ class SparseMoeBlock(nn.Module):
             chosen = (weights * (experts == index)).sum(dim=-1)          # (T,) this expert's weight, or 0
             out += self._scaled(expert.forward(x, ops), chosen)
         return out
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm computes on this device in this dtype (CUDA's needs bfloat16 and
+    a recent GPU; torch's CPU fallback takes float32 and bfloat16), tried on a tiny product."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a, b = torch.ones(4, 16, device=device, dtype=dtype), torch.ones(2, 16, 16, device=device, dtype=dtype)
+        torch._grouped_mm(a, b.transpose(-2, -1), offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def group_experts(model: nn.Module) -> int:
+    """Stack the routed experts of every SparseMoeBlock in `model` whose experts are all bias-free
+    SwiGLU modules held here (gate_up_proj and down_proj, no AbsentExpert) into one (E, 2 * width,
+    hidden) and one (E, hidden, width) tensor, each expert's weights then views of them, so that
+    the block runs them as grouped products. Rows of each product must start on 16 bytes, as
+    _grouped_mm asks. Returns how many blocks were grouped."""
+    grouped = 0
+    for block in model.modules():
+        if not isinstance(block, SparseMoeBlock) or not _groupable(block.experts):
+            continue
+        stacked = []
+        for name in ("gate_up_proj", "down_proj"):
+            weights = torch.stack([getattr(e, name).weight.detach() for e in block.experts])
+            for index, expert in enumerate(block.experts):
+                getattr(expert, name).weight = nn.Parameter(weights[index], requires_grad=False)
+            stacked.append(weights)
+        block.grouped = (stacked[0], stacked[1])
+        grouped += 1
+    return grouped
+
+
+def _groupable(experts: nn.ModuleList) -> bool:
+    for e in experts:
+        if not (hasattr(e, "gate_up_proj") and hasattr(e, "down_proj")) or isinstance(e, ClampedSwiGLU):
+            return False
+        if e.gate_up_proj.bias is not None or e.down_proj.bias is not None:
+            return False
+        if any(w.shape[-1] * w.element_size() % 16 for w in (e.gate_up_proj.weight, e.down_proj.weight)):
+            return False
+    return True

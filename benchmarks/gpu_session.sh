@@ -1,7 +1,8 @@
 #!/bin/bash
 # One call on a lent GPU machine (run from the repo root, `.whl/` carried; see BENCHMARKS.md's GPU
 # section): the machine, the test suite with every engine on CUDA, greedy parity with transformers,
-# and the nano-vllm workload. Logs go to $OUT; the summary is the output's end.
+# the nano-vllm workload and a Qwen3-30B-A3B-shaped MoE (4 layers) grouped vs looped. Logs go to
+# $OUT; the summary is the output's end.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -19,3 +20,5 @@ timeout "${CHECK_S:-90}" python3 benchmarks/gpu_bench.py check > "$OUT/check.txt
 grep -E "False|rror" "$OUT/check.txt" | cut -c1-200 | head -8; grep -c "equal to transformers: True" "$OUT/check.txt"
 timeout "${BENCH_S:-110}" python3 benchmarks/gpu_bench.py bench --modes "${MODES:-graphs}" > "$OUT/bench.txt" 2>&1
 echo "bench exit $?"; tail -6 "$OUT/bench.txt"
+timeout "${MOE_S:-240}" python3 benchmarks/gpu_moe.py --layers 4 --rounds 1 > "$OUT/moe.txt" 2>&1
+echo "moe exit $?"; grep -E "round|rror" "$OUT/moe.txt" | tail -6

@@ -126,7 +126,8 @@ def test_a_stream_nobody_reads_holds_one_output_that_adds_up_to_what_a_reader_go
     assert [t for out in read for t in out.new_token_ids] == whole.token_ids
     assert len(held) == 1 and len(rest) == 1 and rest[0].finished
     merged = rest[0]
-    assert len(first.new_token_ids) == 1 and len(merged.new_token_ids) == 199
+    # the first read takes what was there when it came: one step's token, or a few merged on a busy host
+    assert len(first.new_token_ids) >= 1 and len(first.new_token_ids) + len(merged.new_token_ids) == 200
     assert first.new_text + merged.new_text == whole.text == merged.outputs[0].text
     assert first.new_token_ids + merged.new_token_ids == whole.token_ids == merged.outputs[0].token_ids
     assert merged.outputs[0].logprobs == whole.logprobs and merged.outputs[0].finish_reason == "length"

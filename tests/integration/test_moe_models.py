@@ -98,6 +98,16 @@ def test_ragged_step_logits_match_hf(tiny_moe_models, arch, backend_name, kernel
         assert rel_err(step[rid], ref) <= 1e-4, f"{arch}/{rid}: {rel_err(step[rid], ref):.2e}"
 
 
+def test_the_loader_groups_the_experts_where_the_cpu_kernels_do_not_run_them(tiny_moe_models):
+    """bfloat16 on the CPU (plain torch): grouped products; float32 with the kernels: the C++ call;
+    kernels="torch": the reference loop."""
+    path = tiny_moe_models["qwen3_moe"]
+    for dtype, kernels, grouped in ((torch.bfloat16, "auto", True), (torch.float32, "auto", False),
+                                    (torch.float32, "torch", False)):
+        model = load_model(open_checkpoint(path), 64, dtype, torch.device("cpu"), kernels=kernels)
+        assert (model.layers[1].mlp.grouped is not None) == grouped, (dtype, kernels)
+
+
 @pytest.mark.parametrize("arch, backend", [("mixtral", "cpu"), ("qwen2_moe", "reference"), ("qwen3_moe", "cpu"),
                                            ("olmoe", "reference")])
 def test_greedy_generation_equals_hf_under_chunking_prefix_caching_and_preemption(tiny_moe_models, arch, backend):

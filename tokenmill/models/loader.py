@@ -464,8 +464,8 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
             model.ops = TritonFusedOps()
         except ImportError:  # no triton: torch's own element-wise kernels
             pass
-        if grouped_mm_runs(device, dtype):
-            group_experts(model)
+    if kernels == "auto" and not packing and grouped_mm_runs(device, dtype):
+        group_experts(model)  # CUDA, or another dtype than float32 on the CPU: experts as grouped products
     if sharded:
         parallelize(model, all_reduce)
     if device.type == "cpu":

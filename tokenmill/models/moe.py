@@ -25,9 +25,10 @@ as one call instead (`fused_experts`, csrc/moe_cpu.cpp, built by cpu_packing.fus
 the same grouping, products (with CpuFusedOps' silu_mul), weighting and sums, bit for bit,
 without a call from Python per expert product.
 
-On CUDA, a layer's routed SwiGLU experts (bias-free, all on this rank) are stacked into one
-gate_up and one down tensor at load (`group_experts`; each expert's weights become views of them)
-and run as two grouped products (`torch._grouped_mm`, one kernel each over every expert's run of
+On CUDA (and on a CPU in another dtype than float32, where the C++ kernels do not run), a
+layer's routed SwiGLU experts (bias-free, all on this rank) are stacked into one gate_up and one
+down tensor at load (`group_experts`; each expert's weights become views of them) and run as two
+grouped products (`torch._grouped_mm`, one kernel each over every expert's run of
 rows, the runs' ends given on the device): no host sync and no Python per expert, so the same
 path also runs inside a captured CUDA graph. Without it (another device or dtype
 `_grouped_mm` refuses, gpt-oss's biased experts, a tensor-parallel rank's share), the loop above

@@ -220,6 +220,7 @@ def group_experts(model: nn.Module) -> int:
 
 
 def _groupable(experts: nn.ModuleList) -> bool:
+    """Whether every expert is a bias-free SwiGLU module held here, its rows a multiple of 16 bytes."""
     for e in experts:
         if not (hasattr(e, "gate_up_proj") and hasattr(e, "down_proj")) or isinstance(e, ClampedSwiGLU):
             return False

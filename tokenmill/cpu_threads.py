@@ -12,7 +12,9 @@ on the rest, back up once they have been free for a while:
 
 Fewer threads are taken at the first window that asks for them, more only after three windows in
 a row ask: too many threads beside a neighbour cost far more (every kernel waits for the thread
-that shares its core) than one thread too few on a free core.
+that shares its core) than one thread too few on a free core. On two usable CPUs, with the C++
+kernels to pin threads, a neighbour gets both threads bound one to a CPU instead of one thread,
+and heavy load one thread (ThreadGovernor).
 
 Busy time counts steal (a virtual CPU the host gave to another guest is as unavailable as one
 a local process holds); this process's own time, its spinning OpenMP workers included, does not.
@@ -91,26 +93,48 @@ def own_cpu_seconds() -> float:
 
 class ThreadGovernor:
     """Sets the intra-op thread count between steps from the cores other processes leave free
-    (module docstring). `update` is called before each step, on the thread that runs it."""
+    (module docstring). `update` is called before each step, on the thread that runs it.
+
+    With `bind` (pins the calling thread's OpenMP team: thread t to cpus[t], or every thread to
+    all of them) on two usable CPUs, a neighbour gets the two threads bound one to a core rather
+    than one thread: a neighbour can then share a core with only one of them, never put both on
+    one. Beside one or two busy processes that did 1.08-1.1x one thread's work, where two floating
+    threads did 0.7x (BENCHMARKS.md). Bound threads leave such a neighbour about half a core, so
+    its busy time reads lower there: one thread again only past 1.25 CPUs' worth (heavy load),
+    and unbound only below a quarter."""
 
     UP_WINDOWS = 3  # windows in a row that must ask for more threads before they are added
 
     def __init__(self, cpus: set[int], limit: int, set_threads: Callable[[int], None], interval: float = 0.5,
                  busy: Callable[[], float] | None = None, own: Callable[[], float] = own_cpu_seconds,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 bind: Callable[[list[int], bool], None] | None = None) -> None:
         self.num_cpus = len(cpus)
         self.limit = limit
-        self.threads = limit            # the count in force
+        self.cpus = sorted(cpus)
         self.set_threads = set_threads
+        self.bind = bind if len(cpus) == limit == 2 else None
+        # the settings, from the most cautious to the most parallel: (threads, bound one to a CPU)
+        self.levels = ([(1, False), (2, True), (2, False)] if self.bind is not None
+                       else [(n, False) for n in range(1, limit + 1)])
+        self.level = len(self.levels) - 1
         self.interval = interval
         count_nice = os.getpriority(os.PRIO_PROCESS, 0) > 0  # niced neighbours are peers of a niced engine
         self._busy = busy if busy is not None else (lambda: cpus_busy_seconds(cpus, count_nice=count_nice))
         self._own = own
         self._clock = clock
-        self._asked_up = 0              # windows in a row that asked for more threads
+        self._asked_up = 0              # windows in a row that asked for a more parallel level
         self.others = 0.0               # CPUs' worth the other processes used in the last window
-        set_threads(limit)
+        self._apply()
         self._mark = (clock(), self._busy(), own())
+
+    @property
+    def threads(self) -> int:
+        return self.levels[self.level][0]
+
+    @property
+    def bound(self) -> bool:
+        return self.levels[self.level][1]
 
     def update(self) -> None:
         now = self._clock()
@@ -120,11 +144,25 @@ class ThreadGovernor:
         busy, own = self._busy(), self._own()
         self._mark = (now, busy, own)
         self.others = max(0.0, (busy - busy_then) - (own - own_then)) / (now - since)
-        wanted = min(self.limit, max(1, math.floor(self.num_cpus - self.others + 0.5)))
-        self._asked_up = self._asked_up + 1 if wanted > self.threads else 0
-        if wanted < self.threads or self._asked_up >= self.UP_WINDOWS:
-            logger.debug("CPU threads %d -> %d: other processes held %.2f of %d CPUs",
-                         self.threads, wanted, self.others, self.num_cpus)
-            self.threads = wanted
-            self.set_threads(wanted)
+        wanted = self._wanted_level()
+        self._asked_up = self._asked_up + 1 if wanted > self.level else 0
+        if wanted < self.level or self._asked_up >= self.UP_WINDOWS:
+            logger.debug("CPU threads %s -> %s: other processes held %.2f of %d CPUs",
+                         self.levels[self.level], self.levels[wanted], self.others, self.num_cpus)
+            self.level = wanted
+            self._apply()
             self._asked_up = 0
+
+    def _wanted_level(self) -> int:
+        if self.bind is None:  # a thread per CPU the others leave free
+            return min(self.limit, max(1, math.floor(self.num_cpus - self.others + 0.5))) - 1
+        if self.others >= 1.25:
+            return 0
+        if self.others >= 0.5:
+            return 1 if self.level >= 1 or self.others < 1.2 else 0
+        return 2 if self.level == 2 or self.others < 0.25 else 1
+
+    def _apply(self) -> None:
+        self.set_threads(self.threads)
+        if self.bind is not None:  # after the count: a worker started now takes its starter's CPUs
+            self.bind(self.cpus, self.bound)

@@ -11,6 +11,7 @@ import os
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.cpu_threads import ThreadGovernor, usable_cpus
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ def rank_device(name: str, local_rank: int) -> torch.device:
 
 
 def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGovernor | None:
-    """--num-threads fixes the CPU threads; otherwise they follow the cores left free (cpu_threads.py).
+    """--num-threads fixes the CPU threads; otherwise they follow the cores left free (cpu_threads.py),
+    pinned by the C++ kernels where the governor binds them (two CPUs and a neighbour).
     Tensor-parallel ranks on one CPU share its cores: each runs a fixed share of them (1/N, or 1 over
     torchrun's LOCAL_WORLD_SIZE, the ranks on this machine), since every all-reduce waits for the
     slowest rank and a governor per rank would see the others as load."""
@@ -50,7 +52,8 @@ def thread_governor(config: EngineConfig, device: torch.device) -> ThreadGoverno
         here = int(os.environ.get("LOCAL_WORLD_SIZE", config.tensor_parallel_size))
         torch.set_num_threads(max(1, limit // here))
         return None
-    return ThreadGovernor(cpus, limit, torch.set_num_threads)
+    kernels = load_cpu_kernels(required=False) if config.kernels == "auto" else None
+    return ThreadGovernor(cpus, limit, torch.set_num_threads, bind=kernels.bind_threads if kernels else None)
 
 
 def context_length(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tokenmill.cpu_threads import ThreadGovernor, cgroup_cpu_limit, cpus_busy_seconds, usable_cpus
 
 
@@ -17,15 +19,17 @@ class FakeHost:
     def __init__(self) -> None:
         self.now = self.busy = self.own = 0.0
         self.calls: list[int] = []
+        self.binds: list[bool] = []  # one_each of each bind call
 
     def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
         self.now += seconds
         self.own += own_cores * seconds
         self.busy += (own_cores + other_cores) * seconds
 
-    def governor(self, cpus: int = 2, limit: int = 2) -> ThreadGovernor:
+    def governor(self, cpus: int = 2, limit: int = 2, bind: bool = False) -> ThreadGovernor:
         return ThreadGovernor(set(range(cpus)), limit, self.calls.append, interval=0.5, busy=lambda: self.busy,
-                              own=lambda: self.own, clock=lambda: self.now)
+                              own=lambda: self.own, clock=lambda: self.now,
+                              bind=(lambda cpus, one_each: self.binds.append(one_each)) if bind else None)
 
 
 def windows(host: FakeHost, gov: ThreadGovernor, count: int, own_cores: float, other_cores: float) -> None:
@@ -88,6 +92,41 @@ def test_never_below_one_thread_nor_above_the_limit() -> None:
     assert gov.threads == 1
     windows(host, gov, 3, own_cores=1.0, other_cores=0.0)
     assert gov.threads == 1 and host.calls == [1]
+
+
+def test_on_two_cpus_a_neighbour_gets_two_threads_bound_one_to_a_cpu() -> None:
+    host = FakeHost()
+    gov = host.governor(bind=True)
+    assert (gov.threads, gov.bound) == (2, False) and host.binds == [False]
+    windows(host, gov, 1, own_cores=1.5, other_cores=1.0)
+    assert (gov.threads, gov.bound) == (2, True) and host.calls == [2, 2] and host.binds == [False, True]
+    windows(host, gov, 5, own_cores=1.5, other_cores=0.5)  # the neighbour now shares a core: stays bound
+    assert (gov.threads, gov.bound) == (2, True)
+    windows(host, gov, 2, own_cores=2.0, other_cores=0.1)
+    assert gov.bound
+    windows(host, gov, 1, own_cores=2.0, other_cores=0.1)  # gone three windows in a row: unbound
+    assert (gov.threads, gov.bound) == (2, False) and host.binds == [False, True, False]
+
+
+def test_on_two_cpus_heavy_load_gets_one_thread_and_bound_two_only_after_three_lighter_windows() -> None:
+    host = FakeHost()
+    gov = host.governor(bind=True)
+    windows(host, gov, 1, own_cores=0.5, other_cores=1.6)
+    assert (gov.threads, gov.bound) == (1, False)
+    windows(host, gov, 3, own_cores=1.0, other_cores=1.22)  # two busy neighbours beside one thread: stay
+    assert gov.threads == 1
+    windows(host, gov, 2, own_cores=1.0, other_cores=1.0)
+    assert gov.threads == 1
+    windows(host, gov, 1, own_cores=1.0, other_cores=1.0)
+    assert (gov.threads, gov.bound) == (2, True) and host.calls == [2, 1, 2]
+
+
+def test_binding_is_only_for_two_cpus_all_usable() -> None:
+    for cpus, limit in ((4, 4), (2, 1)):
+        host = FakeHost()
+        gov = host.governor(cpus=cpus, limit=limit, bind=True)
+        windows(host, gov, 1, own_cores=1.0, other_cores=1.0)
+        assert not gov.bound and host.binds == []
 
 
 def test_updates_within_the_interval_read_nothing() -> None:
@@ -168,3 +207,33 @@ def test_a_niced_busy_process_shows_only_in_the_nice_inclusive_count() -> None:
         hog.kill()
         hog.wait()
     assert niced >= 0.4  # the hog's 0.6 s of a core, at least most of it (other niced work only adds)
+
+
+def test_bind_threads_pins_the_callers_team_one_to_a_cpu_and_unpins_it() -> None:
+    """The kernels' bind_threads on this machine's real OpenMP team: with two threads, the caller
+    (thread 0) on the first CPU and its worker on the second; then every thread on both again."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    import torch
+
+    from tokenmill.cpu_kernels import load_cpu_kernels
+    kernels = load_cpu_kernels(required=True)
+    threads = torch.get_num_threads()
+
+    def allowed() -> set[str]:  # each thread's Cpus_allowed_list
+        lists = set()
+        for status in Path("/proc/self/task").glob("*/status"):
+            line = next(x for x in status.read_text().splitlines() if x.startswith("Cpus_allowed_list"))
+            lists.add(line.split()[-1])
+        return lists
+
+    torch.set_num_threads(2)
+    try:
+        kernels.bind_threads(cpus[:2], True)
+        assert os.sched_getaffinity(0) == {cpus[0]}
+        assert {str(cpus[0]), str(cpus[1])} <= allowed()
+    finally:
+        kernels.bind_threads(cpus, False)
+        torch.set_num_threads(threads)
+    assert os.sched_getaffinity(0) == set(cpus)

@@ -1,5 +1,7 @@
 // Python bindings of the CPU kernels: one extension module, built on first use.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <sched.h>
 
 #include "cpu_ops.h"
 #include "decoder_layer_cpu.h"
@@ -47,6 +49,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     omp_pause_resource_all(omp_pause_soft);
 #endif
   }, "Let the OpenMP worker threads started by the calling thread exit");
+  // The calling thread's team (itself as thread 0, then its OpenMP workers): thread t pinned to
+  // cpus[t % n] when one_each, else every thread allowed all of cpus (cpu_threads.ThreadGovernor).
+  m.def("bind_threads", [](const std::vector<int64_t>& cpus, bool one_each) {
+    TM_CHECK(!cpus.empty(), "bind_threads: no CPUs given");
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      if (one_each) {
+        CPU_SET(cpus[at::get_thread_num() % static_cast<int64_t>(cpus.size())], &set);
+      } else {
+        for (const int64_t cpu : cpus) CPU_SET(cpu, &set);
+      }
+      sched_setaffinity(0, sizeof(set), &set);  // 0: this thread
+    });
+  }, "Pin the calling thread's OpenMP team to CPUs", py::arg("cpus"), py::arg("one_each"));
   py::class_<CpuDecoderLayer, std::shared_ptr<CpuDecoderLayer>>(m, "DecoderLayer",
                                                                  "A Llama decoder layer whose attention runs in the kernel, in one call")
       .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<Projection>, int64_t, int64_t, int64_t, double,

@@ -98,12 +98,12 @@ class ThreadGovernor:
     With `bind` (pins the calling thread's OpenMP team: thread t to cpus[t], or every thread to
     all of them) on two usable CPUs, a neighbour gets the two threads bound one to a core rather
     than one thread: a neighbour can then share a core with only one of them, never put both on
-    one. Beside one or two busy processes that did 1.08-1.1x one thread's work, where two floating
-    threads did 0.7x (BENCHMARKS.md). Bound threads leave such a neighbour about half a core, so
-    its busy time reads lower there: one thread again only past 1.25 CPUs' worth (heavy load),
-    and unbound only below a quarter."""
+    one. Beside one or two busy processes that got ahead of one thread, where two floating threads
+    fell behind it (BENCHMARKS.md). Bound threads leave such a neighbour about half a core, so its
+    busy time reads lower there: one thread again only past 1.25 CPUs' worth (heavy load), and
+    unbound only below a quarter."""
 
-    UP_WINDOWS = 3  # windows in a row that must ask for more threads before they are added
+    UP_WINDOWS = 3  # windows in a row that must ask for a more parallel level before it is taken
 
     def __init__(self, cpus: set[int], limit: int, set_threads: Callable[[int], None], interval: float = 0.5,
                  busy: Callable[[], float] | None = None, own: Callable[[], float] = own_cpu_seconds,

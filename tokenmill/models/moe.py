@@ -142,13 +142,23 @@ class SparseMoeBlock(nn.Module):
             return (y * weights.unsqueeze(1)).to(y.dtype)
         return y * weights.to(y.dtype).unsqueeze(1)
 
+    def _pairs_by_expert(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (token, slot) pairs, flat (T * k,) expert ids, sorted by expert: their order, each
+        one's token and x's row for it (T * k, hidden), grouped by expert."""
+        order = flat.argsort(stable=True)
+        tokens = order // self.top_k
+        return order, tokens, x.index_select(0, tokens)
+
+    def _added_back(self, x: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor,
+                    pair_weights: torch.Tensor) -> torch.Tensor:
+        """The pairs' outputs y, weighted, summed into their tokens' rows: (T, hidden)."""
+        return torch.zeros_like(x).index_add_(0, tokens, self._scaled(y, pair_weights))
+
     def _routed_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops) -> torch.Tensor:
         """Tokens grouped by expert, one product per active expert, weighted and added back."""
         flat = experts.flatten()                                        # (T * k,) expert of each pair
-        order = flat.argsort(stable=True)                               # pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync a layer
-        tokens = order // self.top_k                                    # (T * k,) token of each pair
-        rows = x.index_select(0, tokens)                                # (T * k, hidden) grouped by expert
+        order, tokens, rows = self._pairs_by_expert(x, flat)
         y = torch.empty_like(rows)
         start = 0
         for expert, count in zip(self.experts, counts):
@@ -158,21 +168,19 @@ class SparseMoeBlock(nn.Module):
                 else:
                     y[start:start + count] = expert.forward(rows[start:start + count], ops)  # (count, hidden)
                 start += count
-        return torch.zeros_like(x).index_add_(0, tokens, self._scaled(y, weights.flatten()[order]))
+        return self._added_back(x, tokens, y, weights.flatten()[order])
 
     def _grouped_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops) -> torch.Tensor:
         """The same grouping as _routed_experts, each projection one grouped product over the
         experts' runs of rows; the runs' ends computed on the device (no host sync)."""
         gate_up, down = self.grouped
         flat = experts.flatten()                                        # (T * k,) expert of each pair
-        order = flat.argsort(stable=True)                               # pairs grouped by expert
         counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
         ends = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
-        tokens = order // self.top_k                                    # (T * k,) token of each pair
-        rows = x.index_select(0, tokens)                                # (T * k, hidden) grouped by expert
+        order, tokens, rows = self._pairs_by_expert(x, flat)
         h = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=ends)           # (T * k, 2 * width)
         y = torch._grouped_mm(ops.silu_mul(h), down.transpose(-2, -1), offs=ends)   # (T * k, hidden)
-        return torch.zeros_like(x).index_add_(0, tokens, self._scaled(y, weights.flatten()[order]))
+        return self._added_back(x, tokens, y, weights.flatten()[order])
 
     def _every_expert(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops) -> torch.Tensor:
         """Every expert over every row, weighted by zero where it was not chosen: no host sync."""

@@ -156,6 +156,10 @@ class ThreadGovernor:
     def _wanted_level(self) -> int:
         if self.bind is None:  # a thread per CPU the others leave free
             return min(self.limit, max(1, math.floor(self.num_cpus - self.others + 0.5))) - 1
+        # Two CPUs, levels 0 (one thread), 1 (two bound), 2 (two unbound). The bound level sees a
+        # neighbour at about half its share, so it leaves for one thread only past 1.25 and for
+        # unbound only below 0.25; one thread moves up to bound below 1.2 (not 1.25, so that a
+        # reading near the line does not flip between the two).
         if self.others >= 1.25:
             return 0
         if self.others >= 0.5:

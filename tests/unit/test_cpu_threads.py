@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -170,17 +172,25 @@ def test_omp_num_threads_lowers_the_limit_and_a_bad_value_is_ignored(tmp_path: P
     assert usable_cpus(tmp_path, env={"OMP_NUM_THREADS": "two"}) == (cpus, len(cpus))
 
 
-def test_a_busy_process_on_this_machine_shows_in_proc_stat() -> None:
-    cpus = os.sched_getaffinity(0)
-    hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+@contextlib.contextmanager
+def busy_process(nice: int = 0) -> Iterator[None]:
+    """A Python process spinning for at most 3 s at niceness `nice`, given 0.3 s to start."""
+    hog = subprocess.Popen([sys.executable, "-c", f"import os, time\nos.nice({nice})\nend = time.time() + 3\n"
+                            "while time.time() < end: pass"])
     try:
         time.sleep(0.3)
-        before, start = cpus_busy_seconds(cpus), time.monotonic()
-        time.sleep(0.6)
-        busy = (cpus_busy_seconds(cpus) - before) / (time.monotonic() - start)
+        yield
     finally:
         hog.kill()
         hog.wait()
+
+
+def test_a_busy_process_on_this_machine_shows_in_proc_stat() -> None:
+    cpus = os.sched_getaffinity(0)
+    with busy_process():
+        before, start = cpus_busy_seconds(cpus), time.monotonic()
+        time.sleep(0.6)
+        busy = (cpus_busy_seconds(cpus) - before) / (time.monotonic() - start)
     assert busy >= 0.7  # the hog's core, at least (other work on the machine only adds)
 
 
@@ -196,16 +206,10 @@ def test_niced_time_is_left_out_of_busy_time_only_when_asked(tmp_path: Path) -> 
 
 def test_a_niced_busy_process_shows_only_in_the_nice_inclusive_count() -> None:
     cpus = os.sched_getaffinity(0)
-    hog = subprocess.Popen([sys.executable, "-c", "import os, time\nos.nice(19)\nend = time.time() + 3\n"
-                            "while time.time() < end: pass"])
-    try:
-        time.sleep(0.3)
+    with busy_process(nice=19):
         all_before, unniced_before = cpus_busy_seconds(cpus), cpus_busy_seconds(cpus, count_nice=False)
         time.sleep(0.6)
         niced = (cpus_busy_seconds(cpus) - all_before) - (cpus_busy_seconds(cpus, count_nice=False) - unniced_before)
-    finally:
-        hog.kill()
-        hog.wait()
     assert niced >= 0.4  # the hog's 0.6 s of a core, at least most of it (other niced work only adds)
 
 

@@ -13,12 +13,14 @@ two checkouts share one build. Callers fall back to plain torch when no compiler
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tokenmill.cpu_info import ISA_ENV, CpuInfo, cpu_info
@@ -30,7 +32,6 @@ _SOURCES = ["bindings.cpp", "paged_attention_cpu.cpp", "fused_cpu.cpp", "gemm_cp
             "sampler_cpu.cpp", "moe_cpu.cpp"]
 
 _NAME = "tokenmill_cpu_ops"
-STALE_LOCK_SECONDS = 600  # a build takes 2-4 minutes on 2 cores
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,20 +72,27 @@ def _build_directory(name: str) -> Path | None:
         return None
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
-    """torch's build waits, without a word and without end, while another build's lock file
-    exists; a first run interrupted mid-build (Ctrl-C) leaves one behind. A lock older than any
-    build is removed; a younger one is announced."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        logger.warning("removing %s, left %d minutes ago by an interrupted kernel build", lock, age // 60)
-        lock.unlink(missing_ok=True)
-    else:
-        logger.warning("waiting for another process's kernel build to finish (or delete %s if none runs)", lock)
+@contextlib.contextmanager
+def _builder_lock(build_dir: Path) -> Iterator[None]:
+    """Held while this process builds or loads the kernels in build_dir: an flock on a file there,
+    which the operating system releases when its holder exits, however it exits. torch's own lock
+    file, which torch waits on without a word and without end while it exists, is left behind by a
+    build that was interrupted (Ctrl-C, a killed server); under this lock no other process of ours
+    is building, so such a file is stale and is removed."""
+    with open(build_dir / "builder.lock", "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for another process's kernel build in %s to finish", build_dir)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by an interrupted kernel build", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _stage_sources(build_dir: Path) -> list[str]:
@@ -112,16 +120,16 @@ def _build():
     name = build_name(cpu)
     build_dir = _build_directory(name)
     if build_dir is None:
-        sources = [str(_CSRC / s) for s in _SOURCES]
-    else:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        _clear_stale_lock(build_dir)
+        return load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=compile_flags(cpu),
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _builder_lock(build_dir):
         sources = _stage_sources(build_dir)
         if not (build_dir / f"{name}.so").exists():
             logger.warning("compiling tokenmill's CPU kernels for %s (about 2 minutes on 2 cores, once per "
                            "version and CPU; cached in %s)", cpu.level, build_dir)
-    return load(name=name, sources=sources, extra_cflags=compile_flags(cpu), extra_ldflags=["-fopenmp"],
-                verbose=False)
+        return load(name=name, sources=sources, extra_cflags=compile_flags(cpu), extra_ldflags=["-fopenmp"],
+                    verbose=False)
 
 
 def load_cpu_kernels(required: bool):

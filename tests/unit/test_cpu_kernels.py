@@ -1,8 +1,9 @@
 """cpu_kernels: the build's cache key, its announcement, and a lock left by an interrupted build."""
 
-import os
 import shutil
-import time
+import subprocess
+import sys
+import threading
 
 import pytest
 
@@ -79,13 +80,39 @@ def test_an_unknown_or_too_high_isa_is_an_error_even_when_kernels_are_optional(m
         cpu_kernels.this_cpu.cache_clear()
 
 
-def test_an_interrupted_builds_lock_is_cleared_and_a_fresh_one_kept(tmp_path):
-    """A lock left by a build interrupted long ago would make every later start wait forever."""
-    lock = tmp_path / "lock"
-    lock.touch()
-    cpu_kernels._clear_stale_lock(tmp_path)
-    assert lock.exists()                                   # maybe a build running now
-    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    cpu_kernels._clear_stale_lock(tmp_path)
-    assert not lock.exists()
+def test_a_killed_builds_lock_is_cleared_at_once_and_a_live_build_waited_for(tmp_path):
+    """A build killed mid-way leaves torch's lock file, on which every later start would wait
+    forever: the next build takes it away as soon as the killed one's own lock is gone, and waits
+    while a live one holds it. The holder here is a real process, killed with SIGKILL."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        entered = threading.Event()
+
+        def build() -> None:
+            with cpu_kernels._builder_lock(tmp_path):
+                entered.set()
+
+        waiter = threading.Thread(target=build, daemon=True)
+        waiter.start()
+        assert not entered.wait(1.0)                     # a live build: wait for it
+        assert (tmp_path / "lock").exists()
+        holder.kill()
+        assert entered.wait(10.0)                        # killed: in at once, its torch lock gone
+        waiter.join(10.0)
+        assert not (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# a build in another process: our lock held, torch's lock file made, then nothing until killed
+HOLDER = """
+import fcntl, pathlib, sys, time
+d = pathlib.Path(sys.argv[1])
+held = open(d / "builder.lock", "a")
+fcntl.flock(held, fcntl.LOCK_EX)
+(d / "lock").touch()
+print("holding", flush=True)
+time.sleep(60)
+"""

@@ -7,6 +7,8 @@
 run before the long prompt arrives) and with it (from its send until the decoders finish).
 
     colocated       one `tokenmill serve` on both cores (its threads follow the free cores)
+    colocated_routed  the same behind `tokenmill router --replica`: the router's hop (a third
+                    process on the same two cores) that the disaggregated setups pay, paid here too
     shared_storage  `serve --kv-role prefill` pinned to core 0 and `--kv-role decode` pinned to
                     core 1 (one thread each), over a directory in /dev/shm, `tokenmill router
                     --prefill` in front: the long prompt is computed on core 0, and the decode
@@ -65,12 +67,14 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], limit_s: float = 300) 
 
 def launch(setup: str, model: str, storage: str) -> tuple[str, list[subprocess.Popen]]:
     """The setup's front URL and its processes."""
-    if setup == "colocated":
+    if setup in ("colocated", "colocated_routed"):
         port = free_port()
         procs = [start(["serve", model, "--port", str(port)])]
         wait_healthy(f"http://127.0.0.1:{port}", procs)
-        return f"http://127.0.0.1:{port}", procs
-    p, d, r = free_port(), free_port(), free_port()
+        if setup == "colocated":
+            return f"http://127.0.0.1:{port}", procs
+        return route(["--replica", f"http://127.0.0.1:{port}"], procs)
+    p, d = free_port(), free_port()
     connector = ["--kv-storage-path", storage] if setup == "shared_storage" else ["--kv-connector", "nixl"]
     if setup == "nixl_niced":
         procs = [start(["serve", model, "--port", str(p), "--kv-role", "prefill", *connector], nice=19),
@@ -81,10 +85,15 @@ def launch(setup: str, model: str, storage: str) -> tuple[str, list[subprocess.P
                  start(["serve", model, "--port", str(d), "--kv-role", "decode", *shared], "1")]
     for port in (p, d):
         wait_healthy(f"http://127.0.0.1:{port}", procs)
-    procs.append(start(["router", "--prefill", f"http://127.0.0.1:{p}", "--replica", f"http://127.0.0.1:{d}",
-                        "--port", str(r)]))
-    wait_healthy(f"http://127.0.0.1:{r}", procs)
-    return f"http://127.0.0.1:{r}", procs
+    return route(["--prefill", f"http://127.0.0.1:{p}", "--replica", f"http://127.0.0.1:{d}"], procs)
+
+
+def route(upstreams: list[str], procs: list[subprocess.Popen]) -> tuple[str, list[subprocess.Popen]]:
+    """`tokenmill router` in front of `upstreams` (its arguments), added to procs; its URL."""
+    port = free_port()
+    procs.append(start(["router", *upstreams, "--port", str(port)]))
+    wait_healthy(f"http://127.0.0.1:{port}", procs)
+    return f"http://127.0.0.1:{port}", procs
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
@@ -124,12 +133,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M Q4_1)")
-    parser.add_argument("--setups", nargs="+", choices=("colocated", "shared_storage", "nixl", "nixl_niced"),
+    parser.add_argument("--setups", nargs="+",
+                        choices=("colocated", "colocated_routed", "shared_storage", "nixl", "nixl_niced"),
                         default=["colocated", "shared_storage", "nixl"])
     args = parser.parse_args()
     from tokenmill.models.loader import default_model_path
     model = args.model or str(default_model_path())
-    print(f"{'setup':<14} {'p50 alone':>9} {'p99 alone':>9} {'p50 with':>9} {'p99 with':>9} "
+    print(f"{'setup':<16} {'p50 alone':>9} {'p99 alone':>9} {'p50 with':>9} {'p99 with':>9} "
           f"{'max in prefill':>14} {'long TTFT':>9}  (ms, TTFT s)")
     for round_ in range(args.rounds):
         for setup in args.setups if round_ % 2 == 0 else args.setups[::-1]:
@@ -142,7 +152,7 @@ def main() -> None:
                         p.terminate()
                     for p in procs:
                         p.wait(30)
-            print(f"{setup:<14} {r['p50_alone'] * 1e3:9.1f} {r['p99_alone'] * 1e3:9.1f} {r['p50_with'] * 1e3:9.1f} "
+            print(f"{setup:<16} {r['p50_alone'] * 1e3:9.1f} {r['p99_alone'] * 1e3:9.1f} {r['p50_with'] * 1e3:9.1f} "
                   f"{r['p99_with'] * 1e3:9.1f} {r['max_during_prefill'] * 1e3:14.1f} {r['long_ttft']:9.1f}",
                   flush=True)
 

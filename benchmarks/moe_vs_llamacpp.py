@@ -3,7 +3,7 @@
 llama-bench's `-n 32` (tg32) times 32 single-token decodes from an empty context, `-p 128`
 (pp128) one 128-token prompt; this script times the same in the engine, at a fixed thread count:
 
-    python benchmarks/moe_vs_llamacpp.py PATH [--threads 2] [--reps 3] [--int8-rows 16] [--per-expert]
+    python benchmarks/moe_vs_llamacpp.py PATH [--threads 2] [--reps 3] [--int8-rows 16] [--per-expert | --alternate]
                                               [--llama-bench BIN] [--tokenizer DIR]
 
 tg: a one-token prompt, then the median of 32 decode steps, `reps` times (a new request each
@@ -25,6 +25,11 @@ a shared machine swings every figure by several times).
 of 32 steps), all the layers in one C++ call and the Python layers alternating rep by rep, and
 with --llama-batched-bench (the path of llama.cpp's llama-batched-bench) each rep also runs
 `llama-batched-bench -npp 16 -ntg 32 -npl N`, whose T_TG / 32 is its step.
+
+--alternate (with --int8-rows N and --llama-bench) instead times tg32 three ways rep by rep:
+the engine with float32 x, the same engine with 8-bit x (set_int8_rows), and llama-bench's tg32
+(one repetition), so that the three share each moment's load; the batch-1 comparison in
+llama.cpp's own arithmetic as well as in tokenmill's default.
 
 --profile instead splits the batch-1 decode step of the Python layers by hand (the one-call
 stack cannot be timed piece by piece): each piece's forward is wrapped in a
@@ -239,6 +244,22 @@ def per_expert(engine: LLMEngine, reps: int, mode: str, bench: tuple[Path, Path,
         report(key, 1 if key.startswith("tg") else PP, times[key])
 
 
+def alternate(engine: LLMEngine, reps: int, int8_rows: int, bench: tuple[Path, Path, int]) -> None:
+    """tg32 with float32 x, with 8-bit x in steps of up to `int8_rows` rows, and llama-bench's tg32
+    (`bench`: its binary, the file, threads), one after the other in each rep."""
+    model = engine.runner.worker.model
+    times: dict[str, list[float]] = defaultdict(list)
+    for rep in range(reps):
+        for name, rows in (("float32 x", 0), ("8-bit x", int8_rows)):
+            set_int8_rows(model, rows)
+            times[f"tg{TG} {name}"].append(tg_step(engine, 200 + rep))
+        times[f"tg{TG} llama-bench"].append(llama_bench(*bench, f"tg{TG}"))
+        print(f"rep {rep}: " + ", ".join(f"{key} {steps[-1] * 1e3:.1f} ms" for key, steps in times.items()), flush=True)
+    set_int8_rows(model, 0)
+    for key, steps in times.items():
+        report(key, 1, steps)
+
+
 def block_ab(engine: LLMEngine, trials: int) -> None:
     """The first sparse layer's MoE block alone on random rows, fused and per expert, alternating
     call by call, at 1 and 16 tokens: min and median of `trials` calls each. Calls of a few ms, so
@@ -269,6 +290,8 @@ def main() -> None:
     ap.add_argument("--int8-rows", type=int, default=0)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--per-expert", action="store_true")
+    ap.add_argument("--alternate", action="store_true", help="tg32 with float32 x, 8-bit x and llama-bench, "
+                                                             "rep by rep (needs --int8-rows and --llama-bench)")
     ap.add_argument("--llama-bench", type=Path, help="llama-bench's path: timed beside each --per-expert rep")
     ap.add_argument("--batch", type=int, default=0, help="instead: decode steps of this many requests at once")
     ap.add_argument("--llama-batched-bench", type=Path, help="timed beside each --batch rep")
@@ -281,6 +304,12 @@ def main() -> None:
     print(f"{args.path}: loaded in {time.perf_counter() - start:.0f} s, {args.threads} threads", flush=True)
     if args.profile:
         profile(engine, TG)
+        return
+    if args.alternate:
+        if not (args.int8_rows and args.llama_bench):
+            ap.error("--alternate needs --int8-rows and --llama-bench")
+        tg_step(engine, -1)  # warm-up
+        alternate(engine, args.reps, args.int8_rows, (args.llama_bench, args.path, args.threads))
         return
     if args.batch:
         batch_step(engine, -1, args.batch)  # warm-up

@@ -119,17 +119,17 @@ def _build():
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
     name = build_name(cpu)
     build_dir = _build_directory(name)
+    build = functools.partial(load, name=name, extra_cflags=compile_flags(cpu), extra_ldflags=["-fopenmp"],
+                              verbose=False)
     if build_dir is None:
-        return load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=compile_flags(cpu),
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return build(sources=[str(_CSRC / s) for s in _SOURCES])
     build_dir.mkdir(parents=True, exist_ok=True)
     with _builder_lock(build_dir):
         sources = _stage_sources(build_dir)
         if not (build_dir / f"{name}.so").exists():
             logger.warning("compiling tokenmill's CPU kernels for %s (about 2 minutes on 2 cores, once per "
                            "version and CPU; cached in %s)", cpu.level, build_dir)
-        return load(name=name, sources=sources, extra_cflags=compile_flags(cpu), extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        return build(sources=sources)
 
 
 def load_cpu_kernels(required: bool):

@@ -76,7 +76,8 @@ def test_greedy_generation_equals_transformers_with_chunked_prompts_and_a_shared
     llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=16, block_size=16,
               long_prefill_token_threshold=0)
     engine = llm.engine
-    assert engine.runner.worker.backend.name == "cpu"
+    # the soft-capped scores in the CPU kernel, or in Triton's (TOKENMILL_TEST_DEVICE=cuda)
+    assert engine.runner.worker.backend.name == ("triton" if engine.config.device.startswith("cuda") else "cpu")
     chunked = watch_chunked_prompts(engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=20, temperature=0.0),
                         use_tqdm=False)

@@ -21,7 +21,8 @@ _ENGINE_HELP = {
     "num_kv_blocks": "exact KV pool size in blocks",
     "gguf_blocks": "CPU: keep GGUF projections and MXFP4 experts in their blocks (bit-identical to float32)",
     "gguf_int8_rows": "CPU, GGUF blocks: steps of up to N rows take x in 8-bit blocks, as llama.cpp "
-                      "(faster at batch 1-8, perplexity +0.75%%, results then depend on the step's size; 0: off)",
+                      "(faster, perplexity +0.75%%, results then depend on the step's size; 0: off; "
+                      "default: every step on a CPU with VNNI unless --dtype float32)",
     "num_threads": "CPU: threads for a step, fixed (default: the cores other processes leave free, "
                    "followed as they change)",
     "trace_file": "write the engine's steps and each request's timeline to this file as Chrome trace JSON "

@@ -209,12 +209,14 @@ class EngineConfig:
                                              # decoded in the kernel (bit-identical results, a fifth of
                                              # the memory), as do MXFP4 experts (GGUF or Hugging Face
                                              # gpt-oss); False: dequantized to float32 panels
-    gguf_int8_rows: int = 0                  # CPU, GGUF blocks: the layers' products in steps of up to
+    gguf_int8_rows: int | None = None        # CPU, GGUF blocks: the layers' products in steps of up to
                                              # this many rows take x in 8 bits per 32 values, multiplied
-                                             # with the codes as integers, as llama.cpp does (faster at
-                                             # small steps, slightly less exact: BENCHMARKS.md); a request's
-                                             # tokens then depend on its step's size. 0: never, results
-                                             # bit-identical to float32 panels and the same in any batch
+                                             # with the codes as integers, as llama.cpp does (faster,
+                                             # slightly less exact: BENCHMARKS.md); a request's tokens
+                                             # then depend on its step's size. 0: never, results
+                                             # bit-identical to float32 panels and the same in any batch.
+                                             # None: every step where the kernels have VNNI, unless dtype
+                                             # is "float32" (int8_rows_choice)
     enforce_eager: bool = False              # CUDA: no decode graphs, every step launched from Python
     async_output: bool | None = None         # build a step's outputs during the next step's device work
                                              # (one step later); default: on CUDA, off on CPU
@@ -250,8 +252,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.gguf_int8_rows, int) or isinstance(self.gguf_int8_rows, bool) or self.gguf_int8_rows < 0:
-            raise ValueError(f"gguf_int8_rows must be an integer >= 0, got {self.gguf_int8_rows!r}")
+        rows = self.gguf_int8_rows
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 0):
+            raise ValueError(f"gguf_int8_rows must be an integer >= 0 or None, got {rows!r}")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len <= 1:
@@ -335,6 +338,14 @@ class EngineConfig:
         if self.dtype is not None:
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def int8_rows_choice(self) -> int | None:
+        """gguf_int8_rows where set; unset, 0 (the exact path) under dtype="float32", else None: the
+        loader's choice by the CPU (models/loader.py: every step where the kernels have VNNI)."""
+        if self.gguf_int8_rows is not None:
+            return self.gguf_int8_rows
+        return 0 if self.dtype == "float32" else None
 
     @property
     def kv_dtype_name(self) -> str:

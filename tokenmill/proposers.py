@@ -78,7 +78,7 @@ class DraftModelProposer:
         self.model_config = checkpoint.config
         self.kv_elements_per_token = checkpoint.config.kv_bytes_per_token
         self.model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels,
-                                engine_config.gguf_blocks, engine_config.gguf_int8_rows)
+                                engine_config.gguf_blocks, engine_config.int8_rows_choice)
         self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence
 
     def allocate(self, num_blocks: int, block_size: int) -> None:

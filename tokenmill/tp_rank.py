@@ -222,7 +222,7 @@ def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:
     threads = thread_governor(config, device)
     checkpoint = open_checkpoint(resolve_model_path(config.model))
     max_len = context_length(config, checkpoint.config)
-    model = load_model(checkpoint, max_len, dtype, device, config.kernels, config.gguf_blocks, config.gguf_int8_rows,
+    model = load_model(checkpoint, max_len, dtype, device, config.kernels, config.gguf_blocks, config.int8_rows_choice,
                        TPShard(group.rank, group.size), group.all_reduce)
     local = model.config
     num_blocks = group.min_over_ranks(kv_pool_blocks(config, device, local.kv_bytes_per_token * kv_dtype.itemsize,

@@ -25,14 +25,29 @@ def default_llm():
     return LLM()
 
 
+@pytest.fixture(scope="module")
+def exact_llm(default_llm):
+    """The default model in the exact arithmetic (GGUF blocks decoded to float32 in the kernel),
+    which the default is on a CPU without VNNI."""
+    from tokenmill import LLM
+    return LLM(dtype="float32")
+
+
+def layer_int8_rows(engine) -> int:
+    """The int8_rows the layers' block products run with (set_int8_rows sets them all alike)."""
+    from tokenmill.models.packed_linear import PackedLinear
+    return next(m.int8_rows for m in engine.runner.worker.model.layers.modules() if isinstance(m, PackedLinear))
+
+
 @contextlib.contextmanager
 def int8_rows(engine, rows: int):
     """Products with x in 8-bit blocks for steps of up to `rows` rows, for the duration."""
+    before = layer_int8_rows(engine)
     set_int8_rows(engine.runner.worker.model, rows)
     try:
         yield
     finally:
-        set_int8_rows(engine.runner.worker.model, engine.config.gguf_int8_rows)
+        set_int8_rows(engine.runner.worker.model, before)
 
 
 def _logits(engine, ids):
@@ -49,13 +64,25 @@ def _logits(engine, ids):
     return logits
 
 
-def test_gguf_loader_matches_transformers_gguf_loading(default_llm):
+def test_the_default_takes_x_in_8_bit_blocks_at_every_step_exactly_where_the_kernels_have_vnni(default_llm,
+                                                                                               exact_llm):
+    from tokenmill.models.cpu_packing import EVERY_STEP
+    from tokenmill.models.packed_linear import PackedLinear
+    kernels = next(m for m in default_llm.engine.runner.worker.model.modules() if isinstance(m, PackedLinear)).kernels
+    if kernels is None:
+        pytest.skip("no CPU kernels")
+    assert layer_int8_rows(default_llm.engine) == (EVERY_STEP if kernels.vnni else 0)
+    assert layer_int8_rows(exact_llm.engine) == 0
+    assert default_llm.engine.runner.worker.model.packed_lm_head.int8_rows == 0  # the head keeps float32 x
+
+
+def test_gguf_loader_matches_transformers_gguf_loading(exact_llm):
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    ids = default_llm.engine.tokenizer.encode("The capital of France is")
-    logits = _logits(default_llm.engine, ids)
+    ids = exact_llm.engine.tokenizer.encode("The capital of France is")
+    logits = _logits(exact_llm.engine, ids)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0]
     assert float((logits - ref).norm() / ref.norm()) <= 1e-4
@@ -84,7 +111,7 @@ def test_a_json_schema_answer_from_the_real_model(default_llm):
     assert list(answer) == ["capital"] and "Paris" in answer["capital"]
 
 
-def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm):
+def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(exact_llm):
     """The projections read the file's Q4_1/Q8_0 blocks; dequantized to float32 panels instead
     (gguf_blocks=False) they are the same weights, decoded and summed in the same order, so the
     logits must be identical: one row (registers), twelve (two passes) and more (a buffer). With
@@ -92,10 +119,10 @@ def test_gguf_blocks_give_the_float32_panels_logits_bit_for_bit(default_llm):
     here at 0.01)."""
     from tokenmill import LLM
     from tokenmill.models.packed_linear import PackedLinear
-    engine = default_llm.engine
+    engine = exact_llm.engine
     if not all(m.format for m in engine.runner.worker.model.modules() if isinstance(m, PackedLinear)):
         pytest.skip("the CPU kernels' block formats are unavailable (no AVX2)")
-    floats = LLM(gguf_blocks=False).engine
+    floats = LLM(gguf_blocks=False, dtype="float32").engine
     assert not any(m.format for m in floats.runner.worker.model.modules() if isinstance(m, PackedLinear))
     ids = engine.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)
     for n in (1, 12, len(ids)):

@@ -249,3 +249,17 @@ def test_layer_windows_give_each_layers_window_and_the_kv_window_only_when_all_s
 def test_bad_layer_windows_are_refused(windows, match):
     with pytest.raises(ValueError, match=match):
         _model_config(layer_windows=windows)
+
+
+@pytest.mark.parametrize("dtype,rows,choice", [(None, None, None), ("float32", None, 0), (None, 8, 8),
+                                               ("float32", 8, 8), ("bfloat16", None, None), (None, 0, 0)])
+def test_gguf_int8_rows_left_to_the_cpu_unless_set_or_dtype_is_float32(dtype, rows, choice):
+    assert EngineConfig(dtype=dtype, gguf_int8_rows=rows).int8_rows_choice == choice
+
+
+def test_the_cpus_choice_is_every_step_with_vnni_and_none_without():
+    from types import SimpleNamespace
+
+    from tokenmill.models.cpu_packing import EVERY_STEP, int8_rows_by_cpu
+    assert int8_rows_by_cpu(SimpleNamespace(vnni=True)) == EVERY_STEP
+    assert int8_rows_by_cpu(SimpleNamespace(vnni=False)) == 0

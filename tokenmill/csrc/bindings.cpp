@@ -91,7 +91,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &CpuMoeExperts::forward, py::arg("x"), py::arg("experts"), py::arg("weights"));
 #ifdef TOKENMILL_AVX2
   m.attr("block_formats") = true;
+  m.attr("vnni") = tokenmill::kVnni;  // the 8-bit tiles multiply with vpdpbusd (panel_linear's int8_rows)
 #else
   m.attr("block_formats") = false;
+  m.attr("vnni") = false;
 #endif
 }

@@ -444,9 +444,10 @@ void block_panel(const float* xp, int64_t M, int64_t K, const uint8_t* src, cons
 // codes as they are, with the block's scales applied once: y += d * dx * sum(q * xq) (+ m * dx *
 // sum(xq) for formats with an offset). The codes' own rounding (4 to 8 bits) is far coarser than x's;
 // on the default model, decoding 300 tokens this way raised perplexity by 0.75% (mean KL 0.004).
-// Used for steps of up to `int8_rows` rows (panel_linear; 0 by default), up to four rows per pass:
-// the layers of the default model took 0.73-0.87x the time of decoding the blocks to float32 at 1
-// to 8 rows, but 1.09x at 64 and 1.35x at 512, so not for big steps.
+// Used for steps of up to `int8_rows` rows (panel_linear; 0 by default), kInt8Rows rows per pass.
+// With vpmaddubsw (AVX2) the layers of the default model took 0.73-0.87x the time of decoding the
+// blocks to float32 at 1 to 8 rows, but 1.09x at 64 and 1.35x at 512; with VNNI's vpdpbusd they
+// are faster at every step size (the loader's default there: models/cpu_packing.py).
 
 using tokenmill::Int8Row;  // one row of x in 8-bit blocks (panel_gemm.h)
 
@@ -457,11 +458,18 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+using tokenmill::kVnni;
+#ifdef TOKENMILL_VNNI
+using tokenmill::dpbusd;
+#endif
+
 // x (K floats) -> Int8Row: xq = round(x / dx) (to nearest even), dx = max |x| / 127 (0 for a block
-// of zeros).
-void quantize_row(const float* x, int64_t K, Int8Row& r) {
+// of zeros), in the layouts the tiles of `format` read.
+void quantize_row(const float* x, int64_t K, int64_t format, Int8Row& r) {
   const int64_t B = K / kBlock;
-  r.scale.resize(B), r.sum.resize(B), r.qsum.resize(B), r.words.resize(K), r.quads.resize(K * 8);
+  const bool words = byte_codes(format), quads = !words && !kVnni;
+  r.scale.resize(B), r.sum.resize(B), r.qsum.resize(B), r.bytes.resize(K);
+  r.words.resize(words ? K : 0), r.quads.resize(quads ? K * 8 : 0);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
   const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
@@ -488,11 +496,14 @@ void quantize_row(const float* x, int64_t K, Int8Row& r) {
     r.scale[b] = d, r.sum[b] = d * static_cast<float>(qsum), r.qsum[b] = qsum;
     // the offsets' sum is quantized x's too: the product is then exactly that of the dequantized
     // weights with quantized x (with x's own sum, Q4_1's error tripled)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words.data() + b * kBlock),
-                        _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words.data() + b * kBlock + 16),
-                        _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1)));
-    for (int j = 0; j < kBlock / 4; ++j) {  // dword j of the block = xq[4j .. 4j + 3], spread out
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.bytes.data() + b * kBlock), bytes);
+    if (words) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words.data() + b * kBlock),
+                          _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words.data() + b * kBlock + 16),
+                          _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1)));
+    }
+    for (int j = 0; quads && j < kBlock / 4; ++j) {  // dword j of the block = xq[4j .. 4j + 3], spread out
       const __m256i quad = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(bytes, _mm256_set1_epi32(j)), spread);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.quads.data() + (b * kBlock / 4 + j) * 32), quad);
     }
@@ -525,6 +536,51 @@ inline void add_block(__m256i lo, __m256i hi, const BlockScales& s, float dx, fl
 // j + 8 in its high one) make, after masking, shifting and one in-lane shuffle, 16 (feature, two
 // k) byte pairs per vector, which vpmaddubsw multiplies with each row's pairs of x and adds: at
 // most 8 x 2 x 15 x 127 per int16 lane in a block, no overflow. The rows share the unpacking.
+#ifdef TOKENMILL_VNNI
+// With VNNI: one dword permute and, per nibble half, one in-lane shuffle turn the four k rows
+// into eight (feature, four k) dwords (features 0-7 from the low nibbles, 8-15 from the high),
+// which vpdpbusd multiplies with the row's four bytes of x and adds into int32 lanes in feature
+// order: two instructions per row where vpmaddubsw took four, and no int16 sums to widen.
+template <int64_t F, int R>
+void int8_tile_nibbles(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  // dwords: k row i's features 0-3 are dword 2i, its features 4-7 dword 2i + 1; features 0-3 of
+  // the four k to the low lane, 4-7 to the high one, then per feature its four k side by side
+  const __m256i gather = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                             0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  std::fill(out, out + R * kPanel, 0.0f);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
+    const uint8_t* codes = codes_of<F>(src, b);
+    __m256i lo[R], hi[R];  // per row: features 0-7 and 8-15, int32
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < kBlock / 4; ++j) {
+      const __m256i c = _mm256_permutevar8x32_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 32)), gather);
+      const __m256i l = _mm256_shuffle_epi8(_mm256_and_si256(c, mask), transpose);
+      const __m256i h = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(c, 4), mask), transpose);
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, x[r].bytes.data() + b * kBlock + 4 * j, 4);
+        const __m256i xv = _mm256_set1_epi32(quad);
+        lo[r] = dpbusd(lo[r], l, xv);
+        hi[r] = dpbusd(hi[r], h, xv);
+      }
+    }
+    const BlockScales s = scales_of<F>(src, b);
+    for (int r = 0; r < R; ++r) {
+      __m256i slo = lo[r], shi = hi[r];
+      if constexpr (F == kQ4_0) {  // values are d * (q - 8)
+        const __m256i shift = _mm256_set1_epi32(8 * x[r].qsum[b]);
+        slo = _mm256_sub_epi32(slo, shift), shi = _mm256_sub_epi32(shi, shift);
+      }
+      add_block<F>(slo, shi, s, x[r].scale[b], x[r].sum[b], out + r * kPanel);
+    }
+  }
+}
+#else
 template <int64_t F, int R>
 void int8_tile_nibbles(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -561,6 +617,7 @@ void int8_tile_nibbles(const Int8Row* x, const uint8_t* src, int64_t num_blocks,
     }
   }
 }
+#endif
 
 // The same for byte codes (Q8_0, Q5F, Q6F): two k rows of 16 codes widened to int16 and
 // interleaved per feature, so that vpmaddwd multiplies each (feature, two k) pair with a row's
@@ -614,16 +671,22 @@ void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* 
   }
 }
 
-constexpr int64_t kInt8Rows = 4;  // rows of x per pass over a panel
+// Rows of x per pass over a panel: 8 where VNNI and AVX-512VL's 32 registers hold their sums (two
+// instructions a row per four k against seven shared by the rows), else 4.
+constexpr int64_t kInt8Rows = kVnni && kWideRows > kRows ? 8 : 4;
 using Int8TileFn = void (*)(const Int8Row*, const uint8_t*, int64_t, float*, const uint8_t*);
 template <int64_t F>
 constexpr Int8TileFn kInt8TilesOf[kInt8Rows + 1] = {nullptr, int8_tile<F, 1>, int8_tile<F, 2>, int8_tile<F, 3>,
-                                                    int8_tile<F, 4>};
+                                                    int8_tile<F, 4>,
+#if defined(TOKENMILL_VNNI) && defined(__AVX512VL__)
+                                                    int8_tile<F, 5>, int8_tile<F, 6>, int8_tile<F, 7>, int8_tile<F, 8>
+#endif
+};
 constexpr const Int8TileFn* kInt8Tiles[kLastFormat + 1] = {
     nullptr, kInt8TilesOf<kQ4_0>, kInt8TilesOf<kQ4_1>, kInt8TilesOf<kQ8_0>, kInt8TilesOf<kQ4F>,
     kInt8TilesOf<kQ5F>, kInt8TilesOf<kQ6F>, kInt8TilesOf<kQ5K>, nullptr};  // MXF: never in 8 bits (panel_rows)
 
-// x (M, K), in 8-bit blocks, times panel p of blocks (at src), up to four rows per pass. The
+// x (M, K), in 8-bit blocks, times panel p of blocks (at src), kInt8Rows rows per pass. The
 // first pass prefetches `next` (or nullptr): unlike the float32 decoding, these passes outrun the
 // hardware prefetcher (layers of the default model at one row: 0.84x the float32 decoding's time
 // without, 0.76x with; its Q8_0 head 1.29x without, 0.76-0.94x with).
@@ -649,7 +712,7 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
 #ifdef TOKENMILL_AVX2
   if (format != kFloat32 && format != kMXF && M <= int8_rows) {  // FP4 codes have no integer form here
     rows.int8.resize(M);
-    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, rows.int8[m]);
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, format, rows.int8[m]);
   }
 #endif
   return rows;

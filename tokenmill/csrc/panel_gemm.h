@@ -13,9 +13,10 @@ namespace tokenmill {
 struct Int8Row {
   std::vector<float> scale, sum;  // per block of 32 k: dx, and dx * sum(xq) for the offsets
   std::vector<int32_t> qsum;      // per block: sum(xq), for Q4_0 (its values are d * (q - 8))
-  std::vector<int16_t> words;     // xq widened to int16: each int32 is a pair (xq[2i], xq[2i + 1])
-  std::vector<uint8_t> quads;     // per four k, 32 bytes: the pair (xq[4i], xq[4i + 1]) eight times,
-                                  // then (xq[4i + 2], xq[4i + 3]) eight times
+  std::vector<int8_t> bytes;      // xq as it is (the VNNI tiles read four k at a time)
+  std::vector<int16_t> words;     // byte codes: xq widened to int16, each int32 a pair (xq[2i], xq[2i + 1])
+  std::vector<uint8_t> quads;     // nibbles without VNNI: per four k, 32 bytes: the pair (xq[4i], xq[4i + 1])
+                                  // eight times, then (xq[4i + 2], xq[4i + 3]) eight times
 };
 
 // The rows of x one product reads: M rows of K floats, contiguous; for block panels in a step of

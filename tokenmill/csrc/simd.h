@@ -34,5 +34,20 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The 8-bit tiles' integer multiply-add (gemm_cpu.cpp): where the CPU has VNNI, vpdpbusd adds the
+// products of four unsigned bytes with four signed ones into each int32 lane in one instruction.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TOKENMILL_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+#elif defined(__AVXVNNI__)
+#define TOKENMILL_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+#endif
+#ifdef TOKENMILL_VNNI
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
 }  // namespace tokenmill
 #endif

@@ -216,6 +216,17 @@ def fuse_experts(model: LlamaForCausalLM, kernels) -> None:
                                                expert.down_proj.in_features)
 
 
+EVERY_STEP = 2**31 - 1  # int8_rows for steps of any size
+
+
+def int8_rows_by_cpu(kernels) -> int:
+    """gguf_int8_rows's default (EngineConfig.int8_rows_choice): every step where the kernels
+    multiply 8-bit x with VNNI, faster there than decoding the blocks to float32 at every step
+    size measured (BENCHMARKS.md); without VNNI, none: 8-bit x wins only at small steps there,
+    and the float32 path is exact."""
+    return EVERY_STEP if kernels.vnni else 0
+
+
 def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:
     """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit
     blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to float32 panels'.

@@ -34,6 +34,7 @@ from tokenmill.models.cpu_packing import (
     drop_block_weights,
     fuse_experts,
     fuse_layers,
+    int8_rows_by_cpu,
     pack_for_cpu,
     packed_bytes,
     set_int8_rows,
@@ -407,13 +408,14 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 
 def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,
-               kernels: str = "torch", gguf_blocks: bool = True, int8_rows: int = 0,
+               kernels: str = "torch", gguf_blocks: bool = True, int8_rows: int | None = 0,
                shard: TPShard | None = None, all_reduce: AllReduce | None = None) -> LlamaForCausalLM | BertModel:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
     on a CPU in float32, pack its projections (for the C++ panel kernel, in their GGUF blocks
     where the file has them and `gguf_blocks` is set, quantized token embeddings then looked up
     in the file; or for oneDNN without the kernel) and use the fused C++ element-wise ops; on
-    CUDA, use the Triton element-wise kernels.
+    CUDA, use the Triton element-wise kernels. `int8_rows` is EngineConfig.gguf_int8_rows (None:
+    the kernels' choice for this CPU, int8_rows_by_cpu).
 
     With a `shard` of size > 1, the model is that tensor-parallel rank's part (models/parallel.py),
     its sums over the ranks done by `all_reduce`; a GGUF file's blocks are cut for the rank
@@ -457,7 +459,7 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
             if not sharded:
                 fuse_experts(model, cpu_kernels)
                 fuse_layers(model, cpu_kernels)
-            set_int8_rows(model, int8_rows)
+            set_int8_rows(model, int8_rows if int8_rows is not None else int8_rows_by_cpu(cpu_kernels))
     elif kernels == "auto" and device.type == "cuda":
         try:
             from tokenmill.models.triton_ops import TritonFusedOps

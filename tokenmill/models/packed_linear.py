@@ -15,10 +15,10 @@ Weights that came from a GGUF file in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, a K-quant (Q
 in their blocks instead (a fifth of the float32 bytes for Q4_1), re-laid as panels the same
 kernel reads and decodes with gguf's own arithmetic, so results are bit-identical to the float32
 panels': faster at batch-1 decode, which streams every weight once, and even with them on
-the default workload (BENCHMARKS.md). As an option, small steps (up to `int8_rows` rows,
-EngineConfig.gguf_int8_rows) take x in 8-bit blocks and multiply the codes as integers instead,
-as llama.cpp does: faster, within about half a percent of the float32 product, not bit-identical
-(not MXFP4, whose steps stay in float32).
+the default workload (BENCHMARKS.md). Steps of up to `int8_rows` rows (EngineConfig.gguf_int8_rows:
+by default every step on a CPU with VNNI, none elsewhere) take x in 8-bit blocks and multiply the
+codes as integers instead, as llama.cpp does: faster, within about half a percent of the float32
+product, not bit-identical (not MXFP4, whose steps stay in float32).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What a process of the engine runs with, whichever rank it is: its device, its CPU thread count,
-and the context length the model's positions and the options allow. Shared by the engine
+its KV pool's dtype, and the context length the model's positions and the options allow. Shared by the engine
 (engine_parts.py) and the tensor-parallel ranks it starts (tp_rank.py).
 """
 
@@ -11,7 +11,7 @@ import os
 import torch
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.cpu_kernels import load_cpu_kernels, this_cpu
 from tokenmill.cpu_threads import ThreadGovernor, usable_cpus
 
 logger = logging.getLogger(__name__)
@@ -69,3 +69,17 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
                        "max_num_batched_tokens (%d)", max_len, config.max_num_batched_tokens)
         max_len = config.max_num_batched_tokens
     return max_len
+
+
+def kv_dtype_name(config: EngineConfig, quantized: bool, device: torch.device) -> str:
+    """The KV pool's dtype: config.kv_cache_dtype's, except for a quantized GGUF file
+    (Checkpoint.quantized) on a CPU whose kernels
+    have AVX512-BF16 and VNNI, where kv_cache_dtype and dtype both left unset mean float16: with
+    the layers' products taking x in 8 bits there (EngineConfig.int8_rows_choice), that is
+    llama.cpp's arithmetic with its default cache, half the bytes for the attention to read
+    (BENCHMARKS.md). float16, not bfloat16: its three more bits of mantissa kept the default
+    model's answers where bfloat16 flipped one. dtype="float32" keeps the float32 pool."""
+    if (config.kv_cache_dtype == "auto" and config.dtype is None and device.type == "cpu" and quantized
+            and this_cpu().has("avx512_bf16")):
+        return "float16"
+    return config.kv_dtype_name

@@ -23,7 +23,7 @@ from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.cpu_threads import ThreadGovernor
-from tokenmill.device import context_length, resolve_device, thread_governor
+from tokenmill.device import context_length, kv_dtype_name, resolve_device, thread_governor
 from tokenmill.input_processor import InputProcessor
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_connector import GuardedConnector, KVConnector, pool_fingerprint
@@ -75,10 +75,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype, kv_dtype = getattr(torch, config.torch_dtype_name), getattr(torch, config.kv_dtype_name)
     threads = thread_governor(config, device)
     path = resolve_model_path(config.model)
     checkpoint = open_checkpoint(path)
+    dtype = getattr(torch, config.torch_dtype_name)
+    kv_dtype = getattr(torch, kv_dtype_name(config, checkpoint.quantized(), device))
     model_config: ModelConfig = checkpoint.config
     if config.tensor_parallel_size > 1:
         check_divisible(model_config, config.tensor_parallel_size)  # before any rank starts
@@ -158,7 +159,7 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
                                               max_len, threads, ranks, checkpoint.path.name)
     speculator = None
     if proposer is not None:
-        proposer.allocate(num_blocks, config.block_size)
+        proposer.allocate(num_blocks, config.block_size, kv_dtype)
         speculator = Speculator(proposer, SpeculationPolicy(config.num_speculative_tokens),
                                 adaptive=config.speculative_adaptive)
     return runner, scheduler, speculator, cache_config, max_len
@@ -207,7 +208,8 @@ def _connector(config: EngineConfig, model_config: ModelConfig, worker, model_na
         return None
     if model_config.encoder is not None:
         raise ValueError(f"kv_role: an encoder ({model_config.architecture}) keeps no K/V to hand over")
-    fingerprint = pool_fingerprint(model_name, model_config, config.block_size, config.kv_dtype_name)
+    fingerprint = pool_fingerprint(model_name, model_config, config.block_size,
+                                   str(worker.kv_cache.dtype).removeprefix("torch."))
     if config.kv_connector == "nixl":
         return GuardedConnector(NixlConnector(
             config.kv_role, worker, config.block_size, fingerprint, config.kv_side_channel_host,

@@ -26,7 +26,7 @@ class NgramProposer:
             raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max})")
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         pass
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:
@@ -81,9 +81,10 @@ class DraftModelProposer:
                                 engine_config.gguf_blocks, engine_config.int8_rows_choice)
         self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
-        """The draft's KV pool and runner, once the engine has sized the target's pool (the draft's
-        weights are loaded before, so that a GPU's pool is sized from the memory they leave)."""
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        """The draft's KV pool (in the target pool's dtype) and runner, once the engine has sized the
+        target's pool (the draft's weights are loaded before, so that a GPU's pool is sized from the
+        memory they leave)."""
         from tokenmill.attention import make_backend
         from tokenmill.config import CacheConfig
         from tokenmill.kv_cache import KVCacheManager
@@ -95,7 +96,7 @@ class DraftModelProposer:
         backend = make_backend(cfg.attention_backend, device, block_size, self.model_config.head_dim,
                                getattr(torch, cfg.torch_dtype_name))
         worker = ModelWorker(self.model, self.model_config, CacheConfig(num_blocks, block_size), backend, device,
-                             getattr(torch, cfg.kv_dtype_name))
+                             kv_dtype)
         self.runner = ModelRunner(worker, cfg.seed)
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:

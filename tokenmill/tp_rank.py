@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig, EngineConfig, parse_size
-from tokenmill.device import context_length, rank_device, thread_governor
+from tokenmill.device import context_length, kv_dtype_name, rank_device, thread_governor
 from tokenmill.distributed import (
     Message,
     StepSender,
@@ -218,9 +218,10 @@ def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:
     device = group.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype, kv_dtype = getattr(torch, config.torch_dtype_name), getattr(torch, config.kv_dtype_name)
-    threads = thread_governor(config, device)
     checkpoint = open_checkpoint(resolve_model_path(config.model))
+    dtype = getattr(torch, config.torch_dtype_name)
+    kv_dtype = getattr(torch, kv_dtype_name(config, checkpoint.quantized(), device))
+    threads = thread_governor(config, device)
     max_len = context_length(config, checkpoint.config)
     model = load_model(checkpoint, max_len, dtype, device, config.kernels, config.gguf_blocks, config.int8_rows_choice,
                        TPShard(group.rank, group.size), group.all_reduce)

@@ -374,6 +374,11 @@ class Checkpoint:
                 return np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1), tensor.tensor_type
         return None
 
+    def quantized(self) -> bool:
+        """Whether this is a GGUF file with tensors in a block type (not all F32, F16 or BF16)."""
+        tensors = self.gguf_reader.tensors if self.gguf_reader is not None else ()
+        return any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in tensors)
+
     def weight_blocks(self, kernels, shard: TPShard | None = None) -> dict[str, GGUFMatrix]:
         """Matrices in the block types the CPU kernel (`kernels`) reads: a GGUF file's, a gpt-oss
         directory's MXFP4 experts (none for other checkpoints); with a tensor-parallel `shard`,

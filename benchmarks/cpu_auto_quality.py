@@ -1,0 +1,70 @@
+"""What the default arithmetic costs in quality against the exact one, on the default model: the
+engine's defaults (on a CPU with VNNI: x in 8-bit blocks, a float16 KV pool) against
+`dtype="float32"` (GGUF blocks decoded exactly, a float32 pool), and any other options given.
+
+    python benchmarks/cpu_auto_quality.py [--kv-cache-dtype bfloat16] [--gguf-int8-rows 0]
+
+Two measures: the perplexity of 300 tokens of README.md fed one decode step at a time, with the
+top-1 agreement and KL divergence of the next-token distributions; and twelve chat questions'
+48-token greedy answers, how many are identical and the mean length of the prefix they share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cpu_step_paths import decode_log_probs  # noqa: E402
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Write a haiku about the sea.",
+             "How do I reverse a list in Python?", "What causes the seasons on Earth?",
+             "Give me three tips for a good night's sleep.", "Who wrote Romeo and Juliet?",
+             "Explain photosynthesis in one paragraph.", "What is 17 times 23?",
+             "Name three planets of the solar system.", "What is a prime number?",
+             "Describe a cat to someone who has never seen one."]
+
+
+def answers(llm: LLM) -> list[list[int]]:
+    outs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
+                    SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--gguf-int8-rows", type=int, default=None)
+    args = parser.parse_args()
+    exact = LLM(dtype="float32")
+    other = LLM(kv_cache_dtype=args.kv_cache_dtype, gguf_int8_rows=args.gguf_int8_rows)
+    worker = other.engine.runner.worker
+    print(f"exact: float32 pool, int8_rows 0; other: {worker.kv_cache.dtype} pool, options {vars(args)}")
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    ids = exact.engine.tokenizer.encode(text)[:300]
+    lp = [decode_log_probs(llm.engine, ids) for llm in (exact, other)]
+    target = torch.tensor(ids[1:])[:, None]
+    ppl = [math.exp(-float(x[:-1].gather(1, target).mean())) for x in lp]
+    kl = (lp[0].exp() * (lp[0] - lp[1])).sum(-1)
+    agree = float((lp[0].argmax(-1) == lp[1].argmax(-1)).float().mean())
+    print(f"perplexity over {len(ids)} tokens of README.md: {ppl[0]:.3f} exact, {ppl[1]:.3f} other "
+          f"({ppl[1] / ppl[0] - 1:+.2%}); top-1 agreement {agree:.1%}; KL mean {float(kl.mean()):.4f}, "
+          f"max {float(kl.max()):.4f}")
+    a, b = answers(exact), answers(other)
+    same = sum(x == y for x, y in zip(a, b))
+    mean_prefix = sum(shared_prefix(x, y) for x, y in zip(a, b)) / len(a)
+    print(f"greedy chat answers (48 tokens): {same} of {len(a)} identical, mean shared prefix {mean_prefix:.1f} tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""device.py's choices that depend on the CPU: the KV pool's dtype."""
+
+import pytest
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.cpu_kernels import this_cpu
+from tokenmill.device import kv_dtype_name
+
+CPU = torch.device("cpu")
+
+
+def test_quantized_weights_on_a_cpu_with_avx512_bf16_get_a_float16_pool_unless_a_dtype_is_set():
+    auto = "float16" if this_cpu().has("avx512_bf16") else "float32"
+    assert kv_dtype_name(EngineConfig(), True, CPU) == auto
+    assert kv_dtype_name(EngineConfig(dtype="float32"), True, CPU) == "float32"
+    assert kv_dtype_name(EngineConfig(kv_cache_dtype="bfloat16"), True, CPU) == "bfloat16"
+
+
+@pytest.mark.parametrize("config", [EngineConfig(), EngineConfig(kv_cache_dtype="bfloat16")])
+def test_unquantized_weights_keep_the_pool_the_options_name(config):
+    assert kv_dtype_name(config, False, CPU) == config.kv_dtype_name

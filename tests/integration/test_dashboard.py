@@ -42,12 +42,13 @@ def test_the_page_needs_no_key_the_state_needs_it_and_neither_is_in_the_openapi_
         assert not [p for p in paths if p.startswith("/dashboard")]
 
 
-def test_the_state_shows_8_requests_running_with_their_blocks_then_8_finished_and_1600_tokens(tiny_llama):
+def test_the_state_shows_8_requests_running_with_their_blocks_then_8_finished_and_6400_tokens(tiny_llama):
     prompts = [list(range(5, 21)) + [30 + i] for i in range(8)]  # 17 token ids: a 16-token block in common
     with running_server(tiny_llama) as s:
-        # one HTTP request of 8 prompts: 8 engine requests added together, admitted in one step
+        # one HTTP request of 8 prompts: 8 engine requests added together, admitted in one step; 800
+        # tokens each, so that they run for several of the polls below (200 ended between two on a Zen 4)
         sender = threading.Thread(target=httpx.post, args=(s.url + "/v1/completions",), kwargs=dict(
-            timeout=120, json={"prompt": prompts, "max_tokens": 200, "ignore_eos": True}))
+            timeout=120, json={"prompt": prompts, "max_tokens": 800, "ignore_eos": True}))
         sender.start()
         deadline = time.monotonic() + 60
         busy = fresh_state(s.url)
@@ -61,7 +62,7 @@ def test_the_state_shows_8_requests_running_with_their_blocks_then_8_finished_an
     # the first 16 tokens are one block all 8 share; each owns the rest
     assert states.count(BLOCK_SHARED) == 1 == busy["pool"]["shared"]
     assert states.count(BLOCK_OWNED) == sum(r["blocks"] for r in busy["running"]) - 8 == busy["pool"]["owned"]
-    assert all(r["prompt"] == 17 and r["computed"] >= 17 and r["max_tokens"] == 200 for r in busy["running"])
+    assert all(r["prompt"] == 17 and r["computed"] >= 17 and r["max_tokens"] == 800 for r in busy["running"])
     assert {r["cached"] for r in busy["running"][1:]} == {16}
 
     states = base64.b64decode(idle["pool"]["states"])
@@ -69,7 +70,7 @@ def test_the_state_shows_8_requests_running_with_their_blocks_then_8_finished_an
     assert BLOCK_OWNED not in states and BLOCK_SHARED not in states and BLOCK_CACHED in states
     assert states.count(BLOCK_FREE) + states.count(BLOCK_CACHED) == NUM_BLOCKS
     minute = idle["last_minute"]
-    assert minute["requests_finished"] == 8 and sum(minute["generated_per_second"]) == 1600
+    assert minute["requests_finished"] == 8 and sum(minute["generated_per_second"]) == 6400
     assert minute["ttft"]["count"] == 8 and minute["e2e"]["p95"] >= minute["e2e"]["p50"] > 0
     # the bar chart's last 120 steps: the 8 decoding together, the prompts' step long gone
     assert idle["steps"]["decode"] == [8] * 120 and idle["steps"]["prefill"] == [0] * 120

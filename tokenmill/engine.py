@@ -27,6 +27,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine_parts import build_engine_parts
 from tokenmill.input_processor import Prompt
 from tokenmill.model_runner import PendingStep
+from tokenmill.models.cpu_packing import int8_rows_of
 from tokenmill.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepStats
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -108,6 +109,13 @@ class LLMEngine:
         connector which have ended: a step now would run nothing."""
         self.scheduler.collect_loads()
         return self.scheduler.only_loading()
+
+    @property
+    def arithmetic(self) -> dict:
+        """What a step computes in: the activations' and the KV pool's dtypes, and the most rows of a
+        step whose GGUF block products take x in 8-bit blocks (0: none, the exact path)."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "gguf_int8_rows": int8_rows_of(self.runner.worker.model)}
 
     def close(self) -> None:
         """End the tensor-parallel ranks this engine started (nothing without them), let go of the KV

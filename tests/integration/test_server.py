@@ -214,6 +214,8 @@ def test_models_tokenize_detokenize_version(server, client):
     version = httpx.get(server.url + "/version").json()
     device = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")  # (the suite run on a GPU machine)
     assert version["cpu"] == this_cpu().as_dict() and version["device"].split(":")[0] == device and version["version"]
+    # a Hugging Face directory in float32: no 8-bit x, a float32 pool, on any CPU
+    assert version["arithmetic"] == {"dtype": "float32", "kv_dtype": "float32", "gguf_int8_rows": 0}
     assert httpx.get(server.url + "/health").status_code == 200
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from tokenmill.bench.throughput import RunResult, format_split, format_table, run_engine, run_hf_generate, run_static
 from tokenmill.bench.workloads import long_workload, prefix_workload, random_workload
 from tokenmill.cli_args import engine_config_from_args
+from tokenmill.models.cpu_packing import EVERY_STEP
 
 
 def _engine(args, label: str | None = None, **overrides):
@@ -50,6 +51,10 @@ def bench_throughput(args) -> dict:
     print(f"workload {args.workload}: {len(workload)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in workload)} prompt and "
           f"{sum(r.max_tokens for r in workload)} output tokens; attention backend {engine.runner.worker.backend.name}")
+    arithmetic = engine.arithmetic
+    rows = arithmetic["gguf_int8_rows"]
+    print(f"arithmetic: {arithmetic['dtype']}, KV pool {arithmetic['kv_dtype']}, GGUF products with 8-bit x "
+          f"{'at every step' if rows >= EVERY_STEP else f'in steps of up to {rows} rows' if rows else 'never'}")
     if args.workload == "long":
         return _bench_long(args, engine, workload)
     if args.workload == "prefix":
@@ -68,7 +73,8 @@ def bench_throughput(args) -> dict:
         from tokenmill.bench.plots import plot_occupancy
         print(f"plot: {plot_occupancy(results, args.plot)}")
     print(_waste_line(results[0], engine.cache_config.block_size))
-    return {"workload": args.workload, "results": [r.summary() for r in results], **summary}
+    return {"workload": args.workload, "arithmetic": arithmetic, "results": [r.summary() for r in results],
+            **summary}
 
 
 def _compare(args, model_path, workload) -> list[RunResult]:

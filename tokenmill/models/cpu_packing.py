@@ -227,6 +227,11 @@ def int8_rows_by_cpu(kernels) -> int:
     return EVERY_STEP if kernels.vnni else 0
 
 
+def int8_rows_of(model: nn.Module) -> int:
+    """The int8_rows the layers' block products run with (set_int8_rows); 0 without any."""
+    return max((m.int8_rows for m in model.modules() if isinstance(m, PackedLinear) and m.format), default=0)
+
+
 def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:
     """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit
     blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to float32 panels'.

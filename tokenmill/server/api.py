@@ -116,7 +116,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     chat = ChatHandler(serving, tokenizer, served_model_name, tool_call_parser, thinking, harmony)
     responses = ResponsesHandler(serving, tokenizer, served_model_name, tool_call_parser,
                                  ResponseStore(responses_store_size), thinking, harmony)
-    machine = {"device": str(engine.device), "cpu": this_cpu().as_dict()}
+    machine = {"device": str(engine.device), "cpu": this_cpu().as_dict(), "arithmetic": engine.arithmetic}
     models = ModelsHandler(served_model_name, engine.max_model_len, async_engine, metrics, machine)
     tokenization = TokenizationHandler(tokenizer, served_model_name, engine.max_model_len,
                                        engine.model_config.vocab_size)

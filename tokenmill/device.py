@@ -1,6 +1,6 @@
 """What a process of the engine runs with, whichever rank it is: its device, its CPU thread count,
-its KV pool's dtype, and the context length the model's positions and the options allow. Shared by the engine
-(engine_parts.py) and the tensor-parallel ranks it starts (tp_rank.py).
+its KV pool's dtype, and the context length the model's positions and the options allow. Shared
+by the engine (engine_parts.py) and the tensor-parallel ranks it starts (tp_rank.py).
 """
 
 from __future__ import annotations
@@ -72,13 +72,13 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
 
 
 def kv_dtype_name(config: EngineConfig, quantized: bool, device: torch.device) -> str:
-    """The KV pool's dtype: config.kv_cache_dtype's, except for a quantized GGUF file
-    (Checkpoint.quantized) on a CPU whose kernels
-    have AVX512-BF16 and VNNI, where kv_cache_dtype and dtype both left unset mean float16: with
-    the layers' products taking x in 8 bits there (EngineConfig.int8_rows_choice), that is
-    llama.cpp's arithmetic with its default cache, half the bytes for the attention to read
-    (BENCHMARKS.md). float16, not bfloat16: its three more bits of mantissa kept the default
-    model's answers where bfloat16 flipped one. dtype="float32" keeps the float32 pool."""
+    """The KV pool's dtype: the one config.kv_cache_dtype names, except for a quantized GGUF file
+    (Checkpoint.quantized) on a CPU whose kernels have AVX512-BF16 and VNNI, where kv_cache_dtype
+    and dtype both left unset mean float16: with the layers' products taking x in 8 bits there
+    (EngineConfig.int8_rows_choice), that is llama.cpp's arithmetic with its default cache, half
+    the bytes for the attention to read (BENCHMARKS.md). float16, not bfloat16: its three more
+    bits of mantissa kept the default model's answers where bfloat16 flipped one. dtype="float32"
+    keeps the float32 pool."""
     if (config.kv_cache_dtype == "auto" and config.dtype is None and device.type == "cpu" and quantized
             and this_cpu().has("avx512_bf16")):
         return "float16"

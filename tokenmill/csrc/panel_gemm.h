@@ -5,26 +5,35 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace tokenmill {
 
-// One row of x in 8-bit blocks, laid out for the 8-bit tiles' two inner loops (gemm_cpu.cpp).
+// One row of x in 8-bit blocks, laid out for the 8-bit tiles' two inner loops (gemm_cpu.cpp):
+// views into the arena of the PanelRows that holds it.
 struct Int8Row {
-  std::vector<float> scale, sum;  // per block of 32 k: dx, and dx * sum(xq) for the offsets
-  std::vector<int32_t> qsum;      // per block: sum(xq), for Q4_0 (its values are d * (q - 8))
-  std::vector<int8_t> bytes;      // xq as it is (the VNNI tiles read four k at a time)
-  std::vector<int16_t> words;     // byte codes: xq widened to int16, each int32 a pair (xq[2i], xq[2i + 1])
-  std::vector<uint8_t> quads;     // nibbles without VNNI: per four k, 32 bytes: the pair (xq[4i], xq[4i + 1])
-                                  // eight times, then (xq[4i + 2], xq[4i + 3]) eight times
+  float* scale;    // per block of 32 k: dx
+  float* sum;      // per block: dx * sum(xq), for the offsets
+  int32_t* qsum;   // per block: sum(xq), for Q4_0 (its values are d * (q - 8))
+  int8_t* bytes;   // xq as it is (the VNNI tiles read four k at a time)
+  int16_t* words;  // byte codes: xq widened to int16, each int32 a pair (xq[2i], xq[2i + 1]); else null
+  uint8_t* quads;  // nibbles without VNNI: per four k, 32 bytes: the pair (xq[4i], xq[4i + 1]) eight
+                   // times, then (xq[4i + 2], xq[4i + 3]) eight times; else null
 };
 
 // The rows of x one product reads: M rows of K floats, contiguous; for block panels in a step of
-// up to int8_rows rows, the same rows in 8-bit blocks too (then the product reads those).
+// up to int8_rows rows, the same rows in 8-bit blocks too (then the product reads those). All rows'
+// blocks sit in one arena: one allocation a product, not a few per row.
 struct PanelRows {
   const float* x;
   int64_t M, K;
   std::vector<Int8Row> int8;  // empty: x in float32
+  std::unique_ptr<uint8_t[]> arena;
+
+  PanelRows(const float* x, int64_t M, int64_t K) : x(x), M(M), K(K) {}
+  PanelRows(PanelRows&&) = default;  // the arena moves with its views
+  PanelRows(const PanelRows&) = delete;
 };
 PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows);
 

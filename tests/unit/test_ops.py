@@ -97,7 +97,7 @@ def _gguf_rows(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from tokenmill.models.gguf_loader import k_quant_rows
+    from tokenmill.models.gguf_loader import k_quant_rows, q5_as_blocks_of_32
     qtype, rng = GGMLQuantizationType[kind], np.random.default_rng(0)
     if kind.endswith("_K"):
         raw = random_k_quant_rows(rng, kind, n, k)
@@ -108,13 +108,16 @@ def _gguf_rows(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raw = rows = raw.reshape(n, -1)
         weights = dequantize_ggml_mxfp4(torch.from_numpy(raw)).numpy()
         return torch.from_numpy(rows.copy()), torch.from_numpy(weights.copy())
+    elif kind in ("Q5_0", "Q5_1"):
+        raw = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+        rows = q5_as_blocks_of_32(raw, kind)
     else:
         raw = rows = quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     weights = dequantize(raw, qtype).astype(np.float32).reshape(n, k)
     return torch.from_numpy(rows.copy()), torch.from_numpy(weights.copy())
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_block_panels_give_the_float32_panels_result_bit_for_bit(fused, kind):
     """The kernel decodes GGUF blocks with gguf's own arithmetic (MXFP4: FP4 times 2^(e - 127),
     exact) and sums in the float32 panels' order, so the two products must be identical, not just
@@ -147,7 +150,7 @@ def _int8_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.
     return (xq @ w.double().T + b.double()).float()
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_int8_rows_compute_the_product_with_x_in_8_bit_blocks(fused, kind):
     """Up to `int8_rows` rows, x goes to 8 bits per block of 32 and the codes are multiplied as
     integers: the result is that of the dequantized weights with x so rounded (to float32
@@ -257,7 +260,7 @@ def test_k_quant_recut_in_cpp_gives_numpys_bytes(fused, kind):
         pytest.skip("block formats need AVX2")
     import numpy as np
 
-    from tokenmill.models.gguf_loader import k_quant_rows
+    from tokenmill.models.gguf_loader import k_quant_rows, q5_as_blocks_of_32
     from tokenmill.models.packed_linear import BLOCK_FORMATS
     raw = random_k_quant_rows(np.random.default_rng(1), kind, 9, 768)
     supers = raw.reshape(9, 3, -1)

@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -463,6 +464,17 @@ using tokenmill::kVnni;
 using tokenmill::dpbusd;
 #endif
 
+// Byte codes with 512-bit VNNI and VBMI's byte permute take int8_tile_bytes_vnni, which reads x as
+// bytes; Q6F (its halves have scales of their own) and byte codes elsewhere take vpmaddwd's tile,
+// which reads x widened to int16 pairs.
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TOKENMILL_VNNI_BYTES 1
+constexpr bool kVnniBytes = true;
+#else
+constexpr bool kVnniBytes = false;
+#endif
+constexpr bool reads_words(int64_t format) { return byte_codes(format) && (!kVnniBytes || format == kQ6F); }
+
 // x (K floats) -> Int8Row: xq = round(x / dx) (to nearest even), dx = max |x| / 127 (0 for a block
 // of zeros), in the layouts r has room for (those the tiles of its format read).
 void quantize_row(const float* x, int64_t K, const Int8Row& r) {
@@ -660,10 +672,61 @@ void int8_tile_bytes(const Int8Row* x, const uint8_t* src, int64_t num_blocks, f
   }
 }
 
+#ifdef TOKENMILL_VNNI_BYTES
+// vpermb's index for four k rows of byte codes: byte j of dword f <- byte f of k row j.
+constexpr std::array<uint8_t, 64> feature_quads() {
+  std::array<uint8_t, 64> index{};
+  for (int f = 0; f < 16; ++f)
+    for (int j = 0; j < 4; ++j) index[4 * f + j] = static_cast<uint8_t>(16 * j + f);
+  return index;
+}
+alignas(64) constexpr std::array<uint8_t, 64> kFeatureQuads = feature_quads();
+
+// Byte codes (Q8_0, Q5F, Q5K) with 512-bit VNNI: one vpermb turns four k rows of the panel (64
+// bytes) into the 16 features' (four k) dwords, which one vpdpbusd a row multiplies with the row's
+// four bytes of x and adds into int32 lanes in feature order. vpdpbusd's first side is unsigned:
+// Q8_0's signed codes go in as c + 128 (an xor), and 128 * sum(xq) comes off each block's sums.
+template <int64_t F, int R>
+void int8_tile_bytes_vnni(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
+  const __m512i gather = _mm512_load_si512(kFeatureQuads.data());
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  std::fill(out, out + R * kPanel, 0.0f);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
+    const uint8_t* codes = codes_of<F>(src, b);
+    __m512i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < kBlock / 4; ++j) {
+      __m512i c = _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(codes + 4 * j * kPanel));
+      if constexpr (!unsigned_bytes(F)) c = _mm512_xor_si512(c, flip);
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, x[r].bytes + b * kBlock + 4 * j, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], c, _mm512_set1_epi32(quad));
+      }
+    }
+    const BlockScales s = scales_of<F>(src, b);
+    for (int r = 0; r < R; ++r) {
+      __m256i lo = _mm512_castsi512_si256(acc[r]), hi = _mm512_extracti64x4_epi64(acc[r], 1);
+      if constexpr (!unsigned_bytes(F)) {
+        const __m256i shift = _mm256_set1_epi32(128 * x[r].qsum[b]);
+        lo = _mm256_sub_epi32(lo, shift), hi = _mm256_sub_epi32(hi, shift);
+      }
+      add_block<F>(lo, hi, s, x[r].scale[b], x[r].sum[b], out + r * kPanel);
+    }
+  }
+}
+#endif
+
 template <int64_t F, int R>
 void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  if constexpr (byte_codes(F)) {
+  if constexpr (byte_codes(F) && reads_words(F)) {
     int8_tile_bytes<F, R>(x, src, num_blocks, out, pf);
+  } else if constexpr (byte_codes(F)) {
+#ifdef TOKENMILL_VNNI_BYTES
+    int8_tile_bytes_vnni<F, R>(x, src, num_blocks, out, pf);
+#endif
   } else {
     int8_tile_nibbles<F, R>(x, src, num_blocks, out, pf);
   }
@@ -714,7 +777,7 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
 #ifdef TOKENMILL_AVX2
   if (format != kFloat32 && format != kMXF && M <= int8_rows) {  // FP4 codes have no integer form here
     // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads (8K)
-    const bool words = byte_codes(format), quads = !words && !kVnni;
+    const bool words = reads_words(format), quads = !byte_codes(format) && !kVnni;
     const auto up = [](int64_t n) { return (n + 63) & ~int64_t{63}; };
     const int64_t B = K / kBlock, part = up(4 * B);
     const int64_t row = 3 * part + up(K) + (words ? up(2 * K) : 0) + (quads ? 8 * K : 0);

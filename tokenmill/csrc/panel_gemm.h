@@ -17,7 +17,8 @@ struct Int8Row {
   float* sum;      // per block: dx * sum(xq), for the offsets
   int32_t* qsum;   // per block: sum(xq), for Q4_0 (its values are d * (q - 8))
   int8_t* bytes;   // xq as it is (the VNNI tiles read four k at a time)
-  int16_t* words;  // byte codes: xq widened to int16, each int32 a pair (xq[2i], xq[2i + 1]); else null
+  int16_t* words;  // for vpmaddwd's byte tile: xq widened to int16, each int32 a pair (xq[2i], xq[2i + 1]);
+                   // else null
   uint8_t* quads;  // nibbles without VNNI: per four k, 32 bytes: the pair (xq[4i], xq[4i + 1]) eight
                    // times, then (xq[4i + 2], xq[4i + 3]) eight times; else null
 };

@@ -233,10 +233,11 @@ def int8_rows_of(model: nn.Module) -> int:
 
 
 def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:
-    """The layers' products with GGUF blocks, in steps of up to `rows` rows, take x in 8-bit
-    blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to float32 panels'.
-    The output head keeps float32 x: its Q8_0 blocks stream at memory speed either way, and its
-    logits pick the token, where 8-bit rounding of x can flip a near-tie (BENCHMARKS.md)."""
+    """The products with GGUF blocks, the output head's included, in steps of up to `rows` rows,
+    take x in 8-bit blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to
+    float32 panels'. The head's share in what this costs in quality is in BENCHMARKS.md."""
+    if isinstance(model.packed_lm_head, PackedLinear):
+        model.packed_lm_head.int8_rows = rows
     for layer in model.layers:
         for m in layer.modules():
             if isinstance(m, PackedLinear):

@@ -464,16 +464,16 @@ using tokenmill::kVnni;
 using tokenmill::dpbusd;
 #endif
 
-// Byte codes with 512-bit VNNI and VBMI's byte permute take int8_tile_bytes_vnni, which reads x as
-// bytes; Q6F (its halves have scales of their own) and byte codes elsewhere take vpmaddwd's tile,
-// which reads x widened to int16 pairs.
+// With 512-bit VNNI and VBMI's byte permute every format but Q6F takes int8_tile_512, which reads
+// x as bytes; Q6F and byte codes elsewhere take vpmaddwd's tile, which reads x widened to int16
+// pairs.
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-#define TOKENMILL_VNNI_BYTES 1
-constexpr bool kVnniBytes = true;
+#define TOKENMILL_VNNI_512 1
+constexpr bool kVnni512 = true;
 #else
-constexpr bool kVnniBytes = false;
+constexpr bool kVnni512 = false;
 #endif
-constexpr bool reads_words(int64_t format) { return byte_codes(format) && (!kVnniBytes || format == kQ6F); }
+constexpr bool reads_words(int64_t format) { return byte_codes(format) && (!kVnni512 || format == kQ6F); }
 
 // x (K floats) -> Int8Row: xq = round(x / dx) (to nearest even), dx = max |x| / 127 (0 for a block
 // of zeros), in the layouts r has room for (those the tiles of its format read).
@@ -672,24 +672,46 @@ void int8_tile_bytes(const Int8Row* x, const uint8_t* src, int64_t num_blocks, f
   }
 }
 
-#ifdef TOKENMILL_VNNI_BYTES
-// vpermb's index for four k rows of byte codes: byte j of dword f <- byte f of k row j.
-constexpr std::array<uint8_t, 64> feature_quads() {
+#ifdef TOKENMILL_VNNI_512
+// vpermb's indexes that make four k rows of a panel's codes into its 16 features' (four k) dwords:
+// byte j of dword f <- feature f of k row j. Byte codes: a k row is 16 bytes, feature f at byte f.
+// Nibbles, as int8_tile_512 spreads them: the low nibbles' four k rows (features 0-7, 8 bytes a
+// row) in bytes 0-31, the high nibbles' (features 8-15) in bytes 32-63.
+constexpr std::array<uint8_t, 64> quads_index(bool nibbles) {
   std::array<uint8_t, 64> index{};
   for (int f = 0; f < 16; ++f)
-    for (int j = 0; j < 4; ++j) index[4 * f + j] = static_cast<uint8_t>(16 * j + f);
+    for (int j = 0; j < 4; ++j)
+      index[4 * f + j] = static_cast<uint8_t>(!nibbles ? 16 * j + f : f < 8 ? 8 * j + f : 32 + 8 * j + f - 8);
   return index;
 }
-alignas(64) constexpr std::array<uint8_t, 64> kFeatureQuads = feature_quads();
+alignas(64) constexpr std::array<uint8_t, 64> kByteQuads = quads_index(false);
+alignas(64) constexpr std::array<uint8_t, 64> kNibbleQuads = quads_index(true);
 
-// Byte codes (Q8_0, Q5F, Q5K) with 512-bit VNNI: one vpermb turns four k rows of the panel (64
-// bytes) into the 16 features' (four k) dwords, which one vpdpbusd a row multiplies with the row's
-// four bytes of x and adds into int32 lanes in feature order. vpdpbusd's first side is unsigned:
-// Q8_0's signed codes go in as c + 128 (an xor), and 128 * sum(xq) comes off each block's sums.
+// What vpdpbusd's unsigned side adds to each code: Q8_0's signed codes go in as c + 128 (an xor);
+// Q4_0's codes are q where its values are d * (q - 8). 128 or 8 times sum(xq) comes off a block.
+constexpr int32_t code_offset(int64_t f) { return f == kQ8_0 ? 128 : f == kQ4_0 ? 8 : 0; }
+
+// Four k rows (j-th group of a block) of codes -> the 16 features' (four k) unsigned dwords.
+template <int64_t F>
+inline __m512i code_quads(const uint8_t* codes, int64_t j) {
+  if constexpr (byte_codes(F)) {
+    const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(kByteQuads.data()),
+                                              _mm512_loadu_si512(codes + 4 * j * kPanel));
+    return code_offset(F) ? _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80))) : c;
+  } else {  // 32 bytes of nibbles, twice: the upper copy shifted down by four, then masked
+    const __m512i c = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 32)));
+    const __m512i spread = _mm512_and_si512(_mm512_srlv_epi64(c, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)),
+                                            _mm512_set1_epi8(0x0F));
+    return _mm512_permutexvar_epi8(_mm512_load_si512(kNibbleQuads.data()), spread);
+  }
+}
+
+// Every format but Q6F (its halves have scales of their own) with 512-bit VNNI and VBMI: a
+// group of four k rows becomes the 16 features' dwords once (code_quads), which one vpdpbusd a
+// row multiplies with the row's four bytes of x, into one register of int32 sums a row in
+// feature order; the block's scales go on as add_block's, 16 lanes at a time.
 template <int64_t F, int R>
-void int8_tile_bytes_vnni(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  const __m512i gather = _mm512_load_si512(kFeatureQuads.data());
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
   std::fill(out, out + R * kPanel, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
@@ -698,22 +720,24 @@ void int8_tile_bytes_vnni(const Int8Row* x, const uint8_t* src, int64_t num_bloc
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
 #pragma GCC unroll 2
     for (int64_t j = 0; j < kBlock / 4; ++j) {
-      __m512i c = _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(codes + 4 * j * kPanel));
-      if constexpr (!unsigned_bytes(F)) c = _mm512_xor_si512(c, flip);
+      const __m512i q = code_quads<F>(codes, j);
       for (int r = 0; r < R; ++r) {
         int32_t quad;
         std::memcpy(&quad, x[r].bytes + b * kBlock + 4 * j, 4);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], c, _mm512_set1_epi32(quad));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(quad));
       }
     }
     const BlockScales s = scales_of<F>(src, b);
+    const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(s.d0), s.d1, 1);
+    const __m512 m = _mm512_insertf32x8(_mm512_castps256_ps512(s.m0), s.m1, 1);
     for (int r = 0; r < R; ++r) {
-      __m256i lo = _mm512_castsi512_si256(acc[r]), hi = _mm512_extracti64x4_epi64(acc[r], 1);
-      if constexpr (!unsigned_bytes(F)) {
-        const __m256i shift = _mm256_set1_epi32(128 * x[r].qsum[b]);
-        lo = _mm256_sub_epi32(lo, shift), hi = _mm256_sub_epi32(hi, shift);
-      }
-      add_block<F>(lo, hi, s, x[r].scale[b], x[r].sum[b], out + r * kPanel);
+      __m512i sums = acc[r];
+      if constexpr (code_offset(F) != 0) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(code_offset(F) * x[r].qsum[b]));
+      float* y = out + r * kPanel;
+      __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(x[r].scale[b])),
+                                 _mm512_loadu_ps(y));
+      if constexpr (has_offset(F)) v = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].sum[b]), v);
+      _mm512_storeu_ps(y, v);
     }
   }
 }
@@ -721,12 +745,12 @@ void int8_tile_bytes_vnni(const Int8Row* x, const uint8_t* src, int64_t num_bloc
 
 template <int64_t F, int R>
 void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  if constexpr (byte_codes(F) && reads_words(F)) {
-    int8_tile_bytes<F, R>(x, src, num_blocks, out, pf);
-  } else if constexpr (byte_codes(F)) {
-#ifdef TOKENMILL_VNNI_BYTES
-    int8_tile_bytes_vnni<F, R>(x, src, num_blocks, out, pf);
+  if constexpr (kVnni512 && F != kQ6F) {
+#ifdef TOKENMILL_VNNI_512
+    int8_tile_512<F, R>(x, src, num_blocks, out, pf);
 #endif
+  } else if constexpr (byte_codes(F)) {
+    int8_tile_bytes<F, R>(x, src, num_blocks, out, pf);
   } else {
     int8_tile_nibbles<F, R>(x, src, num_blocks, out, pf);
   }

@@ -79,6 +79,20 @@ def test_the_default_takes_x_in_8_bit_blocks_at_every_step_exactly_where_the_ker
     assert exact_llm.engine.runner.worker.model.packed_lm_head.int8_rows == 0
 
 
+def test_the_roofline_measures_an_int8_ceiling_exactly_where_the_layers_take_8_bit_x(default_llm, exact_llm):
+    """`bench roofline` holds the engine to the peak of the arithmetic it chose; measuring the
+    float32 ceilings leaves the layers' int8_rows as they were."""
+    from tokenmill.bench.roofline import compute_ceilings
+    fp32 = {"fp32 GEMM 2048^3", "fp32 layer projections, M=512 (engine)"}
+    assert set(compute_ceilings(exact_llm.engine.runner.worker.model, min_time=0.01)) == fp32
+    before = layer_int8_rows(default_llm.engine)
+    ceilings = compute_ceilings(default_llm.engine.runner.worker.model, min_time=0.01)
+    assert layer_int8_rows(default_llm.engine) == before
+    if before:
+        assert set(ceilings) == fp32 | {"int8 GEMM 2048^3 (torch._int_mm)", "8-bit x layer projections, M=512 (engine)"}
+    assert all(rate > 0 for rate in ceilings.values())
+
+
 def test_gguf_loader_matches_transformers_gguf_loading(exact_llm):
     from transformers import AutoModelForCausalLM
 

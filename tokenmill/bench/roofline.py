@@ -2,9 +2,12 @@
 
 Two ceilings are measured here, with the engine's own thread count:
   * compute: the float32 matrix-product rate, on a large square GEMM and on the model's own
-    layer shapes at a prefill-sized M (through the engine's linear backend);
+    layer shapes at a prefill-sized M (through the engine's linear backend); where the engine's
+    products take x in 8-bit blocks (llama.cpp's arithmetic: `gguf_int8_rows`), the int8 rate
+    too, on torch's int8 GEMM (oneDNN) and on the same layer shapes with 8-bit x;
   * memory: the read bandwidth of a 1 GiB tensor.
-Each is the best of three trials, and the compute peak is the higher of the two GEMM rates.
+Each is the best of three trials, and the compute peak is the highest of the GEMM rates: the
+arithmetic the engine chose sets the bar it is measured against.
 The engine is then timed on the default workload: its required model FLOPs (every prompt
 and output token once, logits only where a token is sampled, attention over each token's
 context) over wall time, as a share of the compute peak; and a batch-1 decode step against
@@ -87,12 +90,39 @@ def _time(fn, min_time: float = 1.0, trials: int = 3) -> float:
     return best
 
 
-def gemm_peak(size: int = 2048) -> float:
+def gemm_peak(size: int = 2048, min_time: float = 1.0) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
-    return 2 * size**3 / _time(lambda: torch.mm(a, b)) / 1e9
+    return 2 * size**3 / _time(lambda: torch.mm(a, b), min_time) / 1e9
 
 
-def layer_gemm_rate(model: torch.nn.Module, m: int = 512) -> float:
+def int8_gemm_peak(size: int = 2048, min_time: float = 1.0) -> float:
+    """GOP/s of torch's int8 matrix product with int32 sums (oneDNN: VNNI or AMX where the CPU has
+    them), two operations a multiply-add as for floats."""
+    a = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    b = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    return 2 * size**3 / _time(lambda: torch._int_mm(a, b), min_time) / 1e9
+
+
+def compute_ceilings(model: torch.nn.Module, min_time: float = 1.0) -> dict[str, float]:
+    """The compute ceilings by name, GFLOP/s (GOP/s for int8): float32's, and where the layers
+    take x in 8-bit blocks (set_int8_rows) int8's too, the layers' shapes in both arithmetics.
+    min_time: seconds of each of a rate's three trials."""
+    from tokenmill.models.cpu_packing import int8_rows_of, set_int8_rows
+    rows = int8_rows_of(model)
+    set_int8_rows(model, 0)
+    try:
+        out = {"fp32 GEMM 2048^3": gemm_peak(min_time=min_time),
+               "fp32 layer projections, M=512 (engine)": layer_gemm_rate(model, min_time=min_time)}
+    finally:
+        set_int8_rows(model, rows)
+    if rows:
+        out["int8 GEMM 2048^3 (torch._int_mm)"] = int8_gemm_peak(min_time=min_time)
+        m = min(512, rows)
+        out[f"8-bit x layer projections, M={m} (engine)"] = layer_gemm_rate(model, m, min_time)
+    return out
+
+
+def layer_gemm_rate(model: torch.nn.Module, m: int = 512, min_time: float = 1.0) -> float:
     """GFLOP/s of one layer's projections at M tokens, through the model's own linear modules."""
     layer = model.layers[0]
     mods = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
@@ -103,7 +133,7 @@ def layer_gemm_rate(model: torch.nn.Module, m: int = 512) -> float:
             mod(x)
     flops = sum(2 * m * mod.in_features * mod.out_features for mod in mods)
     with torch.inference_mode():
-        return flops / _time(run) / 1e9
+        return flops / _time(run, min_time) / 1e9
 
 
 def read_bandwidth(buffer: torch.Tensor | None = None, min_time: float = 1.0, trials: int = 3) -> float:
@@ -146,13 +176,14 @@ def bench_roofline(args) -> dict:
 
     config = dataclasses.replace(engine_config_from_args(args), model=args.model)
     if config.device.split(":")[0] != "cpu" or config.torch_dtype_name != "float32":
-        raise ValueError("bench roofline measures the CPU's float32 peak: run it with --device cpu and float32")
+        raise ValueError("bench roofline measures the CPU's peaks for float32 activations (8-bit x where the "
+                         "engine takes it): run it with --device cpu and float32 (the CPU's default)")
     engine = LLMEngine(config)
     model, cfg = engine.runner.worker.model, engine.model_config
     threads = torch.get_num_threads()
-    large = gemm_peak()
-    layer_rate = layer_gemm_rate(model)
-    peak = max(large, layer_rate)
+    ceilings = compute_ceilings(model)
+    peak_name = max(ceilings, key=ceilings.get)
+    peak = ceilings[peak_name]
     bandwidth = read_bandwidth()
     workload = random_workload()
     run = run_engine(engine, workload, "tokenmill", progress=True)
@@ -164,14 +195,16 @@ def bench_roofline(args) -> dict:
     ratio_b1, step_b1, bandwidth_b1 = batch1_against_bandwidth(engine, streamed)
 
     print()
-    print(f"threads {threads}; model {cfg.architecture} {cfg.num_layers} layers, weights {wbytes / 1e6:.0f} MB")
-    print(f"{'ceiling':<44} {'measured':>12}")
-    print(f"{'fp32 GEMM 2048^3':<44} {large:>8.1f} GFLOP/s")
-    print(f"{'fp32 layer projections, M=512 (engine)':<44} {layer_rate:>8.1f} GFLOP/s")
-    print(f"{'memory read bandwidth':<44} {bandwidth:>8.1f} GB/s")
+    print(f"threads {threads}; model {cfg.architecture} {cfg.num_layers} layers, weights {wbytes / 1e6:.0f} MB; "
+          f"arithmetic {engine.arithmetic}")
+    print(f"{'ceiling':<48} {'measured':>12}")
+    for name, rate in ceilings.items():
+        unit = "GOP/s" if name.startswith(("int8", "8-bit")) else "GFLOP/s"
+        print(f"{name:<48} {rate:>8.1f} {unit}{'  (the peak)' if name == peak_name else ''}")
+    print(f"{'memory read bandwidth':<48} {bandwidth:>8.1f} GB/s")
     print()
     print(f"default workload: {flops / 1e12:.2f} TFLOP in {run.wall:.1f} s = {achieved:.1f} GFLOP/s "
-          f"= {achieved / peak:.0%} of the peak, the higher of the two GEMM rates ({run.output_tps:.1f} output tok/s; "
+          f"= {achieved / peak:.0%} of the peak, {peak_name} ({run.output_tps:.1f} output tok/s; "
           f"ceiling at peak {run.output_tokens / (flops / (peak * 1e9)):.0f} tok/s)")
     print(f"batch-1 decode step: {step_b1 * 1e3:.1f} ms vs weights/bandwidth {streamed / bandwidth_b1 / 1e6:.1f} ms "
           f"= {ratio_b1:.2f}x (median of 5 rounds, each a bandwidth trial ({bandwidth_b1:.1f} GB/s) "
@@ -180,7 +213,9 @@ def bench_roofline(args) -> dict:
         print(f"  (the step streams {block_bytes / 1e6:.0f} MB of GGUF blocks; the float32 weights, "
               f"{wbytes / 1e6:.0f} MB, would take {wbytes / bandwidth_b1 / 1e6:.1f} ms to stream: "
               f"{step_b1 * bandwidth_b1 * 1e9 / wbytes:.2f}x that)")
-    return {"threads": threads, "gemm_2048_gflops": large, "layer_gemm_gflops": layer_rate, "peak_gflops": peak,
+    return {"threads": threads, "arithmetic": engine.arithmetic, "ceilings": ceilings, "peak_ceiling": peak_name,
+            "gemm_2048_gflops": ceilings["fp32 GEMM 2048^3"],
+            "layer_gemm_gflops": ceilings["fp32 layer projections, M=512 (engine)"], "peak_gflops": peak,
             "read_bandwidth_gbs": bandwidth, "workload_tflop": flops / 1e12, "wall_s": run.wall,
             "achieved_gflops": achieved, "share_of_peak": achieved / peak, "output_tok_s": run.output_tps,
             "batch1_step_ms": step_b1 * 1e3, "batch1_floor_ms": streamed / bandwidth_b1 / 1e6, "batch1_ratio": ratio_b1,

@@ -445,7 +445,7 @@ void block_panel(const float* xp, int64_t M, int64_t K, const uint8_t* src, cons
 // codes as they are, with the block's scales applied once: y += d * dx * sum(q * xq) (+ m * dx *
 // sum(xq) for formats with an offset). The codes' own rounding (4 to 8 bits) is far coarser than x's;
 // on the default model, decoding 300 tokens this way raised perplexity by 0.75% (mean KL 0.004).
-// Used for steps of up to `int8_rows` rows (panel_linear; 0 by default), kInt8Rows rows per pass.
+// Used for steps of up to `int8_rows` rows (panel_linear), kInt8Rows rows per pass.
 // With vpmaddubsw (AVX2) the layers of the default model took 0.73-0.87x the time of decoding the
 // blocks to float32 at 1 to 8 rows, but 1.09x at 64 and 1.35x at 512; with VNNI's vpdpbusd they
 // are faster at every step size (the loader's default there: models/cpu_packing.py).
@@ -756,8 +756,8 @@ void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* 
   }
 }
 
-// Rows of x per pass over a panel: 8 where VNNI and AVX-512VL's 32 registers hold their sums (two
-// instructions a row per four k against seven shared by the rows), else 4.
+// Rows of x per pass over a panel: 8 where VNNI and AVX-512VL's 32 registers hold their sums (a
+// row's few instructions per four k against those the rows share), else 4.
 using Int8TileFn = void (*)(const Int8Row*, const uint8_t*, int64_t, float*, const uint8_t*);
 #if defined(TOKENMILL_VNNI) && defined(__AVX512VL__)
 constexpr int64_t kInt8Rows = 8;

@@ -260,7 +260,7 @@ def test_k_quant_recut_in_cpp_gives_numpys_bytes(fused, kind):
         pytest.skip("block formats need AVX2")
     import numpy as np
 
-    from tokenmill.models.gguf_loader import k_quant_rows, q5_as_blocks_of_32
+    from tokenmill.models.gguf_loader import k_quant_rows
     from tokenmill.models.packed_linear import BLOCK_FORMATS
     raw = random_k_quant_rows(np.random.default_rng(1), kind, 9, 768)
     supers = raw.reshape(9, 3, -1)

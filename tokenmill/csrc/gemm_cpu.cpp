@@ -718,7 +718,7 @@ void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, flo
     const uint8_t* codes = codes_of<F>(src, b);
     __m512i acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-#pragma GCC unroll 2
+#pragma GCC unroll 8
     for (int64_t j = 0; j < kBlock / 4; ++j) {
       const __m512i q = code_quads<F>(codes, j);
       for (int r = 0; r < R; ++r) {

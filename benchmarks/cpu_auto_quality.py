@@ -1,8 +1,10 @@
 """What the default arithmetic costs in quality against the exact one, on the default model: the
 engine's defaults (on a CPU with VNNI: x in 8-bit blocks, a float16 KV pool) against
-`dtype="float32"` (GGUF blocks decoded exactly, a float32 pool), and any other options given.
+`dtype="float32"` (GGUF blocks decoded exactly, a float32 pool), and any other options given;
+with --model a Hugging Face directory, its defaults (with AVX512-BF16: bfloat16 weights, x in the
+products and pool) against float32.
 
-    python benchmarks/cpu_auto_quality.py [--kv-cache-dtype bfloat16] [--gguf-int8-rows 0]
+    python benchmarks/cpu_auto_quality.py [--kv-cache-dtype bfloat16] [--gguf-int8-rows 0] [--model DIR]
 
 Two measures: the perplexity of 300 tokens of README.md fed one decode step at a time, with the
 top-1 agreement and KL divergence of the next-token distributions; and twelve chat questions'
@@ -45,9 +47,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--gguf-int8-rows", type=int, default=None)
+    parser.add_argument("--model", default=None, help="another model than the default one (a Hugging Face "
+                        "directory: its defaults on a CPU with AVX512-BF16 are bfloat16 weights and pool)")
     args = parser.parse_args()
-    exact = LLM(dtype="float32")
-    other = LLM(kv_cache_dtype=args.kv_cache_dtype, gguf_int8_rows=args.gguf_int8_rows)
+    exact = LLM(args.model, dtype="float32")
+    other = LLM(args.model, kv_cache_dtype=args.kv_cache_dtype, gguf_int8_rows=args.gguf_int8_rows)
     worker = other.engine.runner.worker
     print(f"exact: float32 pool, int8_rows 0; other: {worker.kv_cache.dtype} pool, options {vars(args)}")
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()

@@ -9,6 +9,9 @@ heads of 64, a 49,152-token head) through each candidate torch offers, at 1..512
                  reordered once for the row count, as inductor's CPU backend does
     bf16_f32out  bf16 operands with float32 output (torch.mm(..., out_dtype=float32))
     int8         torch._int_mm of int8 rows and int8 weights (VNNI / AMX-INT8), int32 sums
+    tm_f32       tokenmill's float32 panels (csrc/gemm_cpu.cpp), where its kernels build
+    tm_bf16      tokenmill's bfloat16 panels (vdpbf16ps), where its kernels have AVX512-BF16: the
+                 products `dtype` auto takes for float weights there
 
 Weights are rotated over 30 copies (the model's 30 layers), so small steps read them from memory as
 a decode step does. Prints GFLOP/s per variant and the relative error against float64.
@@ -23,6 +26,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.cpu_kernels import load_cpu_kernels
+from tokenmill.models.packed_linear import BF16_FORMAT
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152)}
 
@@ -57,6 +63,14 @@ def _variants(ws: list[torch.Tensor], m: int) -> dict:
         out["bf16_f32out"] = lambda x, i: torch.mm(x.bfloat16(), wt[i], out_dtype=torch.float32)
     except (RuntimeError, TypeError):
         pass
+    kernels = load_cpu_kernels(required=False)
+    if kernels is not None:
+        n = ws[0].shape[0]
+        f32 = [kernels.pack_panels(w) for w in ws]
+        out["tm_f32"] = lambda x, i: kernels.panel_linear(x, f32[i], None, n, 0, None, 0)
+        if kernels.bf16:
+            b16 = [kernels.pack_panels(w.bfloat16()) for w in ws]
+            out["tm_bf16"] = lambda x, i: kernels.panel_linear(x, b16[i], None, n, BF16_FORMAT, None, 0)
     w8 = [(w / w.abs().amax(1, keepdim=True) * 127).round().to(torch.int8).t().contiguous() for w in ws]
     try:
         torch._int_mm(torch.zeros(max(m, 17), ws[0].shape[1], dtype=torch.int8), w8[0])

@@ -188,7 +188,11 @@ class EngineConfig:
     block_size: int = 16                     # tokens per KV block
     kv_cache_memory: int | str | None = None  # KV pool size in bytes or "2GiB"
     num_kv_blocks: int | None = None         # exact pool size in blocks (overrides kv_cache_memory)
-    dtype: str | None = None                 # "float32" (CPU default), "bfloat16" (CUDA default)
+    dtype: str | None = None                 # unset: on the CPU float32 activations, with bfloat16 weights
+                                             # in the products where the kernels have AVX512-BF16
+                                             # (bf16_weights_choice) and 8-bit x for GGUF blocks where
+                                             # they have VNNI (int8_rows_choice); bfloat16 on CUDA.
+                                             # "float32": the CPU's exact path
     kv_cache_dtype: str = "auto"             # "auto": the model's dtype; "float16" or "bfloat16" (CPU):
                                              # half the KV bytes to store and read, values rounded to
                                              # 11 bits (and held within +-65504) or to 8 bits
@@ -346,6 +350,13 @@ class EngineConfig:
         if self.gguf_int8_rows is not None:
             return self.gguf_int8_rows
         return 0 if self.dtype == "float32" else None
+
+    @property
+    def bf16_weights_choice(self) -> bool | None:
+        """Whether the CPU's packed float weights go in bfloat16 panels: never under dtype="float32"
+        (the exact path); unset, None: the loader's choice by the CPU (models/loader.py: where the
+        kernels have AVX512-BF16)."""
+        return False if self.dtype == "float32" else None
 
     @property
     def kv_dtype_name(self) -> str:

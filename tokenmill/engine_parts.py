@@ -127,7 +127,8 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
     shard = TPShard(0, config.tensor_parallel_size) if ranks is not None else None
     try:
         model = load_model(checkpoint, max_len, dtype, device, config.kernels, config.gguf_blocks,
-                           config.int8_rows_choice, shard, ranks.group.all_reduce if ranks is not None else None)
+                           config.int8_rows_choice, shard, ranks.group.all_reduce if ranks is not None else None,
+                           config.bf16_weights_choice)
     except (*BROKEN_FILE_ERRORS, SafetensorError) as exc:
         raise unreadable(checkpoint.path, exc) from exc
     local_config: ModelConfig = model.config  # this rank's heads (all of them without tensor parallelism)

@@ -78,7 +78,8 @@ class DraftModelProposer:
         self.model_config = checkpoint.config
         self.kv_elements_per_token = checkpoint.config.kv_bytes_per_token
         self.model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels,
-                                engine_config.gguf_blocks, engine_config.int8_rows_choice)
+                                engine_config.gguf_blocks, engine_config.int8_rows_choice,
+                                bf16_weights=engine_config.bf16_weights_choice)
         self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:

@@ -224,7 +224,7 @@ def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:
     threads = thread_governor(config, device)
     max_len = context_length(config, checkpoint.config)
     model = load_model(checkpoint, max_len, dtype, device, config.kernels, config.gguf_blocks, config.int8_rows_choice,
-                       TPShard(group.rank, group.size), group.all_reduce)
+                       TPShard(group.rank, group.size), group.all_reduce, config.bf16_weights_choice)
     local = model.config
     num_blocks = group.min_over_ranks(kv_pool_blocks(config, device, local.kv_bytes_per_token * kv_dtype.itemsize,
                                                      max_len))

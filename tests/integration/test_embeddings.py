@@ -31,7 +31,7 @@ def test_pooled_vectors_equal_hf_hidden_states_in_chunks_and_from_the_prefix_cac
     prompts = [shared + [rng.randrange(2, 384) for _ in range(n)] for n in (1, 30, 100)] + [[7], [9, 11, 13]]
     # a 32-token budget: the long prompts run in up to 5 chunks
     llm = LLM(str(tiny_models[arch]), max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=16,
-              long_prefill_token_threshold=0)
+              dtype="float32", long_prefill_token_threshold=0)
     kv = llm.engine.scheduler.kv
     llm.generate([{"prompt_token_ids": shared + [5]}], SamplingParams(max_tokens=1), use_tqdm=False)  # caches `shared`
     hits = kv.prompt_tokens_hit
@@ -61,7 +61,7 @@ def test_embeddings_beside_generation_in_the_same_steps_both_equal_hf_under_pree
     emb_prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (150, 90, 6, 120)]
     pooling = [PoolingParams("mean"), PoolingParams("last"), PoolingParams("last"), PoolingParams("mean")]
     llm = LLM(str(tiny_llama), max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=16, block_size=16,
-              long_prefill_token_threshold=0, async_scheduling=ahead)
+              dtype="float32", long_prefill_token_threshold=0, async_scheduling=ahead)
     engine, inputs = llm.engine, llm.engine.input_processor
     greedy = SamplingParams(max_tokens=24, temperature=0)
     requests = [inputs.make_request(f"g{i}", {"prompt_token_ids": p}, greedy) for i, p in enumerate(gen_prompts)]

@@ -73,7 +73,7 @@ def test_greedy_generation_equals_transformers_with_chunked_prompts_and_a_shared
     shared = [rng.randrange(2, 384) for _ in range(64)]
     prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (3, 30, 70, 130)]
     prompts += [shared + [rng.randrange(2, 384) for _ in range(n)] for n in (5, 40, 60)]
-    llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=16, block_size=16,
+    llm = LLM(str(path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=16, block_size=16,
               long_prefill_token_threshold=0)
     engine = llm.engine
     # the soft-capped scores in the CPU kernel, or in Triton's (TOKENMILL_TEST_DEVICE=cuda)

@@ -113,7 +113,7 @@ def test_greedy_generation_equals_transformers_with_chunked_prompts_and_a_shared
     prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (3, 60)]
     prompts += [shared + [rng.randrange(2, 384) for _ in range(n)] for n in (5, 25)]
     llm = LLM(str(tiny_gpt_oss), max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=24, block_size=16,
-              long_prefill_token_threshold=0, attention_backend=backend)
+              dtype="float32", long_prefill_token_threshold=0, attention_backend=backend)
     engine = llm.engine
     assert engine.runner.worker.backend.name == {"auto": "cpu"}.get(backend, backend)
     llm.generate([{"prompt_token_ids": shared + [5]}], SamplingParams(max_tokens=1), use_tqdm=False)  # caches it

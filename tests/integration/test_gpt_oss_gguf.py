@@ -168,7 +168,7 @@ def test_greedy_tokens_under_chunked_prefill_are_transformers(files, gpt_oss_dir
     path, oracle = files[variant]
     prompts = [prompt(n, n) for n in (3, 20, 45, 70)]
     llm = LLM(str(path), tokenizer=str(gpt_oss_dir), max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=24,
-              block_size=16, long_prefill_token_threshold=0)
+              dtype="float32", block_size=16, long_prefill_token_threshold=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0.0),
                         use_tqdm=False)
     assert sum(len(set(out.outputs[0].token_ids)) for out in outs) > 3 * len(outs)  # not one token repeated

@@ -24,11 +24,15 @@ from conftest import (
 )
 from transformers import AutoModelForCausalLM
 
+from tokenmill import LLM
 from tokenmill.attention import make_backend
+from tokenmill.bench.roofline import compute_ceilings
 from tokenmill.config import CacheConfig
+from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model_runner import ModelRunner
 from tokenmill.models.loader import load_model, open_checkpoint
+from tokenmill.models.packed_linear import BF16_FORMAT, PackedLinear
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import ModelWorker
@@ -112,7 +116,7 @@ def test_greedy_generation_equals_hf_under_chunking_and_preemption(tiny_models, 
     prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in PROMPT_LENGTHS]
     # Threshold 0 (long prompts not held back): whole-budget chunks fill the small pool fast
     # enough to force preemptions. None: the default, long prompts in small chunks beside decodes.
-    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=40, block_size=16,
+    llm = LLM(str(path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=40, block_size=16,
               attention_backend=backend, enable_prefix_caching=False, long_prefill_token_threshold=threshold)
     engine = llm.engine
     chunked = watch_chunked_prompts(engine)
@@ -128,17 +132,24 @@ def test_greedy_generation_equals_hf_under_chunking_and_preemption(tiny_models, 
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24), f"prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
-def test_fused_layers_give_the_python_layers_results_bit_for_bit(request, arch):
+FUSED = (*ARCHS, "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+
+
+@pytest.mark.parametrize("arch, bf16", [(arch, False) for arch in FUSED]
+                         + [(arch, True) for arch in ("qwen3", "qwen3_moe")])
+def test_fused_layers_give_the_python_layers_results_bit_for_bit(request, arch, bf16):
     """With the C++ kernels, a step whose attention is all in the kernel runs all the layers in one
     C++ call (fused_stack: the same kernels in the same order, Qwen3's per-head and OLMoE's whole
     q/k norms, the routers and experts of Mixtral, Qwen3-MoE and OLMoE, Qwen2-MoE's shared expert
-    and its dense first layer included): its hidden states equal the Python layers', bit for bit;
-    a step with a chunk the kernel does not take (over 32 tokens at head size 16) goes through the
-    Python layers."""
+    and its dense first layer included): its hidden states equal the Python layers', bit for bit,
+    with the weights in bfloat16 panels too; a step with a chunk the kernel does not take (over 32
+    tokens at head size 16) goes through the Python layers."""
     models = request.getfixturevalue("tiny_moe_models" if arch in TINY_MOE_CONFIGS else "tiny_models")
     checkpoint = open_checkpoint(models[arch])
-    model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels="auto")
+    if bf16 and not load_cpu_kernels(required=True).bf16:
+        pytest.skip("bfloat16 panels need AVX512-BF16")
+    model = load_model(checkpoint, 1024, torch.float32, torch.device("cpu"), kernels="auto", bf16_weights=bf16)
+    assert all(m.format == (BF16_FORMAT if bf16 else 0) for m in model.modules() if isinstance(m, PackedLinear))
     with torch.no_grad():  # norms of ones would hide a swapped or ignored norm weight
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -169,6 +180,38 @@ def test_fused_layers_give_the_python_layers_results_bit_for_bit(request, arch):
     assert torch.equal(forward([reqs[0], reqs[2]], [1, 6], True), forward([reqs[0], reqs[2]], [1, 6], False))
 
 
+def test_the_defaults_take_bfloat16_weights_exactly_where_the_kernels_have_avx512_bf16(tiny_models):
+    """dtype unset on the CPU: every projection and the head in bfloat16 panels, and a bfloat16
+    pool, where the kernels have AVX512-BF16 (and `bench roofline` measures bfloat16's ceilings);
+    float32 elsewhere, and under dtype="float32" everywhere. Greedy tokens then follow
+    transformers' float32 ones as vLLM's tests hold a bf16 run to them: equal up to the first
+    divergence, where each side's token is in the other's top 5."""
+    path = tiny_models["qwen3"]
+    bf16 = load_cpu_kernels(required=True).bf16
+    exact, auto = LLM(str(path), dtype="float32", num_kv_blocks=32), LLM(str(path), num_kv_blocks=32)
+    for llm, expected in ((exact, False), (auto, bf16)):
+        model = llm.engine.runner.worker.model
+        formats = {m.format for m in model.modules() if isinstance(m, PackedLinear)}
+        assert formats == {BF16_FORMAT if expected else 0} and model.packed_lm_head.format in formats
+        assert llm.engine.arithmetic["bf16_weights"] is expected
+        assert llm.engine.arithmetic["kv_dtype"] == ("bfloat16" if expected else "float32")
+        ceilings = {"fp32 GEMM 2048^3", f"{'bf16' if expected else 'fp32'} layer projections, M=512 (engine)"}
+        assert set(compute_ceilings(model, min_time=0.01)) == ceilings | ({"bf16 GEMM 2048^3 (torch)"} if expected
+                                                                         else set())  # bench roofline's bar
+    hf = hf_model(path)
+    rng = random.Random(5)
+    for prompt in ([rng.randrange(2, 384) for _ in range(n)] for n in (9, 40)):
+        ours = auto.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=24, temperature=0.0, logprobs=5),
+                             use_tqdm=False)[0].outputs[0]
+        theirs = hf_greedy(hf, prompt, 24)
+        i = next((i for i, (a, b) in enumerate(zip(ours.token_ids, theirs)) if a != b), None)
+        if i is None:
+            continue
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + theirs[:i]])).logits[0, -1]
+        assert ours.token_ids[i] in logits.topk(5).indices.tolist() and theirs[i] in ours.logprobs[i]
+
+
 @pytest.mark.parametrize("backend, ahead", [("cpu", False), ("reference", False), ("cpu", True)])
 def test_prompt_logprobs_equal_hf_under_chunking_prefix_caching_and_preemption(tiny_llama, backend, ahead):
     """prompt_logprobs: each prompt token's logprob given the tokens before it (None for the first),
@@ -182,7 +225,7 @@ def test_prompt_logprobs_equal_hf_under_chunking_prefix_caching_and_preemption(t
     shared = [rng.randrange(2, 384) for _ in range(48)]
     prompts = [shared + [rng.randrange(2, 384) for _ in range(n)] for n in (1, 40, 90, 150)]
     llm = LLM(str(tiny_llama), max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=30, block_size=16,
-              attention_backend=backend, long_prefill_token_threshold=0, async_scheduling=ahead)
+              dtype="float32", attention_backend=backend, long_prefill_token_threshold=0, async_scheduling=ahead)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2), use_tqdm=False)  # caches `shared`
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=3),

@@ -19,7 +19,7 @@ def prompts():
 
 
 def run(model_dir, **options):
-    llm = LLM(str(model_dir), max_num_seqs=6, max_num_batched_tokens=64, block_size=16, **options)
+    llm = LLM(str(model_dir), dtype="float32", max_num_seqs=6, max_num_batched_tokens=64, block_size=16, **options)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
                         SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
     engine = llm.engine
@@ -52,7 +52,7 @@ def test_a_step_failing_before_its_swap_copies_recomputes_the_swapped(tiny_llama
     """A step whose launch fails may not have copied its swap victims' blocks to the host: those
     requests recompute instead of swapping garbage back in, and give the same tokens."""
     llm = LLM(str(tiny_llama), max_num_seqs=6, max_num_batched_tokens=64, block_size=16, num_kv_blocks=24,
-              enable_prefix_caching=False, preemption_mode="swap", swap_space=1 << 24)
+              dtype="float32", enable_prefix_caching=False, preemption_mode="swap", swap_space=1 << 24)
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(max_tokens=20, temperature=0.0)
     for i, p in enumerate(prompts()):
@@ -83,7 +83,7 @@ def test_priority_preemption_to_admit_keeps_every_output(tiny_llama, roomy, mode
     """Requests arrive a step apart, each more urgent than the last: each one admitted into a full
     batch preempts the least urgent running one, and every output is what it is alone."""
     llm = LLM(str(tiny_llama), max_num_seqs=3, max_num_batched_tokens=64, block_size=16, num_kv_blocks=512,
-              enable_prefix_caching=False, scheduling_policy="priority", preemption_mode=mode,
+              dtype="float32", enable_prefix_caching=False, scheduling_policy="priority", preemption_mode=mode,
               swap_space=1 << 24, async_scheduling=ahead)
     engine = llm.engine
     params = SamplingParams(max_tokens=20, temperature=0.0)

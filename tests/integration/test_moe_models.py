@@ -119,7 +119,7 @@ def test_greedy_generation_equals_hf_under_chunking_prefix_caching_and_preemptio
     rng = random.Random(2)
     shared = [rng.randrange(2, 384) for _ in range(48)]
     prompts = [shared + [rng.randrange(2, 384) for _ in range(n)] for n in (1, 9, 40, 70, 100, 130)]
-    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=48, num_kv_blocks=16, block_size=16,
+    llm = LLM(str(path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=48, num_kv_blocks=16, block_size=16,
               attention_backend=backend, enable_prefix_caching=True, long_prefill_token_threshold=0)
     engine = llm.engine
     llm.generate([{"prompt_token_ids": shared + [5]}], SamplingParams(max_tokens=1), use_tqdm=False)  # caches it

@@ -214,8 +214,11 @@ def test_models_tokenize_detokenize_version(server, client):
     version = httpx.get(server.url + "/version").json()
     device = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")  # (the suite run on a GPU machine)
     assert version["cpu"] == this_cpu().as_dict() and version["device"].split(":")[0] == device and version["version"]
-    # a Hugging Face directory in float32: no 8-bit x, a float32 pool, on any CPU
-    assert version["arithmetic"] == {"dtype": "float32", "kv_dtype": "float32", "gguf_int8_rows": 0}
+    # a Hugging Face directory: no 8-bit x; where the CPU has AVX512-BF16, bfloat16 weights in the
+    # products and a bfloat16 pool, else float32's
+    bf16 = device == "cpu" and this_cpu().has("avx512_bf16")
+    assert version["arithmetic"] == {"dtype": "float32", "kv_dtype": "bfloat16" if bf16 else "float32",
+                                     "bf16_weights": bf16, "gguf_int8_rows": 0}
     assert httpx.get(server.url + "/health").status_code == 200
 
 

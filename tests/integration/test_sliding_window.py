@@ -72,7 +72,7 @@ def test_greedy_generation_equals_hf_under_chunking_prefix_caching_and_preemptio
     shared = [rng.randrange(2, 384) for _ in range(64)]
     prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (3, 30, 70, 130, 170)]
     prompts += [shared + [rng.randrange(2, 384) for _ in range(n)] for n in (5, 40, 90)]
-    llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=14, block_size=16,
+    llm = LLM(str(path), dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=14, block_size=16,
               attention_backend=backend, long_prefill_token_threshold=0)
     engine = llm.engine
     kv, released = engine.scheduler.kv, []
@@ -102,7 +102,7 @@ def test_a_long_output_holds_only_the_blocks_its_window_spans(windowed_models, a
     path = windowed_models[arch]
     # a pool of 6 blocks (96 tokens) serves Mistral's whole context: 24 + 32 tokens and two part blocks
     llm = LLM(str(path), max_num_seqs=1, max_num_batched_tokens=32, num_kv_blocks=6 if arch == "mistral" else 16,
-              block_size=16)
+              dtype="float32", block_size=16)
     assert llm.engine.max_model_len == (1024 if arch == "mistral" else 256)
     scheduler = llm.engine.scheduler
     held, expected = [], []

@@ -225,8 +225,8 @@ def test_the_kv_budget_holds_the_draft_models_pool_too(tiny_llama, draft_model):
     memory left after both models' weights) is shared: each block costs both models' K/V. The
     draft's weights are loaded before the budget is measured."""
     budget = 1 << 20
-    plain = LLM(str(tiny_llama), kv_cache_memory=budget).engine
-    spec = LLM(str(tiny_llama), kv_cache_memory=budget, speculative=f"draft:{draft_model}").engine
+    plain = LLM(str(tiny_llama), kv_cache_memory=budget, dtype="float32").engine
+    spec = LLM(str(tiny_llama), kv_cache_memory=budget, dtype="float32", speculative=f"draft:{draft_model}").engine
     per_token = plain.model_config.kv_bytes_per_token * 4  # float32 K and V of every layer
     assert plain.cache_config.num_blocks == budget // (16 * per_token)
     draft_per_token = spec.speculator.proposer.model_config.kv_bytes_per_token * 4

@@ -1,4 +1,5 @@
-"""cpu_kernels: the build's cache key, its announcement, and a lock left by an interrupted build."""
+"""cpu_kernels: the build's cache key, its announcement, a lock left by an interrupted build, and
+what the build multiplies."""
 
 import shutil
 import subprocess
@@ -116,3 +117,12 @@ fcntl.flock(held, fcntl.LOCK_EX)
 print("holding", flush=True)
 time.sleep(60)
 """
+
+
+def test_the_kernels_multiply_bfloat16_panels_exactly_where_their_level_has_avx512_bf16():
+    """The build's level decides (TOKENMILL_CPU_ISA=avx512 on this CPU builds without them): the
+    loader's default takes bfloat16 weights only from kernels that have the instructions."""
+    from tokenmill.cpu_kernels import load_cpu_kernels, this_cpu
+    from tokenmill.models.cpu_packing import bf16_weights_by_cpu
+    kernels = load_cpu_kernels(required=True)
+    assert kernels.bf16 == this_cpu().has("avx512_bf16") == bf16_weights_by_cpu(kernels)

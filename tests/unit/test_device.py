@@ -1,6 +1,5 @@
 """device.py's choices that depend on the CPU: the KV pool's dtype."""
 
-import pytest
 import torch
 
 from tokenmill.config import EngineConfig
@@ -17,6 +16,9 @@ def test_quantized_weights_on_a_cpu_with_avx512_bf16_get_a_float16_pool_unless_a
     assert kv_dtype_name(EngineConfig(kv_cache_dtype="bfloat16"), True, CPU) == "bfloat16"
 
 
-@pytest.mark.parametrize("config", [EngineConfig(), EngineConfig(kv_cache_dtype="bfloat16")])
-def test_unquantized_weights_keep_the_pool_the_options_name(config):
-    assert kv_dtype_name(config, False, CPU) == config.kv_dtype_name
+def test_float_weights_on_a_cpu_with_avx512_bf16_get_a_bfloat16_pool_unless_a_dtype_is_set():
+    """There the products take bfloat16 weights (EngineConfig.bf16_weights_choice)."""
+    auto = "bfloat16" if this_cpu().has("avx512_bf16") else "float32"
+    assert kv_dtype_name(EngineConfig(), False, CPU) == auto
+    assert kv_dtype_name(EngineConfig(dtype="float32"), False, CPU) == "float32"
+    assert kv_dtype_name(EngineConfig(kv_cache_dtype="float16"), False, CPU) == "float16"

@@ -180,6 +180,46 @@ def test_int8_rows_compute_the_product_with_x_in_8_bit_blocks(fused, kind):
     assert y[1].isnan().all() and not y[0].isnan().any()
 
 
+def test_bf16_panels_hold_each_pair_of_k_of_16_features_side_by_side(fused):
+    """pack_panels of a bfloat16 matrix: panels (ceil(N / 16), K / 2, 64 bytes), where pair i of
+    panel p holds, feature by feature, W[16 p + j, 2 i] then W[16 p + j, 2 i + 1], the last panel
+    padded with zeros; an odd K has no pairs and is refused."""
+    if not fused.kernels.bf16:
+        pytest.skip("bfloat16 panels need AVX512-BF16")
+    w = torch.randn(37, 10).bfloat16()
+    panels = fused.kernels.pack_panels(w)
+    assert panels.dtype == torch.uint8 and panels.shape == (3, 5, 64)
+    padded = torch.cat([w, torch.zeros(48 - 37, 10, dtype=torch.bfloat16)])
+    expected = padded.view(3, 16, 5, 2).permute(0, 2, 1, 3).contiguous()
+    assert torch.equal(panels.view(torch.int16).view(3, 5, 16, 2), expected.view(torch.int16))
+    with pytest.raises(RuntimeError, match="even number of columns"):
+        fused.kernels.pack_panels(torch.randn(16, 9).bfloat16())
+
+
+def test_bf16_panels_multiply_x_and_w_rounded_to_bfloat16_with_float32_sums(fused):
+    """Format 9: W rounded to bfloat16 once (by torch, to nearest even), x rounded the same way
+    in each product, the sums float32: the result is that of the rounded operands (to float32
+    rounding), for passes of 16 rows and their remainders, a partly filled last panel and K not a
+    multiple of 16 (x's last values rounded one at a time); NaN in a row gives NaN in that row."""
+    if not fused.kernels.bf16:
+        pytest.skip("bfloat16 panels need AVX512-BF16")
+    gen = torch.Generator().manual_seed(0)
+    n, k = 37, 98
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    panels = fused.kernels.pack_panels(w.bfloat16())
+    for rows in (1, 2, 15, 16, 17, 33):
+        x = torch.randn(rows, k, generator=gen) * 3
+        y = fused.kernels.panel_linear(x, panels, b, n, 9, None, 0)
+        rounded = x.bfloat16().double() @ w.bfloat16().double().T + b.double()
+        assert torch.allclose(y.double(), rounded, rtol=1e-5, atol=1e-5 * float(rounded.abs().max()))
+        exact = x @ w.T + b
+        assert float((y - exact).norm() / exact.norm()) < 0.01  # bfloat16's 8 bits, twice
+    x = torch.randn(2, k, generator=gen)
+    x[1, 40] = float("nan")
+    y = fused.kernels.panel_linear(x, panels, b, n, 9, None, 0)
+    assert y[1].isnan().all() and not y[0].isnan().any()
+
+
 @pytest.mark.parametrize("threads", [2, 3, 8])
 def test_panel_products_are_the_same_with_any_thread_count(fused, threads):
     """Threads share panels out with stealing (csrc/parallel.h): which thread computes a panel

@@ -1,10 +1,11 @@
 """`tokenmill bench roofline`: how close the engine runs to what this machine can do.
 
 Two ceilings are measured here, with the engine's own thread count:
-  * compute: the float32 matrix-product rate, on a large square GEMM and on the model's own
-    layer shapes at a prefill-sized M (through the engine's linear backend); where the engine's
-    products take x in 8-bit blocks (llama.cpp's arithmetic: `gguf_int8_rows`), the int8 rate
-    too, on torch's int8 GEMM (oneDNN) and on the same layer shapes with 8-bit x;
+  * compute: the float32 matrix-product rate on a large square GEMM, and the engine's own on the
+    model's layer shapes at a prefill-sized M (through its linear backend: float32, or bfloat16
+    where the weights are in bfloat16 panels, and then torch's bfloat16 GEMM too); where the
+    engine's products take x in 8-bit blocks (llama.cpp's arithmetic: `gguf_int8_rows`), the int8
+    rate too, on torch's int8 GEMM (oneDNN) and on the same layer shapes with 8-bit x;
   * memory: the read bandwidth of a 1 GiB tensor.
 Each is the best of three trials, and the compute peak is the highest of the GEMM rates: the
 arithmetic the engine chose sets the bar it is measured against.
@@ -12,7 +13,7 @@ The engine is then timed on the default workload: its required model FLOPs (ever
 and output token once, logits only where a token is sampled, attention over each token's
 context) over wall time, as a share of the compute peak; and a batch-1 decode step against
 the time to stream the weights once at the read bandwidth measured beside it, in alternation
-(the bytes the step actually streams: GGUF blocks where the kernel reads those).
+(the bytes the step actually streams: GGUF blocks or bfloat16 panels where the kernel reads those).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
 
 
 def streamed_weight_bytes(model: torch.nn.Module) -> int | None:
-    """Bytes a batch-1 step streams when its projections are GGUF blocks (packed_linear.py), or
-    None when they are float32: every projection's panels, of a layer's routed experts the share
+    """Bytes a batch-1 step streams when its projections are GGUF blocks or bfloat16 panels
+    (packed_linear.py), or None when they are float32: every projection's panels, of a layer's routed experts the share
     one token reads (top_k of them, taken as the experts' average size)."""
     from tokenmill.models.moe import SparseMoeBlock
     from tokenmill.models.packed_linear import PackedLinear
@@ -103,18 +104,33 @@ def int8_gemm_peak(size: int = 2048, min_time: float = 1.0) -> float:
     return 2 * size**3 / _time(lambda: torch._int_mm(a, b), min_time) / 1e9
 
 
+def bf16_gemm_peak(size: int = 2048, min_time: float = 1.0) -> float:
+    """GFLOP/s of torch's bfloat16 matrix product (oneDNN: AMX or AVX512-BF16 where the CPU has them)."""
+    a, b = torch.randn(size, size, dtype=torch.bfloat16), torch.randn(size, size, dtype=torch.bfloat16)
+    return 2 * size**3 / _time(lambda: torch.mm(a, b), min_time) / 1e9
+
+
+def layer_rate_name(model: torch.nn.Module) -> str:
+    """The name of the engine's own layer rate (without 8-bit x) among compute_ceilings'."""
+    from tokenmill.models.cpu_packing import bf16_weights_of
+    return f"{'bf16' if bf16_weights_of(model) else 'fp32'} layer projections, M=512 (engine)"
+
+
 def compute_ceilings(model: torch.nn.Module, min_time: float = 1.0) -> dict[str, float]:
-    """The compute ceilings by name, GFLOP/s (GOP/s for int8): float32's, and where the layers
-    take x in 8-bit blocks (set_int8_rows) int8's too, the layers' shapes in both arithmetics.
+    """The compute ceilings by name, GFLOP/s (GOP/s for int8): float32's; bfloat16's where the
+    weights are in bfloat16 panels (the layers' shapes then in bfloat16); and where the layers take
+    x in 8-bit blocks (set_int8_rows) int8's too, the layers' shapes in both arithmetics.
     min_time: seconds of each of a rate's three trials."""
-    from tokenmill.models.cpu_packing import int8_rows_of, set_int8_rows
+    from tokenmill.models.cpu_packing import bf16_weights_of, int8_rows_of, set_int8_rows
     rows = int8_rows_of(model)
     set_int8_rows(model, 0)
     try:
         out = {"fp32 GEMM 2048^3": gemm_peak(min_time=min_time),
-               "fp32 layer projections, M=512 (engine)": layer_gemm_rate(model, min_time=min_time)}
+               layer_rate_name(model): layer_gemm_rate(model, min_time=min_time)}
     finally:
         set_int8_rows(model, rows)
+    if bf16_weights_of(model):
+        out["bf16 GEMM 2048^3 (torch)"] = bf16_gemm_peak(min_time=min_time)
     if rows:
         out["int8 GEMM 2048^3 (torch._int_mm)"] = int8_gemm_peak(min_time=min_time)
         m = min(512, rows)
@@ -190,7 +206,7 @@ def bench_roofline(args) -> dict:
     flops = workload_flops(cfg, workload)
     achieved = flops / run.wall / 1e9
     wbytes = weight_bytes(cfg, engine.dtype.itemsize)
-    block_bytes = streamed_weight_bytes(model)  # what batch-1 steps stream instead, if GGUF blocks
+    block_bytes = streamed_weight_bytes(model)  # what batch-1 steps stream instead, if GGUF blocks or bf16
     streamed = block_bytes or wbytes
     ratio_b1, step_b1, bandwidth_b1 = batch1_against_bandwidth(engine, streamed)
 
@@ -210,12 +226,12 @@ def bench_roofline(args) -> dict:
           f"= {ratio_b1:.2f}x (median of 5 rounds, each a bandwidth trial ({bandwidth_b1:.1f} GB/s) "
           f"beside 16 steps)")
     if block_bytes:
-        print(f"  (the step streams {block_bytes / 1e6:.0f} MB of GGUF blocks; the float32 weights, "
+        print(f"  (the step streams {block_bytes / 1e6:.0f} MB of packed panels; the float32 weights, "
               f"{wbytes / 1e6:.0f} MB, would take {wbytes / bandwidth_b1 / 1e6:.1f} ms to stream: "
               f"{step_b1 * bandwidth_b1 * 1e9 / wbytes:.2f}x that)")
     return {"threads": threads, "arithmetic": engine.arithmetic, "ceilings": ceilings, "peak_ceiling": peak_name,
             "gemm_2048_gflops": ceilings["fp32 GEMM 2048^3"],
-            "layer_gemm_gflops": ceilings["fp32 layer projections, M=512 (engine)"], "peak_gflops": peak,
+            "layer_gemm_gflops": ceilings[layer_rate_name(model)], "peak_gflops": peak,
             "read_bandwidth_gbs": bandwidth, "workload_tflop": flops / 1e12, "wall_s": run.wall,
             "achieved_gflops": achieved, "share_of_peak": achieved / peak, "output_tok_s": run.output_tps,
             "batch1_step_ms": step_b1 * 1e3, "batch1_floor_ms": streamed / bandwidth_b1 / 1e6, "batch1_ratio": ratio_b1,

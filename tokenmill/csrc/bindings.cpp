@@ -31,14 +31,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
         py::arg("floors") = py::none());
   m.def("panel_shape", &panel_shape, "The panels' shape for an (N, K) matrix in a format (0: float32)");
-  m.def("pack_panels", &pack_panels, "W (N, K) -> panels (ceil(N/16), K, 16) for panel_linear",
+  m.def("pack_panels", &pack_panels, "W (N, K) -> panels for panel_linear: float32 (ceil(N/16), K, 16), bfloat16 format 9",
         py::arg("weight"), py::arg("out") = py::none());
   m.def("pack_block_panels", &pack_block_panels,
         "GGUF Q4_0/Q4_1/Q8_0 (or re-cut Q5_0/Q5_1/K-quant) rows (N, bytes) -> block panels for panel_linear", py::arg("rows"),
         py::arg("format"), py::arg("K"), py::arg("out") = py::none());
   m.def("recut_k_quant", &recut_k_quant, "Q4_K/Q5_K/Q6_K rows -> rows of super-blocks of 256 in format Q4F/Q5K/Q6F");
   m.def("embed_rows", &embed_rows, "GGUF Q4_0/Q4_1/Q8_0 rows at ids -> float32 (T, K), as gguf dequantizes them");
-  m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-8: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F, Q5K, MXF)",
+  m.def("panel_linear", &panel_linear, "x @ W.T + b, W as 16-feature panels (format 0: float32; 1-8: Q4_0, Q4_1, Q8_0, Q4F, Q5F, Q6F, Q5K, MXF; 9: bfloat16)",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("N"), py::arg("format") = 0,
         py::arg("out") = py::none(), py::arg("int8_rows") = 0);
   // libgomp gives each thread that starts a parallel region a team of workers of its own, kept
@@ -92,8 +92,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef TOKENMILL_AVX2
   m.attr("block_formats") = true;
   m.attr("vnni") = tokenmill::kVnni;  // the 8-bit tiles multiply with vpdpbusd (panel_linear's int8_rows)
+  m.attr("bf16") = tokenmill::kBf16;  // bfloat16 panels (format 9) multiply with vdpbf16ps
 #else
   m.attr("block_formats") = false;
   m.attr("vnni") = false;
+  m.attr("bf16") = false;
 #endif
 }

@@ -37,6 +37,7 @@
 #include <array>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -134,10 +135,12 @@ void float_panel(const float* xp, int64_t block, int64_t block_end, int64_t K, c
 // The super-block formats keep a panel's 16 scales per super-block in a header before its
 // codes: 0.58 bytes a weight for Q4F (the file's 0.56), 1.08 for Q5K (0.69) and 1.07 for Q6F
 // (0.82), where float32 scales for every block of 32 took 0.75, 1.25 and 1.25.
+// BF16 (9) is no block format: bfloat16 panels of a float checkpoint (see bf16_tile below).
 enum Format : int64_t {
-  kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6, kQ5K = 7, kMXF = 8
+  kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6, kQ5K = 7, kMXF = 8, kBF16 = 9
 };
-constexpr int64_t kLastFormat = kMXF;
+constexpr int64_t kLastBlockFormat = kMXF;
+constexpr bool block_format(int64_t f) { return f >= kQ4_0 && f <= kLastBlockFormat; }
 constexpr int64_t kBlock = 32;  // weights per GGUF block
 constexpr int64_t kSuper = 8;   // blocks per super-block (Q4F, Q6F)
 
@@ -388,7 +391,7 @@ void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint
 }
 
 using DecodeFn = void (*)(const uint8_t*, int64_t, float*, const uint8_t*);
-constexpr DecodeFn kDecoders[kLastFormat + 1] = {nullptr,           decode_panel<kQ4_0>, decode_panel<kQ4_1>,
+constexpr DecodeFn kDecoders[kLastBlockFormat + 1] = {nullptr,           decode_panel<kQ4_0>, decode_panel<kQ4_1>,
                                                  decode_panel<kQ8_0>, decode_panel<kQ4F>,  decode_panel<kQ5F>,
                                                  decode_panel<kQ6F>,  decode_panel<kQ5K>, decode_panel<kMXF>};
 
@@ -403,7 +406,7 @@ constexpr BlockTileFn kBlockTilesOf[kWideRows + 1] = {
 constexpr BlockTileFn kBlockTilesOf[kRows + 1] = {nullptr,           block_tile<F, 1>, block_tile<F, 2>, block_tile<F, 3>,
                                                   block_tile<F, 4>, block_tile<F, 5>, block_tile<F, 6>};
 #endif
-constexpr const BlockTileFn* kBlockTiles[kLastFormat + 1] = {
+constexpr const BlockTileFn* kBlockTiles[kLastBlockFormat + 1] = {
     nullptr, kBlockTilesOf<kQ4_0>, kBlockTilesOf<kQ4_1>, kBlockTilesOf<kQ8_0>, kBlockTilesOf<kQ4F>, kBlockTilesOf<kQ5F>,
     kBlockTilesOf<kQ6F>, kBlockTilesOf<kQ5K>, kBlockTilesOf<kMXF>};
 
@@ -771,7 +774,7 @@ template <int64_t F>
 constexpr Int8TileFn kInt8TilesOf[kInt8Rows + 1] = {nullptr, int8_tile<F, 1>, int8_tile<F, 2>, int8_tile<F, 3>,
                                                     int8_tile<F, 4>};
 #endif
-constexpr const Int8TileFn* kInt8Tiles[kLastFormat + 1] = {
+constexpr const Int8TileFn* kInt8Tiles[kLastBlockFormat + 1] = {
     nullptr, kInt8TilesOf<kQ4_0>, kInt8TilesOf<kQ4_1>, kInt8TilesOf<kQ8_0>, kInt8TilesOf<kQ4F>,
     kInt8TilesOf<kQ5F>, kInt8TilesOf<kQ6F>, kInt8TilesOf<kQ5K>, nullptr};  // MXF: never in 8 bits (panel_rows)
 
@@ -789,15 +792,93 @@ void int8_panel(const Int8Row* rows, int64_t M, int64_t K, const uint8_t* src, c
 }
 #endif
 
+// ---- bfloat16 panels ------------------------------------------------------------------------
+//
+// A float checkpoint's weights rounded once to bfloat16 (to nearest even, by torch, at load), in
+// panels of 16 features where each pair of k (2i, 2i + 1) holds the 16 features' two weights side
+// by side: 64 bytes, the operand of one vdpbf16ps, which multiplies it with a pair of x broadcast
+// to every lane and adds both products into 16 float32 sums. x is rounded to bfloat16 once per
+// product (panel_rows); the sums, the outputs and everything between the products stay float32.
+// Half the bytes of float32 panels to stream, twice the products per instruction.
+constexpr int64_t kPairBytes = 2 * kPanel * 2;  // a pair of k across a panel's 16 features
+
+#ifdef TOKENMILL_BF16
+// Most rows of x per pass over a panel, a register of sums each, every vdpbf16ps taking its pair
+// of x straight from memory as a broadcast. On a Zen 4 core, passes of 8 to 12 rows ran one
+// vdpbf16ps a cycle, 6 rows 0.9, 14 rows 0.87, 16 rows 0.81 (a stand-alone loop over cached
+// panels): a step's rows go in passes of equal size, the fewest of at most 12.
+constexpr int64_t kBf16Rows = 12;
+
+// R rows of x in bfloat16 (rows K apart) times one bf16 panel -> out (R, 16); `pf` (or nullptr):
+// the next panel, a line of it prefetched per pair of k.
+template <int R>
+void bf16_tile(const uint16_t* x, int64_t K, const uint8_t* panel, float* out, const uint8_t* pf) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < K / 2; ++i) {
+    if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + i * kPairBytes), _MM_HINT_T0);
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + i * kPairBytes);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * i, 4);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), w);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
+}
+
+using Bf16TileFn = void (*)(const uint16_t*, int64_t, const uint8_t*, float*, const uint8_t*);
+template <size_t... R>
+constexpr std::array<Bf16TileFn, sizeof...(R) + 1> bf16_tiles(std::index_sequence<R...>) {
+  return {nullptr, bf16_tile<static_cast<int>(R) + 1>...};
+}
+constexpr auto kBf16Tiles = bf16_tiles(std::make_index_sequence<kBf16Rows>());
+
+// x (K floats) -> bfloat16, rounded to nearest even (denormals to zero, as vdpbf16ps reads them).
+void bf16_row(const float* x, int64_t K, uint16_t* out) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
+  }
+  for (; k < K; ++k) out[k] = c10::BFloat16(x[k]).x;
+}
+
+// x (M rows in bfloat16) times bf16 panel p (at src), in the fewest passes of at most kBf16Rows
+// rows, of sizes that differ by one at most; the first pass prefetches `next` (or nullptr).
+void bf16_panel(const uint16_t* x, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t p,
+                float* tile, const tokenmill::PanelOut& out) {
+  const int64_t passes = (M + kBf16Rows - 1) / kBf16Rows;
+  for (int64_t i = 0, m0 = 0; i < passes; ++i) {
+    const int64_t n = (M - m0) / (passes - i);  // the rows left, shared out over the passes left
+    kBf16Tiles[n](x + m0 * K, K, src, tile, m0 == 0 ? next : nullptr);
+    store_tile(out, tile, p, m0, n);
+    m0 += n;
+  }
+}
+#else
+constexpr int64_t kBf16Rows = 0;
+#endif
+
 }  // namespace
 
-static_assert(kWideRows * kPanel <= tokenmill::kMostTileFloats && kInt8Rows <= kWideRows,
+static_assert(kWideRows * kPanel <= tokenmill::kMostTileFloats && kInt8Rows <= kWideRows &&
+                  kBf16Rows * kPanel <= tokenmill::kMostTileFloats,
               "PanelScratch's tile holds the widest tile's outputs");
 
 namespace tokenmill {
 
 PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows) {
   PanelRows rows(x, M, K);
+#ifdef TOKENMILL_BF16
+  if (format == kBF16) {
+    rows.arena.reset(new uint8_t[M * K * 2 + 64]);
+    rows.bf16 = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(rows.arena.get()) + 63) & ~uintptr_t{63});
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) bf16_row(x + m * K, K, rows.bf16 + m * K);
+    });
+    return rows;
+  }
+#endif
 #ifdef TOKENMILL_AVX2
   if (format != kFloat32 && format != kMXF && M <= int8_rows) {  // FP4 codes have no integer form here
     // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads (8K)
@@ -826,11 +907,12 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
 }
 
 int64_t panel_stride(int64_t K, int64_t format) {
-  return format == kFloat32 ? K * kPanel * static_cast<int64_t>(sizeof(float)) : K / unit_k(format) * unit_bytes(format);
+  if (format == kFloat32) return K * kPanel * static_cast<int64_t>(sizeof(float));
+  return format == kBF16 ? K / 2 * kPairBytes : K / unit_k(format) * unit_bytes(format);
 }
 
 bool decodes_panels(const PanelRows& x, int64_t format) {
-  return format != kFloat32 && x.int8.empty() && x.M > kDecodeRows;
+  return block_format(format) && x.int8.empty() && x.M > kDecodeRows;
 }
 
 int64_t panel_chunk_for(int64_t rows) { return panel_chunk(rows); }
@@ -844,6 +926,12 @@ void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t
     }
     return;
   }
+#ifdef TOKENMILL_BF16
+  if (format == kBF16) {
+    bf16_panel(x.bf16, x.M, x.K, panel, next, p, scratch.tile, out);
+    return;
+  }
+#endif
 #ifdef TOKENMILL_AVX2
   if (!x.int8.empty()) {
     int8_panel(x.int8.data(), x.M, x.K, panel, next, format, p, scratch.tile, out);
@@ -855,14 +943,16 @@ void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t
 
 }  // namespace tokenmill
 
-// The shape of the panels of an (N, K) matrix in `format`: (ceil(N / 16), K, 16) float32, or
-// (ceil(N / 16), K / (32 or 256), panel unit bytes) uint8, for the loader to lay out every
-// matrix's panels in one arena before packing them into it.
+// The shape of the panels of an (N, K) matrix in `format`: (ceil(N / 16), K, 16) float32,
+// (ceil(N / 16), K / 2, 64) uint8 for bf16 (pairs of k), or (ceil(N / 16), K / (32 or 256),
+// panel unit bytes) uint8, for the loader to lay out every matrix's panels in one arena before
+// packing them into it.
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format) {
-  TM_CHECK(format >= kFloat32 && format <= kLastFormat && (format == kFloat32 || K % unit_k(format) == 0),
+  TM_CHECK(format == kFloat32 || (format == kBF16 && K % 2 == 0) || (block_format(format) && K % unit_k(format) == 0),
            "panel_shape: unknown format " + std::to_string(format) + " or K not a multiple of its blocks");
   const int64_t P = (N + kPanel - 1) / kPanel;
   if (format == kFloat32) return {P, K, kPanel};
+  if (format == kBF16) return {P, K / 2, kPairBytes};
   return {P, K / unit_k(format), unit_bytes(format)};
 }
 
@@ -874,11 +964,34 @@ static torch::Tensor panels_tensor(c10::optional<torch::Tensor> out, std::vector
   return out->zero_();
 }
 
-// W (N, K) -> (ceil(N / 16), K, 16), the last panel zero-padded.
+// W (N, K) bfloat16 -> bf16 panels (ceil(N / 16), K / 2, 64) uint8, the last panel zero-padded.
+torch::Tensor pack_bf16_panels(const torch::Tensor& w, c10::optional<torch::Tensor> out) {
+#ifndef TOKENMILL_BF16
+  TM_CHECK(false, "pack_panels: bfloat16 panels need AVX512-BF16");
+#endif
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  TM_CHECK(K % 2 == 0, "pack_panels: bfloat16 panels take an even number of columns");
+  auto panels = panels_tensor(out, panel_shape(N, K, kBF16), torch::kUInt8);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(panels.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
+        const uint16_t* row = src + (p * kPanel + j) * K;
+        for (int64_t k = 0; k < K; ++k) dst[((p * K + k - k % 2) * kPanel + 2 * j) + k % 2] = row[k];
+      }
+    }
+  });
+  return panels;
+}
+
+// W (N, K) float32 -> (ceil(N / 16), K, 16), the last panel zero-padded; bfloat16 -> bf16 panels.
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out) {
-  TM_CHECK(weight.dtype() == torch::kFloat32 && weight.dim() == 2, "pack_panels: a float32 matrix");
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  TM_CHECK((weight.dtype() == torch::kFloat32 || weight.dtype() == torch::kBFloat16) && weight.dim() == 2,
+           "pack_panels: a float32 or bfloat16 matrix");
   auto w = weight.contiguous();
+  if (w.dtype() == torch::kBFloat16) return pack_bf16_panels(w, out);
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
   auto panels = panels_tensor(out, panel_shape(N, K, kFloat32), torch::kFloat32);
   const float* src = w.data_ptr<float>();
   float* dst = panels.data_ptr<float>();
@@ -935,7 +1048,7 @@ torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c
 #ifndef TOKENMILL_AVX2
   TM_CHECK(false, "pack_block_panels: the block formats need AVX2, FMA and F16C");
 #endif
-  TM_CHECK(format >= kQ4_0 && format <= kLastFormat, "pack_block_panels: unknown format " + std::to_string(format));
+  TM_CHECK(block_format(format), "pack_block_panels: unknown format " + std::to_string(format));
   TM_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && K % unit_k(format) == 0 &&
                rows.size(1) == K / unit_k(format) * row_unit_bytes(format),
            "pack_block_panels: rows must be (N, K / 32 or 256 * unit bytes) uint8");
@@ -1116,8 +1229,8 @@ torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
   return out;
 }
 
-// y = x @ W.T + bias for x (M, K), with W given as panels from pack_panels (format 0) or
-// pack_block_panels (formats 1-8) and N its row count. With `out` (M, N), rows any distance
+// y = x @ W.T + bias for x (M, K), with W given as panels from pack_panels (format 0, or 9 for
+// bfloat16) or pack_block_panels (formats 1-8) and N its row count. With `out` (M, N), rows any distance
 // apart, y is written there: a column range of a wider output (a fused projection whose parts
 // came in different block formats).
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
@@ -1128,12 +1241,18 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   if (format == kFloat32) {
     TM_CHECK(panels.dtype() == torch::kFloat32 && panels.size(1) == K && panels.size(2) == kPanel,
              "panel_linear: float32 panels (P, K, 16) expected");
+  } else if (format == kBF16) {
+#ifndef TOKENMILL_BF16
+    TM_CHECK(false, "panel_linear: bfloat16 panels need AVX512-BF16");
+#endif
+    TM_CHECK(panels.dtype() == torch::kUInt8 && K % 2 == 0 && panels.size(1) == K / 2 && panels.size(2) == kPairBytes,
+             "panel_linear: bfloat16 panels (P, K / 2, 64) expected");
   } else {
 #ifndef TOKENMILL_AVX2
     TM_CHECK(false, "panel_linear: the block formats need AVX2, FMA and F16C");
 #endif
-    TM_CHECK(format >= kQ4_0 && format <= kLastFormat && panels.dtype() == torch::kUInt8 &&
-                 K % unit_k(format) == 0 && panels.size(1) == K / unit_k(format) && panels.size(2) == unit_bytes(format),
+    TM_CHECK(block_format(format) && panels.dtype() == torch::kUInt8 && K % unit_k(format) == 0 &&
+                 panels.size(1) == K / unit_k(format) && panels.size(2) == unit_bytes(format),
              "panel_linear: block panels (P, K / 32 or 256, unit bytes) of format " + std::to_string(format) + " expected");
   }
   auto xc = x.contiguous();

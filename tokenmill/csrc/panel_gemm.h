@@ -24,12 +24,14 @@ struct Int8Row {
 };
 
 // The rows of x one product reads: M rows of K floats, contiguous; for block panels in a step of
-// up to int8_rows rows, the same rows in 8-bit blocks too (then the product reads those). All rows'
-// blocks sit in one arena: one allocation a product, not a few per row.
+// up to int8_rows rows, the same rows in 8-bit blocks too (then the product reads those), for
+// bf16 panels in bfloat16. All rows' blocks sit in one arena: one allocation a product, not a few
+// per row.
 struct PanelRows {
   const float* x;
   int64_t M, K;
   std::vector<Int8Row> int8;  // empty: x in float32
+  uint16_t* bf16 = nullptr;   // for bf16 panels: the rows rounded to bfloat16, M x K
   std::unique_ptr<uint8_t[]> arena;
 
   PanelRows(const float* x, int64_t M, int64_t K) : x(x), M(M), K(K) {}
@@ -63,7 +65,7 @@ class PanelScratch {
   std::vector<float> buffer_;
 };
 
-// Bytes from one panel to the next of a (N, K) matrix's panels in `format` (0: float32).
+// Bytes from one panel to the next of a (N, K) matrix's panels in `format` (0: float32, 9: bfloat16).
 int64_t panel_stride(int64_t K, int64_t format);
 // Whether running panels over `x` needs PanelScratch's decode buffer.
 bool decodes_panels(const PanelRows& x, int64_t format);

@@ -43,6 +43,13 @@ inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbus
 #define TOKENMILL_VNNI 1
 inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
 #endif
+// bfloat16 panels' vdpbf16ps (gemm_cpu.cpp).
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define TOKENMILL_BF16 1
+constexpr bool kBf16 = true;
+#else
+constexpr bool kBf16 = false;
+#endif
 #ifdef TOKENMILL_VNNI
 constexpr bool kVnni = true;
 #else

@@ -23,7 +23,15 @@ from torch import nn
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.llama import FUSED, MLP, DecoderLayer
 from tokenmill.models.moe import SparseMoeBlock
-from tokenmill.models.packed_linear import BLOCK_FORMATS, ConcatLinear, GGUFMatrix, PackedLinear, ToPack, pack_all
+from tokenmill.models.packed_linear import (
+    BF16_FORMAT,
+    BLOCK_FORMATS,
+    ConcatLinear,
+    GGUFMatrix,
+    PackedLinear,
+    ToPack,
+    pack_all,
+)
 
 if TYPE_CHECKING:
     from tokenmill.models.llama import LlamaForCausalLM
@@ -110,9 +118,11 @@ def use_gguf_embedding(model: LlamaForCausalLM, rows, qtype, kernels=None) -> st
     return "model.embed_tokens.weight"
 
 
-def pack_for_cpu(model: LlamaForCausalLM, kernels=None, weight_blocks: dict[str, GGUFMatrix] | None = None) -> None:
+def pack_for_cpu(model: LlamaForCausalLM, kernels=None, weight_blocks: dict[str, GGUFMatrix] | None = None,
+                 bf16: bool = False) -> None:
     """Pack every projection and the output head (tied or not; a tensor-parallel rank's rows of it)
-    in panels for the C++ kernel when `kernels` is given, else for oneDNN. See packed_linear.py.
+    in panels for the C++ kernel when `kernels` is given (float weights in bfloat16 panels with
+    `bf16`), else for oneDNN. See packed_linear.py.
 
     `weight_blocks` maps Hugging Face weight names to their GGUF matrices: a projection whose
     parts all have blocks is packed from those instead.
@@ -130,7 +140,7 @@ def pack_for_cpu(model: LlamaForCausalLM, kernels=None, weight_blocks: dict[str,
               for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)
               for parent, _, attr in [name.rpartition(".")]]
     model.lm_head, head = None, None  # pack_all frees each float32 weight once packed: no other holder
-    pack_all(items, kernels)
+    pack_all(items, kernels, bf16)
 
 
 def _panel_parts(projection: nn.Module) -> list[tuple] | None:
@@ -229,7 +239,21 @@ def int8_rows_by_cpu(kernels) -> int:
 
 def int8_rows_of(model: nn.Module) -> int:
     """The int8_rows the layers' block products run with (set_int8_rows); 0 without any."""
-    return max((m.int8_rows for m in model.modules() if isinstance(m, PackedLinear) and m.format), default=0)
+    blocks = set(BLOCK_FORMATS.values())
+    return max((m.int8_rows for m in model.modules() if isinstance(m, PackedLinear) and m.format in blocks),
+               default=0)
+
+
+def bf16_weights_by_cpu(kernels) -> bool:
+    """Whether float weights go in bfloat16 panels by default (EngineConfig.bf16_weights_choice):
+    where the kernels multiply them with AVX512-BF16's vdpbf16ps, faster there than float32 panels
+    at every step size measured (BENCHMARKS.md)."""
+    return bool(kernels.bf16)
+
+
+def bf16_weights_of(model: nn.Module) -> bool:
+    """Whether any projection's weights are in bfloat16 panels."""
+    return any(isinstance(m, PackedLinear) and m.format == BF16_FORMAT for m in model.modules())
 
 
 def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:

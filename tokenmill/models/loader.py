@@ -31,6 +31,7 @@ from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.host_memory import memory_available
 from tokenmill.models.bert import BertModel, bert_model_config, load_bert
 from tokenmill.models.cpu_packing import (
+    bf16_weights_by_cpu,
     drop_block_weights,
     fuse_experts,
     fuse_layers,
@@ -415,13 +416,16 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch.device,
                kernels: str = "torch", gguf_blocks: bool = True, int8_rows: int | None = 0,
-               shard: TPShard | None = None, all_reduce: AllReduce | None = None) -> LlamaForCausalLM | BertModel:
+               shard: TPShard | None = None, all_reduce: AllReduce | None = None,
+               bf16_weights: bool | None = False) -> LlamaForCausalLM | BertModel:
     """Build the model on `device` in `dtype` and fill it from the checkpoint. With kernels="auto"
     on a CPU in float32, pack its projections (for the C++ panel kernel, in their GGUF blocks
     where the file has them and `gguf_blocks` is set, quantized token embeddings then looked up
     in the file; or for oneDNN without the kernel) and use the fused C++ element-wise ops; on
     CUDA, use the Triton element-wise kernels. `int8_rows` is EngineConfig.gguf_int8_rows (None:
-    the kernels' choice for this CPU, int8_rows_by_cpu).
+    the kernels' choice for this CPU, int8_rows_by_cpu). `bf16_weights`: the packed float weights
+    in bfloat16 panels (None: where the kernels have AVX512-BF16, bf16_weights_by_cpu; True where
+    they lack it is a ValueError).
 
     With a `shard` of size > 1, the model is that tensor-parallel rank's part (models/parallel.py),
     its sums over the ranks done by `all_reduce`; a GGUF file's blocks are cut for the rank
@@ -459,7 +463,7 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
     model.load_weights(tqdm(weights, desc="loading weights", unit="tensor", delay=2, leave=False, disable=None))
     if packing:
         if cpu_kernels is not None or onednn_available(device, dtype):
-            pack_for_cpu(model, cpu_kernels, blocks)
+            pack_for_cpu(model, cpu_kernels, blocks, _bf16_panels(cpu_kernels, bf16_weights))
         if cpu_kernels is not None:
             model.ops = CpuFusedOps(cpu_kernels)
             if not sharded:
@@ -480,6 +484,16 @@ def load_model(ckpt: Checkpoint, max_len: int, dtype: torch.dtype, device: torch
         logger.info("weights loaded: %s in memory; the process's peak resident memory %s", _size(needed),
                     _size(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     return model.eval()
+
+
+def _bf16_panels(kernels, asked: bool | None) -> bool:
+    """load_model's bf16_weights resolved for `kernels` (None: no panel kernel, oneDNN's layout)."""
+    if kernels is None or asked is False:
+        return False
+    if asked and not kernels.bf16:
+        raise ValueError("bfloat16 weights need CPU kernels built for AVX512-BF16 (this CPU, or TOKENMILL_CPU_ISA, "
+                         "has no avx512_bf16)")
+    return bf16_weights_by_cpu(kernels)
 
 
 def check_fits(path: Path, model: LlamaForCausalLM, dtype: torch.dtype, blocks: dict[str, GGUFMatrix],

@@ -19,6 +19,11 @@ the default workload (BENCHMARKS.md). Steps of up to `int8_rows` rows (EngineCon
 by default every step on a CPU with VNNI, none elsewhere) take x in 8-bit blocks and multiply the
 codes as integers instead, as llama.cpp does: faster, within about half a percent of the float32
 product, not bit-identical (not MXFP4, whose steps stay in float32).
+
+Float weights (a Hugging Face checkpoint's) go in bfloat16 panels instead of float32 ones where
+the loader asks (dtype "auto" on a CPU whose kernels have AVX512-BF16): rounded once to
+bfloat16, as is each product's x, the sums and outputs float32; half the bytes to stream and
+twice the products an instruction (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ _BATCH_HINT = 64  # oneDNN picks its weight layout for this M; every M works wit
 # the kernel (never in 8-bit steps)
 BLOCK_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 7, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
                  "Q3_K": 6, "MXFP4": 8}
+BF16_FORMAT = 9  # float weights rounded to bfloat16, for the kernels' vdpbf16ps tiles (gemm_cpu.cpp)
+
+
+def float_format(in_features: int, bf16: bool) -> int:
+    """The panel format of float weights: bfloat16 where asked and the rows pair up (the tiles
+    read k two at a time), else float32 (0)."""
+    return BF16_FORMAT if bf16 and in_features % 2 == 0 else 0
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -56,11 +68,12 @@ class PackedLinear(nn.Module):
     those blocks rather than float32 (`format`), and
     `weight` may be None (never loaded, see cpu_packing.drop_block_weights) with its
     (out, in) `shape` given instead. `panels_out` (of the panels' shape and dtype) is where to pack
-    them, a slot of pack_all's arena."""
+    them, a slot of pack_all's arena. `bf16`: float weights go in bfloat16 panels (float_format),
+    their products taking x rounded to bfloat16, with float32 sums and outputs."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, kernels=None,
                  blocks: tuple[str, torch.Tensor] | None = None, shape: tuple[int, int] | None = None,
-                 panels_out: torch.Tensor | None = None) -> None:
+                 panels_out: torch.Tensor | None = None, bf16: bool = False) -> None:
         super().__init__()
         use_blocks = blocks is not None and kernels is not None and kernels.block_formats
         if weight is None and not (use_blocks and shape is not None):
@@ -68,13 +81,15 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape if weight is not None else shape
         self.bias = None if bias is None else bias.detach()
         self.kernels = kernels
-        self.format, self.panels, self.packed = 0, None, None  # format: 0 float32, else BLOCK_FORMATS
+        self.format, self.panels, self.packed = 0, None, None  # format: 0 float32, BLOCK_FORMATS or BF16_FORMAT
         self.int8_rows = 0  # blocks: steps of up to this many rows take x in 8-bit blocks (gemm_cpu.cpp)
         if use_blocks:
             self.format = BLOCK_FORMATS[blocks[0]]
             self.panels = kernels.pack_block_panels(blocks[1], self.format, self.in_features, panels_out)
         elif kernels is not None:
-            self.panels = kernels.pack_panels(weight.detach().contiguous(), panels_out)
+            self.format = float_format(self.in_features, bf16)
+            dtype = torch.bfloat16 if self.format == BF16_FORMAT else torch.float32
+            self.panels = kernels.pack_panels(weight.detach().to(dtype).contiguous(), panels_out)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _BATCH_HINT)
 
@@ -89,7 +104,9 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         layout = "onednn" if self.panels is None else "panels"
-        if self.format:
+        if self.format == BF16_FORMAT:
+            layout += " of bfloat16"
+        elif self.format:
             layout += f" of {next(k for k, v in BLOCK_FORMATS.items() if v == self.format)} blocks"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}"
 
@@ -146,8 +163,9 @@ class ToPack:
         return [(kind, run, sum(m.rows for m in run)) for kind, run in self.runs]
 
 
-def pack_all(items: list[ToPack], kernels=None) -> None:
-    """Pack every projection: in panels when `kernels` (the C++ module) is given, else for oneDNN.
+def pack_all(items: list[ToPack], kernels=None, bf16: bool = False) -> None:
+    """Pack every projection: in panels when `kernels` (the C++ module) is given (float weights in
+    bfloat16 ones with `bf16`, see PackedLinear), else for oneDNN.
 
     The panels go straight into slots of one huge-page arena, laid out first from their shapes: a
     batch-1 decode step streams all of them, and without a TLB miss every 4 KB it ran about 7%
@@ -159,9 +177,11 @@ def pack_all(items: list[ToPack], kernels=None) -> None:
             setattr(item.owner, item.attr, PackedLinear(item.weight, item.bias))
         return
     pieces_of = [item.pieces(kernels) for item in items]
-    shapes = [[(kernels.panel_shape(rows, item.shape[1], BLOCK_FORMATS[kind] if kind else 0),
-                torch.uint8 if kind else torch.float32) for kind, _, rows in pieces]
-              for item, pieces in zip(items, pieces_of)]
+    formats = [[BLOCK_FORMATS[kind] if kind else float_format(item.shape[1], bf16) for kind, _, _ in pieces]
+               for item, pieces in zip(items, pieces_of)]
+    shapes = [[(kernels.panel_shape(rows, item.shape[1], fmt), torch.uint8 if fmt else torch.float32)
+               for (_, _, rows), fmt in zip(pieces, piece_formats)]
+              for item, pieces, piece_formats in zip(items, pieces_of, formats)]
     slots = iter(huge_page_slots([math.prod(shape) * dtype.itemsize for piece in shapes for shape, dtype in piece]))
     # a bar only when packing takes a while (an 8B-class model: half a minute), and on a terminal
     bar = tqdm(zip(items, pieces_of, shapes), total=len(items), desc="packing weights", unit="matrix", delay=2,
@@ -177,7 +197,8 @@ def pack_all(items: list[ToPack], kernels=None) -> None:
             blocks = None
             if kind is not None:
                 blocks = (kind, run[0].read() if len(run) == 1 else torch.cat([m.read() for m in run]))
-            parts.append(PackedLinear(None if kind else item.weight, bias, kernels, blocks, (rows, item.shape[1]), out))
+            parts.append(PackedLinear(None if kind else item.weight, bias, kernels, blocks, (rows, item.shape[1]), out,
+                                      bf16))
             del blocks  # before the next matrix is read
             start += rows
         setattr(item.owner, item.attr, parts[0] if len(parts) == 1 else ConcatLinear(parts))

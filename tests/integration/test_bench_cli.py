@@ -14,6 +14,8 @@ def test_bench_throughput_compare_runs_every_baseline_and_records_the_cpu(tiny_l
                  "--trace-file", str(trace)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"CPU: {this_cpu().describe()}\n")
+    # transformers in the dtype of tokenmill's weights: bfloat16 ones where the kernels have AVX512-BF16
+    assert ("transformers generate in bfloat16" in printed) == this_cpu().has("avx512_bf16")
     results = json.loads(out.read_text())
     assert [r["name"] for r in results["results"]] == ["tokenmill", "static", "hf-generate"]
     assert results["cpu"] == this_cpu().as_dict()

@@ -66,7 +66,7 @@ def bench_throughput(args) -> dict:
     if args.pressure:
         summary["pressure"] = _bench_pressure(args, results[0], workload, engine.cache_config.block_size)
     if args.compare:
-        results += _compare(args, engine.model_path, workload)
+        results += _compare(args, engine.model_path, workload, "bfloat16" if arithmetic["bf16_weights"] else None)
     print()
     print(format_table(results))
     print(format_split(results[0]))
@@ -78,10 +78,14 @@ def bench_throughput(args) -> dict:
             **summary}
 
 
-def _compare(args, model_path, workload) -> list[RunResult]:
-    """The baselines beside tokenmill: its static batching, then transformers' generate. One that
-    fails is reported and skipped, so the tables already measured are still printed."""
+def _compare(args, model_path, workload, hf_dtype: str | None) -> list[RunResult]:
+    """The baselines beside tokenmill: its static batching, then transformers' generate (in
+    `hf_dtype`: bfloat16 where tokenmill's products take bfloat16 weights, so that each runs in the
+    same dtype). One that fails is reported and skipped, so the tables already measured are still
+    printed."""
     batch = args.max_num_seqs
+    if hf_dtype is not None:
+        print(f"--compare: transformers generate in {hf_dtype}, the dtype of tokenmill's weights")
 
     def static() -> RunResult:
         return run_static(_engine(args, "static", static_batching=True, enable_prefix_caching=False), workload, batch,
@@ -89,7 +93,8 @@ def _compare(args, model_path, workload) -> list[RunResult]:
 
     results = []
     for name, run in (("static batching", static),
-                      ("transformers generate", lambda: run_hf_generate(model_path, workload, batch, args.device))):
+                      ("transformers generate", lambda: run_hf_generate(model_path, workload, batch, args.device,
+                                                                        dtype=hf_dtype))):
         try:
             results.append(run())
         except Exception as exc:  # a baseline's failure is not the engine's: keep what was measured

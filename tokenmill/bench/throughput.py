@@ -126,12 +126,13 @@ def run_static(engine, workload: list[BenchRequest], batch_size: int, pad_token_
 
 
 def run_hf_generate(model_path, workload: list[BenchRequest], batch_size: int, device: str = "cpu",
-                    progress: bool = True) -> RunResult:
-    """Hugging Face transformers `generate`, static batches of `batch_size`, left padding, greedy."""
+                    progress: bool = True, dtype: str | None = None) -> RunResult:
+    """Hugging Face transformers `generate`, static batches of `batch_size`, left padding, greedy; in
+    `dtype` (default float32 on the CPU, bfloat16 on CUDA)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = getattr(torch, dtype or ("float32" if device == "cpu" else "bfloat16"))
     if model_path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=dtype)
     else:

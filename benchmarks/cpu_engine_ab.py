@@ -2,7 +2,7 @@
 default workload's shape, alternated between them, so the machine's drift falls on both alike.
 
     python benchmarks/cpu_engine_ab.py old=/tmp/old/tokenmill/csrc new=tokenmill/csrc \
-        [--batch 64 --prompt 250 --rounds 12 --steps 6] [--workloads 4]
+        [--batch 64 --prompt 250 --rounds 12 --steps 6] [--workloads 4] [--model PATH]
 
 Only the kernels differ between the engines: the Python is this checkout's. Decode steps: each
 engine takes `batch` requests of `prompt` tokens, then the engines run `steps` decode steps in turn,
@@ -31,13 +31,13 @@ from tokenmill.models.loader import default_model_path  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 
-def engine_on(module) -> LLMEngine:
-    """An engine of the default model whose kernels come from `module` (the engine takes them from
-    load_cpu_kernels while it is built)."""
+def engine_on(module, model: str | None = None) -> LLMEngine:
+    """An engine of `model` (default: the default model) whose kernels come from `module` (the
+    engine takes them from load_cpu_kernels while it is built)."""
     original = cpu_kernels._build
     cpu_kernels._build = lambda: module
     try:
-        return LLMEngine(EngineConfig(model=str(default_model_path())))
+        return LLMEngine(EngineConfig(model=model or str(default_model_path())))
     finally:
         cpu_kernels._build = original
 
@@ -84,8 +84,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workloads", type=int, default=0, help="alternate this many workloads instead")
+    parser.add_argument("--model", default=None, help="another model than the default one")
     args = parser.parse_args()
-    engines = {name: engine_on(module) for name, module in build_named(args.builds).items()}
+    engines = {name: engine_on(module, args.model) for name, module in build_named(args.builds).items()}
     if args.workloads:
         workloads(engines, args.workloads)
     else:

@@ -354,9 +354,10 @@ class EngineConfig:
     @property
     def bf16_weights_choice(self) -> bool | None:
         """Whether the CPU's packed float weights go in bfloat16 panels: never under dtype="float32"
-        (the exact path); unset, None: the loader's choice by the CPU (models/loader.py: where the
-        kernels have AVX512-BF16)."""
-        return False if self.dtype == "float32" else None
+        (the exact path), always under "bfloat16" (where the kernels take it: device.activation_dtype);
+        unset, None: the loader's choice by the CPU (models/loader.py: where the kernels have
+        AVX512-BF16)."""
+        return {"float32": False, "bfloat16": True}.get(self.dtype)
 
     @property
     def kv_dtype_name(self) -> str:

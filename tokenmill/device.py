@@ -71,6 +71,18 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
     return max_len
 
 
+def activation_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """The dtype the model computes in between its products: config.torch_dtype_name's, except
+    dtype="bfloat16" on a CPU whose kernels have AVX512-BF16 (kernels "auto"), which takes the
+    arithmetic the defaults take there: bfloat16 weights and x in every product and a bfloat16 pool
+    (EngineConfig.bf16_weights_choice, kv_dtype_name), float32 between the products, five times the
+    speed of torch's own bfloat16 layers there (BENCHMARKS.md) and closer to float32."""
+    if (config.dtype == "bfloat16" and device.type == "cpu" and config.kernels == "auto"
+            and this_cpu().has("avx512_bf16")):
+        return torch.float32
+    return getattr(torch, config.torch_dtype_name)
+
+
 def kv_dtype_name(config: EngineConfig, quantized: bool, device: torch.device) -> str:
     """The KV pool's dtype: the one config.kv_cache_dtype names, except on a CPU whose kernels have
     AVX512-BF16 and VNNI, where kv_cache_dtype and dtype both left unset mean a 2-byte pool, half

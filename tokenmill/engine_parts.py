@@ -23,7 +23,7 @@ from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.cpu_threads import ThreadGovernor
-from tokenmill.device import context_length, kv_dtype_name, resolve_device, thread_governor
+from tokenmill.device import activation_dtype, context_length, kv_dtype_name, resolve_device, thread_governor
 from tokenmill.input_processor import InputProcessor
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.kv_connector import GuardedConnector, KVConnector, pool_fingerprint
@@ -78,7 +78,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     threads = thread_governor(config, device)
     path = resolve_model_path(config.model)
     checkpoint = open_checkpoint(path)
-    dtype = getattr(torch, config.torch_dtype_name)
+    dtype = activation_dtype(config, device)
     kv_dtype = getattr(torch, kv_dtype_name(config, checkpoint.quantized(), device))
     model_config: ModelConfig = checkpoint.config
     if config.tensor_parallel_size > 1:

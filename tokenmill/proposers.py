@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill.device import activation_dtype
 from tokenmill.request import Request
 from tokenmill.sampler import SamplingMetadata
 
@@ -66,7 +67,7 @@ class DraftModelProposer:
 
         self.config = engine_config
         device = torch.device(engine_config.device)
-        dtype = getattr(torch, engine_config.torch_dtype_name)
+        dtype = activation_dtype(engine_config, device)
         checkpoint = open_checkpoint(resolve_model_path(model_path))
         # The same tokenizer, its embedding table padded to the same or a smaller size (Qwen2.5-0.5B
         # pads to 151,936 rows, the 7B to 152,064): the draft's distributions get zeros past its rows.
@@ -95,7 +96,7 @@ class DraftModelProposer:
         cfg, device = self.config, torch.device(self.config.device)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         backend = make_backend(cfg.attention_backend, device, block_size, self.model_config.head_dim,
-                               getattr(torch, cfg.torch_dtype_name))
+                               activation_dtype(cfg, device))
         worker = ModelWorker(self.model, self.model_config, CacheConfig(num_blocks, block_size), backend, device,
                              kv_dtype)
         self.runner = ModelRunner(worker, cfg.seed)

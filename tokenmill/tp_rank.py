@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from tokenmill.attention import make_backend
 from tokenmill.config import CacheConfig, EngineConfig, parse_size
-from tokenmill.device import context_length, kv_dtype_name, rank_device, thread_governor
+from tokenmill.device import activation_dtype, context_length, kv_dtype_name, rank_device, thread_governor
 from tokenmill.distributed import (
     Message,
     StepSender,
@@ -219,7 +219,7 @@ def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     checkpoint = open_checkpoint(resolve_model_path(config.model))
-    dtype = getattr(torch, config.torch_dtype_name)
+    dtype = activation_dtype(config, device)
     kv_dtype = getattr(torch, kv_dtype_name(config, checkpoint.quantized(), device))
     threads = thread_governor(config, device)
     max_len = context_length(config, checkpoint.config)

@@ -183,12 +183,16 @@ def test_fused_layers_give_the_python_layers_results_bit_for_bit(request, arch, 
 def test_the_defaults_take_bfloat16_weights_exactly_where_the_kernels_have_avx512_bf16(tiny_models):
     """dtype unset on the CPU: every projection and the head in bfloat16 panels, and a bfloat16
     pool, where the kernels have AVX512-BF16 (and `bench roofline` measures bfloat16's ceilings);
-    float32 elsewhere, and under dtype="float32" everywhere. Greedy tokens then follow
+    float32 elsewhere, and under dtype="float32" everywhere; dtype="bfloat16" takes the same
+    arithmetic there. Greedy tokens then follow
     transformers' float32 ones as vLLM's tests hold a bf16 run to them: equal up to the first
     divergence, where each side's token is in the other's top 5."""
     path = tiny_models["qwen3"]
     bf16 = load_cpu_kernels(required=True).bf16
     exact, auto = LLM(str(path), dtype="float32", num_kv_blocks=32), LLM(str(path), num_kv_blocks=32)
+    asked = LLM(str(path), dtype="bfloat16", num_kv_blocks=32)  # as vLLM users ask for bfloat16
+    if bf16:  # the same arithmetic as the defaults (torch's own bfloat16 layers elsewhere)
+        assert asked.engine.arithmetic == auto.engine.arithmetic
     for llm, expected in ((exact, False), (auto, bf16)):
         model = llm.engine.runner.worker.model
         formats = {m.format for m in model.modules() if isinstance(m, PackedLinear)}

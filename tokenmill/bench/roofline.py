@@ -188,12 +188,13 @@ def bench_roofline(args) -> dict:
 
     from tokenmill.bench.throughput import run_engine
     from tokenmill.cli_args import engine_config_from_args
+    from tokenmill.device import activation_dtype
     from tokenmill.engine import LLMEngine
 
     config = dataclasses.replace(engine_config_from_args(args), model=args.model)
-    if config.device.split(":")[0] != "cpu" or config.torch_dtype_name != "float32":
-        raise ValueError("bench roofline measures the CPU's peaks for float32 activations (8-bit x where the "
-                         "engine takes it): run it with --device cpu and float32 (the CPU's default)")
+    if config.device.split(":")[0] != "cpu" or activation_dtype(config, torch.device("cpu")) != torch.float32:
+        raise ValueError("bench roofline measures the CPU's peaks for float32 activations (bfloat16 weights or "
+                         "8-bit x where the engine takes them): run it with --device cpu and dtype unset or float32")
     engine = LLMEngine(config)
     model, cfg = engine.runner.worker.model, engine.model_config
     threads = torch.get_num_threads()

@@ -392,8 +392,8 @@ void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint
 
 using DecodeFn = void (*)(const uint8_t*, int64_t, float*, const uint8_t*);
 constexpr DecodeFn kDecoders[kLastBlockFormat + 1] = {nullptr,           decode_panel<kQ4_0>, decode_panel<kQ4_1>,
-                                                 decode_panel<kQ8_0>, decode_panel<kQ4F>,  decode_panel<kQ5F>,
-                                                 decode_panel<kQ6F>,  decode_panel<kQ5K>, decode_panel<kMXF>};
+                                                      decode_panel<kQ8_0>, decode_panel<kQ4F>,  decode_panel<kQ5F>,
+                                                      decode_panel<kQ6F>,  decode_panel<kQ5K>, decode_panel<kMXF>};
 
 using BlockTileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, const uint8_t*);
 template <int64_t F>
@@ -834,7 +834,8 @@ constexpr std::array<Bf16TileFn, sizeof...(R) + 1> bf16_tiles(std::index_sequenc
 }
 constexpr auto kBf16Tiles = bf16_tiles(std::make_index_sequence<kBf16Rows>());
 
-// x (K floats) -> bfloat16, rounded to nearest even (denormals to zero, as vdpbf16ps reads them).
+// x (K floats) -> bfloat16, rounded to nearest even (16 at a time with denormals flushed to zero,
+// the last few as torch rounds them: vdpbf16ps reads denormals as zero either way).
 void bf16_row(const float* x, int64_t K, uint16_t* out) {
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {

@@ -21,7 +21,7 @@ codes as integers instead, as llama.cpp does: faster, within about half a percen
 product, not bit-identical (not MXFP4, whose steps stay in float32).
 
 Float weights (a Hugging Face checkpoint's) go in bfloat16 panels instead of float32 ones where
-the loader asks (dtype "auto" on a CPU whose kernels have AVX512-BF16): rounded once to
+the loader asks (dtype unset or "bfloat16" on a CPU whose kernels have AVX512-BF16): rounded once to
 bfloat16, as is each product's x, the sums and outputs float32; half the bytes to stream and
 twice the products an instruction (BENCHMARKS.md).
 """

@@ -163,7 +163,7 @@ def test_int8_rows_compute_the_product_with_x_in_8_bit_blocks(fused, kind):
     blocks, panels = fused.kernels.pack_block_panels(raw, BLOCK_FORMATS[kind], k), fused.kernels.pack_panels(w)
     gen = torch.Generator().manual_seed(0)
     b = torch.randn(n, generator=gen)
-    for rows in (1, 2, 3, 4, 5, 8, 9, 12, 17):  # passes of four rows (eight with VNNI) and a remainder
+    for rows in (1, 2, 3, 4, 5, 8, 9, 12, 13, 17, 25):  # passes of up to 4, 8 or 12 rows, shared out evenly
         x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 10
         x[0, 32:64] = 0  # a block of zeros: its scale is 0
         y = fused.kernels.panel_linear(x, blocks, b, n, BLOCK_FORMATS[kind], None, rows)

@@ -99,6 +99,19 @@ void store_tile(const tokenmill::PanelOut& out, const float* tile, int64_t p, in
   }
 }
 
+// Rows [0, M) in the fewest passes of at most `most` rows, their sizes differing by one at most
+// (a step of 13 rows at most 12: 6 and 7), so that no pass of a row or two re-reads a panel for
+// little work: pass(m0, n) for each.
+template <typename Pass>
+inline void even_passes(int64_t M, int64_t most, Pass pass) {
+  const int64_t passes = (M + most - 1) / most;
+  for (int64_t i = 0, m0 = 0; i < passes; ++i) {
+    const int64_t n = (M - m0) / (passes - i);  // the rows left, shared out over the passes left
+    pass(m0, n);
+    m0 += n;
+  }
+}
+
 // Rows [block, block_end) of x (M, K) times float32 panel p, tile by tile; a tile's pass also
 // prefetches its share of the next panel from kPrefetchRows rows up.
 void float_panel(const float* xp, int64_t block, int64_t block_end, int64_t K, const float* panel, const float* next,
@@ -787,22 +800,18 @@ constexpr const Int8TileFn* kInt8Tiles[kLastBlockFormat + 1] = {
     kInt8TilesOf<kQ4F>.data(), kInt8TilesOf<kQ5F>.data(), kInt8TilesOf<kQ6F>.data(), kInt8TilesOf<kQ5K>.data(),
     nullptr};  // MXF: never in 8 bits (panel_rows)
 
-// x (M, K), in 8-bit blocks, times panel p of blocks (at src), in the fewest passes of at most
-// int8_pass_rows rows, of sizes that differ by one at most (against passes of the most rows and a
-// remainder, the default workload took 0.92-0.97x the time: no pass of a row or two re-reads the
-// panel for little work). The first pass prefetches `next` (or nullptr): unlike the float32
+// x (M, K), in 8-bit blocks, times panel p of blocks (at src), in even passes of at most
+// int8_pass_rows rows (against passes of the most rows and a remainder, the default workload took
+// 0.92-0.97x the time). The first pass prefetches `next` (or nullptr): unlike the float32
 // decoding, these passes outrun the hardware prefetcher (layers of the default model at one row:
 // 0.84x the float32 decoding's time without, 0.76x with; its Q8_0 head 1.29x without, 0.76-0.94x
 // with).
 void int8_panel(const Int8Row* rows, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t format,
                 int64_t p, float* tile, const tokenmill::PanelOut& out) {
-  const int64_t most = int8_pass_rows(format), passes = (M + most - 1) / most;
-  for (int64_t i = 0, m0 = 0; i < passes; ++i) {
-    const int64_t n = (M - m0) / (passes - i);  // the rows left, shared out over the passes left
+  even_passes(M, int8_pass_rows(format), [&](int64_t m0, int64_t n) {
     kInt8Tiles[format][n](rows + m0, src, K / kBlock, tile, m0 == 0 ? next : nullptr);
     store_tile(out, tile, p, m0, n);
-    m0 += n;
-  }
+  });
 }
 #endif
 
@@ -820,7 +829,7 @@ constexpr int64_t kPairBytes = 2 * kPanel * 2;  // a pair of k across a panel's 
 // Most rows of x per pass over a panel, a register of sums each, every vdpbf16ps taking its pair
 // of x straight from memory as a broadcast. On a Zen 4 core, passes of 8 to 12 rows ran one
 // vdpbf16ps a cycle, 6 rows 0.9, 14 rows 0.87, 16 rows 0.81 (a stand-alone loop over cached
-// panels): a step's rows go in passes of equal size, the fewest of at most 12.
+// panels): a step's rows go in even passes of at most 12.
 constexpr int64_t kBf16Rows = 12;
 
 // R rows of x in bfloat16 (rows K apart) times one bf16 panel -> out (R, 16); `pf` (or nullptr):
@@ -858,17 +867,14 @@ void bf16_row(const float* x, int64_t K, uint16_t* out) {
   for (; k < K; ++k) out[k] = c10::BFloat16(x[k]).x;
 }
 
-// x (M rows in bfloat16) times bf16 panel p (at src), in the fewest passes of at most kBf16Rows
-// rows, of sizes that differ by one at most; the first pass prefetches `next` (or nullptr).
+// x (M rows in bfloat16) times bf16 panel p (at src), in even passes of at most kBf16Rows rows;
+// the first pass prefetches `next` (or nullptr).
 void bf16_panel(const uint16_t* x, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t p,
                 float* tile, const tokenmill::PanelOut& out) {
-  const int64_t passes = (M + kBf16Rows - 1) / kBf16Rows;
-  for (int64_t i = 0, m0 = 0; i < passes; ++i) {
-    const int64_t n = (M - m0) / (passes - i);  // the rows left, shared out over the passes left
+  even_passes(M, kBf16Rows, [&](int64_t m0, int64_t n) {
     kBf16Tiles[n](x + m0 * K, K, src, tile, m0 == 0 ? next : nullptr);
     store_tile(out, tile, p, m0, n);
-    m0 += n;
-  }
+  });
 }
 #else
 constexpr int64_t kBf16Rows = 0;

@@ -1,7 +1,9 @@
 """A Qwen3-30B-A3B-shaped mixture of experts in bfloat16 on CUDA (issue 32): decode tokens/s at
 batch 1 and 64, with the experts as grouped products (the default on CUDA, moe.group_experts)
 and as the per-expert loop (what ran before: one product per active expert, and inside a
-captured CUDA graph every expert over every row), alternated in one run.
+captured CUDA graph every expert over every row), alternated in one run. A captured graph of one
+token runs every expert over it either way (SparseMoeBlock.forward), so batch 1's two figures
+measure the same path.
 
     python benchmarks/gpu_moe.py [--layers 4] [--rounds 2] [--batches 1 64] [--tiny --device cpu]
 

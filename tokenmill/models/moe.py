@@ -34,7 +34,9 @@ path also runs inside a captured CUDA graph. Without it (another device or dtype
 `_grouped_mm` refuses, gpt-oss's biased experts, a tensor-parallel rank's share), the loop above
 runs; and while a CUDA graph is being captured, where the counts per expert cannot be read on the
 host, each expert runs over every row, weighted by zero where it was not chosen: the same sums,
-slower.
+slower. A graph of one token (batch-1 decode) takes that path even where the experts are grouped:
+there the grouped products' fixed cost outweighs running every expert over the one row (measured
+on an H100, BENCHMARKS.md); from two tokens the grouped products win.
 """
 
 from __future__ import annotations
@@ -123,9 +125,10 @@ class SparseMoeBlock(nn.Module):
         """x: (T, hidden) -> (T, hidden)."""
         weights, experts = route(self.gate.forward(x), self.top_k, self.norm_topk_prob,
                                  self.softmax_after_topk)                        # (T, k) each
-        if self.grouped is not None:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.grouped is not None and not (capturing and x.shape[0] == 1):
             out = self._grouped_experts(x, weights, experts, ops)
-        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+        elif capturing:
             out = self._every_expert(x, weights, experts, ops)
         elif self.fused_experts is not None:
             out = self.fused_experts.forward(x, experts, weights)

@@ -10,13 +10,14 @@ heads of 64, a 49,152-token head) through each candidate torch offers, at 1..512
     bf16_f32out  bf16 operands with float32 output (torch.mm(..., out_dtype=float32))
     int8         torch._int_mm of int8 rows and int8 weights (VNNI / AMX-INT8), int32 sums
     tm_f32       tokenmill's float32 panels (csrc/gemm_cpu.cpp), where its kernels build
-    tm_bf16      tokenmill's bfloat16 panels (vdpbf16ps), where its kernels have AVX512-BF16: the
-                 products `dtype` auto takes for float weights there
+    tm_bf16      tokenmill's bfloat16 panels (vdpbf16ps; AMX tiles from 16 rows where the kernels
+                 are built for amx), where its kernels have AVX512-BF16: the products `dtype` auto
+                 takes for float weights there
 
 Weights are rotated over 30 copies (the model's 30 layers), so small steps read them from memory as
 a decode step does. Prints GFLOP/s per variant and the relative error against float64.
 
-    taskset -c 0,1 python benchmarks/cpu_bf16_candidates.py --threads 2
+    taskset -c 0,1 python benchmarks/cpu_bf16_candidates.py --threads 2 [--variants tm_bf16 bf16_packed]
 """
 
 from __future__ import annotations
@@ -46,35 +47,45 @@ def _time(fn, copies: int, min_s: float = 0.15) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _variants(ws: list[torch.Tensor], m: int) -> dict:
-    """Each candidate as (prepare the activations, call on weight copy i)."""
+def _variants(ws: list[torch.Tensor], m: int, wanted: set[str] | None) -> dict:
+    """Each candidate in `wanted` (None: all) as (prepare the activations, call on weight copy i)."""
+    def want(name: str) -> bool:
+        return wanted is None or name in wanted
+
     wb = [w.bfloat16() for w in ws]
-    out = {"f32": lambda x, i: F.linear(x, ws[i]),
-           "bf16": lambda x, i: F.linear(x.bfloat16(), wb[i])}
+    out = {}
+    if want("f32"):
+        out["f32"] = lambda x, i: F.linear(x, ws[i])
+    if want("bf16"):
+        out["bf16"] = lambda x, i: F.linear(x.bfloat16(), wb[i])
     try:
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in wb]
-        out["bf16_packed"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed[i], None,
-                                                                          "none", [], "")
+        if want("bf16_packed"):
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, m) for w in wb]
+            out["bf16_packed"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed[i], None,
+                                                                              "none", [], "")
     except RuntimeError:
         pass
     wt = [w.t() for w in wb]
     try:
-        torch.mm(torch.zeros(1, ws[0].shape[1], dtype=torch.bfloat16), wt[0], out_dtype=torch.float32)
-        out["bf16_f32out"] = lambda x, i: torch.mm(x.bfloat16(), wt[i], out_dtype=torch.float32)
+        if want("bf16_f32out"):
+            torch.mm(torch.zeros(1, ws[0].shape[1], dtype=torch.bfloat16), wt[0], out_dtype=torch.float32)
+            out["bf16_f32out"] = lambda x, i: torch.mm(x.bfloat16(), wt[i], out_dtype=torch.float32)
     except (RuntimeError, TypeError):
         pass
     kernels = load_cpu_kernels(required=False)
     if kernels is not None:
         n = ws[0].shape[0]
-        f32 = [kernels.pack_panels(w) for w in ws]
-        out["tm_f32"] = lambda x, i: kernels.panel_linear(x, f32[i], None, n, 0, None, 0)
-        if kernels.bf16:
+        if want("tm_f32"):
+            f32 = [kernels.pack_panels(w) for w in ws]
+            out["tm_f32"] = lambda x, i: kernels.panel_linear(x, f32[i], None, n, 0, None, 0)
+        if kernels.bf16 and want("tm_bf16"):
             b16 = [kernels.pack_panels(w.bfloat16()) for w in ws]
             out["tm_bf16"] = lambda x, i: kernels.panel_linear(x, b16[i], None, n, BF16_FORMAT, None, 0)
-    w8 = [(w / w.abs().amax(1, keepdim=True) * 127).round().to(torch.int8).t().contiguous() for w in ws]
     try:
-        torch._int_mm(torch.zeros(max(m, 17), ws[0].shape[1], dtype=torch.int8), w8[0])
-        out["int8"] = lambda x, i: torch._int_mm(x, w8[i])
+        if want("int8"):
+            w8 = [(w / w.abs().amax(1, keepdim=True) * 127).round().to(torch.int8).t().contiguous() for w in ws]
+            torch._int_mm(torch.zeros(max(m, 17), ws[0].shape[1], dtype=torch.int8), w8[0])
+            out["int8"] = lambda x, i: torch._int_mm(x, w8[i])
     except RuntimeError:
         pass
     return out
@@ -92,6 +103,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--variants", nargs="+", help="only these candidates (default: every one that runs)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
@@ -105,7 +117,7 @@ def main() -> None:
             x = torch.randn(m, k)
             x8 = torch.randint(-127, 128, (max(m, 17), k), dtype=torch.int8)  # _int_mm wants > 16 rows
             cells = []
-            for name, fn in _variants(ws, m).items():
+            for name, fn in _variants(ws, m, set(args.variants) if args.variants else None).items():
                 arg = x8 if name == "int8" else x
                 s = _time(lambda i: fn(arg, i), copies)
                 cells.append(f"{name} {2 * arg.shape[0] * k * n / s / 1e9:7.1f}")

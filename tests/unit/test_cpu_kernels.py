@@ -121,8 +121,10 @@ time.sleep(60)
 
 def test_the_kernels_multiply_bfloat16_panels_exactly_where_their_level_has_avx512_bf16():
     """The build's level decides (TOKENMILL_CPU_ISA=avx512 on this CPU builds without them): the
-    loader's default takes bfloat16 weights only from kernels that have the instructions."""
+    loader's default takes bfloat16 weights only from kernels that have the instructions, and the
+    kernels multiply on AMX tiles exactly where their level is amx."""
     from tokenmill.cpu_kernels import load_cpu_kernels, this_cpu
     from tokenmill.models.cpu_packing import bf16_weights_by_cpu
     kernels = load_cpu_kernels(required=True)
     assert kernels.bf16 == this_cpu().has("avx512_bf16") == bf16_weights_by_cpu(kernels)
+    assert kernels.amx == this_cpu().has("amx")  # AMX tiles for the bf16 panels' big steps

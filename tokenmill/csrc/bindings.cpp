@@ -93,9 +93,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("block_formats") = true;
   m.attr("vnni") = tokenmill::kVnni;  // the 8-bit tiles multiply with vpdpbusd (panel_linear's int8_rows)
   m.attr("bf16") = tokenmill::kBf16;  // bfloat16 panels (format 9) multiply with vdpbf16ps
+  m.attr("amx") = tokenmill::kAmx;    // ... and steps of many rows on AMX tiles
 #else
   m.attr("block_formats") = false;
   m.attr("vnni") = false;
   m.attr("bf16") = false;
+  m.attr("amx") = false;
 #endif
 }

@@ -32,6 +32,8 @@
 // 0.95x at 64, 1.01x at 512.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -880,10 +882,99 @@ void bf16_panel(const uint16_t* x, int64_t M, int64_t K, const uint8_t* src, con
 constexpr int64_t kBf16Rows = 0;
 #endif
 
+// ---- bfloat16 panels on AMX tiles ---------------------------------------------------------------
+//
+// A bf16 panel's 16 pairs of k from pair 16 c on (32 k, 1 KiB) are exactly an AMX B tile: 16 rows
+// of 64 bytes, each the 16 features' two weights side by side. So where the CPU has AMX-BF16, a
+// step of kAmxMinRows rows or more multiplies each panel by tdpbf16ps: 16 rows of x (an A tile,
+// 32 k of each) times that B tile into 16 x 16 float32 sums, 8,192 products an instruction against
+// vdpbf16ps's 32. A pass takes 32 rows into two tiles of sums sharing each B tile; the pairs past
+// the last 32 k are added by vdpbf16ps. A step of fewer rows pads a tile of 16 with zero rows, so
+// it costs what 16 rows cost: on a Xeon with AMX that beat bf16_tile's passes from 8 rows but not
+// at 4 (BENCHMARKS.md); the fewest rows, bound by streaming the panels from memory either way, stay
+// on bf16_tile.
+#ifdef TOKENMILL_AMX
+constexpr int64_t kAmxMinRows = 8;
+constexpr int64_t kAmxRows = 16;                // rows of an A tile and of a tile of sums
+constexpr int64_t kAmxPassRows = 2 * kAmxRows;  // rows of x a pass over the panel takes
+constexpr int64_t kAmxK = 32;                   // k of an A tile's row: 64 bytes of bfloat16
+
+// ldtilecfg's 64-byte operand, palette 1: tiles 0 and 1 hold sums, 2 and 3 rows of x, 4 the panel's
+// 32 k; every one 16 rows of 64 bytes.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16};
+};
+
+// Linux lends a process the AMX tiles' 8 KiB of state only once it asks (arch_prctl, kernel 5.16
+// and later); asked once per process, false where refused (the products then stay on bf16_tile).
+bool amx_permitted() {
+  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  return permitted;
+}
+
+// Adds the pairs of k from pair `first` on (fewer than 16, past the tiles' last 32 k) to the n
+// rows of sums in `tile`.
+void bf16_tail(const uint16_t* x, int64_t K, int64_t first, const uint8_t* panel, int64_t n, float* tile) {
+  for (int64_t r = 0; r < n; ++r) {
+    __m512 acc = _mm512_loadu_ps(tile + r * kPanel);
+    for (int64_t i = first; i < K / 2; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * i, 4);
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)_mm512_loadu_si512(panel + i * kPairBytes));
+    }
+    _mm512_storeu_ps(tile + r * kPanel, acc);
+  }
+}
+
+// x (M rows in bfloat16, padded with zero rows to a multiple of 32: panel_rows) times bf16 panel p
+// (at src) on AMX tiles, 32 rows a pass; the first pass prefetches `next` (or nullptr) a B tile's
+// 16 lines per 32 k. The tiles are configured on entry and released on return: the calling thread
+// may run other code between two panels that configures them its own way.
+void amx_panel(const uint16_t* x, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t p,
+               float* tile, const tokenmill::PanelOut& out) {
+  static const AmxConfig config;
+  _tile_loadconfig(&config);
+  const int64_t chunks = K / kAmxK, ldx = K * 2, chunk_bytes = kAmxK / 2 * kPairBytes;
+  for (int64_t m0 = 0; m0 < M; m0 += kAmxPassRows) {
+    const int64_t n = std::min(kAmxPassRows, M - m0);
+    const uint16_t* x0 = x + m0 * K;
+    const uint16_t* x1 = x0 + kAmxRows * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (m0 == 0 && next != nullptr) {
+        for (int64_t line = 0; line < kAmxK / 2; ++line) {
+          _mm_prefetch(reinterpret_cast<const char*>(next + c * chunk_bytes + line * kPairBytes), _MM_HINT_T0);
+        }
+      }
+      _tile_loadd(4, src + c * chunk_bytes, kPairBytes);
+      _tile_loadd(2, x0 + c * kAmxK, ldx);
+      _tile_dpbf16ps(0, 2, 4);
+      if (n > kAmxRows) {
+        _tile_loadd(3, x1 + c * kAmxK, ldx);
+        _tile_dpbf16ps(1, 3, 4);
+      }
+    }
+    _tile_stored(0, tile, kPanel * sizeof(float));
+    _tile_stored(1, tile + kAmxRows * kPanel, kPanel * sizeof(float));
+    if (chunks * kAmxK < K) bf16_tail(x0, K, chunks * kAmxK / 2, src, n, tile);
+    store_tile(out, tile, p, m0, n);
+  }
+  _tile_release();
+}
+#else
+constexpr int64_t kAmxPassRows = 0;
+#endif
+
 }  // namespace
 
 static_assert(kWideRows * kPanel <= tokenmill::kMostTileFloats && kInt8Rows <= kWideRows &&
-                  kBf16Rows * kPanel <= tokenmill::kMostTileFloats,
+                  kBf16Rows * kPanel <= tokenmill::kMostTileFloats && kAmxPassRows * kPanel <= tokenmill::kMostTileFloats,
               "PanelScratch's tile holds the widest tile's outputs");
 
 namespace tokenmill {
@@ -892,8 +983,14 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
   PanelRows rows(x, M, K);
 #ifdef TOKENMILL_BF16
   if (format == kBF16) {
-    rows.arena.reset(new uint8_t[M * K * 2 + 64]);
+#ifdef TOKENMILL_AMX
+    rows.amx = M >= kAmxMinRows && amx_permitted();
+#endif
+    // AMX's passes read whole tiles of 16 rows: zero rows pad x to a multiple of 32
+    const int64_t padded = rows.amx ? (M + kAmxPassRows - 1) / kAmxPassRows * kAmxPassRows : M;
+    rows.arena.reset(new uint8_t[padded * K * 2 + 64]);
     rows.bf16 = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(rows.arena.get()) + 63) & ~uintptr_t{63});
+    std::memset(rows.bf16 + M * K, 0, (padded - M) * K * 2);
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) bf16_row(x + m * K, K, rows.bf16 + m * K);
     });
@@ -949,6 +1046,12 @@ void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t
   }
 #ifdef TOKENMILL_BF16
   if (format == kBF16) {
+#ifdef TOKENMILL_AMX
+    if (x.amx) {
+      amx_panel(x.bf16, x.M, x.K, panel, next, p, scratch.tile, out);
+      return;
+    }
+#endif
     bf16_panel(x.bf16, x.M, x.K, panel, next, p, scratch.tile, out);
     return;
   }

@@ -32,6 +32,7 @@ struct PanelRows {
   int64_t M, K;
   std::vector<Int8Row> int8;  // empty: x in float32
   uint16_t* bf16 = nullptr;   // for bf16 panels: the rows rounded to bfloat16, M x K
+  bool amx = false;           // bf16 rows the panels multiply on AMX tiles (then padded with zero rows)
   std::unique_ptr<uint8_t[]> arena;
 
   PanelRows(const float* x, int64_t M, int64_t K) : x(x), M(M), K(K) {}
@@ -49,7 +50,7 @@ struct PanelOut {
   const float* row_scale;
 };
 
-constexpr int64_t kMostTileFloats = 12 * 16;  // the widest tile's outputs (gemm_cpu.cpp checks it)
+constexpr int64_t kMostTileFloats = 32 * 16;  // the most outputs a pass holds: AMX's two tiles of sums (gemm_cpu.cpp checks it)
 
 // What one thread needs to run panels: a tile of outputs, and where `decode` a 64-byte aligned
 // buffer for a panel of K k decoded to float32 (steps too big to decode in registers).

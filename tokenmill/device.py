@@ -75,8 +75,8 @@ def activation_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     """The dtype the model computes in between its products: config.torch_dtype_name's, except
     dtype="bfloat16" on a CPU whose kernels have AVX512-BF16 (kernels "auto"), which takes the
     arithmetic the defaults take there: bfloat16 weights and x in every product and a bfloat16 pool
-    (EngineConfig.bf16_weights_choice, kv_dtype_name), float32 between the products, 4.8x the
-    speed of torch's own bfloat16 layers there (BENCHMARKS.md) and closer to float32."""
+    (EngineConfig.bf16_weights_choice, kv_dtype_name), float32 between the products: several times
+    the speed of torch's own bfloat16 layers there (BENCHMARKS.md), and closer to float32."""
     if (config.dtype == "bfloat16" and device.type == "cpu" and config.kernels == "auto"
             and this_cpu().has("avx512_bf16")):
         return torch.float32

@@ -183,7 +183,8 @@ def test_int8_rows_compute_the_product_with_x_in_8_bit_blocks(fused, kind):
 def test_bf16_panels_hold_each_pair_of_k_of_16_features_side_by_side(fused):
     """pack_panels of a bfloat16 matrix: panels (ceil(N / 16), K / 2, 64 bytes), where pair i of
     panel p holds, feature by feature, W[16 p + j, 2 i] then W[16 p + j, 2 i + 1], the last panel
-    padded with zeros; an odd K has no pairs and is refused."""
+    padded with zeros; an odd K has no pairs and is refused, and panels of another shape or format
+    are refused by panel_linear."""
     if not fused.kernels.bf16:
         pytest.skip("bfloat16 panels need AVX512-BF16")
     w = torch.randn(37, 10).bfloat16()
@@ -194,6 +195,9 @@ def test_bf16_panels_hold_each_pair_of_k_of_16_features_side_by_side(fused):
     assert torch.equal(panels.view(torch.int16).view(3, 5, 16, 2), expected.view(torch.int16))
     with pytest.raises(RuntimeError, match="even number of columns"):
         fused.kernels.pack_panels(torch.randn(16, 9).bfloat16())
+    for wrong in (fused.kernels.pack_panels(w.float()), panels[:2], fused.kernels.pack_panels(w[:, :8])):
+        with pytest.raises(RuntimeError, match="in format 9 expected"):
+            fused.kernels.panel_linear(torch.randn(1, 10), wrong, None, 37, 9, None, 0)
 
 
 def test_bf16_panels_multiply_x_and_w_rounded_to_bfloat16_with_float32_sums(fused):

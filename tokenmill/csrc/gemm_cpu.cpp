@@ -1361,24 +1361,17 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
                            int64_t format, c10::optional<torch::Tensor> out, int64_t int8_rows) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TM_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "panel_linear: x must be a float32 matrix");
-  TM_CHECK(panels.dim() == 3 && panels.is_contiguous() && (N + kPanel - 1) / kPanel == P, "panel_linear: panel count");
-  if (format == kFloat32) {
-    TM_CHECK(panels.dtype() == torch::kFloat32 && panels.size(1) == K && panels.size(2) == kPanel,
-             "panel_linear: float32 panels (P, K, 16) expected");
-  } else if (format == kBF16) {
 #ifndef TOKENMILL_BF16
-    TM_CHECK(false, "panel_linear: bfloat16 panels need AVX512-BF16");
+  TM_CHECK(format != kBF16, "panel_linear: bfloat16 panels need AVX512-BF16");
 #endif
-    TM_CHECK(panels.dtype() == torch::kUInt8 && K % 2 == 0 && panels.size(1) == K / 2 && panels.size(2) == kPairBytes,
-             "panel_linear: bfloat16 panels (P, K / 2, 64) expected");
-  } else {
 #ifndef TOKENMILL_AVX2
-    TM_CHECK(false, "panel_linear: the block formats need AVX2, FMA and F16C");
+  TM_CHECK(!block_format(format), "panel_linear: the block formats need AVX2, FMA and F16C");
 #endif
-    TM_CHECK(block_format(format) && panels.dtype() == torch::kUInt8 && K % unit_k(format) == 0 &&
-                 panels.size(1) == K / unit_k(format) && panels.size(2) == unit_bytes(format),
-             "panel_linear: block panels (P, K / 32 or 256, unit bytes) of format " + std::to_string(format) + " expected");
-  }
+  TM_CHECK((format == kFloat32 || format == kBF16 || block_format(format)) && panels.is_contiguous() &&
+               panels.dtype() == (format == kFloat32 ? torch::kFloat32 : torch::kUInt8) &&
+               panels.sizes() == c10::IntArrayRef(panel_shape(N, K, format)),
+           "panel_linear: panels of an (N, K) matrix in format " + std::to_string(format) +
+               " expected (float32 (P, K, 16), bfloat16 (P, K / 2, 64), block panels (P, K / 32 or 256, unit bytes))");
   auto xc = x.contiguous();
   const float* b = nullptr;
   if (bias.has_value()) {

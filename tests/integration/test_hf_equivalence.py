@@ -198,6 +198,7 @@ def test_the_defaults_take_bfloat16_weights_exactly_where_the_kernels_have_avx51
         formats = {m.format for m in model.modules() if isinstance(m, PackedLinear)}
         assert formats == {BF16_FORMAT if expected else 0} and model.packed_lm_head.format in formats
         assert llm.engine.arithmetic["bf16_weights"] is expected
+        assert llm.engine.arithmetic["amx_tiles"] is (expected and load_cpu_kernels(required=True).amx)
         assert llm.engine.arithmetic["kv_dtype"] == ("bfloat16" if expected else "float32")
         ceilings = {"fp32 GEMM 2048^3", f"{'bf16' if expected else 'fp32'} layer projections, M=512 (engine)"}
         assert set(compute_ceilings(model, min_time=0.01)) == ceilings | ({"bf16 GEMM 2048^3 (torch)"} if expected

@@ -218,7 +218,8 @@ def test_models_tokenize_detokenize_version(server, client):
     # products and a bfloat16 pool, else float32's
     bf16 = device == "cpu" and this_cpu().has("avx512_bf16")
     assert version["arithmetic"] == {"dtype": "float32", "kv_dtype": "bfloat16" if bf16 else "float32",
-                                     "bf16_weights": bf16, "gguf_int8_rows": 0}
+                                     "bf16_weights": bf16, "amx_tiles": bf16 and this_cpu().has("amx"),
+                                     "gguf_int8_rows": 0}
     assert httpx.get(server.url + "/health").status_code == 200
 
 

@@ -53,7 +53,8 @@ def bench_throughput(args) -> dict:
           f"{sum(r.max_tokens for r in workload)} output tokens; attention backend {engine.runner.worker.backend.name}")
     arithmetic = engine.arithmetic
     rows = arithmetic["gguf_int8_rows"]
-    bf16 = "bfloat16 weights and x in the products, " if arithmetic["bf16_weights"] else ""
+    amx = " (on AMX tiles from 8 rows)" if arithmetic["amx_tiles"] else ""
+    bf16 = f"bfloat16 weights and x in the products{amx}, " if arithmetic["bf16_weights"] else ""
     print(f"arithmetic: {arithmetic['dtype']}, KV pool {arithmetic['kv_dtype']}, {bf16}GGUF products with 8-bit x "
           f"{'at every step' if rows >= EVERY_STEP else f'in steps of up to {rows} rows' if rows else 'never'}")
     if args.workload == "long":

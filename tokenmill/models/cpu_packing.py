@@ -256,6 +256,12 @@ def bf16_weights_of(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) and m.format == BF16_FORMAT for m in model.modules())
 
 
+def amx_tiles_of(model: nn.Module) -> bool:
+    """Whether bfloat16 panels multiply steps of 8 rows or more on AMX tiles (kernels built for a
+    CPU with AMX-BF16, csrc/gemm_cpu.cpp)."""
+    return any(isinstance(m, PackedLinear) and m.format == BF16_FORMAT and m.kernels.amx for m in model.modules())
+
+
 def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:
     """The products with GGUF blocks, the output head's included, in steps of up to `rows` rows,
     take x in 8-bit blocks (see csrc/gemm_cpu.cpp); 0: never, every product bit-identical to

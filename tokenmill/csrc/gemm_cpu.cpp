@@ -482,16 +482,17 @@ using tokenmill::kVnni;
 using tokenmill::dpbusd;
 #endif
 
-// With 512-bit VNNI and VBMI's byte permute every format but Q6F takes int8_tile_512, which reads
-// x as bytes; Q6F and byte codes elsewhere take vpmaddwd's tile, which reads x widened to int16
-// pairs.
+// With 512-bit VNNI and VBMI's byte permute every format takes int8_tile_512, which reads x as
+// bytes (and, for Q6F, its sums per 16 k); byte codes elsewhere take vpmaddwd's tile, which reads x
+// widened to int16 pairs.
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define TOKENMILL_VNNI_512 1
 constexpr bool kVnni512 = true;
 #else
 constexpr bool kVnni512 = false;
 #endif
-constexpr bool reads_words(int64_t format) { return byte_codes(format) && (!kVnni512 || format == kQ6F); }
+constexpr bool reads_words(int64_t format) { return byte_codes(format) && !kVnni512; }
+constexpr bool reads_half_sums(int64_t format) { return format == kQ6F && kVnni512; }
 
 // x (K floats) -> Int8Row: xq = round(x / dx) (to nearest even), dx = max |x| / 127 (0 for a block
 // of zeros), in the layouts r has room for (those the tiles of its format read).
@@ -522,6 +523,10 @@ void quantize_row(const float* x, int64_t K, const Int8Row& r) {
     const __m256i bytes = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
     r.scale[b] = d, r.sum[b] = d * static_cast<float>(qsum), r.qsum[b] = qsum;
+    if (r.half_qsum != nullptr) {
+      r.half_qsum[2 * b] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+      r.half_qsum[2 * b + 1] = qsum - r.half_qsum[2 * b];
+    }
     // the offsets' sum is quantized x's too: the product is then exactly that of the dequantized
     // weights with quantized x (with x's own sum, Q4_1's error tripled)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.bytes + b * kBlock), bytes);
@@ -705,9 +710,10 @@ constexpr std::array<uint8_t, 64> quads_index(bool nibbles) {
 alignas(64) constexpr std::array<uint8_t, 64> kByteQuads = quads_index(false);
 alignas(64) constexpr std::array<uint8_t, 64> kNibbleQuads = quads_index(true);
 
-// What vpdpbusd's unsigned side adds to each code: Q8_0's signed codes go in as c + 128 (an xor);
-// Q4_0's codes are q where its values are d * (q - 8). 128 or 8 times sum(xq) comes off a block.
-constexpr int32_t code_offset(int64_t f) { return f == kQ8_0 ? 128 : f == kQ4_0 ? 8 : 0; }
+// What vpdpbusd's unsigned side adds to each code: Q8_0's and Q6F's signed codes go in as c + 128
+// (an xor); Q4_0's codes are q where its values are d * (q - 8). 128 or 8 times sum(xq) comes off
+// a run of k with one scale (a block; Q6F's halves).
+constexpr int32_t code_offset(int64_t f) { return f == kQ8_0 || f == kQ6F ? 128 : f == kQ4_0 ? 8 : 0; }
 
 // Four k rows (j-th group of a block) of codes -> the 16 features' (four k) unsigned dwords.
 template <int64_t F>
@@ -724,44 +730,52 @@ inline __m512i code_quads(const uint8_t* codes, int64_t j) {
   }
 }
 
-// Every format but Q6F (its halves have scales of their own) with 512-bit VNNI and VBMI: a
-// group of four k rows becomes the 16 features' dwords once (code_quads), which one vpdpbusd a
-// row multiplies with the row's four bytes of x, into one register of int32 sums a row in
-// feature order; the block's scales go on as add_block's, 16 lanes at a time.
+// Every format with 512-bit VNNI and VBMI: a group of four k rows becomes the 16 features' dwords
+// once (code_quads), which one vpdpbusd a row multiplies with the row's four bytes of x, into one
+// register of int32 sums a row in feature order; the block's scales go on as add_block's, 16
+// lanes at a time, once a block, or for Q6F, whose halves of 16 k have scales of their own, once
+// a half.
 template <int64_t F, int R>
 void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
+  constexpr int64_t kParts = F == kQ6F ? 2 : 1, kQuads = kBlock / 4 / kParts;  // runs of k with one scale
   std::fill(out, out + R * kPanel, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
     const uint8_t* codes = codes_of<F>(src, b);
-    __m512i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    BlockScales s = scales_of<F>(src, b);
+    for (int64_t part = 0; part < kParts; ++part) {
+      if (part == 1) next_half<F>(s);
+      __m512i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < kBlock / 4; ++j) {
-      const __m512i q = code_quads<F>(codes, j);
-      for (int r = 0; r < R; ++r) {
-        int32_t quad;
-        std::memcpy(&quad, x[r].bytes + b * kBlock + 4 * j, 4);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(quad));
+      for (int64_t j = part * kQuads; j < (part + 1) * kQuads; ++j) {
+        const __m512i q = code_quads<F>(codes, j);
+        for (int r = 0; r < R; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, x[r].bytes + b * kBlock + 4 * j, 4);
+          acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(quad));
+        }
       }
-    }
-    const BlockScales s = scales_of<F>(src, b);
-    const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(s.d0), s.d1, 1);
-    const __m512 m = _mm512_insertf32x8(_mm512_castps256_ps512(s.m0), s.m1, 1);
-    for (int r = 0; r < R; ++r) {
-      __m512i sums = acc[r];
-      if constexpr (code_offset(F) != 0) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(code_offset(F) * x[r].qsum[b]));
-      float* y = out + r * kPanel;
-      __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(x[r].scale[b])),
-                                 _mm512_loadu_ps(y));
-      if constexpr (has_offset(F)) v = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].sum[b]), v);
-      _mm512_storeu_ps(y, v);
+      const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(s.d0), s.d1, 1);
+      const __m512 m = _mm512_insertf32x8(_mm512_castps256_ps512(s.m0), s.m1, 1);
+      for (int r = 0; r < R; ++r) {
+        __m512i sums = acc[r];
+        if constexpr (code_offset(F) != 0) {
+          const int32_t qsum = kParts == 2 ? x[r].half_qsum[kParts * b + part] : x[r].qsum[b];
+          sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(code_offset(F) * qsum));
+        }
+        float* y = out + r * kPanel;
+        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(x[r].scale[b])),
+                                   _mm512_loadu_ps(y));
+        if constexpr (has_offset(F)) v = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].sum[b]), v);
+        _mm512_storeu_ps(y, v);
+      }
     }
   }
 }
 #endif
 
-constexpr bool takes_tile_512(int64_t format) { return kVnni512 && format != kQ6F; }
+constexpr bool takes_tile_512(int64_t) { return kVnni512; }
 
 template <int64_t F, int R>
 void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
@@ -999,11 +1013,12 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
 #endif
 #ifdef TOKENMILL_AVX2
   if (format != kFloat32 && format != kMXF && M <= int8_rows) {  // FP4 codes have no integer form here
-    // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads (8K)
-    const bool words = reads_words(format), quads = !byte_codes(format) && !kVnni;
+    // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads
+    // (8K), half sums (2B)
+    const bool words = reads_words(format), quads = !byte_codes(format) && !kVnni, halves = reads_half_sums(format);
     const auto up = [](int64_t n) { return (n + 63) & ~int64_t{63}; };
     const int64_t B = K / kBlock, part = up(4 * B);
-    const int64_t row = 3 * part + up(K) + (words ? up(2 * K) : 0) + (quads ? 8 * K : 0);
+    const int64_t row = 3 * part + up(K) + (words ? up(2 * K) : 0) + (quads ? 8 * K : 0) + (halves ? up(8 * B) : 0);
     rows.arena.reset(new uint8_t[M * row + 64]);  // not zeroed: quantize_row writes every byte read
     uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(rows.arena.get()) + 63) & ~uintptr_t{63});
     rows.int8.resize(M);
@@ -1012,7 +1027,8 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
       uint8_t* tail = p + 3 * part + up(K);
       rows.int8[m] = Int8Row{reinterpret_cast<float*>(p), reinterpret_cast<float*>(p + part),
                              reinterpret_cast<int32_t*>(p + 2 * part), reinterpret_cast<int8_t*>(p + 3 * part),
-                             words ? reinterpret_cast<int16_t*>(tail) : nullptr, quads ? tail : nullptr};
+                             words ? reinterpret_cast<int16_t*>(tail) : nullptr, quads ? tail : nullptr,
+                             halves ? reinterpret_cast<int32_t*>(p + row - up(8 * B)) : nullptr};
     }
     // the threads quantize rows in parallel from 16 rows (prompt chunks): serially, on one
     // thread, it held the other back

@@ -21,6 +21,7 @@ struct Int8Row {
                    // else null
   uint8_t* quads;  // nibbles without VNNI: per four k, 32 bytes: the pair (xq[4i], xq[4i + 1]) eight
                    // times, then (xq[4i + 2], xq[4i + 3]) eight times; else null
+  int32_t* half_qsum;  // for Q6F in the 512-bit tile: per 16 k, sum(xq) (its halves' own scales); else null
 };
 
 // The rows of x one product reads: M rows of K floats, contiguous; for block panels in a step of

@@ -939,7 +939,8 @@ void bf16_tail(const uint16_t* x, int64_t K, int64_t first, const uint8_t* panel
     for (int64_t i = first; i < K / 2; ++i) {
       int32_t pair;
       std::memcpy(&pair, x + r * K + 2 * i, 4);
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), (__m512bh)_mm512_loadu_si512(panel + i * kPairBytes));
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + i * kPairBytes);
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), w);
     }
     _mm512_storeu_ps(tile + r * kPanel, acc);
   }
@@ -988,7 +989,8 @@ constexpr int64_t kAmxPassRows = 0;
 }  // namespace
 
 static_assert(kWideRows * kPanel <= tokenmill::kMostTileFloats && kInt8Rows <= kWideRows &&
-                  kBf16Rows * kPanel <= tokenmill::kMostTileFloats && kAmxPassRows * kPanel <= tokenmill::kMostTileFloats,
+                  kBf16Rows * kPanel <= tokenmill::kMostTileFloats &&
+                  kAmxPassRows * kPanel <= tokenmill::kMostTileFloats,
               "PanelScratch's tile holds the widest tile's outputs");
 
 namespace tokenmill {

@@ -51,7 +51,8 @@ struct PanelOut {
   const float* row_scale;
 };
 
-constexpr int64_t kMostTileFloats = 32 * 16;  // the most outputs a pass holds: AMX's two tiles of sums (gemm_cpu.cpp checks it)
+// The most outputs a pass holds: AMX's two tiles of sums (gemm_cpu.cpp checks it).
+constexpr int64_t kMostTileFloats = 32 * 16;
 
 // What one thread needs to run panels: a tile of outputs, and where `decode` a 64-byte aligned
 // buffer for a panel of K k decoded to float32 (steps too big to decode in registers).

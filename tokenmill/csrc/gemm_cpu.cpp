@@ -463,7 +463,7 @@ void block_panel(const float* xp, int64_t M, int64_t K, const uint8_t* src, cons
 // codes as they are, with the block's scales applied once: y += d * dx * sum(q * xq) (+ m * dx *
 // sum(xq) for formats with an offset). The codes' own rounding (4 to 8 bits) is far coarser than x's;
 // on the default model, decoding 300 tokens this way raised perplexity by 0.75% (mean KL 0.004).
-// Used for steps of up to `int8_rows` rows (panel_linear), up to int8_pass_rows rows per pass.
+// Used for steps of up to `int8_rows` rows (panel_linear), up to kInt8Rows rows per pass.
 // With vpmaddubsw (AVX2) the layers of the default model took 0.73-0.87x the time of decoding the
 // blocks to float32 at 1 to 8 rows, but 1.09x at 64 and 1.35x at 512; with VNNI's vpdpbusd they
 // are faster at every step size (the loader's default there: models/cpu_packing.py).
@@ -775,11 +775,9 @@ void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, flo
 }
 #endif
 
-constexpr bool takes_tile_512(int64_t) { return kVnni512; }
-
 template <int64_t F, int R>
 void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
-  if constexpr (takes_tile_512(F)) {
+  if constexpr (kVnni512) {
 #ifdef TOKENMILL_VNNI_512
     int8_tile_512<F, R>(x, src, num_blocks, out, pf);
 #endif
@@ -797,34 +795,29 @@ void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* 
 using Int8TileFn = void (*)(const Int8Row*, const uint8_t*, int64_t, float*, const uint8_t*);
 #if defined(TOKENMILL_VNNI) && defined(__AVX512VL__)
 constexpr int64_t kInt8Rows = kVnni512 ? 12 : 8;
-constexpr int64_t int8_pass_rows(int64_t format) { return takes_tile_512(format) ? kInt8Rows : 8; }
+#else
+constexpr int64_t kInt8Rows = 4;
+#endif
 template <int64_t F, size_t... R>
 constexpr std::array<Int8TileFn, sizeof...(R) + 1> int8_tiles(std::index_sequence<R...>) {
   return {nullptr, int8_tile<F, static_cast<int>(R) + 1>...};
 }
 template <int64_t F>
-constexpr auto kInt8TilesOf = int8_tiles<F>(std::make_index_sequence<int8_pass_rows(F)>());
-#else
-constexpr int64_t kInt8Rows = 4;
-constexpr int64_t int8_pass_rows(int64_t) { return kInt8Rows; }
-template <int64_t F>
-constexpr std::array<Int8TileFn, kInt8Rows + 1> kInt8TilesOf = {nullptr, int8_tile<F, 1>, int8_tile<F, 2>,
-                                                                int8_tile<F, 3>, int8_tile<F, 4>};
-#endif
+constexpr auto kInt8TilesOf = int8_tiles<F>(std::make_index_sequence<kInt8Rows>());
 constexpr const Int8TileFn* kInt8Tiles[kLastBlockFormat + 1] = {
     nullptr, kInt8TilesOf<kQ4_0>.data(), kInt8TilesOf<kQ4_1>.data(), kInt8TilesOf<kQ8_0>.data(),
     kInt8TilesOf<kQ4F>.data(), kInt8TilesOf<kQ5F>.data(), kInt8TilesOf<kQ6F>.data(), kInt8TilesOf<kQ5K>.data(),
     nullptr};  // MXF: never in 8 bits (panel_rows)
 
 // x (M, K), in 8-bit blocks, times panel p of blocks (at src), in even passes of at most
-// int8_pass_rows rows (against passes of the most rows and a remainder, the default workload took
+// kInt8Rows rows (against passes of the most rows and a remainder, the default workload took
 // 0.92-0.97x the time). The first pass prefetches `next` (or nullptr): unlike the float32
 // decoding, these passes outrun the hardware prefetcher (layers of the default model at one row:
 // 0.84x the float32 decoding's time without, 0.76x with; its Q8_0 head 1.29x without, 0.76-0.94x
 // with).
 void int8_panel(const Int8Row* rows, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t format,
                 int64_t p, float* tile, const tokenmill::PanelOut& out) {
-  even_passes(M, int8_pass_rows(format), [&](int64_t m0, int64_t n) {
+  even_passes(M, kInt8Rows, [&](int64_t m0, int64_t n) {
     kInt8Tiles[format][n](rows + m0, src, K / kBlock, tile, m0 == 0 ? next : nullptr);
     store_tile(out, tile, p, m0, n);
   });

@@ -36,7 +36,7 @@ fi
 build() {  # the kernels at level $1 (native: the CPU's own), in their cache for the runs below
   TOKENMILL_CPU_ISA=$1 MAX_JOBS=4 taskset -c "$2" timeout 240 python3 -c "
 from tokenmill.cpu_kernels import load_cpu_kernels, this_cpu
-k = load_cpu_kernels(required=True); print(this_cpu().describe(), 'bf16', k.bf16, 'amx', k.amx)"
+k = load_cpu_kernels(required=True); print(this_cpu().describe(), 'bf16', k.bf16, 'amx_min_rows', k.amx_min_rows)"
 }
 if wants build; then
   build native 0-3 > "$OUT/build_amx.txt" 2>&1 & native=$!

@@ -10,9 +10,9 @@ heads of 64, a 49,152-token head) through each candidate torch offers, at 1..512
     bf16_f32out  bf16 operands with float32 output (torch.mm(..., out_dtype=float32))
     int8         torch._int_mm of int8 rows and int8 weights (VNNI / AMX-INT8), int32 sums
     tm_f32       tokenmill's float32 panels (csrc/gemm_cpu.cpp), where its kernels build
-    tm_bf16      tokenmill's bfloat16 panels (vdpbf16ps; AMX tiles from 16 rows where the kernels
-                 are built for amx), where its kernels have AVX512-BF16: the products `dtype` auto
-                 takes for float weights there
+    tm_bf16      tokenmill's bfloat16 panels (vdpbf16ps; AMX tiles from the kernels' amx_min_rows
+                 rows where they are built for amx), where its kernels have AVX512-BF16: the
+                 products `dtype` auto takes for float weights there
 
 Weights are rotated over 30 copies (the model's 30 layers), so small steps read them from memory as
 a decode step does. Prints GFLOP/s per variant and the relative error against float64.

@@ -27,7 +27,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine_parts import build_engine_parts
 from tokenmill.input_processor import Prompt
 from tokenmill.model_runner import PendingStep
-from tokenmill.models.cpu_packing import amx_tiles_of, bf16_weights_of, int8_rows_of
+from tokenmill.models.cpu_packing import amx_min_rows_of, bf16_weights_of, int8_rows_of
 from tokenmill.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepStats
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -113,12 +113,12 @@ class LLMEngine:
     @property
     def arithmetic(self) -> dict:
         """What a step computes in: the activations' and the KV pool's dtypes, whether the products
-        with float weights take them and x in bfloat16 (and steps of 8 rows or more on AMX tiles),
-        and the most rows of a step whose GGUF block products take x in 8-bit blocks (0: none, the
-        exact path)."""
+        with float weights take them and x in bfloat16, the fewest rows of a step whose bfloat16
+        products run on AMX tiles (0: none), and the most rows of a step whose GGUF block products
+        take x in 8-bit blocks (0: none, the exact path)."""
         model = self.runner.worker.model
         return {"dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
-                "bf16_weights": bf16_weights_of(model), "amx_tiles": amx_tiles_of(model),
+                "bf16_weights": bf16_weights_of(model), "amx_min_rows": amx_min_rows_of(model),
                 "gguf_int8_rows": int8_rows_of(model)}
 
     def close(self) -> None:

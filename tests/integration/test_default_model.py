@@ -75,7 +75,7 @@ def test_the_default_takes_x_in_8_bit_blocks_at_every_step_exactly_where_the_ker
     assert layer_int8_rows(exact_llm.engine) == 0
     assert default_llm.engine.arithmetic["gguf_int8_rows"] == layer_int8_rows(default_llm.engine)
     assert exact_llm.engine.arithmetic == {"dtype": "float32", "kv_dtype": "float32", "bf16_weights": False,
-                                           "amx_tiles": False, "gguf_int8_rows": 0}
+                                           "amx_min_rows": 0, "gguf_int8_rows": 0}
     assert default_llm.engine.arithmetic["bf16_weights"] is False  # every projection in GGUF blocks
     assert default_llm.engine.runner.worker.model.packed_lm_head.int8_rows == layer_int8_rows(default_llm.engine)
     assert exact_llm.engine.runner.worker.model.packed_lm_head.int8_rows == 0

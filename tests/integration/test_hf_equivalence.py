@@ -188,7 +188,7 @@ def test_the_defaults_take_bfloat16_weights_exactly_where_the_kernels_have_avx51
     transformers' float32 ones as vLLM's tests hold a bf16 run to them: equal up to the first
     divergence, where each side's token is in the other's top 5."""
     path = tiny_models["qwen3"]
-    bf16 = load_cpu_kernels(required=True).bf16
+    bf16, amx_rows = load_cpu_kernels(required=True).bf16, load_cpu_kernels(required=True).amx_min_rows
     exact, auto = LLM(str(path), dtype="float32", num_kv_blocks=32), LLM(str(path), num_kv_blocks=32)
     asked = LLM(str(path), dtype="bfloat16", num_kv_blocks=32)  # as vLLM users ask for bfloat16
     if bf16:  # the same arithmetic as the defaults (torch's own bfloat16 layers elsewhere)
@@ -198,7 +198,7 @@ def test_the_defaults_take_bfloat16_weights_exactly_where_the_kernels_have_avx51
         formats = {m.format for m in model.modules() if isinstance(m, PackedLinear)}
         assert formats == {BF16_FORMAT if expected else 0} and model.packed_lm_head.format in formats
         assert llm.engine.arithmetic["bf16_weights"] is expected
-        assert llm.engine.arithmetic["amx_tiles"] is (expected and load_cpu_kernels(required=True).amx)
+        assert llm.engine.arithmetic["amx_min_rows"] == (amx_rows if expected else 0)
         assert llm.engine.arithmetic["kv_dtype"] == ("bfloat16" if expected else "float32")
         ceilings = {"fp32 GEMM 2048^3", f"{'bf16' if expected else 'fp32'} layer projections, M=512 (engine)"}
         assert set(compute_ceilings(model, min_time=0.01)) == ceilings | ({"bf16 GEMM 2048^3 (torch)"} if expected

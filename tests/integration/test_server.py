@@ -210,16 +210,16 @@ def test_models_tokenize_detokenize_version(server, client):
     assert httpx.post(server.url + "/detokenize", json={"tokens": [5, 6]}).json()["prompt"] == "w5 w6"
     chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "w7"}]}).json()
     assert chat["tokens"] == [2, 7, 3, 4]
-    from tokenmill.cpu_kernels import this_cpu
+    from tokenmill.cpu_kernels import load_cpu_kernels, this_cpu
     version = httpx.get(server.url + "/version").json()
     device = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")  # (the suite run on a GPU machine)
     assert version["cpu"] == this_cpu().as_dict() and version["device"].split(":")[0] == device and version["version"]
     # a Hugging Face directory: no 8-bit x; where the CPU has AVX512-BF16, bfloat16 weights in the
     # products and a bfloat16 pool, else float32's
     bf16 = device == "cpu" and this_cpu().has("avx512_bf16")
+    amx_rows = load_cpu_kernels(required=True).amx_min_rows if bf16 else 0
     assert version["arithmetic"] == {"dtype": "float32", "kv_dtype": "bfloat16" if bf16 else "float32",
-                                     "bf16_weights": bf16, "amx_tiles": bf16 and this_cpu().has("amx"),
-                                     "gguf_int8_rows": 0}
+                                     "bf16_weights": bf16, "amx_min_rows": amx_rows, "gguf_int8_rows": 0}
     assert httpx.get(server.url + "/health").status_code == 200
 
 

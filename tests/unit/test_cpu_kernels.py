@@ -127,4 +127,4 @@ def test_the_kernels_multiply_bfloat16_panels_exactly_where_their_level_has_avx5
     from tokenmill.models.cpu_packing import bf16_weights_by_cpu
     kernels = load_cpu_kernels(required=True)
     assert kernels.bf16 == this_cpu().has("avx512_bf16") == bf16_weights_by_cpu(kernels)
-    assert kernels.amx == this_cpu().has("amx")  # AMX tiles for the bf16 panels' big steps
+    assert (kernels.amx_min_rows > 0) == this_cpu().has("amx")  # AMX tiles for the bf16 panels' big steps

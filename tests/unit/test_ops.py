@@ -226,17 +226,18 @@ def test_bf16_panels_multiply_x_and_w_rounded_to_bfloat16_with_float32_sums(fuse
 
 @pytest.mark.parametrize("k", [64, 98, 576])
 def test_bf16_panels_on_amx_tiles_multiply_the_rounded_operands_at_any_row_count(fused, k):
-    """Where the kernels are built for AMX, steps of 16 rows or more multiply bf16 panels on the
-    tiles, 32 rows a pass padded with zero rows, the pairs of k past the last 32 by vdpbf16ps (k = 98):
-    the result is still that of the rounded operands, at every pass shape, with NaN kept to its row;
-    and the 15 rows below take vdpbf16ps's tiles to the same result."""
-    if not fused.kernels.amx:
+    """Where the kernels are built for AMX, steps of amx_min_rows rows or more multiply bf16 panels
+    on the tiles, 32 rows a pass padded with zero rows, the pairs of k past the last 32 by vdpbf16ps
+    (k = 98): the result is still that of the rounded operands, at every pass shape, with NaN kept to
+    its row; and a step one row short takes vdpbf16ps's tiles to the same result."""
+    least = fused.kernels.amx_min_rows
+    if not least:
         pytest.skip("AMX tiles need a CPU with AMX-BF16 (and a build for it)")
     gen = torch.Generator().manual_seed(1)
     n = 37
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     panels = fused.kernels.pack_panels(w.bfloat16())
-    for rows in (15, 16, 17, 31, 32, 33, 48, 100):
+    for rows in (least - 1, least, 15, 16, 17, 31, 32, 33, 48, 100):
         x = torch.randn(rows, k, generator=gen) * 3
         x[rows // 2, k // 3] = float("nan")
         y = fused.kernels.panel_linear(x, panels, b, n, 9, None, 0)

@@ -53,7 +53,7 @@ def bench_throughput(args) -> dict:
           f"{sum(r.max_tokens for r in workload)} output tokens; attention backend {engine.runner.worker.backend.name}")
     arithmetic = engine.arithmetic
     rows = arithmetic["gguf_int8_rows"]
-    amx = " (on AMX tiles from 8 rows)" if arithmetic["amx_tiles"] else ""
+    amx = f" (on AMX tiles from {arithmetic['amx_min_rows']} rows)" if arithmetic["amx_min_rows"] else ""
     bf16 = f"bfloat16 weights and x in the products{amx}, " if arithmetic["bf16_weights"] else ""
     print(f"arithmetic: {arithmetic['dtype']}, KV pool {arithmetic['kv_dtype']}, {bf16}GGUF products with 8-bit x "
           f"{'at every step' if rows >= EVERY_STEP else f'in steps of up to {rows} rows' if rows else 'never'}")

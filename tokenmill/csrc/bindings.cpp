@@ -6,6 +6,7 @@
 #include "cpu_ops.h"
 #include "decoder_layer_cpu.h"
 #include "moe_cpu.h"
+#include "panel_gemm.h"
 #include "simd.h"
 
 // omp_pause_resource_all is OpenMP 5.0: GCC has it from version 9 (while still reporting an
@@ -93,11 +94,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("block_formats") = true;
   m.attr("vnni") = tokenmill::kVnni;  // the 8-bit tiles multiply with vpdpbusd (panel_linear's int8_rows)
   m.attr("bf16") = tokenmill::kBf16;  // bfloat16 panels (format 9) multiply with vdpbf16ps
-  m.attr("amx") = tokenmill::kAmx;    // ... and steps of many rows on AMX tiles
 #else
   m.attr("block_formats") = false;
   m.attr("vnni") = false;
   m.attr("bf16") = false;
-  m.attr("amx") = false;
 #endif
+  m.attr("amx_min_rows") = tokenmill::amx_min_rows();  // bf16 panels' steps from this many rows on AMX tiles
 }

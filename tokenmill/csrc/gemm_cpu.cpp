@@ -1046,6 +1046,14 @@ bool decodes_panels(const PanelRows& x, int64_t format) {
 
 int64_t panel_chunk_for(int64_t rows) { return panel_chunk(rows); }
 
+int64_t amx_min_rows() {
+#ifdef TOKENMILL_AMX
+  return amx_permitted() ? kAmxMinRows : 0;
+#else
+  return 0;
+#endif
+}
+
 void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t p, const uint8_t* next,
                PanelScratch& scratch, const PanelOut& out) {
   if (format == kFloat32) {

@@ -72,6 +72,9 @@ class PanelScratch {
 int64_t panel_stride(int64_t K, int64_t format);
 // Whether running panels over `x` needs PanelScratch's decode buffer.
 bool decodes_panels(const PanelRows& x, int64_t format);
+// The fewest rows of a step whose bf16 panels multiply on AMX tiles; 0 where they never do (a
+// build without AMX-BF16, or Linux refused the tiles' state).
+int64_t amx_min_rows();
 // Panels per take when threads share out the panels of products of up to `rows` rows (parallel.h).
 int64_t panel_chunk_for(int64_t rows);
 // Panel p (at `panel`) times every row of x into `out`; `next`, the panel this thread is likely to

@@ -53,9 +53,6 @@ constexpr bool kBf16 = false;
 // bfloat16 panels' AMX tiles (gemm_cpu.cpp), for steps of many rows.
 #if defined(TOKENMILL_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENMILL_AMX 1
-constexpr bool kAmx = true;
-#else
-constexpr bool kAmx = false;
 #endif
 #ifdef TOKENMILL_VNNI
 constexpr bool kVnni = true;

@@ -256,10 +256,11 @@ def bf16_weights_of(model: nn.Module) -> bool:
     return any(isinstance(m, PackedLinear) and m.format == BF16_FORMAT for m in model.modules())
 
 
-def amx_tiles_of(model: nn.Module) -> bool:
-    """Whether bfloat16 panels multiply steps of 8 rows or more on AMX tiles (kernels built for a
-    CPU with AMX-BF16, csrc/gemm_cpu.cpp)."""
-    return any(isinstance(m, PackedLinear) and m.format == BF16_FORMAT and m.kernels.amx for m in model.modules())
+def amx_min_rows_of(model: nn.Module) -> int:
+    """The fewest rows of a step whose bfloat16 panels multiply on AMX tiles (kernels built for a
+    CPU with AMX-BF16, csrc/gemm_cpu.cpp); 0: none do."""
+    return max((m.kernels.amx_min_rows for m in model.modules()
+                if isinstance(m, PackedLinear) and m.format == BF16_FORMAT), default=0)
 
 
 def set_int8_rows(model: LlamaForCausalLM, rows: int) -> None:

@@ -144,13 +144,20 @@ void float_panel(const float* xp, int64_t block, int64_t block_end, int64_t K, c
 //   Q5F  blocks of 32 with a float32 scale and offset and a byte per 5-bit code (Q5_0 and Q5_1,
 //        re-cut in loader.py)
 //   Q6F  super-blocks of 256: fp16 d, an int8 scale sc per 16 k, a signed byte per code (Q6_K's
-//        q - 32; Q3_K's q - 4, re-cut in loader.py); scale d * sc
+//        q - 32; Q3_K's q - 4, re-cut in loader.py), or in the 512-bit builds 6 bits a code
+//        (six_bit_codes); scale d * sc
 //   MXF  MXFP4 (gpt-oss's experts) as GGUF stores it: per block of 32 an E8M0 scale byte e and
 //        Q4_0's nibbles, each an FP4 E2M1 code; value FP4(q) * 2^(e - 127), exact in float32
 // The super-block formats keep a panel's 16 scales per super-block in a header before its
 // codes: 0.58 bytes a weight for Q4F (the file's 0.56), 1.08 for Q5K (0.69) and 1.07 for Q6F
-// (0.82), where float32 scales for every block of 32 took 0.75, 1.25 and 1.25.
+// (0.82; in 6 bits, 0.82), where float32 scales for every block of 32 took 0.75, 1.25 and 1.25.
 // BF16 (9) is no block format: bfloat16 panels of a float checkpoint (see bf16_tile below).
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TOKENMILL_VNNI_512 1
+constexpr bool kVnni512 = true;  // the 8-bit tiles are int8_tile_512's (below)
+#else
+constexpr bool kVnni512 = false;
+#endif
 enum Format : int64_t {
   kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6, kQ5K = 7, kMXF = 8, kBF16 = 9
 };
@@ -176,7 +183,15 @@ constexpr int64_t scale_bytes(int64_t format) { return (format == kQ5F ? 4 : for
 constexpr int64_t offset_bytes(int64_t format) {  // a block's own offsets (Q4_1, Q5F)
   return has_offset(format) && !super_blocks(format) ? scale_bytes(format) : 0;
 }
-constexpr int64_t code_bytes(int64_t format) { return byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2; }
+// Q6F's codes where the 512-bit tile runs: 6 bits each, laid out for it (put_six_bit_codes), 0.82
+// bytes a weight with the header as in the file, where a byte per code took 1.07. A batch-1 step
+// streams its weights, and Q6_K is a quarter to a third of a Q4_K_M file's (the head, half of
+// ffn_down, attn_v).
+constexpr bool six_bit_codes(int64_t format) { return format == kQ6F && kVnni512; }
+constexpr int64_t kOctetBytes = 96;  // 8 k of 16 features' 6-bit codes (six_bit_quads)
+constexpr int64_t code_bytes(int64_t format) {
+  return six_bit_codes(format) ? kBlock * kPanel * 3 / 4 : byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2;
+}
 // A super-block's header: the 16 features' fp16 d, for Q4F and Q5K their fp16 dmin, then its
 // 8-bit scales (Q4F, Q5K: a block's 16, block by block, then its 16 mins the same way; Q6F: per
 // 16 k, 16 int8 scales).
@@ -189,12 +204,16 @@ constexpr int64_t codes_at(int64_t format) {  // where a panel unit's codes star
 constexpr int64_t unit_bytes(int64_t format) { return codes_at(format) + unit_blocks(format) * code_bytes(format); }
 
 // One row's unit, as given to pack_block_panels, holds what a panel unit holds for 16 rows, in the
-// same order: a sixteenth of its bytes, its codes at a sixteenth of the offset. That is the GGUF
+// same order: a sixteenth of its bytes (Q6F's codes a byte each even where its panels pack them in
+// 6 bits), its codes at a sixteenth of the offset. That is the GGUF
 // file's block for Q4_0, Q4_1 and Q8_0; Q5F's two float32 (scale, offset) and 32 codes; Q4F's
 // fp16 d and dmin, 8 scales, 8 mins and 128 bytes of nibbles (Q5K: 256 bytes of codes); Q6F's
 // fp16 d, 16 int8 scales and 256 codes.
-constexpr int64_t row_unit_bytes(int64_t format) { return unit_bytes(format) / kPanel; }
 constexpr int64_t row_codes_at(int64_t format) { return codes_at(format) / kPanel; }
+constexpr int64_t row_block_codes(int64_t format) { return byte_codes(format) ? kBlock : kBlock / 2; }  // a block's
+constexpr int64_t row_unit_bytes(int64_t format) {
+  return row_codes_at(format) + unit_blocks(format) * row_block_codes(format);
+}
 static_assert(row_unit_bytes(kQ4_0) == 18 && row_unit_bytes(kQ4_1) == 20 && row_unit_bytes(kQ8_0) == 34 &&
                   row_unit_bytes(kQ5F) == 40 && row_unit_bytes(kQ4F) == 2 + 2 + 8 + 8 + 128 &&
                   row_unit_bytes(kQ5K) == 2 + 2 + 8 + 8 + 256 && row_unit_bytes(kQ6F) == 2 + 16 + 256 &&
@@ -302,6 +321,65 @@ inline __m256 fp4_values(__m256i q) {
   return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(q, 3), 31)));
 }
 
+#ifdef TOKENMILL_VNNI_512
+// Q6F's codes in 6 bits (six_bit_codes): a block's 32 k in four octets of 8 k, 96 bytes each,
+// laid out so that seven instructions give the 512-bit tile the 16 features' (four k) dwords of
+// codes q (0..63, Q6_K's own: the value is d * sc * (q - 32)) for both halves of an octet (its k
+// 0-3 and 4-7):
+//   bytes 0-63, the low four bits: byte 4f + j holds feature f's k j in its low nibble and its
+//     k 4 + j in its high one, so that masked, or shifted down and masked, they are the halves'
+//     dwords;
+//   bytes 64-95, the high two bits: byte s holds those of the halves' bytes s (bits 0-1 for the
+//     first half, 4-5 for the second) and s + 32 (bits 2-3 and 6-7), so that copied into both
+//     32-byte lanes and shifted by a lane's amount, each byte's bits 4-5 are its code's.
+
+// Octet o of a block's 6-bit codes -> the 16 features' (four k) dwords of its two halves.
+inline void six_bit_quads(const uint8_t* codes, int64_t o, __m512i& first, __m512i& second) {
+  const uint8_t* octet = codes + o * kOctetBytes;
+  const __m512i low = _mm512_loadu_si512(octet), nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(octet + 64)));
+  const __m512i up = _mm512_sllv_epi64(high, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2));
+  const __m512i down = _mm512_srlv_epi64(high, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2));
+  constexpr int kLowOrHigh = 0xF8;  // vpternlogd's table for a | (b & c)
+  first = _mm512_ternarylogic_epi32(_mm512_and_si512(low, nibble), up, top, kLowOrHigh);
+  second = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), down, top, kLowOrHigh);
+}
+
+// vpermb's indexes from the 16 features' (four k) dwords back to four k rows of 16 bytes.
+constexpr std::array<uint8_t, 64> rows_index() {
+  std::array<uint8_t, 64> index{};
+  for (int j = 0; j < 4; ++j)
+    for (int f = 0; f < 16; ++f) index[16 * j + f] = static_cast<uint8_t>(4 * f + j);
+  return index;
+}
+alignas(64) constexpr std::array<uint8_t, 64> kQuadRows = rows_index();
+
+// A block's 6-bit codes -> a signed byte (q - 32) per code, k by k, as the other builds keep them:
+// what decode_row reads, so that the float32 path gives the same bits in every build.
+inline void unpack_six_bits(const uint8_t* codes, uint8_t* bytes) {
+  const __m512i rows = _mm512_load_si512(kQuadRows.data()), bias = _mm512_set1_epi8(32);
+  for (int64_t o = 0; o < kBlock / 8; ++o) {
+    __m512i first, second;
+    six_bit_quads(codes, o, first, second);
+    _mm512_storeu_si512(bytes + 8 * o * kPanel, _mm512_sub_epi8(_mm512_permutexvar_epi8(rows, first), bias));
+    _mm512_storeu_si512(bytes + (8 * o + 4) * kPanel, _mm512_sub_epi8(_mm512_permutexvar_epi8(rows, second), bias));
+  }
+}
+#endif
+
+// Block b's codes as decode_row reads them: in the panel, or Q6F's 6-bit codes unpacked into
+// `bytes` (kBlock * kPanel of them).
+template <int64_t F>
+inline const uint8_t* row_codes(const uint8_t* panel, int64_t b, uint8_t* bytes) {
+#ifdef TOKENMILL_VNNI_512
+  if constexpr (six_bit_codes(F)) {
+    unpack_six_bits(codes_of<F>(panel, b), bytes);
+    return bytes;
+  }
+#endif
+  return codes_of<F>(panel, b);
+}
+
 // The 16 weights of code row i of a block -> (w0, w1).
 template <int64_t F>
 inline void decode_row(const uint8_t* codes, int64_t i, const BlockScales& s, __m256& w0, __m256& w1) {
@@ -345,7 +423,8 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blo
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
     BlockScales s = scales_of<F>(src, b);
-    const uint8_t* codes = codes_of<F>(src, b);
+    alignas(64) uint8_t unpacked[six_bit_codes(F) ? kBlock * kPanel : 1];
+    const uint8_t* codes = row_codes<F>(src, b, unpacked);
     const float* xb = x + b * kBlock;
     for (int64_t i = 0; i < kBlock; i += 2) {
       if (i == kBlock / 2) next_half<F>(s);
@@ -394,7 +473,8 @@ void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
     BlockScales s = scales_of<F>(src, b);
-    const uint8_t* codes = codes_of<F>(src, b);
+    alignas(64) uint8_t unpacked[six_bit_codes(F) ? kBlock * kPanel : 1];
+    const uint8_t* codes = row_codes<F>(src, b, unpacked);
     for (int64_t i = 0; i < kBlock; ++i) {
       if (i == kBlock / 2) next_half<F>(s);
       __m256 w0, w1;
@@ -482,15 +562,9 @@ using tokenmill::kVnni;
 using tokenmill::dpbusd;
 #endif
 
-// With 512-bit VNNI and VBMI's byte permute every format takes int8_tile_512, which reads x as
-// bytes (and, for Q6F, its sums per 16 k); byte codes elsewhere take vpmaddwd's tile, which reads x
-// widened to int16 pairs.
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-#define TOKENMILL_VNNI_512 1
-constexpr bool kVnni512 = true;
-#else
-constexpr bool kVnni512 = false;
-#endif
+// With 512-bit VNNI and VBMI's byte permute every format takes int8_tile_512 (kVnni512), which
+// reads x as bytes (and, for Q6F, its sums per 16 k); byte codes elsewhere take vpmaddwd's tile,
+// which reads x widened to int16 pairs.
 constexpr bool reads_words(int64_t format) { return byte_codes(format) && !kVnni512; }
 constexpr bool reads_half_sums(int64_t format) { return format == kQ6F && kVnni512; }
 
@@ -710,10 +784,10 @@ constexpr std::array<uint8_t, 64> quads_index(bool nibbles) {
 alignas(64) constexpr std::array<uint8_t, 64> kByteQuads = quads_index(false);
 alignas(64) constexpr std::array<uint8_t, 64> kNibbleQuads = quads_index(true);
 
-// What vpdpbusd's unsigned side adds to each code: Q8_0's and Q6F's signed codes go in as c + 128
-// (an xor); Q4_0's codes are q where its values are d * (q - 8). 128 or 8 times sum(xq) comes off
-// a run of k with one scale (a block; Q6F's halves).
-constexpr int32_t code_offset(int64_t f) { return f == kQ8_0 || f == kQ6F ? 128 : f == kQ4_0 ? 8 : 0; }
+// What vpdpbusd's unsigned side adds to each code: Q8_0's signed codes go in as c + 128 (an xor);
+// Q4_0's codes are q where its values are d * (q - 8), Q6F's 6-bit ones q for q - 32. That times
+// sum(xq) comes off a run of k with one scale (a block; Q6F's halves).
+constexpr int32_t code_offset(int64_t f) { return f == kQ8_0 ? 128 : f == kQ6F ? 32 : f == kQ4_0 ? 8 : 0; }
 
 // Four k rows (j-th group of a block) of codes -> the 16 features' (four k) unsigned dwords.
 template <int64_t F>
@@ -721,7 +795,7 @@ inline __m512i code_quads(const uint8_t* codes, int64_t j) {
   if constexpr (byte_codes(F)) {
     const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(kByteQuads.data()),
                                               _mm512_loadu_si512(codes + 4 * j * kPanel));
-    return code_offset(F) ? _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80))) : c;
+    return code_offset(F) == 128 ? _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80))) : c;
   } else {  // 32 bytes of nibbles, twice: the upper copy shifted down by four, then masked
     const __m512i c = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 32)));
     const __m512i spread = _mm512_and_si512(_mm512_srlv_epi64(c, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)),
@@ -731,13 +805,14 @@ inline __m512i code_quads(const uint8_t* codes, int64_t j) {
 }
 
 // Every format with 512-bit VNNI and VBMI: a group of four k rows becomes the 16 features' dwords
-// once (code_quads), which one vpdpbusd a row multiplies with the row's four bytes of x, into one
+// once (code_quads; Q6F's two groups at a time, six_bit_quads), which one vpdpbusd a row multiplies with the row's four bytes of x, into one
 // register of int32 sums a row in feature order; the block's scales go on as add_block's, 16
 // lanes at a time, once a block, or for Q6F, whose halves of 16 k have scales of their own, once
 // a half.
 template <int64_t F, int R>
 void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
   constexpr int64_t kParts = F == kQ6F ? 2 : 1, kQuads = kBlock / 4 / kParts;  // runs of k with one scale
+  constexpr int64_t kStep = six_bit_codes(F) ? 2 : 1;                             // groups decoded at once
   std::fill(out, out + R * kPanel, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
@@ -748,12 +823,19 @@ void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, flo
       __m512i acc[R];
       for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int64_t j = part * kQuads; j < (part + 1) * kQuads; ++j) {
-        const __m512i q = code_quads<F>(codes, j);
-        for (int r = 0; r < R; ++r) {
-          int32_t quad;
-          std::memcpy(&quad, x[r].bytes + b * kBlock + 4 * j, 4);
-          acc[r] = _mm512_dpbusd_epi32(acc[r], q, _mm512_set1_epi32(quad));
+      for (int64_t j = part * kQuads; j < (part + 1) * kQuads; j += kStep) {
+        __m512i q[kStep];
+        if constexpr (six_bit_codes(F)) {
+          six_bit_quads(codes, j / 2, q[0], q[kStep - 1]);
+        } else {
+          q[0] = code_quads<F>(codes, j);
+        }
+        for (int64_t t = 0; t < kStep; ++t) {
+          for (int r = 0; r < R; ++r) {
+            int32_t quad;
+            std::memcpy(&quad, x[r].bytes + b * kBlock + 4 * (j + t), 4);
+            acc[r] = _mm512_dpbusd_epi32(acc[r], q[t], _mm512_set1_epi32(quad));
+          }
         }
       }
       const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(s.d0), s.d1, 1);
@@ -1149,9 +1231,6 @@ torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out
   return panels;
 }
 
-// The bytes of codes a block has in one row's unit.
-constexpr int64_t row_block_codes(int64_t format) { return code_bytes(format) / kPanel; }
-
 // Row j's scales (and offsets) from its unit into the panel unit `out`.
 void put_scales(int64_t format, const uint8_t* row, int64_t j, uint8_t* out) {
   if (format == kQ4F || format == kQ5K) {  // d and dmin, then per block its scale, then per block its min
@@ -1172,6 +1251,18 @@ void put_scales(int64_t format, const uint8_t* row, int64_t j, uint8_t* out) {
 // 16 features side by side. Nibbles come as in GGUF, byte i holding weight i (low nibble) and
 // weight i + 16 (high), and go to panel bytes holding feature j in the low nibble, j + 8 in the high.
 void put_codes(int64_t format, const uint8_t* const* qs, int64_t rows, uint8_t* codes) {
+  if (six_bit_codes(format)) {  // qs: signed bytes q - 32, into six_bit_quads' layout
+    for (int64_t i = 0; i < kBlock; ++i) {
+      uint8_t* octet = codes + i / 8 * kOctetBytes;
+      const int64_t half = i % 8 / 4;
+      for (int64_t j = 0; j < rows; ++j) {
+        const int q = static_cast<int8_t>(qs[j][i]) + 32, at = 4 * j + i % 4;  // at: its byte in its half's dwords
+        octet[at] |= static_cast<uint8_t>((q & 0x0F) << (4 * half));
+        octet[64 + at % 32] |= static_cast<uint8_t>((q >> 4) << (2 * (2 * half + at / 32)));
+      }
+    }
+    return;
+  }
   if (byte_codes(format)) {
     for (int64_t i = 0; i < kBlock; ++i) {
       for (int64_t j = 0; j < rows; ++j) codes[i * kPanel + j] = qs[j][i];

@@ -202,6 +202,8 @@ constexpr int64_t codes_at(int64_t format) {  // where a panel unit's codes star
   return scale_bytes(format) + offset_bytes(format);
 }
 constexpr int64_t unit_bytes(int64_t format) { return codes_at(format) + unit_blocks(format) * code_bytes(format); }
+// A unit of Q6F's 6-bit codes spread out for the passes of a big step (spread_six_bits).
+constexpr int64_t kSpreadUnitBytes = codes_at(kQ6F) + kSuper * kBlock * kPanel;
 
 // One row's unit, as given to pack_block_panels, holds what a panel unit holds for 16 rows, in the
 // same order: a sixteenth of its bytes (Q6F's codes a byte each even where its panels pack them in
@@ -809,15 +811,16 @@ inline __m512i code_quads(const uint8_t* codes, int64_t j) {
 // register of int32 sums a row in feature order; the block's scales go on as add_block's, 16
 // lanes at a time, once a block, or for Q6F, whose halves of 16 k have scales of their own, once
 // a half.
-template <int64_t F, int R>
+template <int64_t F, int R, bool Spread = false>
 void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
   constexpr int64_t kParts = F == kQ6F ? 2 : 1, kQuads = kBlock / 4 / kParts;  // runs of k with one scale
-  constexpr int64_t kStep = six_bit_codes(F) ? 2 : 1;                             // groups decoded at once
+  constexpr int64_t kStep = six_bit_codes(F) && !Spread ? 2 : 1;                 // groups decoded at once
   std::fill(out, out + R * kPanel, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
-    const uint8_t* codes = codes_of<F>(src, b);
-    BlockScales s = scales_of<F>(src, b);
+    const uint8_t* unit = Spread ? src + b / kSuper * kSpreadUnitBytes : nullptr;  // spread_six_bits' copy
+    const uint8_t* codes = Spread ? unit + codes_at(F) + b % kSuper * kBlock * kPanel : codes_of<F>(src, b);
+    BlockScales s = Spread ? super_block_scales<F>(unit, b % kSuper) : scales_of<F>(src, b);
     for (int64_t part = 0; part < kParts; ++part) {
       if (part == 1) next_half<F>(s);
       __m512i acc[R];
@@ -825,7 +828,9 @@ void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, flo
 #pragma GCC unroll 8
       for (int64_t j = part * kQuads; j < (part + 1) * kQuads; j += kStep) {
         __m512i q[kStep];
-        if constexpr (six_bit_codes(F)) {
+        if constexpr (Spread) {
+          q[0] = _mm512_loadu_si512(codes + 4 * j * kPanel);
+        } else if constexpr (six_bit_codes(F)) {
           six_bit_quads(codes, j / 2, q[0], q[kStep - 1]);
         } else {
           q[0] = code_quads<F>(codes, j);
@@ -851,6 +856,29 @@ void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, flo
                                    _mm512_loadu_ps(y));
         if constexpr (has_offset(F)) v = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].sum[b]), v);
         _mm512_storeu_ps(y, v);
+      }
+    }
+  }
+}
+
+// A panel of Q6F's 6-bit codes -> `spread`: each unit's header, then its blocks' codes as
+// code_quads gives them (unsigned q, the 16 features' dwords per four k, 512 bytes a block), for
+// steps of more than one pass (spreads_codes), whose passes then only multiply instead of each
+// decoding the six bits again. Prefetches `pf` meanwhile. The copy fits PanelScratch's buffer:
+static_assert(kSpreadUnitBytes <= kSuper * kBlock * kPanel * static_cast<int64_t>(sizeof(float)));
+void spread_six_bits(const uint8_t* src, int64_t num_blocks, uint8_t* spread, const uint8_t* pf) {
+  for (int64_t u = 0; u < num_blocks / kSuper; ++u) {
+    const uint8_t* unit = src + u * unit_bytes(kQ6F);
+    uint8_t* to = spread + u * kSpreadUnitBytes;
+    std::memcpy(to, unit, codes_at(kQ6F));
+    for (int64_t j = 0; j < kSuper; ++j) {
+      if (pf != nullptr) prefetch_block(pf + (u * kSuper + j) * block_span(kQ6F), block_span(kQ6F));
+      uint8_t* quads = to + codes_at(kQ6F) + j * kBlock * kPanel;
+      for (int64_t o = 0; o < kBlock / 8; ++o) {
+        __m512i first, second;
+        six_bit_quads(unit + codes_at(kQ6F) + j * code_bytes(kQ6F), o, first, second);
+        _mm512_storeu_si512(quads + 2 * o * 64, first);
+        _mm512_storeu_si512(quads + (2 * o + 1) * 64, second);
       }
     }
   }
@@ -886,6 +914,15 @@ constexpr std::array<Int8TileFn, sizeof...(R) + 1> int8_tiles(std::index_sequenc
 }
 template <int64_t F>
 constexpr auto kInt8TilesOf = int8_tiles<F>(std::make_index_sequence<kInt8Rows>());
+#ifdef TOKENMILL_VNNI_512
+// Whether a step of `rows` rows spreads each panel's 6-bit codes once for its passes (spread_six_bits).
+constexpr bool spreads_codes(int64_t format, int64_t rows) { return six_bit_codes(format) && rows > kInt8Rows; }
+template <size_t... R>
+constexpr std::array<Int8TileFn, sizeof...(R) + 1> spread_tiles(std::index_sequence<R...>) {
+  return {nullptr, int8_tile_512<kQ6F, static_cast<int>(R) + 1, true>...};
+}
+constexpr auto kSpreadTiles = spread_tiles(std::make_index_sequence<kInt8Rows>());  // over spread_six_bits' copy
+#endif
 constexpr const Int8TileFn* kInt8Tiles[kLastBlockFormat + 1] = {
     nullptr, kInt8TilesOf<kQ4_0>.data(), kInt8TilesOf<kQ4_1>.data(), kInt8TilesOf<kQ8_0>.data(),
     kInt8TilesOf<kQ4F>.data(), kInt8TilesOf<kQ5F>.data(), kInt8TilesOf<kQ6F>.data(), kInt8TilesOf<kQ5K>.data(),
@@ -898,10 +935,18 @@ constexpr const Int8TileFn* kInt8Tiles[kLastBlockFormat + 1] = {
 // 0.84x the float32 decoding's time without, 0.76x with; its Q8_0 head 1.29x without, 0.76-0.94x
 // with).
 void int8_panel(const Int8Row* rows, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t format,
-                int64_t p, float* tile, const tokenmill::PanelOut& out) {
+                int64_t p, tokenmill::PanelScratch& scratch, const tokenmill::PanelOut& out) {
+  const Int8TileFn* tiles = kInt8Tiles[format];
+#ifdef TOKENMILL_VNNI_512
+  if (spreads_codes(format, M)) {
+    uint8_t* spread = reinterpret_cast<uint8_t*>(scratch.decoded());
+    spread_six_bits(src, K / kBlock, spread, next);
+    src = spread, next = nullptr, tiles = kSpreadTiles.data();
+  }
+#endif
   even_passes(M, kInt8Rows, [&](int64_t m0, int64_t n) {
-    kInt8Tiles[format][n](rows + m0, src, K / kBlock, tile, m0 == 0 ? next : nullptr);
-    store_tile(out, tile, p, m0, n);
+    tiles[n](rows + m0, src, K / kBlock, scratch.tile, m0 == 0 ? next : nullptr);
+    store_tile(out, scratch.tile, p, m0, n);
   });
 }
 #endif
@@ -1123,7 +1168,11 @@ int64_t panel_stride(int64_t K, int64_t format) {
 }
 
 bool decodes_panels(const PanelRows& x, int64_t format) {
-  return block_format(format) && x.int8.empty() && x.M > kDecodeRows;
+  if (!block_format(format)) return false;
+#ifdef TOKENMILL_VNNI_512
+  if (!x.int8.empty()) return spreads_codes(format, x.M);
+#endif
+  return x.int8.empty() && x.M > kDecodeRows;
 }
 
 int64_t panel_chunk_for(int64_t rows) { return panel_chunk(rows); }
@@ -1159,7 +1208,7 @@ void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t
 #endif
 #ifdef TOKENMILL_AVX2
   if (!x.int8.empty()) {
-    int8_panel(x.int8.data(), x.M, x.K, panel, next, format, p, scratch.tile, out);
+    int8_panel(x.int8.data(), x.M, x.K, panel, next, format, p, scratch, out);
   } else {
     block_panel(x.x, x.M, x.K, panel, next, format, p, scratch, out);
   }

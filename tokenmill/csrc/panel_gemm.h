@@ -55,7 +55,8 @@ struct PanelOut {
 constexpr int64_t kMostTileFloats = 32 * 16;
 
 // What one thread needs to run panels: a tile of outputs, and where `decode` a 64-byte aligned
-// buffer for a panel of K k decoded to float32 (steps too big to decode in registers).
+// buffer for a panel of K k decoded to float32 (steps too big to decode in registers), or for
+// its 6-bit codes spread out (gemm_cpu.cpp's spread_six_bits).
 class PanelScratch {
  public:
   PanelScratch(int64_t K, bool decode) : buffer_(decode ? K * 16 + 16 : 0) {}

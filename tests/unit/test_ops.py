@@ -33,15 +33,21 @@ def test_add_rms_norm(fused, rows):
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (4, 4, 24)])
-def test_rotary_qkv(fused, heads, kv_heads, dim):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_qkv_rotates_q_and_k_after_their_head_norms_and_leaves_v(fused, heads, kv_heads, dim, qk_norm):
     t = 11
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim) * 3
     angles = torch.rand(t, dim // 2) * 6
     cos, sin = angles.cos(), angles.sin()
-    ref = TorchOps().rotary_qkv(qkv.clone(), cos, sin, heads, kv_heads, dim)
-    out = fused.rotary_qkv(qkv, cos, sin, heads, kv_heads, dim)
+    norms = (_norm(dim).cpu(), _norm(dim).cpu()) if qk_norm else (None, None)
+    ref = TorchOps().rotary_qkv(qkv.clone(), cos, sin, heads, kv_heads, dim, *norms)
+    v = qkv[:, (heads + kv_heads) * dim:].clone()
+    out = fused.rotary_qkv(qkv, cos, sin, heads, kv_heads, dim, *norms)
     for a, b in zip(out, ref):
-        assert torch.allclose(a, b, atol=1e-6)
+        assert torch.allclose(a, b, atol=1e-5)
+    assert torch.equal(out[2].reshape(t, -1), v)
+    with pytest.raises(RuntimeError, match="q and k norms go together"):
+        fused.kernels.rotary_qkv_(qkv, cos, sin, heads, kv_heads, dim, torch.ones(dim), None)
 
 
 def test_silu_mul(fused):

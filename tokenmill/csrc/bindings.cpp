@@ -24,7 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sinks") = py::none());
   m.def("write_kv", &write_kv, "Store a step's K/V into the block pool");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight");
-  m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place");
+  m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place (after their RMSNorm)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("num_q_heads"), py::arg("num_kv_heads"),
+        py::arg("head_dim"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6);
   m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row");
   m.def("argmax_rows", &argmax_rows, "Each row's argmax, as torch.argmax(x, dim=-1) gives it");
   m.def("sample_rows", &sample_rows,

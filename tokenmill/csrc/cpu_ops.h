@@ -28,7 +28,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                            double eps);
 void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
-                 int64_t num_kv_heads, int64_t head_dim);
+                 int64_t num_kv_heads, int64_t head_dim, c10::optional<torch::Tensor> q_norm = c10::nullopt,
+                 c10::optional<torch::Tensor> k_norm = c10::nullopt, double eps = 1e-6);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::optional<torch::Tensor> top_k,

@@ -93,12 +93,10 @@ std::tuple<torch::Tensor, torch::Tensor> CpuDecoderLayer::forward(
     torch::Tensor q_rows = qkv_rows.narrow(1, 0, q_size), k_rows = qkv_rows.narrow(1, q_size, kv_size);
     q_rows.copy_(at::rms_norm(q_rows, {q_size}, *q_norm, eps));
     k_rows.copy_(at::rms_norm(k_rows, {kv_size}, *k_norm, eps));
-  } else if (q_norm.has_value()) {  // as CpuFusedOps.rotary_qkv: torch's rms_norm, copied in place
-    torch::Tensor k = heads.narrow(1, num_heads, num_kv_heads);
-    q.copy_(at::rms_norm(q, {head_dim}, *q_norm, eps));
-    k.copy_(at::rms_norm(k, {head_dim}, *k_norm, eps));
   }
-  rotary_qkv_(qkv_rows, cos, sin, num_heads, num_kv_heads, head_dim);
+  const bool head_norms = q_norm.has_value() && !whole_qk_norms;  // each head's, in the kernel: as CpuFusedOps
+  rotary_qkv_(qkv_rows, cos, sin, num_heads, num_kv_heads, head_dim, head_norms ? q_norm : c10::nullopt,
+              head_norms ? k_norm : c10::nullopt, eps);
   write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
            k_cache, v_cache, slot_block, slot_offset);
   torch::Tensor attn = paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);

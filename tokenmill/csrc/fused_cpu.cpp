@@ -1,7 +1,8 @@
 // Fused element-wise ops for the CPU forward pass (float32). Each replaces several torch ops
 // (and their temporaries) with one pass over the rows, threaded with at::parallel_for:
 //   add_rms_norm   residual += x (in place), out = rms_norm(residual) * weight
-//   rotary_qkv_    rotates the q and k heads of the fused qkv projection in place
+//   rotary_qkv_    rotates the q and k heads of the fused qkv projection in place, after
+//                  Qwen3's RMSNorm of each head where given its weights
 //   silu_mul       out = silu(gate) * up, from the fused gate_up projection
 // The torch reference for each lives in tokenmill/models/ops.py; tests compare the two. Beside
 // them, for the sampler: argmax_rows, each greedy row's argmax, tested against torch.argmax (the
@@ -83,12 +84,25 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
 }
 
 // qkv: (T, (nq + nkv + nkv) * D) rows; cos, sin: (T, D / 2). Rotates the first nq + nkv heads
-// (q and k) in place with the half-split layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+// (q and k) in place with the half-split layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). With
+// q_norm and k_norm (D weights each), each of those heads first becomes rms_norm(head) * weight,
+// as add_rms_norm computes a row: in the same pass, where torch's rms_norm and a copy back made
+// a dozen operations and temporaries a layer.
 void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
-                 int64_t num_kv_heads, int64_t head_dim) {
+                 int64_t num_kv_heads, int64_t head_dim, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, double eps) {
   check_rows(qkv, "rotary_qkv_(qkv)");
   TM_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2,
            "rotary_qkv_: cos/sin must be (T, head_dim / 2) and contiguous");
+  TM_CHECK(q_norm.has_value() == k_norm.has_value(), "rotary_qkv_: q and k norms go together");
+  for (const auto* w : {&q_norm, &k_norm}) {
+    TM_CHECK(!w->has_value() || ((*w)->dtype() == torch::kFloat32 && (*w)->is_contiguous() &&
+                                 (*w)->numel() == head_dim),
+             "rotary_qkv_: head norm weights must be head_dim contiguous float32");
+  }
+  const float* qw = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kw = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  const float feps = static_cast<float>(eps);
   const int64_t T = qkv.size(0), half = head_dim / 2, heads = num_q_heads + num_kv_heads;
   const int64_t stride = qkv.stride(0);
   float* base = qkv.data_ptr<float>();
@@ -100,6 +114,11 @@ void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_
       const float* s = sp + t * half;
       for (int64_t h = 0; h < heads; ++h) {
         float* x1 = base + t * stride + h * head_dim;
+        if (qw != nullptr) {
+          const float* w = h < num_q_heads ? qw : kw;
+          const float inv = 1.0f / std::sqrt(sum_squares(x1, head_dim) / static_cast<float>(head_dim) + feps);
+          for (int64_t i = 0; i < head_dim; ++i) x1[i] = x1[i] * inv * w[i];
+        }
         float* x2 = x1 + half;
         for (int64_t i = 0; i < half; ++i) {
           const float a = x1[i], b = x2[i];

@@ -150,7 +150,8 @@ void float_panel(const float* xp, int64_t block, int64_t block_end, int64_t K, c
 //        Q4_0's nibbles, each an FP4 E2M1 code; value FP4(q) * 2^(e - 127), exact in float32
 // The super-block formats keep a panel's 16 scales per super-block in a header before its
 // codes: 0.58 bytes a weight for Q4F (the file's 0.56), 1.08 for Q5K (0.69) and 1.07 for Q6F
-// (0.82; in 6 bits, 0.82), where float32 scales for every block of 32 took 0.75, 1.25 and 1.25.
+// with a byte per code (0.82; in 6 bits, 0.82 too), where float32 scales for every block of 32
+// took 0.75, 1.25 and 1.25.
 // BF16 (9) is no block format: bfloat16 panels of a float checkpoint (see bf16_tile below).
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define TOKENMILL_VNNI_512 1
@@ -183,7 +184,7 @@ constexpr int64_t scale_bytes(int64_t format) { return (format == kQ5F ? 4 : for
 constexpr int64_t offset_bytes(int64_t format) {  // a block's own offsets (Q4_1, Q5F)
   return has_offset(format) && !super_blocks(format) ? scale_bytes(format) : 0;
 }
-// Q6F's codes where the 512-bit tile runs: 6 bits each, laid out for it (put_six_bit_codes), 0.82
+// Q6F's codes where the 512-bit tile runs: 6 bits each, laid out for it (put_codes), 0.82
 // bytes a weight with the header as in the file, where a byte per code took 1.07. A batch-1 step
 // streams its weights, and Q6_K is a quarter to a third of a Q4_K_M file's (the head, half of
 // ffn_down, attn_v).
@@ -206,13 +207,13 @@ constexpr int64_t unit_bytes(int64_t format) { return codes_at(format) + unit_bl
 constexpr int64_t kSpreadUnitBytes = codes_at(kQ6F) + kSuper * kBlock * kPanel;
 
 // One row's unit, as given to pack_block_panels, holds what a panel unit holds for 16 rows, in the
-// same order: a sixteenth of its bytes (Q6F's codes a byte each even where its panels pack them in
-// 6 bits), its codes at a sixteenth of the offset. That is the GGUF
-// file's block for Q4_0, Q4_1 and Q8_0; Q5F's two float32 (scale, offset) and 32 codes; Q4F's
-// fp16 d and dmin, 8 scales, 8 mins and 128 bytes of nibbles (Q5K: 256 bytes of codes); Q6F's
-// fp16 d, 16 int8 scales and 256 codes.
+// same order: a sixteenth of its bytes (Q6F's codes a byte each even where its panels pack them
+// in 6 bits), its codes at a sixteenth of the offset. That is the GGUF file's block for Q4_0, Q4_1
+// and Q8_0; Q5F's two float32 (scale, offset) and 32 codes; Q4F's fp16 d and dmin, 8 scales, 8
+// mins and 128 bytes of nibbles (Q5K: 256 bytes of codes); Q6F's fp16 d, 16 int8 scales and 256
+// codes.
 constexpr int64_t row_codes_at(int64_t format) { return codes_at(format) / kPanel; }
-constexpr int64_t row_block_codes(int64_t format) { return byte_codes(format) ? kBlock : kBlock / 2; }  // a block's
+constexpr int64_t row_block_codes(int64_t format) { return byte_codes(format) ? kBlock : kBlock / 2; }  // per block
 constexpr int64_t row_unit_bytes(int64_t format) {
   return row_codes_at(format) + unit_blocks(format) * row_block_codes(format);
 }
@@ -807,10 +808,10 @@ inline __m512i code_quads(const uint8_t* codes, int64_t j) {
 }
 
 // Every format with 512-bit VNNI and VBMI: a group of four k rows becomes the 16 features' dwords
-// once (code_quads; Q6F's two groups at a time, six_bit_quads), which one vpdpbusd a row multiplies with the row's four bytes of x, into one
-// register of int32 sums a row in feature order; the block's scales go on as add_block's, 16
-// lanes at a time, once a block, or for Q6F, whose halves of 16 k have scales of their own, once
-// a half.
+// once (code_quads; Q6F's 6-bit codes two groups at a time, six_bit_quads, or over a spread copy
+// already), which one vpdpbusd a row multiplies with the row's four bytes of x, into one register
+// of int32 sums a row in feature order; the block's scales go on as add_block's, 16 lanes at a
+// time, once a block, or for Q6F, whose halves of 16 k have scales of their own, once a half.
 template <int64_t F, int R, bool Spread = false>
 void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
   constexpr int64_t kParts = F == kQ6F ? 2 : 1, kQuads = kBlock / 4 / kParts;  // runs of k with one scale

@@ -326,26 +326,25 @@ inline __m256 fp4_values(__m256i q) {
 
 #ifdef TOKENMILL_VNNI_512
 // Q6F's codes in 6 bits (six_bit_codes): a block's 32 k in four octets of 8 k, 96 bytes each,
-// laid out so that seven instructions give the 512-bit tile the 16 features' (four k) dwords of
+// laid out so that five instructions give the 512-bit tile the 16 features' (four k) dwords of
 // codes q (0..63, Q6_K's own: the value is d * sc * (q - 32)) for both halves of an octet (its k
-// 0-3 and 4-7):
-//   bytes 0-63, the low four bits: byte 4f + j holds feature f's k j in its low nibble and its
-//     k 4 + j in its high one, so that masked, or shifted down and masked, they are the halves'
-//     dwords;
-//   bytes 64-95, the high two bits: byte s holds those of the halves' bytes s (bits 0-1 for the
-//     first half, 4-5 for the second) and s + 32 (bits 2-3 and 6-7), so that copied into both
-//     32-byte lanes and shifted by a lane's amount, each byte's bits 4-5 are its code's.
+// 0-3 and 4-7), byte 4f + j of a half's dwords being feature f's k j of that half:
+//   bytes 0-63: byte b holds the first half's code b in bits 0-5 (masked, they are its dwords)
+//     and the low two bits of the second half's code b in bits 6-7;
+//   bytes 64-95: byte s holds the high four bits of the second half's codes s (bits 0-3) and
+//     s + 32 (bits 4-7), copied into both 32-byte lanes and rotated by a lane's amount into
+//     bits 2-5 of each byte, beside bits 6-7 of bytes 0-63 shifted down into bits 0-1.
 
 // Octet o of a block's 6-bit codes -> the 16 features' (four k) dwords of its two halves.
 inline void six_bit_quads(const uint8_t* codes, int64_t o, __m512i& first, __m512i& second) {
   const uint8_t* octet = codes + o * kOctetBytes;
-  const __m512i low = _mm512_loadu_si512(octet), nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i low = _mm512_loadu_si512(octet), six = _mm512_set1_epi8(0x3F);
   const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(octet + 64)));
-  const __m512i up = _mm512_sllv_epi64(high, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2));
-  const __m512i down = _mm512_srlv_epi64(high, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2));
-  constexpr int kLowOrHigh = 0xF8;  // vpternlogd's table for a | (b & c)
-  first = _mm512_ternarylogic_epi32(_mm512_and_si512(low, nibble), up, top, kLowOrHigh);
-  second = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble), down, top, kLowOrHigh);
+  const __m512i high4 = _mm512_rolv_epi64(high, _mm512_setr_epi64(2, 2, 2, 2, 62, 62, 62, 62));  // into bits 2-5
+  constexpr int kBits01OrElse = 0xE4;  // vpternlogd's table for (a & c) | (b & ~c)
+  first = _mm512_and_si512(low, six);
+  second = _mm512_and_si512(
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 6), high4, _mm512_set1_epi8(0x03), kBits01OrElse), six);
 }
 
 // vpermb's indexes from the 16 features' (four k) dwords back to four k rows of 16 bytes.
@@ -1304,11 +1303,14 @@ void put_codes(int64_t format, const uint8_t* const* qs, int64_t rows, uint8_t* 
   if (six_bit_codes(format)) {  // qs: signed bytes q - 32, into six_bit_quads' layout
     for (int64_t i = 0; i < kBlock; ++i) {
       uint8_t* octet = codes + i / 8 * kOctetBytes;
-      const int64_t half = i % 8 / 4;
       for (int64_t j = 0; j < rows; ++j) {
         const int q = static_cast<int8_t>(qs[j][i]) + 32, at = 4 * j + i % 4;  // at: its byte in its half's dwords
-        octet[at] |= static_cast<uint8_t>((q & 0x0F) << (4 * half));
-        octet[64 + at % 32] |= static_cast<uint8_t>((q >> 4) << (2 * (2 * half + at / 32)));
+        if (i % 8 < 4) {
+          octet[at] |= static_cast<uint8_t>(q);
+        } else {
+          octet[at] |= static_cast<uint8_t>((q & 0x03) << 6);
+          octet[64 + at % 32] |= static_cast<uint8_t>((q >> 2) << (4 * (at / 32)));
+        }
       }
     }
     return;

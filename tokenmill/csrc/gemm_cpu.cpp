@@ -189,6 +189,14 @@ constexpr int64_t offset_bytes(int64_t format) {  // a block's own offsets (Q4_1
 // streams its weights, and Q6_K is a quarter to a third of a Q4_K_M file's (the head, half of
 // ffn_down, attn_v).
 constexpr bool six_bit_codes(int64_t format) { return format == kQ6F && kVnni512; }
+// Q4_0's, Q4_1's and Q4_K's nibbles where the 512-bit tile runs: laid out for it too (put_codes),
+// so that a mask, or a shift and a mask, give vpdpbusd four k's (feature, four k) dwords. MXFP4's
+// stay as the float32 path, its only one, reads them.
+constexpr bool quad_nibbles(int64_t format) {
+  return kVnni512 && (format == kQ4_0 || format == kQ4_1 || format == kQ4F);
+}
+// Codes laid out for the 512-bit tile, which the float32 path unpacks block by block (row_codes).
+constexpr bool tile_layout(int64_t format) { return six_bit_codes(format) || quad_nibbles(format); }
 constexpr int64_t kOctetBytes = 96;  // 8 k of 16 features' 6-bit codes (six_bit_quads)
 constexpr int64_t code_bytes(int64_t format) {
   return six_bit_codes(format) ? kBlock * kPanel * 3 / 4 : byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2;
@@ -347,6 +355,41 @@ inline void six_bit_quads(const uint8_t* codes, int64_t o, __m512i& first, __m51
       _mm512_ternarylogic_epi32(_mm512_srli_epi16(low, 6), high4, _mm512_set1_epi8(0x03), kBits01OrElse), six);
 }
 
+// Octet o (8 k, 64 bytes) of a block's quad_nibbles codes -> the 16 features' (four k) dwords of
+// its two halves: byte 4f + j holds feature f's k j in its low nibble and its k 4 + j in its high one.
+inline void nibble_quads(const uint8_t* codes, int64_t o, __m512i& first, __m512i& second) {
+  const __m512i c = _mm512_loadu_si512(codes + o * 64), nibble = _mm512_set1_epi8(0x0F);
+  first = _mm512_and_si512(c, nibble);
+  second = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+}
+
+// vpermb's indexes from the 16 features' (four k) dwords to four k rows of the float32 path's
+// nibbles (8 bytes a row): byte j of row r <- feature j (low) or j + 8 (high) of k r.
+constexpr std::array<uint8_t, 64> nibble_rows_index(int high) {
+  std::array<uint8_t, 64> index{};
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < 8; ++j) index[8 * r + j] = static_cast<uint8_t>(4 * (j + 8 * high) + r);
+  return index;
+}
+alignas(64) constexpr std::array<uint8_t, 64> kLowNibbleRows = nibble_rows_index(0);
+alignas(64) constexpr std::array<uint8_t, 64> kHighNibbleRows = nibble_rows_index(1);
+
+// A block's quad_nibbles codes -> the nibble rows the other builds keep (k by k, feature j in byte
+// j's low nibble, j + 8 in its high one): what decode_row reads.
+inline void unpack_quad_nibbles(const uint8_t* codes, uint8_t* bytes) {
+  const __m512i low = _mm512_load_si512(kLowNibbleRows.data()), high = _mm512_load_si512(kHighNibbleRows.data());
+  for (int64_t o = 0; o < kBlock / 8; ++o) {
+    __m512i halves[2];
+    nibble_quads(codes, o, halves[0], halves[1]);
+    for (int h = 0; h < 2; ++h) {  // codes are at most 15: a 16-bit shift by four moves each byte's alone
+      const __m512i rows = _mm512_or_si512(_mm512_permutexvar_epi8(low, halves[h]),
+                                           _mm512_slli_epi16(_mm512_permutexvar_epi8(high, halves[h]), 4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + (8 * o + 4 * h) * kPanel / 2),
+                          _mm512_castsi512_si256(rows));
+    }
+  }
+}
+
 // vpermb's indexes from the 16 features' (four k) dwords back to four k rows of 16 bytes.
 constexpr std::array<uint8_t, 64> rows_index() {
   std::array<uint8_t, 64> index{};
@@ -369,13 +412,16 @@ inline void unpack_six_bits(const uint8_t* codes, uint8_t* bytes) {
 }
 #endif
 
-// Block b's codes as decode_row reads them: in the panel, or Q6F's 6-bit codes unpacked into
-// `bytes` (kBlock * kPanel of them).
+// Block b's codes as decode_row reads them: in the panel, or codes in the 512-bit tile's layout
+// (tile_layout) unpacked into `bytes` (room for kBlock * kPanel).
 template <int64_t F>
 inline const uint8_t* row_codes(const uint8_t* panel, int64_t b, uint8_t* bytes) {
 #ifdef TOKENMILL_VNNI_512
   if constexpr (six_bit_codes(F)) {
     unpack_six_bits(codes_of<F>(panel, b), bytes);
+    return bytes;
+  } else if constexpr (quad_nibbles(F)) {
+    unpack_quad_nibbles(codes_of<F>(panel, b), bytes);
     return bytes;
   }
 #endif
@@ -425,7 +471,7 @@ void block_tile(const float* x, int64_t ldx, const uint8_t* src, int64_t num_blo
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
     BlockScales s = scales_of<F>(src, b);
-    alignas(64) uint8_t unpacked[six_bit_codes(F) ? kBlock * kPanel : 1];
+    alignas(64) uint8_t unpacked[tile_layout(F) ? kBlock * kPanel : 1];
     const uint8_t* codes = row_codes<F>(src, b, unpacked);
     const float* xb = x + b * kBlock;
     for (int64_t i = 0; i < kBlock; i += 2) {
@@ -475,7 +521,7 @@ void decode_panel(const uint8_t* src, int64_t num_blocks, float* out, const uint
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
     BlockScales s = scales_of<F>(src, b);
-    alignas(64) uint8_t unpacked[six_bit_codes(F) ? kBlock * kPanel : 1];
+    alignas(64) uint8_t unpacked[tile_layout(F) ? kBlock * kPanel : 1];
     const uint8_t* codes = row_codes<F>(src, b, unpacked);
     for (int64_t i = 0; i < kBlock; ++i) {
       if (i == kBlock / 2) next_half<F>(s);
@@ -772,38 +818,28 @@ void int8_tile_bytes(const Int8Row* x, const uint8_t* src, int64_t num_blocks, f
 }
 
 #ifdef TOKENMILL_VNNI_512
-// vpermb's indexes that make four k rows of a panel's codes into its 16 features' (four k) dwords:
-// byte j of dword f <- feature f of k row j. Byte codes: a k row is 16 bytes, feature f at byte f.
-// Nibbles, as int8_tile_512 spreads them: the low nibbles' four k rows (features 0-7, 8 bytes a
-// row) in bytes 0-31, the high nibbles' (features 8-15) in bytes 32-63.
-constexpr std::array<uint8_t, 64> quads_index(bool nibbles) {
+// vpermb's indexes that make four k rows of a panel's byte codes (16 bytes a row, feature f at
+// byte f) into its 16 features' (four k) dwords: byte j of dword f <- feature f of k row j.
+constexpr std::array<uint8_t, 64> byte_quads_index() {
   std::array<uint8_t, 64> index{};
   for (int f = 0; f < 16; ++f)
-    for (int j = 0; j < 4; ++j)
-      index[4 * f + j] = static_cast<uint8_t>(!nibbles ? 16 * j + f : f < 8 ? 8 * j + f : 32 + 8 * j + f - 8);
+    for (int j = 0; j < 4; ++j) index[4 * f + j] = static_cast<uint8_t>(16 * j + f);
   return index;
 }
-alignas(64) constexpr std::array<uint8_t, 64> kByteQuads = quads_index(false);
-alignas(64) constexpr std::array<uint8_t, 64> kNibbleQuads = quads_index(true);
+alignas(64) constexpr std::array<uint8_t, 64> kByteQuads = byte_quads_index();
 
 // What vpdpbusd's unsigned side adds to each code: Q8_0's signed codes go in as c + 128 (an xor);
 // Q4_0's codes are q where its values are d * (q - 8), Q6F's 6-bit ones q for q - 32. That times
 // sum(xq) comes off a run of k with one scale (a block; Q6F's halves).
 constexpr int32_t code_offset(int64_t f) { return f == kQ8_0 ? 128 : f == kQ6F ? 32 : f == kQ4_0 ? 8 : 0; }
 
-// Four k rows (j-th group of a block) of codes -> the 16 features' (four k) unsigned dwords.
+// Four k rows (j-th group of a block) of byte codes -> the 16 features' (four k) unsigned dwords.
 template <int64_t F>
 inline __m512i code_quads(const uint8_t* codes, int64_t j) {
-  if constexpr (byte_codes(F)) {
-    const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(kByteQuads.data()),
-                                              _mm512_loadu_si512(codes + 4 * j * kPanel));
-    return code_offset(F) == 128 ? _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80))) : c;
-  } else {  // 32 bytes of nibbles, twice: the upper copy shifted down by four, then masked
-    const __m512i c = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * 32)));
-    const __m512i spread = _mm512_and_si512(_mm512_srlv_epi64(c, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)),
-                                            _mm512_set1_epi8(0x0F));
-    return _mm512_permutexvar_epi8(_mm512_load_si512(kNibbleQuads.data()), spread);
-  }
+  static_assert(byte_codes(F), "nibbles are laid out for the tile already (nibble_quads)");
+  const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(kByteQuads.data()),
+                                            _mm512_loadu_si512(codes + 4 * j * kPanel));
+  return code_offset(F) == 128 ? _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80))) : c;
 }
 
 // Every format with 512-bit VNNI and VBMI: a group of four k rows becomes the 16 features' dwords
@@ -814,7 +850,7 @@ inline __m512i code_quads(const uint8_t* codes, int64_t j) {
 template <int64_t F, int R, bool Spread = false>
 void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf) {
   constexpr int64_t kParts = F == kQ6F ? 2 : 1, kQuads = kBlock / 4 / kParts;  // runs of k with one scale
-  constexpr int64_t kStep = six_bit_codes(F) && !Spread ? 2 : 1;                 // groups decoded at once
+  constexpr int64_t kStep = tile_layout(F) && !Spread ? 2 : 1;                   // groups decoded at once
   std::fill(out, out + R * kPanel, 0.0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F));
@@ -832,6 +868,8 @@ void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, flo
           q[0] = _mm512_loadu_si512(codes + 4 * j * kPanel);
         } else if constexpr (six_bit_codes(F)) {
           six_bit_quads(codes, j / 2, q[0], q[kStep - 1]);
+        } else if constexpr (quad_nibbles(F)) {
+          nibble_quads(codes, j / 2, q[0], q[kStep - 1]);
         } else {
           q[0] = code_quads<F>(codes, j);
         }
@@ -1323,7 +1361,14 @@ void put_codes(int64_t format, const uint8_t* const* qs, int64_t rows, uint8_t* 
   }
   for (int64_t i = 0; i < kBlock; ++i) {
     const int64_t at = i % (kBlock / 2), shift = i < kBlock / 2 ? 0 : 4;
-    for (int64_t j = 0; j < rows; ++j) codes[i * kPanel / 2 + j % 8] |= ((qs[j][at] >> shift) & 0x0F) << (j < 8 ? 0 : 4);
+    for (int64_t j = 0; j < rows; ++j) {
+      const int q = (qs[j][at] >> shift) & 0x0F;
+      if (quad_nibbles(format)) {  // into nibble_quads' layout: octet i / 8, byte 4j + i % 4
+        codes[i / 8 * 64 + 4 * j + i % 4] |= static_cast<uint8_t>(q << (4 * (i % 8 / 4)));
+      } else {
+        codes[i * kPanel / 2 + j % 8] |= static_cast<uint8_t>(q << (j < 8 ? 0 : 4));
+      }
+    }
   }
 }
 

@@ -390,14 +390,19 @@ inline void unpack_quad_nibbles(const uint8_t* codes, uint8_t* bytes) {
   }
 }
 
-// vpermb's indexes from the 16 features' (four k) dwords back to four k rows of 16 bytes.
-constexpr std::array<uint8_t, 64> rows_index() {
+// vpermb's indexes between four k rows of 16 byte codes (feature f of k row j at byte 16j + f)
+// and the 16 features' (four k) dwords (at byte 4f + j): into the dwords, or back into the rows.
+constexpr std::array<uint8_t, 64> quads_index(bool to_rows) {
   std::array<uint8_t, 64> index{};
-  for (int j = 0; j < 4; ++j)
-    for (int f = 0; f < 16; ++f) index[16 * j + f] = static_cast<uint8_t>(4 * f + j);
+  for (int f = 0; f < 16; ++f)
+    for (int j = 0; j < 4; ++j) {
+      const int row_byte = 16 * j + f, quad_byte = 4 * f + j;
+      index[to_rows ? row_byte : quad_byte] = static_cast<uint8_t>(to_rows ? quad_byte : row_byte);
+    }
   return index;
 }
-alignas(64) constexpr std::array<uint8_t, 64> kQuadRows = rows_index();
+alignas(64) constexpr std::array<uint8_t, 64> kByteQuads = quads_index(false);
+alignas(64) constexpr std::array<uint8_t, 64> kQuadRows = quads_index(true);
 
 // A block's 6-bit codes -> a signed byte (q - 32) per code, k by k, as the other builds keep them:
 // what decode_row reads, so that the float32 path gives the same bits in every build.
@@ -818,15 +823,6 @@ void int8_tile_bytes(const Int8Row* x, const uint8_t* src, int64_t num_blocks, f
 }
 
 #ifdef TOKENMILL_VNNI_512
-// vpermb's indexes that make four k rows of a panel's byte codes (16 bytes a row, feature f at
-// byte f) into its 16 features' (four k) dwords: byte j of dword f <- feature f of k row j.
-constexpr std::array<uint8_t, 64> byte_quads_index() {
-  std::array<uint8_t, 64> index{};
-  for (int f = 0; f < 16; ++f)
-    for (int j = 0; j < 4; ++j) index[4 * f + j] = static_cast<uint8_t>(16 * j + f);
-  return index;
-}
-alignas(64) constexpr std::array<uint8_t, 64> kByteQuads = byte_quads_index();
 
 // What vpdpbusd's unsigned side adds to each code: Q8_0's signed codes go in as c + 128 (an xor);
 // Q4_0's codes are q where its values are d * (q - 8), Q6F's 6-bit ones q for q - 32. That times

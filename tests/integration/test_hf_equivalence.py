@@ -188,7 +188,8 @@ def test_the_defaults_take_bfloat16_weights_exactly_where_the_kernels_have_avx51
     transformers' float32 ones as vLLM's tests hold a bf16 run to them: equal up to the first
     divergence, where each side's token is in the other's top 5."""
     path = tiny_models["qwen3"]
-    bf16, amx_rows = load_cpu_kernels(required=True).bf16, load_cpu_kernels(required=True).amx_min_rows
+    kernels = load_cpu_kernels(required=True)
+    bf16, amx_rows = kernels.bf16, kernels.amx_min_rows
     exact, auto = LLM(str(path), dtype="float32", num_kv_blocks=32), LLM(str(path), num_kv_blocks=32)
     asked = LLM(str(path), dtype="bfloat16", num_kv_blocks=32)  # as vLLM users ask for bfloat16
     if bf16:  # the same arithmetic as the defaults (torch's own bfloat16 layers elsewhere)

@@ -39,6 +39,12 @@ float sum_squares(const float* x, int64_t n) {
 #endif
 }
 
+// out = x * (1 / sqrt(mean(x^2) + eps)) * w over n values (out may be x).
+void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  const float inv = 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
 }  // namespace
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -75,9 +81,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
         for (int64_t i = 0; i < H; ++i) r[i] += xr[i];
         src = r;
       }
-      const float inv = 1.0f / std::sqrt(sum_squares(src, H) / static_cast<float>(H) + feps);
-      float* o = op + t * H;
-      for (int64_t i = 0; i < H; ++i) o[i] = src[i] * inv * w[i];
+      rms_norm_row(src, w, H, feps, op + t * H);
     }
   });
   return out;
@@ -114,11 +118,7 @@ void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_
       const float* s = sp + t * half;
       for (int64_t h = 0; h < heads; ++h) {
         float* x1 = base + t * stride + h * head_dim;
-        if (qw != nullptr) {
-          const float* w = h < num_q_heads ? qw : kw;
-          const float inv = 1.0f / std::sqrt(sum_squares(x1, head_dim) / static_cast<float>(head_dim) + feps);
-          for (int64_t i = 0; i < head_dim; ++i) x1[i] = x1[i] * inv * w[i];
-        }
+        if (qw != nullptr) rms_norm_row(x1, h < num_q_heads ? qw : kw, head_dim, feps, x1);
         float* x2 = x1 + half;
         for (int64_t i = 0; i < half; ++i) {
           const float a = x1[i], b = x2[i];

@@ -197,10 +197,11 @@ constexpr bool quad_nibbles(int64_t format) {
 }
 // Codes laid out for the 512-bit tile, which the float32 path unpacks block by block (row_codes).
 constexpr bool tile_layout(int64_t format) { return six_bit_codes(format) || quad_nibbles(format); }
-constexpr int64_t kOctetBytes = 96;  // 8 k of 16 features' 6-bit codes (six_bit_quads)
 constexpr int64_t code_bytes(int64_t format) {
   return six_bit_codes(format) ? kBlock * kPanel * 3 / 4 : byte_codes(format) ? kBlock * kPanel : kBlock * kPanel / 2;
 }
+// The bytes of an octet (8 k) of a block laid out for the 512-bit tile (tile_layout): a quarter of its codes.
+constexpr int64_t octet_bytes(int64_t format) { return code_bytes(format) / (kBlock / 8); }
 // A super-block's header: the 16 features' fp16 d, for Q4F and Q5K their fp16 dmin, then its
 // 8-bit scales (Q4F, Q5K: a block's 16, block by block, then its 16 mins the same way; Q6F: per
 // 16 k, 16 int8 scales).
@@ -345,7 +346,7 @@ inline __m256 fp4_values(__m256i q) {
 
 // Octet o of a block's 6-bit codes -> the 16 features' (four k) dwords of its two halves.
 inline void six_bit_quads(const uint8_t* codes, int64_t o, __m512i& first, __m512i& second) {
-  const uint8_t* octet = codes + o * kOctetBytes;
+  const uint8_t* octet = codes + o * octet_bytes(kQ6F);
   const __m512i low = _mm512_loadu_si512(octet), six = _mm512_set1_epi8(0x3F);
   const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(octet + 64)));
   const __m512i high4 = _mm512_rolv_epi64(high, _mm512_setr_epi64(2, 2, 2, 2, 62, 62, 62, 62));  // into bits 2-5
@@ -358,7 +359,7 @@ inline void six_bit_quads(const uint8_t* codes, int64_t o, __m512i& first, __m51
 // Octet o (8 k, 64 bytes) of a block's quad_nibbles codes -> the 16 features' (four k) dwords of
 // its two halves: byte 4f + j holds feature f's k j in its low nibble and its k 4 + j in its high one.
 inline void nibble_quads(const uint8_t* codes, int64_t o, __m512i& first, __m512i& second) {
-  const __m512i c = _mm512_loadu_si512(codes + o * 64), nibble = _mm512_set1_epi8(0x0F);
+  const __m512i c = _mm512_loadu_si512(codes + o * octet_bytes(kQ4_0)), nibble = _mm512_set1_epi8(0x0F);
   first = _mm512_and_si512(c, nibble);
   second = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
 }
@@ -911,8 +912,8 @@ void spread_six_bits(const uint8_t* src, int64_t num_blocks, uint8_t* spread, co
       for (int64_t o = 0; o < kBlock / 8; ++o) {
         __m512i first, second;
         six_bit_quads(unit + codes_at(kQ6F) + j * code_bytes(kQ6F), o, first, second);
-        _mm512_storeu_si512(quads + 2 * o * 64, first);
-        _mm512_storeu_si512(quads + (2 * o + 1) * 64, second);
+        _mm512_storeu_si512(quads + 8 * o * kPanel, first);  // k 8o.. as four k rows of byte codes take
+        _mm512_storeu_si512(quads + (8 * o + 4) * kPanel, second);
       }
     }
   }
@@ -1331,12 +1332,13 @@ void put_scales(int64_t format, const uint8_t* row, int64_t j, uint8_t* out) {
 }
 
 // One block's codes of `rows` rows (qs[j]: row j's) into a panel's layout at `codes`: k by k, the
-// 16 features side by side. Nibbles come as in GGUF, byte i holding weight i (low nibble) and
-// weight i + 16 (high), and go to panel bytes holding feature j in the low nibble, j + 8 in the high.
+// 16 features side by side, or where the 512-bit tile runs, its layouts (tile_layout). Nibbles come
+// as in GGUF, byte i holding weight i (low nibble) and weight i + 16 (high), and go to panel bytes
+// holding feature j in the low nibble, j + 8 in the high (or as nibble_quads reads them).
 void put_codes(int64_t format, const uint8_t* const* qs, int64_t rows, uint8_t* codes) {
   if (six_bit_codes(format)) {  // qs: signed bytes q - 32, into six_bit_quads' layout
     for (int64_t i = 0; i < kBlock; ++i) {
-      uint8_t* octet = codes + i / 8 * kOctetBytes;
+      uint8_t* octet = codes + i / 8 * octet_bytes(format);
       for (int64_t j = 0; j < rows; ++j) {
         const int q = static_cast<int8_t>(qs[j][i]) + 32, at = 4 * j + i % 4;  // at: its byte in its half's dwords
         if (i % 8 < 4) {
@@ -1360,7 +1362,7 @@ void put_codes(int64_t format, const uint8_t* const* qs, int64_t rows, uint8_t* 
     for (int64_t j = 0; j < rows; ++j) {
       const int q = (qs[j][at] >> shift) & 0x0F;
       if (quad_nibbles(format)) {  // into nibble_quads' layout: octet i / 8, byte 4j + i % 4
-        codes[i / 8 * 64 + 4 * j + i % 4] |= static_cast<uint8_t>(q << (4 * (i % 8 / 4)));
+        codes[i / 8 * octet_bytes(format) + 4 * j + i % 4] |= static_cast<uint8_t>(q << (4 * (i % 8 / 4)));
       } else {
         codes[i * kPanel / 2 + j % 8] |= static_cast<uint8_t>(q << (j < 8 ? 0 : 4));
       }

@@ -64,11 +64,8 @@ class CpuFusedOps(TorchOps):
         return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps), residual
 
     def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_norm=None, k_norm=None):
-        if q_norm is None:
-            self.kernels.rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
-        else:  # each head's norm in the kernel, in place, then its rotation
-            self.kernels.rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim,
-                                     q_norm.weight, k_norm.weight, q_norm.eps)
+        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)  # each head's, in the kernel
+        self.kernels.rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim, *norms)
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up):

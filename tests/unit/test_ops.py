@@ -32,14 +32,20 @@ def test_add_rms_norm(fused, rows):
     assert stream is x and torch.allclose(first, TorchOps().add_rms_norm(x, None, norm)[0], atol=1e-5)
 
 
+def _qk_norms(kind: str, heads: int, kv_heads: int, dim: int):
+    """No q/k norms, Qwen3's on each head, or OLMoE's over all of q and all of k."""
+    sizes = {"none": None, "heads": (dim, dim), "whole": (heads * dim, kv_heads * dim)}[kind]
+    return (None, None) if sizes is None else (_norm(sizes[0]), _norm(sizes[1]))
+
+
 @pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (4, 4, 24)])
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rotary_qkv_rotates_q_and_k_after_their_head_norms_and_leaves_v(fused, heads, kv_heads, dim, qk_norm):
+@pytest.mark.parametrize("qk_norm", ["none", "heads", "whole"])
+def test_rotary_qkv_rotates_q_and_k_after_their_norms_and_leaves_v(fused, heads, kv_heads, dim, qk_norm):
     t = 11
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim) * 3
     angles = torch.rand(t, dim // 2) * 6
     cos, sin = angles.cos(), angles.sin()
-    norms = (_norm(dim).cpu(), _norm(dim).cpu()) if qk_norm else (None, None)
+    norms = tuple(n if n is None else n.cpu() for n in _qk_norms(qk_norm, heads, kv_heads, dim))
     ref = TorchOps().rotary_qkv(qkv.clone(), cos, sin, heads, kv_heads, dim, *norms)
     v = qkv[:, (heads + kv_heads) * dim:].clone()
     out = fused.rotary_qkv(qkv, cos, sin, heads, kv_heads, dim, *norms)
@@ -48,6 +54,8 @@ def test_rotary_qkv_rotates_q_and_k_after_their_head_norms_and_leaves_v(fused, h
     assert torch.equal(out[2].reshape(t, -1), v)
     with pytest.raises(RuntimeError, match="q and k norms go together"):
         fused.kernels.rotary_qkv_(qkv, cos, sin, heads, kv_heads, dim, torch.ones(dim), None)
+    with pytest.raises(RuntimeError, match="head_dim long each or num_q_heads"):
+        fused.kernels.rotary_qkv_(qkv, cos, sin, heads, kv_heads, dim, torch.ones(heads * dim), torch.ones(dim))
 
 
 def test_silu_mul(fused):
@@ -477,15 +485,15 @@ def test_triton_add_rms_norm(triton_ops, rows, dim):
 
 @needs_triton
 @pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 16), (9, 3, 64), (4, 4, 24), (16, 8, 128)])
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("qk_norm", ["none", "heads", "whole"])
 def test_triton_rotary_qkv(triton_ops, heads, kv_heads, dim, qk_norm):
-    """Rotation in place, with Qwen3's per-head norms first; v untouched. dim 24: a half of 12
-    that the kernel pads to 16."""
+    """Rotation, with Qwen3's per-head norms or OLMoE's whole ones first; v untouched. dim 24: a
+    half of 12 that the kernel pads to 16."""
     t = 11
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, device=DEVICE)
     angles = torch.rand(t, dim // 2, device=DEVICE) * 6
     cos, sin = angles.cos(), angles.sin()
-    norms = (_norm(dim), _norm(dim)) if qk_norm else (None, None)
+    norms = _qk_norms(qk_norm, heads, kv_heads, dim)
     ref = TorchOps().rotary_qkv(qkv.clone(), cos, sin, heads, kv_heads, dim, *norms)
     out = triton_ops.rotary_qkv(qkv, cos, sin, heads, kv_heads, dim, *norms)
     for a, b in zip(out, ref):

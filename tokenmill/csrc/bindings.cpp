@@ -78,7 +78,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("renormalise"))
       .def("set_shared_expert", &CpuDecoderLayer::set_shared_expert, py::arg("gate_up"), py::arg("down"),
            py::arg("gate"))
-      .def("set_whole_qk_norms", &CpuDecoderLayer::set_whole_qk_norms, py::arg("q_norm"), py::arg("k_norm"))
       .def_readwrite("int8_rows", &CpuDecoderLayer::int8_rows)
       .def_readwrite("window", &CpuDecoderLayer::window);
   py::class_<CpuDecoderStack>(m, "DecoderStack", "A model's DecoderLayers and final norm, in one call")

@@ -37,12 +37,6 @@ void CpuDecoderLayer::set_shared_expert(Projection gate_up, Projection down, Pro
   moe->shared_gate_up = std::move(gate_up), moe->shared_down = std::move(down), moe->shared_gate = std::move(gate);
 }
 
-void CpuDecoderLayer::set_whole_qk_norms(torch::Tensor q, torch::Tensor k) {
-  TM_CHECK(q.dim() == 1 && q.size(0) == num_heads * head_dim && k.dim() == 1 && k.size(0) == num_kv_heads * head_dim,
-           "DecoderLayer.set_whole_qk_norms: weights of num_heads * head_dim and num_kv_heads * head_dim");
-  q_norm = std::move(q), k_norm = std::move(k), whole_qk_norms = true;
-}
-
 // The dense SwiGLU MLP, or as SparseMoeBlock.forward with models/moe.py's route: softmax in float32
 // over the router's logits, the k most probable, renormalised where the model does it, and the shared
 // expert's output times the sigmoid of its gate added (the same torch operations, so the same bits).
@@ -88,15 +82,7 @@ std::tuple<torch::Tensor, torch::Tensor> CpuDecoderLayer::forward(
   torch::Tensor qkv_rows = project(qkv, h);
   torch::Tensor heads = qkv_rows.view({T, num_heads + 2 * num_kv_heads, head_dim});
   torch::Tensor q = heads.narrow(1, 0, num_heads);
-  if (whole_qk_norms) {  // as Attention.forward: torch's rms_norm over all of q and of k, copied in place
-    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    torch::Tensor q_rows = qkv_rows.narrow(1, 0, q_size), k_rows = qkv_rows.narrow(1, q_size, kv_size);
-    q_rows.copy_(at::rms_norm(q_rows, {q_size}, *q_norm, eps));
-    k_rows.copy_(at::rms_norm(k_rows, {kv_size}, *k_norm, eps));
-  }
-  const bool head_norms = q_norm.has_value() && !whole_qk_norms;  // each head's, in the kernel: as CpuFusedOps
-  rotary_qkv_(qkv_rows, cos, sin, num_heads, num_kv_heads, head_dim, head_norms ? q_norm : c10::nullopt,
-              head_norms ? k_norm : c10::nullopt, eps);
+  rotary_qkv_(qkv_rows, cos, sin, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps);  // norms too: as CpuFusedOps
   write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
            k_cache, v_cache, slot_block, slot_offset);
   torch::Tensor attn = paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);

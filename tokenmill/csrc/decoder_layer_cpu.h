@@ -35,9 +35,6 @@ struct CpuDecoderLayer {
   void set_moe(Projection router, std::shared_ptr<CpuMoeExperts> experts, int64_t top_k, bool renormalise);
   // after set_moe: Qwen2-MoE's shared expert and its gate (hidden -> 1)
   void set_shared_expert(Projection gate_up, Projection down, Projection gate);
-  // OLMoE: one RMSNorm over all of q (weight: num_heads * head_dim) and one over all of k, in place
-  // of the per-head norms
-  void set_whole_qk_norms(torch::Tensor q_norm, torch::Tensor k_norm);
 
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
@@ -49,8 +46,9 @@ struct CpuDecoderLayer {
   double eps;
   Projection qkv, o, gate_up, down;  // gate_up and down empty in a sparse layer
   c10::optional<MoeFeedForward> moe;  // set_moe: the layer's feed-forward is a mixture of experts
-  c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3: an RMSNorm on every q and k head
-  bool whole_qk_norms = false;                  // OLMoE: q_norm and k_norm span all the heads
+  // q and k norms as rotary_qkv_ takes them: Qwen3's on every head (head_dim weights), OLMoE's over
+  // all of q and all of k (num_heads * head_dim and num_kv_heads * head_dim)
+  c10::optional<torch::Tensor> q_norm, k_norm;
   int64_t num_heads, num_kv_heads, head_dim;
   double scale;
   int64_t int8_rows = 0;  // see panel_linear

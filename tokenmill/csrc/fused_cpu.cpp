@@ -89,9 +89,10 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
 
 // qkv: (T, (nq + nkv + nkv) * D) rows; cos, sin: (T, D / 2). Rotates the first nq + nkv heads
 // (q and k) in place with the half-split layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). With
-// q_norm and k_norm (D weights each), each of those heads first becomes rms_norm(head) * weight,
-// as add_rms_norm computes a row: in the same pass, where torch's rms_norm and a copy back made
-// a dozen operations and temporaries a layer.
+// q_norm and k_norm, those heads are first normed as add_rms_norm computes a row: each head by
+// itself where the weights are D long (Qwen3), or all of q as one row and all of k as another
+// where they are nq * D and nkv * D long (OLMoE). In the same pass, where torch's rms_norm and a
+// copy back made a dozen operations and temporaries a layer.
 void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
                  int64_t num_kv_heads, int64_t head_dim, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm, double eps) {
@@ -99,10 +100,12 @@ void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_
   TM_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2,
            "rotary_qkv_: cos/sin must be (T, head_dim / 2) and contiguous");
   TM_CHECK(q_norm.has_value() == k_norm.has_value(), "rotary_qkv_: q and k norms go together");
-  for (const auto* w : {&q_norm, &k_norm}) {
+  const bool whole = q_norm.has_value() && q_norm->numel() != head_dim;  // one norm over all q, one over all k
+  for (const auto& [w, heads] : {std::pair{&q_norm, num_q_heads}, std::pair{&k_norm, num_kv_heads}}) {
     TM_CHECK(!w->has_value() || ((*w)->dtype() == torch::kFloat32 && (*w)->is_contiguous() &&
-                                 (*w)->numel() == head_dim),
-             "rotary_qkv_: head norm weights must be head_dim contiguous float32");
+                                 (*w)->numel() == (whole ? heads : 1) * head_dim),
+             "rotary_qkv_: q and k norm weights must be contiguous float32, head_dim long each or "
+             "num_q_heads * head_dim and num_kv_heads * head_dim");
   }
   const float* qw = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kw = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
@@ -116,9 +119,14 @@ void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + t * half;
       const float* s = sp + t * half;
+      float* row = base + t * stride;
+      if (whole) {
+        rms_norm_row(row, qw, num_q_heads * head_dim, feps, row);
+        rms_norm_row(row + num_q_heads * head_dim, kw, num_kv_heads * head_dim, feps, row + num_q_heads * head_dim);
+      }
       for (int64_t h = 0; h < heads; ++h) {
-        float* x1 = base + t * stride + h * head_dim;
-        if (qw != nullptr) rms_norm_row(x1, h < num_q_heads ? qw : kw, head_dim, feps, x1);
+        float* x1 = row + h * head_dim;
+        if (qw != nullptr && !whole) rms_norm_row(x1, h < num_q_heads ? qw : kw, head_dim, feps, x1);
         float* x2 = x1 + half;
         for (int64_t i = 0; i < half; ++i) {
           const float a = x1[i], b = x2[i];

@@ -171,7 +171,7 @@ def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
     CpuFusedOps, set with it by the loader) and `fused_stack`, which runs them all and the
     final norm in one call. A sparse layer's feed-forward is its router and its experts' one
     call (fuse_experts, which runs first) and Qwen2-MoE's shared expert, where _sparse_parts
-    takes them; OLMoE's q and k norms over the whole projection go in with set_whole_qk_norms.
+    takes them.
     forward() takes the stack when the step's attention is all in the CPU kernel, without the
     Python between the kernels, which costs small steps a sizeable part of their time
     (BENCHMARKS.md). Setting fused_stack to None goes back to the Python layers (tests and
@@ -191,9 +191,7 @@ def fuse_layers(model: LlamaForCausalLM, kernels) -> None:
         fused.append(kernels.DecoderLayer(
             layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
             layer.input_layernorm.eps, projections[:2] if sparse else projections, attn.num_heads,
-            attn.num_kv_heads, attn.head_dim, attn.scale, *([None, None] if attn.qk_norm_whole else qk_norms)))
-        if attn.qk_norm_whole:
-            fused[-1].set_whole_qk_norms(*qk_norms)
+            attn.num_kv_heads, attn.head_dim, attn.scale, *qk_norms))
         if sparse:
             fused[-1].set_moe(projections[2], mlp.fused_experts, mlp.top_k, mlp.norm_topk_prob)
         if sparse and mlp.shared_expert is not None:  # Qwen2-MoE

@@ -192,8 +192,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.qk_norm_whole = cfg.qk_norm_whole  # OLMoE: one norm over all of q, one over all of k
-        if cfg.qk_norm_whole:
+        if cfg.qk_norm_whole:  # OLMoE: one norm over all of q, one over all of k
             self.q_norm, self.k_norm = RMSNorm(self.q_size, cfg.rms_norm_eps), RMSNorm(self.kv_size, cfg.rms_norm_eps)
         self.window: int | None = None  # sliding window in tokens, set by the model from cfg.layer_windows
         # gpt-oss: each query head's sink logit (Hq,), kept in float32 for the attention backends
@@ -203,12 +202,8 @@ class Attention(nn.Module):
                 v_cache: torch.Tensor, meta: AttentionMetadata, backend, ops) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)                          # (T, (Hq + 2 Hkv) * D)
-        head_norms = (self.q_norm, self.k_norm)
-        if self.qk_norm_whole:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
-            qkv, head_norms = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1), (None, None)
         q, k, v = ops.rotary_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                                 *head_norms)                   # Qwen3: RMSNorm on each q/k head first
+                                 self.q_norm, self.k_norm)      # q/k RMSNorms first: Qwen3's, OLMoE's
         sinks = None if self.sinks is None else self.sinks.float()
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap,
                               sinks)                    # (T, Hq, D)

@@ -26,6 +26,16 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
             heads.narrow(1, num_heads + num_kv_heads, num_kv_heads))
 
 
+def whole_qk_norms(qkv: torch.Tensor, q_norm, k_norm, num_heads: int, num_kv_heads: int, head_dim: int):
+    """(qkv, q_norm, k_norm) for a rotation that norms each head: where the norms span all of q
+    and all of k (OLMoE's, weights num_heads * head_dim and num_kv_heads * head_dim long), a new
+    qkv with them applied and no norms left; else the arguments as they are."""
+    if q_norm is None or q_norm.weight.numel() == head_dim:
+        return qkv, q_norm, k_norm
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    return torch.cat([q_norm(q), k_norm(k), v], dim=1), None, None
+
+
 class TorchOps:
     name = "torch"
 
@@ -35,7 +45,9 @@ class TorchOps:
         return F.rms_norm(residual, norm.weight.shape, norm.weight, norm.eps), residual
 
     def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_norm=None, k_norm=None):
-        """Rotate q and k; first, with q_norm and k_norm (Qwen3), an RMSNorm on every q and k head."""
+        """Rotate q and k; first, with q_norm and k_norm, an RMSNorm on every q and k head (Qwen3)
+        or over all of q and all of k (OLMoE)."""
+        qkv, q_norm, k_norm = whole_qk_norms(qkv, q_norm, k_norm, num_heads, num_kv_heads, head_dim)
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
@@ -64,7 +76,7 @@ class CpuFusedOps(TorchOps):
         return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps), residual
 
     def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_norm=None, k_norm=None):
-        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)  # each head's, in the kernel
+        norms = () if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)  # either kind, in the kernel
         self.kernels.rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim, *norms)
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 

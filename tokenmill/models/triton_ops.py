@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.models.ops import TorchOps, split_qkv
+from tokenmill.models.ops import TorchOps, split_qkv, whole_qk_norms
 
 
 @triton.jit
@@ -81,7 +81,9 @@ class TritonFusedOps(TorchOps):
         return out, x if residual is None else residual
 
     def rotary_qkv(self, qkv, cos, sin, num_heads, num_kv_heads, head_dim, q_norm=None, k_norm=None):
-        """In place on qkv's q and k heads; returns the three views."""
+        """In place on qkv's q and k heads (on a new qkv where the norms span all of q and of k);
+        returns the three views."""
+        qkv, q_norm, k_norm = whole_qk_norms(qkv, q_norm, k_norm, num_heads, num_kv_heads, head_dim)
         qk_norm = q_norm is not None
         _rotary_kernel[(qkv.shape[0], num_heads + num_kv_heads)](
             qkv, cos.contiguous(), sin.contiguous(), q_norm.weight if qk_norm else qkv,

@@ -2,7 +2,7 @@
 of the kernels from several checkouts side by side in one process (rounds alternated).
 
     python benchmarks/cpu_attention.py old=/tmp/old/tokenmill/csrc new=tokenmill/csrc \
-        [--batch 64] [--context 300] [--contiguous]
+        [--batch 64] [--context 300] [--contiguous] [--heads 16 16 --head-dim 128 --kv-dtype float16]
 
 Each checkout's csrc is built as its own extension module (kernel_builds.py). The pool sits on
 huge pages as the engine's does, one (K, V) pair per layer, the sequences' blocks at random places
@@ -26,7 +26,7 @@ from kernel_builds import build_named  # noqa: E402 (beside this script)
 
 from tokenmill.host_memory import huge_page_zeros  # noqa: E402
 
-LAYERS, D, BLOCK = 30, 64, 16  # SmolLM2-135M
+LAYERS, BLOCK = 30, 16
 
 
 def main() -> None:
@@ -37,14 +37,17 @@ def main() -> None:
     parser.add_argument("--contiguous", action="store_true")
     parser.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("HQ", "HKV"),
                         help="query and kv heads (the default model's: 9 and 3)")
+    parser.add_argument("--head-dim", type=int, default=64, help="the default model's: 64")
+    parser.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
+    D, kv_dtype = args.head_dim, getattr(torch, args.kv_dtype)
     builds = build_named(args.builds)
     torch.manual_seed(0)
     hq, hkv = args.heads
     blocks_per_seq = -(-args.context // BLOCK)
     num_blocks = args.batch * blocks_per_seq + 200
-    pool = huge_page_zeros((LAYERS, 2, num_blocks, hkv, BLOCK, D), torch.float32)
+    pool = huge_page_zeros((LAYERS, 2, num_blocks, hkv, BLOCK, D), kv_dtype)
     pool.normal_()
     order = torch.arange(num_blocks) if args.contiguous else torch.randperm(num_blocks)
     tables = order[: args.batch * blocks_per_seq].view(args.batch, blocks_per_seq).to(torch.int32).contiguous()
@@ -67,7 +70,7 @@ def main() -> None:
                 run(mod)
                 best = min(best, time.perf_counter() - start)
             times[name].append(best)
-    gigabytes = LAYERS * 2 * args.batch * args.context * hkv * D * 4 / 1e9
+    gigabytes = LAYERS * 2 * args.batch * args.context * hkv * D * kv_dtype.itemsize / 1e9
     layout = "contiguous" if args.contiguous else "scattered"
     print(f"batch {args.batch}, context {args.context}, {layout} blocks, {torch.get_num_threads()} threads")
     for name, ts in times.items():
@@ -77,7 +80,8 @@ def main() -> None:
               f" (outputs of all layers {'identical' if same else 'DIFFER'} to the first build's)")
     start = time.perf_counter()
     pool.sum()
-    print(f"a sequential read of the whole pool: {pool.numel() * 4 / 1e9 / (time.perf_counter() - start):.1f} GB/s")
+    seconds = time.perf_counter() - start
+    print(f"a sequential read of the whole pool: {pool.numel() * kv_dtype.itemsize / 1e9 / seconds:.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -407,7 +407,10 @@ Primitives<KV> pick_primitives(int64_t D) {
 constexpr int64_t kQueryTile = 8;  // query tokens of one sequence that share each block read
 constexpr int64_t kLongQuery = 64;  // from this many query tokens a sequence takes tiles of 2 * kQueryTile
 constexpr int64_t kPromptRowsMin = 8;  // query rows per kv head from which a tile runs prompt_tile_gemm
-constexpr int64_t kMinPartBlocks = 8;  // a decode's context splits into parts of at least this many blocks
+// A decode's context splits into parts of at least this many blocks: two, so that a batch-1
+// decode over a short context (a few hundred keys) already runs on every thread; parts of one
+// block cost more in merging than they save (BENCHMARKS.md).
+constexpr int64_t kMinPartBlocks = 2;
 constexpr int64_t kPiecesPerThread = 16;  // work shared out in pieces of equal cost (parallel.h)
 constexpr int64_t kParallelWriteTokens = 8;  // write_kv splits keys and values over two threads from here
 

@@ -65,6 +65,26 @@ def per_expert(block: SparseMoeBlock, kernels, x, weights, experts) -> torch.Ten
     return block._routed_experts(x, weights, experts, CpuFusedOps(kernels))
 
 
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_the_kernels_route_chooses_torchs_experts_with_its_weights_to_rounding(kernels, renormalise):
+    torch.manual_seed(3)
+    logits = torch.randn(37, 128) * 4
+    weights, experts = kernels.MoeExperts.route(logits, 8, renormalise)
+    want_weights, want_experts = route(logits, 8, renormalise)
+    assert torch.equal(experts, want_experts)
+    assert torch.allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_the_kernels_route_breaks_ties_to_the_lower_expert_and_refuses_k_past_the_experts(kernels):
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, -3.0]])
+    weights, experts = kernels.MoeExperts.route(logits, 4, True)
+    assert experts.tolist() == [[1, 3, 2, 4]]
+    assert weights[0, 0] == weights[0, 1] and weights[0, 2] == weights[0, 3]
+    assert abs(weights.sum().item() - 1.0) < 1e-6
+    with pytest.raises(RuntimeError, match="k must be 1 to the number of experts"):
+        kernels.MoeExperts.route(logits, 7, True)
+
+
 # Q4_K_M's mix (gate_up Q4_K, down Q6_K), the 32-weight block types, and float32 panels
 KINDS = [("Q4_K", "Q6_K"), ("Q8_0", "Q4_0"), ("Q4_1", "Q5_K"), ("F32", "F32")]
 
@@ -75,7 +95,7 @@ def test_one_token_through_the_fused_experts_equals_the_per_expert_path(kernels,
     assert block.fused_experts is not None
     x = torch.randn(1, HIDDEN)
     with torch.no_grad():
-        weights, experts = route(block.gate(x), 3, True)
+        weights, experts = block.fused_experts.route(block.gate(x), 3, True)
         fused = block.forward(x, CpuFusedOps(kernels))
         want = per_expert(block, kernels, x, weights, experts)
     assert torch.equal(fused, want)
@@ -105,7 +125,7 @@ def test_experts_with_more_rows_than_decode_in_registers_equal_the_per_expert_pa
     block = make_block(kernels, "Q4_K", "Q6_K", top_k=4)
     x = torch.randn(40, HIDDEN)
     with torch.no_grad():
-        weights, experts = route(block.gate(x), 4, True)
+        weights, experts = block.fused_experts.route(block.gate(x), 4, True)
         assert torch.bincount(experts.flatten()).max() > 12
         assert torch.equal(block.forward(x, CpuFusedOps(kernels)), per_expert(block, kernels, x, weights, experts))
 

@@ -90,7 +90,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("gate_up"), py::arg("down"), py::arg("gate_up_format"), py::arg("down_format"), py::arg("hidden"),
            py::arg("width"))
       .def_readwrite("int8_rows", &CpuMoeExperts::int8_rows)
-      .def("forward", &CpuMoeExperts::forward, py::arg("x"), py::arg("experts"), py::arg("weights"));
+      .def("forward", &CpuMoeExperts::forward, py::arg("x"), py::arg("experts"), py::arg("weights"))
+      .def_static("route", &CpuMoeExperts::route, py::arg("logits"), py::arg("k"), py::arg("renormalise"));
 #ifdef TOKENMILL_AVX2
   m.attr("block_formats") = true;
   m.attr("vnni") = tokenmill::kVnni;  // the 8-bit tiles multiply with vpdpbusd (panel_linear's int8_rows)

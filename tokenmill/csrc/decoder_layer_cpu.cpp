@@ -37,16 +37,15 @@ void CpuDecoderLayer::set_shared_expert(Projection gate_up, Projection down, Pro
   moe->shared_gate_up = std::move(gate_up), moe->shared_down = std::move(down), moe->shared_gate = std::move(gate);
 }
 
-// The dense SwiGLU MLP, or as SparseMoeBlock.forward with models/moe.py's route: softmax in float32
-// over the router's logits, the k most probable, renormalised where the model does it, and the shared
-// expert's output times the sigmoid of its gate added (the same torch operations, so the same bits).
+// The dense SwiGLU MLP, or as SparseMoeBlock.forward with the experts' C++ call: the router's
+// logits routed by CpuMoeExperts::route, and the shared expert's output times the sigmoid of its
+// gate added (the same torch operations, so the same bits).
 torch::Tensor CpuDecoderLayer::feed_forward(const torch::Tensor& h) const {
   if (!moe.has_value()) {
     TM_CHECK(!gate_up.empty(), "DecoderLayer: a layer without its feed-forward (set_moe)");
     return project(down, silu_mul(project(gate_up, h)));
   }
-  auto [weights, experts] = at::softmax(project(moe->router, h), -1, torch::kFloat32).topk(moe->top_k, -1);
-  if (moe->renormalise) weights = weights / weights.sum(-1, true);
+  const auto [weights, experts] = CpuMoeExperts::route(project(moe->router, h), moe->top_k, moe->renormalise);
   torch::Tensor out = moe->experts->forward(h, experts, weights);
   if (moe->shared_down.empty()) return out;
   torch::Tensor shared = project(moe->shared_down, silu_mul(project(moe->shared_gate_up, h)));  // (T, hidden)

@@ -20,11 +20,13 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "cpu_ops.h"
 #include "panel_gemm.h"
 #include "parallel.h"
+#include "simd.h"
 
 namespace {
 
@@ -94,6 +96,59 @@ torch::Tensor CpuMoeExperts::project(const std::vector<const uint8_t*>& panels, 
     }
   });
   return y;
+}
+
+namespace {
+
+// A row's softmax over E values into probs: exp(x - max) by exp256 where the kernels have AVX2.
+void softmax_row(const float* row, int64_t E, float* probs) {
+  const float most = *std::max_element(row, row + E);
+  float sum = 0.0f;
+  int64_t e = 0;
+#ifdef TOKENMILL_AVX2
+  __m256 sums = _mm256_setzero_ps();
+  for (; e + 8 <= E; e += 8) {
+    const __m256 v = tokenmill::exp256(_mm256_sub_ps(_mm256_loadu_ps(row + e), _mm256_set1_ps(most)));
+    _mm256_storeu_ps(probs + e, v);
+    sums = _mm256_add_ps(sums, v);
+  }
+  sum = tokenmill::hsum256(sums);
+#endif
+  for (; e < E; ++e) sum += probs[e] = std::exp(row[e] - most);
+  for (e = 0; e < E; ++e) probs[e] /= sum;
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> CpuMoeExperts::route(torch::Tensor logits, int64_t k, bool renormalise) {
+  check_rows(logits, "MoeExperts.route(logits)");
+  const int64_t T = logits.size(0), E = logits.size(1), stride = logits.stride(0);
+  TM_CHECK(k >= 1 && k <= E, "MoeExperts.route: k must be 1 to the number of experts");
+  auto weights = torch::empty({T, k}, logits.options());
+  auto ids = torch::empty({T, k}, logits.options().dtype(torch::kInt64));
+  const float* lp = logits.data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(E);
+    for (int64_t t = begin; t < end; ++t) {
+      softmax_row(lp + t * stride, E, probs.data());
+      int64_t* top = ip + t * k;  // the most probable so far, in descending order (ties: lower id first)
+      int64_t n = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const float p = probs[e];
+        if (n == k && !(p > probs[top[k - 1]])) continue;
+        int64_t j = std::min(n, k - 1);  // insert, dropping the last when all k are taken
+        for (; j > 0 && p > probs[top[j - 1]]; --j) top[j] = top[j - 1];
+        top[j] = e, n = std::min(n + 1, k);
+      }
+      float chosen = 0.0f;
+      for (int64_t j = 0; j < k; ++j) chosen += wp[t * k + j] = probs[top[j]];
+      if (renormalise)
+        for (int64_t j = 0; j < k; ++j) wp[t * k + j] /= chosen;
+    }
+  });
+  return {weights, ids};
 }
 
 torch::Tensor CpuMoeExperts::forward(torch::Tensor x, torch::Tensor experts, torch::Tensor weights) const {

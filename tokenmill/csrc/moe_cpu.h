@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 // A layer's routed SwiGLU experts (models/moe.py, SparseMoeBlock) in one call: every expert's
@@ -12,6 +13,11 @@
 struct CpuMoeExperts {
   CpuMoeExperts(std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, int64_t gate_up_format,
                 int64_t down_format, int64_t hidden, int64_t width);
+
+  // Router logits (T, E) float32 -> (weights (T, k) float32, expert ids (T, k) int64): models/moe.py's
+  // route (a softmax over all E, the k most probable in descending order, divided by their sum
+  // where `renormalise`), a token at a time in plain loops, ties to the lower id.
+  static std::tuple<torch::Tensor, torch::Tensor> route(torch::Tensor logits, int64_t k, bool renormalise);
 
   // x (T, hidden) float32; experts (T, k) int64, each token's chosen experts; weights (T, k)
   // float32, their weights -> (T, hidden), each token's sum of weight * expert(x).

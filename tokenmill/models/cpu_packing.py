@@ -205,12 +205,15 @@ def fuse_experts(model: LlamaForCausalLM, kernels) -> None:
     """Each sparse layer's routed experts as one C++ object (csrc/moe_cpu.cpp) in the block's
     `fused_experts`, where every expert's gate_up and down are single panel products without bias,
     gate_up in one format for all and down in one (as a GGUF file's merged expert tensors give them).
-    SparseMoeBlock.forward then runs them in one call, the per-expert path's results bit for bit;
-    setting fused_experts to None goes back to that path (tests and benchmarks compare the two)."""
+    SparseMoeBlock.forward then routes with its `route` and runs them in one call: for the same
+    routing, the per-expert path's results bit for bit; setting fused_experts to None goes back to
+    that path (tests and benchmarks compare the two)."""
     for layer in model.layers:
         moe = layer.mlp
         if not isinstance(moe, SparseMoeBlock) or not all(isinstance(e, MLP) for e in moe.experts):
             continue  # the kernel's activation is SiLU * up: gpt-oss's clamped experts keep their own
+        if moe.softmax_after_topk:
+            continue  # its route is the softmax over all experts first
         parts = [(_panel_parts(e.gate_up_proj), _panel_parts(e.down_proj)) for e in moe.experts]
         if any(g is None or d is None or len(g) != 1 or len(d) != 1 for g, d in parts):
             continue  # oneDNN, float32 left as it was, or gate and up in different block types

@@ -23,7 +23,9 @@ On a CPU with the C++ kernels, a layer's routed SwiGLU experts whose weights are
 panel products of one format (not gpt-oss's clamped ones, nor a tensor-parallel rank's share) run
 as one call instead (`fused_experts`, csrc/moe_cpu.cpp, built by cpu_packing.fuse_experts):
 the same grouping, products (with CpuFusedOps' silu_mul), weighting and sums, bit for bit,
-without a call from Python per expert product.
+without a call from Python per expert product. Its routing is route's arithmetic in plain loops
+(`fused_experts.route`): the same experts and weights within float32 rounding of torch's,
+without half a dozen torch operations a layer.
 
 On CUDA (and on a CPU in another dtype than float32, where the C++ kernels do not run), a
 layer's routed SwiGLU experts (bias-free, all on this rank) are stacked into one gate_up and one
@@ -123,20 +125,24 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
-        weights, experts = route(self.gate.forward(x), self.top_k, self.norm_topk_prob,
-                                 self.softmax_after_topk)                        # (T, k) each
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.grouped is not None and not (capturing and x.shape[0] == 1):
-            out = self._grouped_experts(x, weights, experts, ops)
-        elif capturing:
-            out = self._every_expert(x, weights, experts, ops)
-        elif self.fused_experts is not None:
+        logits = self.gate.forward(x)                                           # (T, E)
+        if self.fused_experts is not None:  # route's arithmetic in plain C++ loops, then the experts' call
+            weights, experts = self.fused_experts.route(logits, self.top_k, self.norm_topk_prob)
             out = self.fused_experts.forward(x, experts, weights)
         else:
-            out = self._routed_experts(x, weights, experts, ops)
+            out = self._experts(x, *route(logits, self.top_k, self.norm_topk_prob, self.softmax_after_topk), ops)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate.forward(x)) * self.shared_expert.forward(x, ops)
         return out
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops) -> torch.Tensor:
+        """The routed experts' weighted sum, (T, hidden), by the path this device and step take."""
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.grouped is not None and not (capturing and x.shape[0] == 1):
+            return self._grouped_experts(x, weights, experts, ops)
+        if capturing:
+            return self._every_expert(x, weights, experts, ops)
+        return self._routed_experts(x, weights, experts, ops)
 
     def _scaled(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Expert outputs (N, hidden) times their weights (N,) float32, in y's dtype: Mixtral

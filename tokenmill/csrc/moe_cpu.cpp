@@ -14,7 +14,9 @@
 // stealing (parallel.h), and each prefetches the next panel it will run, across experts too.
 // Each panel runs as panel_linear runs it (panel_gemm.h), so the outputs are the per-expert
 // products' bits, and the weighting and sums are the Python path's float32 operations in its order
-// (tested equal).
+// (tested equal). Before it, `route` picks each token's experts and weights from the router's logits
+// in plain loops (route in models/moe.py is the torch reference), used by the Python layer and the
+// C++ one alike.
 #include "moe_cpu.h"
 
 #include <ATen/Parallel.h>

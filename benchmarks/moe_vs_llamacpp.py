@@ -258,6 +258,10 @@ def alternate(engine: LLMEngine, reps: int, int8_rows: int, bench: tuple[Path, P
     set_int8_rows(model, 0)
     for key, steps in times.items():
         report(key, 1, steps)
+    ours, theirs = times[f"tg{TG} 8-bit x"], times[f"tg{TG} llama-bench"]
+    ahead = sum(a < b for a, b in zip(ours, theirs))
+    print(f"8-bit x against llama-bench: {statistics.median(theirs) / statistics.median(ours):.2f}x its speed "
+          f"(medians), ahead in {ahead} of {reps} reps", flush=True)
 
 
 def block_ab(engine: LLMEngine, trials: int) -> None:

@@ -2,7 +2,7 @@
 // (and their temporaries) with one pass over the rows, threaded with at::parallel_for:
 //   add_rms_norm   residual += x (in place), out = rms_norm(residual) * weight
 //   rotary_qkv_    rotates the q and k heads of the fused qkv projection in place, after
-//                  Qwen3's RMSNorm of each head where given its weights
+//                  their RMSNorms where given (Qwen3's of each head, OLMoE's over all of q and k)
 //   silu_mul       out = silu(gate) * up, from the fused gate_up projection
 // The torch reference for each lives in tokenmill/models/ops.py; tests compare the two. Beside
 // them, for the sampler: argmax_rows, each greedy row's argmax, tested against torch.argmax (the

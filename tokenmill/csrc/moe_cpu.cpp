@@ -22,7 +22,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #include "cpu_ops.h"
@@ -100,28 +99,6 @@ torch::Tensor CpuMoeExperts::project(const std::vector<const uint8_t*>& panels, 
   return y;
 }
 
-namespace {
-
-// A row's softmax over E values into probs: exp(x - max) by exp256 where the kernels have AVX2.
-void softmax_row(const float* row, int64_t E, float* probs) {
-  const float most = *std::max_element(row, row + E);
-  float sum = 0.0f;
-  int64_t e = 0;
-#ifdef TOKENMILL_AVX2
-  __m256 sums = _mm256_setzero_ps();
-  for (; e + 8 <= E; e += 8) {
-    const __m256 v = tokenmill::exp256(_mm256_sub_ps(_mm256_loadu_ps(row + e), _mm256_set1_ps(most)));
-    _mm256_storeu_ps(probs + e, v);
-    sums = _mm256_add_ps(sums, v);
-  }
-  sum = tokenmill::hsum256(sums);
-#endif
-  for (; e < E; ++e) sum += probs[e] = std::exp(row[e] - most);
-  for (e = 0; e < E; ++e) probs[e] /= sum;
-}
-
-}  // namespace
-
 std::tuple<torch::Tensor, torch::Tensor> CpuMoeExperts::route(torch::Tensor logits, int64_t k, bool renormalise) {
   check_rows(logits, "MoeExperts.route(logits)");
   const int64_t T = logits.size(0), E = logits.size(1), stride = logits.stride(0);
@@ -134,7 +111,10 @@ std::tuple<torch::Tensor, torch::Tensor> CpuMoeExperts::route(torch::Tensor logi
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(E);
     for (int64_t t = begin; t < end; ++t) {
-      softmax_row(lp + t * stride, E, probs.data());
+      float most;
+      std::copy(lp + t * stride, lp + t * stride + E, probs.begin());
+      const float sum = tokenmill::softmax_numerator(probs.data(), E, &most);
+      for (float& p : probs) p /= sum;
       int64_t* top = ip + t * k;  // the most probable so far, in descending order (ties: lower id first)
       int64_t n = 0;
       for (int64_t e = 0; e < E; ++e) {

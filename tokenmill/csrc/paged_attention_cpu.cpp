@@ -121,14 +121,6 @@ void block_accumulate_scalar(float* acc, int64_t G, const float* w, int64_t w_st
   }
 }
 
-// x[i] = exp(x[i] - max(x)) for i < n; returns their sum, and max(x) in *max_out.
-float softmax_numerator_scalar(float* x, int64_t n, float* max_out) {
-  const float mx = *max_out = *std::max_element(x, x + n);
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
-  return sum;
-}
-
 #ifdef TOKENMILL_AVX2
 // ---- AVX2 + FMA primitives (D a multiple of 8) --------------------------------------------
 
@@ -271,27 +263,6 @@ void block_accumulate_avx2(float* acc, int64_t G, const float* w, int64_t w_stri
   }
 }
 
-float softmax_numerator_avx2(float* x, int64_t n, float* max_out) {
-  const int64_t n8 = n / 8 * 8;
-  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n8; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
-  float lanes[8];
-  _mm256_storeu_ps(lanes, vmax);
-  float mx = *std::max_element(lanes, lanes + 8);
-  for (int64_t i = n8; i < n; ++i) mx = std::max(mx, x[i]);
-  *max_out = mx;
-  const __m256 vm = _mm256_set1_ps(mx);
-  __m256 vsum = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n8; i += 8) {
-    const __m256 e = tokenmill::exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
-    _mm256_storeu_ps(x + i, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  float sum = tokenmill::hsum256(vsum);
-  for (int64_t i = n8; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
-  return sum;
-}
-
 // ---- prompt tiles as small matrix products (AVX2, D a multiple of 32) -------------------------
 //
 // A tile of nt query tokens has R = nt * G query rows per kv head. Rather than one dot product per
@@ -399,9 +370,9 @@ struct Primitives {
 template <typename KV>
 Primitives<KV> pick_primitives(int64_t D) {
 #ifdef TOKENMILL_AVX2
-  if (D % 8 == 0) return {head_scores_avx2<KV>, block_accumulate_avx2<KV>, softmax_numerator_avx2};
+  if (D % 8 == 0) return {head_scores_avx2<KV>, block_accumulate_avx2<KV>, tokenmill::softmax_numerator_avx2};
 #endif
-  return {head_scores_scalar<KV>, block_accumulate_scalar<KV>, softmax_numerator_scalar};
+  return {head_scores_scalar<KV>, block_accumulate_scalar<KV>, tokenmill::softmax_numerator_scalar};
 }
 
 constexpr int64_t kQueryTile = 8;  // query tokens of one sequence that share each block read

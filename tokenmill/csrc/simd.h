@@ -62,3 +62,54 @@ constexpr bool kVnni = false;
 
 }  // namespace tokenmill
 #endif
+
+// Softmax numerators, for the attention's scores and the MoE router's logits.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace tokenmill {
+
+// x[i] = exp(x[i] - max(x)) for i < n; returns their sum, and max(x) in *max_out.
+inline float softmax_numerator_scalar(float* x, int64_t n, float* max_out) {
+  const float mx = *max_out = *std::max_element(x, x + n);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
+  return sum;
+}
+
+#ifdef TOKENMILL_AVX2
+// As softmax_numerator_scalar, eight values at a time through exp256 (the rest as there).
+inline float softmax_numerator_avx2(float* x, int64_t n, float* max_out) {
+  const int64_t n8 = n / 8 * 8;
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n8; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float mx = *std::max_element(lanes, lanes + 8);
+  for (int64_t i = n8; i < n; ++i) mx = std::max(mx, x[i]);
+  *max_out = mx;
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n8; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(x + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  float sum = hsum256(vsum);
+  for (int64_t i = n8; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
+  return sum;
+}
+#endif
+
+// The build's fastest of the two.
+inline float softmax_numerator(float* x, int64_t n, float* max_out) {
+#ifdef TOKENMILL_AVX2
+  return softmax_numerator_avx2(x, n, max_out);
+#else
+  return softmax_numerator_scalar(x, n, max_out);
+#endif
+}
+
+}  // namespace tokenmill

@@ -6,7 +6,7 @@ default workload's shape, alternated between them, so the machine's drift falls 
 
 Only the kernels differ between the engines: the Python is this checkout's. Decode steps: each
 engine takes `batch` requests of `prompt` tokens, then the engines run `steps` decode steps in turn,
-`rounds` times. Workloads: each engine runs one warm-up workload (its pool's pages faulted in), then
+`rounds` times, their order reversed every other round; each round's median step is compared. Workloads: each engine runs one warm-up workload (its pool's pages faulted in), then
 the default workload's shape with seed 100, 101, ... (a new one each round, so no prefix-cache
 hits; the same for every engine), the order of the engines reversed every other round.
 """
@@ -49,16 +49,22 @@ def decode_steps(engines: dict[str, LLMEngine], args: argparse.Namespace) -> Non
             engine.add_request(f"r{i}", [100 + (7 * i + j) % 5000 for j in range(args.prompt)], params)
         while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
             engine.step()  # the prompts
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(args.rounds):
-        for name, engine in engines.items():
+    times: dict[str, list[list[float]]] = {name: [] for name in engines}  # per round, its steps
+    for r in range(args.rounds):
+        order = list(engines.items())
+        for name, engine in order if r % 2 == 0 else reversed(order):
+            times[name].append([])
             for _ in range(args.steps):
                 start = time.perf_counter()
                 engine.step()
-                times[name].append(time.perf_counter() - start)
-    for name, ts in times.items():
-        print(f"{name}: median decode step {statistics.median(ts) * 1e3:.2f} ms "
-              f"(batch {args.batch}, contexts {args.prompt}-{args.prompt + args.rounds * args.steps})")
+                times[name][-1].append(time.perf_counter() - start)
+    first = next(iter(times))
+    for name, rounds in times.items():
+        ratios = " ".join(f"{statistics.median(mine) / statistics.median(theirs):.3f}"
+                          for mine, theirs in zip(rounds, times[first]))
+        print(f"{name}: median decode step {statistics.median(sum(rounds, [])) * 1e3:.2f} ms "
+              f"(batch {args.batch}, contexts {args.prompt}-{args.prompt + args.rounds * args.steps}); "
+              f"each round's median against {first}'s: {ratios}")
 
 
 def workloads(engines: dict[str, LLMEngine], rounds: int) -> None:

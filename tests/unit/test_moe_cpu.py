@@ -36,9 +36,11 @@ def packed(kernels, kind: str, out_features: int, in_features: int, rng) -> Pack
     from gguf.quants import quantize
 
     from tokenmill.models.gguf_loader import k_quant_rows
-    if kind == "F32":
+    if kind in ("F32", "BF16"):
+        if kind == "BF16" and not kernels.bf16:
+            pytest.skip("bfloat16 panels need AVX512-BF16")
         return PackedLinear(torch.from_numpy(rng.standard_normal((out_features, in_features), np.float32)) * 0.1,
-                            None, kernels)
+                            None, kernels, bf16=kind == "BF16")
     if kind.endswith("_K"):
         rows = k_quant_rows(random_k_quant_rows(rng, kind, out_features, in_features), kind)
     else:
@@ -85,8 +87,8 @@ def test_the_kernels_route_breaks_ties_to_the_lower_expert_and_refuses_k_past_th
         kernels.MoeExperts.route(logits, 7, True)
 
 
-# Q4_K_M's mix (gate_up Q4_K, down Q6_K), the 32-weight block types, and float32 panels
-KINDS = [("Q4_K", "Q6_K"), ("Q8_0", "Q4_0"), ("Q4_1", "Q5_K"), ("F32", "F32")]
+# Q4_K_M's mix (gate_up Q4_K, down Q6_K), the 32-weight block types, float32 and bfloat16 panels
+KINDS = [("Q4_K", "Q6_K"), ("Q8_0", "Q4_0"), ("Q4_1", "Q5_K"), ("F32", "F32"), ("BF16", "BF16")]
 
 
 @pytest.mark.parametrize("gate_up_kind, down_kind", KINDS)
@@ -102,10 +104,11 @@ def test_one_token_through_the_fused_experts_equals_the_per_expert_path(kernels,
 
 
 @pytest.mark.parametrize("gate_up_kind, down_kind", KINDS)
-@pytest.mark.parametrize("int8_rows", [0, 4])
+@pytest.mark.parametrize("int8_rows", [0, 4, 8])
 def test_a_batch_with_busy_and_idle_experts_equals_the_per_expert_path(kernels, gate_up_kind, down_kind, int8_rows):
     """Experts 0 and 3 get four rows each, 1 and 5 two, the rest none; with int8_rows 4 the
-    experts' products take x in 8-bit blocks in both paths (steps of up to 4 rows)."""
+    experts' products take x in 8-bit blocks in both paths (steps of up to 4 rows), each expert's
+    rows made for it; with 8 the six tokens' blocks are made once and shared by their experts."""
     block = make_block(kernels, gate_up_kind, down_kind)
     for m in block.modules():
         if isinstance(m, PackedLinear):

@@ -39,6 +39,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::
 void check_rows(const torch::Tensor& t, const char* name);  // float32, 2-d, contiguous rows
 float row_max(const float* row, int64_t V, bool* has_nan);
 int64_t row_argmax(const float* row, int64_t V);
+void silu_mul_row(const float* gate_up, int64_t I, float* out);  // silu_mul's row: 2 * I in, I out
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
 torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
 torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out);

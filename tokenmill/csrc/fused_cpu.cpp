@@ -146,23 +146,23 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = gp + t * stride;
-      const float* u = g + I;
-      float* o = op + t * I;
-      int64_t i = 0;
-#ifdef TOKENMILL_AVX2
-      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-      for (; i + 8 <= I; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, tokenmill::exp256(_mm256_sub_ps(zero, gv))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
-      }
-#endif
-      for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-    }
+    for (int64_t t = begin; t < end; ++t) silu_mul_row(gp + t * stride, I, op + t * I);
   });
   return out;
+}
+
+void silu_mul_row(const float* gate_up, int64_t I, float* out) {
+  const float* u = gate_up + I;
+  int64_t i = 0;
+#ifdef TOKENMILL_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (; i + 8 <= I; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(gate_up + i);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, tokenmill::exp256(_mm256_sub_ps(zero, gv))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < I; ++i) out[i] = gate_up[i] / (1.0f + std::exp(-gate_up[i])) * u[i];
 }
 
 // A row's largest value, and in *has_nan whether it holds a NaN (which max would skip).

@@ -1150,7 +1150,15 @@ static_assert(kWideRows * kPanel <= tokenmill::kMostTileFloats && kInt8Rows <= k
 
 namespace tokenmill {
 
-PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows) {
+bool takes_int8(int64_t format, int64_t M, int64_t int8_rows) {
+#ifdef TOKENMILL_AVX2
+  return block_format(format) && format != kMXF && M <= int8_rows;  // FP4 codes have no integer form here
+#else
+  return false;
+#endif
+}
+
+PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows, bool fill) {
   PanelRows rows(x, M, K);
 #ifdef TOKENMILL_BF16
   if (format == kBF16) {
@@ -1162,14 +1170,12 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
     rows.arena.reset(new uint8_t[padded * K * 2 + 64]);
     rows.bf16 = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(rows.arena.get()) + 63) & ~uintptr_t{63});
     std::memset(rows.bf16 + M * K, 0, (padded - M) * K * 2);
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) bf16_row(x + m * K, K, rows.bf16 + m * K);
-    });
+    if (fill) fill_panel_rows(rows);
     return rows;
   }
 #endif
 #ifdef TOKENMILL_AVX2
-  if (format != kFloat32 && format != kMXF && M <= int8_rows) {  // FP4 codes have no integer form here
+  if (takes_int8(format, M, int8_rows)) {
     // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads
     // (8K), half sums (2B)
     const bool words = reads_words(format), quads = !byte_codes(format) && !kVnni, halves = reads_half_sums(format);
@@ -1187,13 +1193,34 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
                              words ? reinterpret_cast<int16_t*>(tail) : nullptr, quads ? tail : nullptr,
                              halves ? reinterpret_cast<int32_t*>(p + row - up(8 * B)) : nullptr};
     }
-    // the threads quantize rows in parallel from 16 rows (prompt chunks): serially, on one
-    // thread, it held the other back
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, K, rows.int8[m]);
-    });
+    if (fill) fill_panel_rows(rows);
   }
 #endif
+  return rows;
+}
+
+void fill_panel_row(const PanelRows& rows, int64_t m) {
+#ifdef TOKENMILL_AVX2
+  if (!rows.int8.empty()) quantize_row(rows.x + m * rows.K, rows.K, rows.int8[m]);
+#endif
+#ifdef TOKENMILL_BF16
+  if (rows.bf16 != nullptr) bf16_row(rows.x + m * rows.K, rows.K, rows.bf16 + m * rows.K);
+#endif
+}
+
+// the threads fill rows in parallel from 16 rows (prompt chunks): serially, on one thread, it
+// held the other back
+void fill_panel_rows(const PanelRows& rows) {
+  if (rows.int8.empty() && rows.bf16 == nullptr) return;
+  at::parallel_for(0, rows.M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) fill_panel_row(rows, m);
+  });
+}
+
+PanelRows gather_panel_rows(const PanelRows& source, const int64_t* picks, int64_t M) {
+  TM_CHECK(!source.int8.empty(), "gather_panel_rows: the source rows must be in 8-bit blocks");
+  PanelRows rows(nullptr, M, source.K);
+  for (int64_t m = 0; m < M; ++m) rows.int8.push_back(source.int8[picks[m]]);
   return rows;
 }
 

@@ -22,7 +22,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <memory>
 
 #include "cpu_ops.h"
 #include "panel_gemm.h"
@@ -64,24 +66,24 @@ CpuMoeExperts::CpuMoeExperts(std::vector<torch::Tensor> gate_up, std::vector<tor
   down_panels_ = panel_table(down_, down_format_, hidden_, width_, "down");
 }
 
-// rows (R, K), grouped as `groups`, times each group's expert's panels (of an (N, K) matrix) ->
-// (R, N), row r times row_scale[r] where given: one parallel region over (group, panel) pairs.
-torch::Tensor CpuMoeExperts::project(const std::vector<const uint8_t*>& panels, int64_t format,
-                                     const torch::Tensor& rows, int64_t N, const std::vector<Group>& groups,
-                                     const float* row_scale) const {
-  const int64_t R = rows.size(0), K = rows.size(1), P = (N + kPanel - 1) / kPanel;
-  const int64_t stride = tokenmill::panel_stride(K, format), items = static_cast<int64_t>(groups.size()) * P;
-  auto y = torch::empty({R, N}, rows.options());
-  const float* xp = rows.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  std::vector<tokenmill::PanelRows> x;  // each group's rows, as its product reads them
+// Each group's rows (x[a], K wide, as its product reads them) times its expert's panels (of an
+// (N, K) matrix) into y (R, N), row r times row_scale[r] where given: one parallel region over
+// (group, panel) pairs. Where given, group_done(a) runs as soon as group a's rows of y are all
+// written, on the thread that wrote its last panel.
+void CpuMoeExperts::project(const std::vector<const uint8_t*>& panels, int64_t format,
+                            const std::vector<tokenmill::PanelRows>& x, int64_t K, float* y, int64_t N,
+                            const std::vector<Group>& groups, const float* row_scale,
+                            const std::function<void(size_t)>& group_done) const {
+  const int64_t P = (N + kPanel - 1) / kPanel, stride = tokenmill::panel_stride(K, format);
+  const int64_t items = static_cast<int64_t>(groups.size()) * P;
   int64_t most = 0;
   bool decode = false;
-  for (const Group& g : groups) {
-    x.push_back(tokenmill::panel_rows(xp + g.start * K, g.count, K, format, int8_rows));
-    most = std::max(most, g.count);
-    decode = decode || tokenmill::decodes_panels(x.back(), format);
+  for (size_t a = 0; a < groups.size(); ++a) {
+    most = std::max(most, groups[a].count);
+    decode = decode || tokenmill::decodes_panels(x[a], format);
   }
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[groups.size()]);  // panels written
+  for (size_t a = 0; a < groups.size(); ++a) done[a].store(0, std::memory_order_relaxed);
   const int64_t chunk = tokenmill::panel_chunk_for(most) > 0 ? tokenmill::panel_chunk_for(most) : kSmallChunk;
   tokenmill::parallel_chunks(items, chunk, [&](tokenmill::ThreadChunks& chunks) {
     tokenmill::PanelScratch scratch(K, decode);
@@ -92,11 +94,12 @@ torch::Tensor CpuMoeExperts::project(const std::vector<const uint8_t*>& panels, 
       const uint8_t* panel = panels[g.expert] + p * stride;
       const uint8_t* next = nullptr;  // the next item's panel: this expert's next, or the next expert's first
       if (i + 1 < items && chunks.comes_next(i + 1, end)) next = p + 1 < P ? panel + stride : panels[groups[a + 1].expert];
-      const tokenmill::PanelOut out{yp + g.start * N, N, N, nullptr, row_scale ? row_scale + g.start : nullptr};
+      const tokenmill::PanelOut out{y + g.start * N, N, N, nullptr, row_scale ? row_scale + g.start : nullptr};
       tokenmill::run_panel(x[a], panel, format, p, next, scratch, out);
+      // the last panel's writer sees every other writer's panels (acquire-release)
+      if (group_done && done[a].fetch_add(1, std::memory_order_acq_rel) == P - 1) group_done(a);
     }
   });
-  return y;
 }
 
 std::tuple<torch::Tensor, torch::Tensor> CpuMoeExperts::route(torch::Tensor logits, int64_t k, bool renormalise) {
@@ -157,18 +160,45 @@ torch::Tensor CpuMoeExperts::forward(torch::Tensor x, torch::Tensor experts, tor
   for (int64_t e = 0; e < E; ++e) {
     if (start[e + 1] > start[e]) groups.push_back({e, start[e], start[e + 1] - start[e]});
   }
-  auto rows = torch::empty({R, H}, xc.options());  // (T * k, hidden) grouped by expert
-  std::vector<float> scale(R);                      // each grouped row's weight
+  std::vector<float> scale(R);       // each grouped row's weight
+  std::vector<int64_t> token_of(R);  // each grouped row's token
   const float *xp = xc.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* rp = rows.data_ptr<float>();
-  at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(rp + row_of[i] * H, xp + i / k * H, H * sizeof(float));
-      scale[row_of[i]] = wp[i];
+  for (int64_t i = 0; i < R; ++i) scale[row_of[i]] = wp[i], token_of[row_of[i]] = i / k;
+  // gate_up's rows: where they take x in 8-bit blocks, each token's blocks made once and shared by
+  // its k experts' products; else x's rows copied into their grouped order
+  const bool shared = tokenmill::takes_int8(gate_up_format_, T, int8_rows);
+  const tokenmill::PanelRows tokens =
+      shared ? tokenmill::panel_rows(xp, T, H, gate_up_format_, int8_rows) : tokenmill::PanelRows(nullptr, 0, H);
+  std::vector<tokenmill::PanelRows> gate_up_x;
+  torch::Tensor rows;
+  if (shared) {
+    for (const Group& g : groups) gate_up_x.push_back(tokenmill::gather_panel_rows(tokens, &token_of[g.start], g.count));
+  } else {
+    rows = torch::empty({R, H}, xc.options());  // (T * k, hidden) grouped by expert
+    float* rp = rows.data_ptr<float>();
+    at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) std::memcpy(rp + r * H, xp + token_of[r] * H, H * sizeof(float));
+    });
+    for (const Group& g : groups)
+      gate_up_x.push_back(tokenmill::panel_rows(rp + g.start * H, g.count, H, gate_up_format_, int8_rows));
+  }
+  // gate_up, then each group's silu(gate) * up and down's rows of it made by the thread that
+  // finishes the group's gate_up, in the same region
+  auto gate_up = torch::empty({R, 2 * width_}, xc.options());
+  auto h = torch::empty({R, width_}, xc.options());
+  float *gp = gate_up.data_ptr<float>(), *hp = h.data_ptr<float>();
+  std::vector<tokenmill::PanelRows> down_x;
+  for (const Group& g : groups)
+    down_x.push_back(tokenmill::panel_rows(hp + g.start * width_, g.count, width_, down_format_, int8_rows, false));
+  project(gate_up_panels_, gate_up_format_, gate_up_x, H, gp, 2 * width_, groups, nullptr, [&](size_t a) {
+    for (int64_t m = 0; m < groups[a].count; ++m) {
+      const int64_t r = groups[a].start + m;
+      silu_mul_row(gp + r * 2 * width_, width_, hp + r * width_);
+      tokenmill::fill_panel_row(down_x[a], m);
     }
   });
-  const torch::Tensor h = silu_mul(project(gate_up_panels_, gate_up_format_, rows, 2 * width_, groups, nullptr));
-  const torch::Tensor y = project(down_panels_, down_format_, h, H, groups, scale.data());  // weighted rows
+  auto y = torch::empty({R, H}, xc.options());  // weighted rows
+  project(down_panels_, down_format_, down_x, width_, y.data_ptr<float>(), H, groups, scale.data(), nullptr);
   // each token's rows added to zeros in ascending expert order, which is their grouped order: as
   // index_add_ over the grouped rows adds them
   auto out = torch::zeros({T, H}, xc.options());

@@ -3,7 +3,10 @@
 
 #include <torch/extension.h>
 
+#include "panel_gemm.h"
+
 #include <cstdint>
+#include <functional>
 #include <tuple>
 #include <vector>
 
@@ -29,8 +32,9 @@ struct CpuMoeExperts {
   struct Group {  // an expert chosen in this step, and its run of the rows grouped by expert
     int64_t expert, start, count;
   };
-  torch::Tensor project(const std::vector<const uint8_t*>& panels, int64_t format, const torch::Tensor& rows,
-                        int64_t N, const std::vector<Group>& groups, const float* row_scale) const;
+  void project(const std::vector<const uint8_t*>& panels, int64_t format, const std::vector<tokenmill::PanelRows>& x,
+               int64_t K, float* y, int64_t N, const std::vector<Group>& groups, const float* row_scale,
+               const std::function<void(size_t)>& group_done) const;
 
   std::vector<torch::Tensor> gate_up_, down_;  // held: the panels the pointers below point into
   std::vector<const uint8_t*> gate_up_panels_, down_panels_;

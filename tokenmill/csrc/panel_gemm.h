@@ -40,7 +40,16 @@ struct PanelRows {
   PanelRows(PanelRows&&) = default;  // the arena moves with its views
   PanelRows(const PanelRows&) = delete;
 };
-PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows);
+// With `fill` false the rows are laid out but not yet computed: fill_panel_row(rows, m) computes
+// row m from x's (a caller that makes x's rows one by one), fill_panel_rows all of them.
+PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64_t int8_rows, bool fill = true);
+void fill_panel_row(const PanelRows& rows, int64_t m);
+void fill_panel_rows(const PanelRows& rows);
+// Whether a product of M rows over panels in `format` takes x in 8-bit blocks (panel_rows).
+bool takes_int8(int64_t format, int64_t M, int64_t int8_rows);
+// The rows picks[0..M) of `source` (rows in 8-bit blocks), for a product that reads only those:
+// their blocks shared with source, which must outlive them, not computed again.
+PanelRows gather_panel_rows(const PanelRows& source, const int64_t* picks, int64_t M);
 
 // Where a panel's outputs go: columns [16 p, 16 p + 16) of y (N columns, rows ldy floats apart),
 // plus bias[n] where given, then times row_scale[m] where given: y = (x @ W.T + b) * scale.

@@ -149,9 +149,9 @@ void float_panel(const float* xp, int64_t block, int64_t block_end, int64_t K, c
 //   MXF  MXFP4 (gpt-oss's experts) as GGUF stores it: per block of 32 an E8M0 scale byte e and
 //        Q4_0's nibbles, each an FP4 E2M1 code; value FP4(q) * 2^(e - 127), exact in float32
 // The super-block formats keep a panel's 16 scales per super-block in a header before its
-// codes: 0.58 bytes a weight for Q4F (the file's 0.56), 1.08 for Q5K (0.69) and 1.07 for Q6F
-// with a byte per code (0.82; in 6 bits, 0.82 too), where float32 scales for every block of 32
-// took 0.75, 1.25 and 1.25.
+// codes: 0.58 bytes a weight for Q4F with a byte per scale and min (the file's 0.5625; in 6 bits,
+// 0.5625 too), 1.08 for Q5K (0.69) and 1.07 for Q6F with a byte per code (0.82; in 6 bits, 0.82
+// too), where float32 scales for every block of 32 took 0.75, 1.25 and 1.25.
 // BF16 (9) is no block format: bfloat16 panels of a float checkpoint (see bf16_tile below).
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define TOKENMILL_VNNI_512 1
@@ -202,12 +202,19 @@ constexpr int64_t code_bytes(int64_t format) {
 }
 // The bytes of an octet (8 k) of a block laid out for the 512-bit tile (tile_layout): a quarter of its codes.
 constexpr int64_t octet_bytes(int64_t format) { return code_bytes(format) / (kBlock / 8); }
+// Q4F's scales and mins where the 512-bit tile runs: 6 bits each, as in the file (six_bit_scales_of
+// unpacks them with VBMI's multishift), 0.5625 bytes a weight where a byte each took 0.58. A
+// Q4_K_M file is mostly Q4_K, and a batch-1 step streams it.
+constexpr bool six_bit_scales(int64_t format) { return format == kQ4F && kVnni512; }
+constexpr int64_t kSixBitScaleBytes = 2 * kPanel * 6 / 8;  // a block's 16 scales and 16 mins in 6 bits
 // A super-block's header: the 16 features' fp16 d, for Q4F and Q5K their fp16 dmin, then its
-// 8-bit scales (Q4F, Q5K: a block's 16, block by block, then its 16 mins the same way; Q6F: per
-// 16 k, 16 int8 scales).
+// 8-bit scales (Q4F, Q5K: a block's 16, block by block, then its 16 mins the same way, or where
+// six_bit_scales, per block its 16 scales and 16 mins in 24 bytes, features 0-7's scales in bits
+// 0-47, 8-15's in 48-95, then the mins so; Q6F: per 16 k, 16 int8 scales).
 constexpr int64_t kDminAt = 2 * kPanel;
 constexpr int64_t super_scales_at(int64_t format) { return format == kQ6F ? 2 * kPanel : 4 * kPanel; }
 constexpr int64_t codes_at(int64_t format) {  // where a panel unit's codes start
+  if (six_bit_scales(format)) return super_scales_at(format) + kSuper * kSixBitScaleBytes;
   if (super_blocks(format)) return super_scales_at(format) + 2 * kSuper * kPanel;
   return scale_bytes(format) + offset_bytes(format);
 }
@@ -216,12 +223,14 @@ constexpr int64_t unit_bytes(int64_t format) { return codes_at(format) + unit_bl
 constexpr int64_t kSpreadUnitBytes = codes_at(kQ6F) + kSuper * kBlock * kPanel;
 
 // One row's unit, as given to pack_block_panels, holds what a panel unit holds for 16 rows, in the
-// same order: a sixteenth of its bytes (Q6F's codes a byte each even where its panels pack them
-// in 6 bits), its codes at a sixteenth of the offset. That is the GGUF file's block for Q4_0, Q4_1
-// and Q8_0; Q5F's two float32 (scale, offset) and 32 codes; Q4F's fp16 d and dmin, 8 scales, 8
-// mins and 128 bytes of nibbles (Q5K: 256 bytes of codes); Q6F's fp16 d, 16 int8 scales and 256
-// codes.
-constexpr int64_t row_codes_at(int64_t format) { return codes_at(format) / kPanel; }
+// same order: a sixteenth of its bytes (Q6F's codes and Q4F's scales a byte each even where its
+// panels pack them in 6 bits), its codes at a sixteenth of the offset. That is the GGUF file's
+// block for Q4_0, Q4_1 and Q8_0; Q5F's two float32 (scale, offset) and 32 codes; Q4F's fp16 d and
+// dmin, 8 scales, 8 mins and 128 bytes of nibbles (Q5K: 256 bytes of codes); Q6F's fp16 d, 16
+// int8 scales and 256 codes.
+constexpr int64_t row_codes_at(int64_t format) {
+  return (super_blocks(format) ? super_scales_at(format) + 2 * kSuper * kPanel : codes_at(format)) / kPanel;
+}
 constexpr int64_t row_block_codes(int64_t format) { return byte_codes(format) ? kBlock : kBlock / 2; }  // per block
 constexpr int64_t row_unit_bytes(int64_t format) {
   return row_codes_at(format) + unit_blocks(format) * row_block_codes(format);
@@ -288,6 +297,28 @@ inline BlockScales block_scales(const uint8_t* blk) {
   return s;
 }
 
+#ifdef TOKENMILL_VNNI_512
+// vpermb's indexes that put each 6 bytes of a block's 6-bit scales (six_bit_scales) in a qword of
+// their own, and the bit offsets of its 8 values there for vpmultishiftqb.
+constexpr std::array<uint8_t, 64> six_bit_scales_index() {
+  std::array<uint8_t, 64> index{};
+  for (int q = 0; q < 8; ++q)
+    for (int b = 0; b < 8; ++b) index[8 * q + b] = static_cast<uint8_t>(6 * (q % 4) + std::min(b, 5));
+  return index;
+}
+alignas(64) constexpr std::array<uint8_t, 64> kSixBitScalesIndex = six_bit_scales_index();
+constexpr uint64_t kSixBitShifts = 0x2A241E18120C0600ull;  // bytes 0, 6, 12, ..., 42
+
+// A block's 24 bytes of 6-bit scales and mins -> bytes 0-15 its 16 features' scales, 16-31 their
+// mins (reads 8 bytes past them: the header's next block, or the unit's codes).
+inline __m256i six_bit_scales_of(const uint8_t* p) {
+  const __m512i bytes = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i spread = _mm512_permutexvar_epi8(_mm512_load_si512(kSixBitScalesIndex.data()), bytes);
+  const __m512i values = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(static_cast<int64_t>(kSixBitShifts)), spread);
+  return _mm256_and_si256(_mm512_castsi512_si256(values), _mm256_set1_epi8(63));
+}
+#endif
+
 // Block j's scales from its super-block's header (Q4F, Q6F): d * sc and -(dmin * m), or Q6F's
 // d * sc of its two halves, the products gguf's dequantization makes (exact in float32: fp16 d
 // has 11 significant bits, sc and m at most 8).
@@ -295,6 +326,19 @@ template <int64_t F>
 inline BlockScales super_block_scales(const uint8_t* unit, int64_t j) {
   const __m256 d0 = halves8(unit), d1 = halves8(unit + 16);
   BlockScales s;
+#ifdef TOKENMILL_VNNI_512
+  if constexpr (six_bit_scales(F)) {
+    const __m256i both = six_bit_scales_of(unit + super_scales_at(F) + j * kSixBitScaleBytes);
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(both)));
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(both, 1)));
+    const __m512 d = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1), sc);
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + kDminAt)));
+    const __m512 m = _mm512_xor_ps(_mm512_mul_ps(dmin, mn), _mm512_set1_ps(-0.0f));
+    s.d0 = _mm512_castps512_ps256(d), s.d1 = _mm512_extractf32x8_ps(d, 1);
+    s.m0 = _mm512_castps512_ps256(m), s.m1 = _mm512_extractf32x8_ps(m, 1);
+    return s;
+  }
+#endif
   if constexpr (F == kQ4F || F == kQ5K) {
     const uint8_t *sc = unit + super_scales_at(F) + j * kPanel, *m = sc + kSuper * kPanel;
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -1347,7 +1391,18 @@ void put_scales(int64_t format, const uint8_t* row, int64_t j, uint8_t* out) {
   if (format == kQ4F || format == kQ5K) {  // d and dmin, then per block its scale, then per block its min
     std::memcpy(out + 2 * j, row, 2);
     std::memcpy(out + kDminAt + 2 * j, row + 2, 2);
-    for (int64_t b = 0; b < 2 * kSuper; ++b) out[super_scales_at(format) + b * kPanel + j] = row[4 + b];
+    for (int64_t b = 0; b < 2 * kSuper; ++b) {  // b < 8: block b's scale, else block b - 8's min
+      if (!six_bit_scales(format)) {
+        out[super_scales_at(format) + b * kPanel + j] = row[4 + b];
+        continue;
+      }
+      TM_CHECK(row[4 + b] < 64, "pack_block_panels: a Q4_K scale or min past 6 bits");
+      const int64_t bit = (b % kSuper * kSixBitScaleBytes + b / kSuper * kPanel * 6 / 8) * 8 + 6 * j;
+      uint8_t* at = out + super_scales_at(format) + bit / 8;  // the 6 bits, from bit `bit % 8` of at[0] on
+      const unsigned value = static_cast<unsigned>(row[4 + b]) << (bit % 8);
+      at[0] |= static_cast<uint8_t>(value);
+      if (value > 0xFF) at[1] |= static_cast<uint8_t>(value >> 8);
+    }
   } else if (format == kQ6F) {  // d, then per 16 k its scale
     std::memcpy(out + 2 * j, row, 2);
     for (int64_t t = 0; t < 2 * kSuper; ++t) out[super_scales_at(format) + t * kPanel + j] = row[2 + t];

@@ -1067,13 +1067,13 @@ constexpr int64_t kPairBytes = 2 * kPanel * 2;  // a pair of k across a panel's 
 constexpr int64_t kBf16Rows = 12;
 
 // R rows of x in bfloat16 (rows K apart) times one bf16 panel -> out (R, 16); `pf` (or nullptr):
-// the next panel, a line of it prefetched per pair of k.
+// the next panel, a line of it prefetched per pair of k (non-temporally where `once`: prefetch_block).
 template <int R>
-void bf16_tile(const uint16_t* x, int64_t K, const uint8_t* panel, float* out, const uint8_t* pf) {
+void bf16_tile(const uint16_t* x, int64_t K, const uint8_t* panel, float* out, const uint8_t* pf, bool once) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < K / 2; ++i) {
-    if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + i * kPairBytes), _MM_HINT_T0);
+    if (pf != nullptr) prefetch_block(pf + i * kPairBytes, kPairBytes, once);
     const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + i * kPairBytes);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
@@ -1084,7 +1084,7 @@ void bf16_tile(const uint16_t* x, int64_t K, const uint8_t* panel, float* out, c
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
 }
 
-using Bf16TileFn = void (*)(const uint16_t*, int64_t, const uint8_t*, float*, const uint8_t*);
+using Bf16TileFn = void (*)(const uint16_t*, int64_t, const uint8_t*, float*, const uint8_t*, bool);
 template <size_t... R>
 constexpr std::array<Bf16TileFn, sizeof...(R) + 1> bf16_tiles(std::index_sequence<R...>) {
   return {nullptr, bf16_tile<static_cast<int>(R) + 1>...};
@@ -1106,7 +1106,7 @@ void bf16_row(const float* x, int64_t K, uint16_t* out) {
 void bf16_panel(const uint16_t* x, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t p,
                 float* tile, const tokenmill::PanelOut& out) {
   even_passes(M, kBf16Rows, [&](int64_t m0, int64_t n) {
-    kBf16Tiles[n](x + m0 * K, K, src, tile, m0 == 0 ? next : nullptr);
+    kBf16Tiles[n](x + m0 * K, K, src, tile, m0 == 0 ? next : nullptr, M <= kStreamRows);
     store_tile(out, tile, p, m0, n);
   });
 }

@@ -6,9 +6,10 @@ default workload's shape, alternated between them, so the machine's drift falls 
 
 Only the kernels differ between the engines: the Python is this checkout's. Decode steps: each
 engine takes `batch` requests of `prompt` tokens, then the engines run `steps` decode steps in turn,
-`rounds` times, their order reversed every other round; each round's median step is compared. Workloads: each engine runs one warm-up workload (its pool's pages faulted in), then
-the default workload's shape with seed 100, 101, ... (a new one each round, so no prefix-cache
-hits; the same for every engine), the order of the engines reversed every other round.
+`rounds` times, their order reversed every other round; each round's median step is compared.
+Workloads: each engine runs one warm-up workload (its pool's pages faulted in), then the default
+workload's shape with seed 100, 101, ... (a new one each round, so no prefix-cache hits; the same
+for every engine), the order of the engines reversed every other round.
 """
 
 from __future__ import annotations

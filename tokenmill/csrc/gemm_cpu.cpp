@@ -515,10 +515,11 @@ inline void decode_row(const uint8_t* codes, int64_t i, const BlockScales& s, __
 // three 0.87x, but four 1.09x, eight 1.38x.)
 constexpr int64_t kStreamRows = 2;
 inline void prefetch_block(const uint8_t* pf, int64_t bytes, bool once) {
+  const char* p = reinterpret_cast<const char*>(pf);
   if (once) {
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + line), _MM_HINT_NTA);
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(p + line, _MM_HINT_NTA);
   } else {
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(p + line, _MM_HINT_T0);
   }
 }
 

@@ -5,10 +5,13 @@
 //
 //   (token, slot) pairs, T * k    grouped by expert:  e0 e0 | e2 | e3 e3 e3 | ...
 //   gate_up    one parallel region over (chosen expert, panel) pairs   -> (T * k, 2 * width)
-//   silu_mul   as fused_cpu.cpp                                        -> (T * k, width)
+//     silu_mul   an expert's rows, by the thread that wrote its last panel, in the same region,
+//                with down's 8-bit rows of them                       -> (T * k, width)
 //   down       one parallel region over (chosen expert, panel) pairs, each row times its weight
 //   sum        each token's k rows, in ascending expert order          -> (T, hidden)
 //
+// Where gate_up takes x in 8-bit blocks, each token's blocks are made once, for all k of its
+// experts (gather_panel_rows).
 // A batch-1 step of a 128-expert, top-8 model makes 16 products of one row each, too small to
 // keep two threads busy one at a time: here the two threads share all 8 experts' panels, with
 // stealing (parallel.h), and each prefetches the next panel it will run, across experts too.
@@ -172,7 +175,8 @@ torch::Tensor CpuMoeExperts::forward(torch::Tensor x, torch::Tensor experts, tor
   std::vector<tokenmill::PanelRows> gate_up_x;
   torch::Tensor rows;
   if (shared) {
-    for (const Group& g : groups) gate_up_x.push_back(tokenmill::gather_panel_rows(tokens, &token_of[g.start], g.count));
+    for (const Group& g : groups)
+      gate_up_x.push_back(tokenmill::gather_panel_rows(tokens, &token_of[g.start], g.count));
   } else {
     rows = torch::empty({R, H}, xc.options());  // (T * k, hidden) grouped by expert
     float* rp = rows.data_ptr<float>();

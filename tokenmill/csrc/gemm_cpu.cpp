@@ -507,12 +507,12 @@ inline void decode_row(const uint8_t* codes, int64_t i, const BlockScales& s, __
 }
 
 // A tile prefetches the panel it will likely run next while it runs this one. In a step of at most
-// kStreamRows rows, which reads each panel `once` and does little work per byte, non-temporally:
-// the weights stream through without pushing what the step reads again (its activations, the KV
-// blocks, the engine's Python between steps) out of the caches. Otherwise into every level, as
-// for steps whose later passes re-read the panel. (On a Zen 4, a one-row product over Q4_K panels
-// that do not fit in the caches took 0.74-0.76x the time with NTA prefetches, two rows 0.75-0.89x,
-// three 0.87x, but four 1.09x, eight 1.38x.)
+// kStreamRows rows, which reads each panel `once` and does little work per byte, non-temporally
+// (lines so marked are meant to leave without a place in the outer levels): the weights stream
+// faster (on a Zen 4, a one-row product over Q4_K panels that do not fit in the caches took
+// 0.74-0.76x the time, two rows 0.75-0.89x, three 0.87x). Otherwise into every level, as steps
+// with more work per byte need (there the same change took four rows 1.09x the time, eight 1.38x:
+// presumably gone again before their use), and as later passes over the panel re-read it.
 constexpr int64_t kStreamRows = 2;
 inline void prefetch_block(const uint8_t* pf, int64_t bytes, bool once) {
   const char* p = reinterpret_cast<const char*>(pf);

@@ -331,7 +331,7 @@ inline BlockScales super_block_scales(const uint8_t* unit, int64_t j) {
     const __m256i both = six_bit_scales_of(unit + super_scales_at(F) + j * kSixBitScaleBytes);
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(both)));
     const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(both, 1)));
-    const __m512 d = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1), sc);
+    const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit))), sc);
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + kDminAt)));
     const __m512 m = _mm512_xor_ps(_mm512_mul_ps(dmin, mn), _mm512_set1_ps(-0.0f));
     s.d0 = _mm512_castps512_ps256(d), s.d1 = _mm512_extractf32x8_ps(d, 1);

@@ -85,8 +85,9 @@ void CpuMoeExperts::project(const std::vector<const uint8_t*>& panels, int64_t f
     most = std::max(most, groups[a].count);
     decode = decode || tokenmill::decodes_panels(x[a], format);
   }
-  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[groups.size()]);  // panels written
-  for (size_t a = 0; a < groups.size(); ++a) done[a].store(0, std::memory_order_relaxed);
+  // each group's panels written so far, counted only for group_done
+  std::unique_ptr<std::atomic<int64_t>[]> done(group_done ? new std::atomic<int64_t>[groups.size()] : nullptr);
+  for (size_t a = 0; done && a < groups.size(); ++a) done[a].store(0, std::memory_order_relaxed);
   const int64_t chunk = tokenmill::panel_chunk_for(most) > 0 ? tokenmill::panel_chunk_for(most) : kSmallChunk;
   tokenmill::parallel_chunks(items, chunk, [&](tokenmill::ThreadChunks& chunks) {
     tokenmill::PanelScratch scratch(K, decode);

@@ -447,6 +447,63 @@ def test_pack_for_cpu_keeps_blocks_where_every_part_has_blocks(fused):
     assert torch.equal(one_call, python)
 
 
+def test_the_one_call_decoder_stack_lets_other_python_threads_run_during_its_pass(fused):
+    """The stack's pass runs without the GIL: a thread that wants it (the server's event loop with
+    a step's tokens to send) gets it during the pass. With a switch interval of 1000 s no thread
+    is ever asked to let go of the GIL, so the waiting thread runs during the pass only if the
+    pass released it. One layer: a pass that held the GIL and let it go only between layers
+    would never let it go here (with several, the waiter may win one of those races)."""
+    import sys
+    import threading
+
+    from tokenmill.attention import make_backend
+    from tokenmill.config import CacheConfig, ModelConfig
+    from tokenmill.model_runner import ModelRunner
+    from tokenmill.models.cpu_packing import fuse_layers, pack_for_cpu
+    from tokenmill.models.llama import LlamaForCausalLM
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.worker import ModelWorker
+    cfg = ModelConfig(architecture="llama", vocab_size=80, hidden_size=512, intermediate_size=2048, num_layers=1,
+                      num_heads=8, num_kv_heads=4, head_dim=64)  # a pass of some 10 ms at 512 tokens
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, max_len=512)
+    pack_for_cpu(model, fused.kernels, {})
+    model.ops = fused
+    fuse_layers(model, fused.kernels)
+    assert model.fused_stack is not None
+    worker = ModelWorker(model, cfg, CacheConfig(32, 16), make_backend("cpu", torch.device("cpu")),
+                         torch.device("cpu"), torch.float32)
+    tokens = [2 + i % 70 for i in range(512)]
+    request = Request(request_id="r", prompt_token_ids=tokens, params=SamplingParams(), max_tokens=4)
+    request.block_ids = list(range(32))
+    meta = ModelRunner(worker, seed=0).prepare([request], [512]).meta
+    with torch.inference_mode():
+        x = model.embed_tokens(torch.tensor(tokens))
+        cos, sin = model.rotary(torch.arange(512), x.dtype)
+    args = (x, cos, sin, [k for k, _ in worker.kv_caches], [v for _, v in worker.kv_caches], meta.slot_block,
+            meta.slot_offset, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    go, in_pass, seen = threading.Event(), [False], []
+
+    def waiter() -> None:
+        go.wait()
+        seen.append(in_pass[0])  # needs the GIL: taken while the pass runs, or only after it
+    thread = threading.Thread(target=waiter)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        thread.start()
+        with torch.inference_mode():
+            go.set()  # the waiter wakes, then waits for the GIL, which this thread keeps ...
+            in_pass[0] = True
+            model.fused_stack.forward(*args)  # ... until the pass lets go of it
+            in_pass[0] = False
+    finally:
+        sys.setswitchinterval(interval)
+        thread.join()
+    assert seen == [True]
+
+
 def test_packed_linear_with_panels_matches_for_every_row_count(fused):
     w = torch.randn(96, 48)
     layer = PackedLinear(w, None, fused.kernels)

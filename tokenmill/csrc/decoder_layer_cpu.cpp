@@ -7,6 +7,8 @@
 // attribute lookups and argument parsing).
 #include "decoder_layer_cpu.h"
 
+#include <optional>
+
 #include "cpu_ops.h"
 
 CpuDecoderLayer::CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps,
@@ -99,15 +101,14 @@ torch::Tensor CpuDecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch
                                        torch::Tensor query_start, torch::Tensor seq_lens) const {
   TM_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
            "DecoderStack: one K and one V pool per layer");
+  // The GIL is released for the whole pass, so that the server's event loop sends the last step's
+  // tokens as soon as it is scheduled. Yielding it between layers instead starved the loop: each
+  // release woke the waiting thread, and each wake restarted its 5 ms wait before it may ask the
+  // holder to let go, so with layers shorter than that it got the GIL only after the pass.
+  std::optional<pybind11::gil_scoped_release> released;
+  if (PyGILState_Check()) released.emplace();
   c10::optional<torch::Tensor> residual;
   for (size_t i = 0; i < layers.size(); ++i) {
-    // Between layers another Python thread that waits for the GIL (the server's event loop) takes
-    // it, as it did between the calls of the Python loop over the layers. Held for the whole pass,
-    // the loop would wait up to a prefill's length; released for the whole pass, the loop's work
-    // ran beside the kernels' two threads on two cores (16 streams: 3% fewer tokens).
-    if (i > 0 && PyGILState_Check()) {
-      pybind11::gil_scoped_release yield;
-    }
     auto [out, stream] = layers[i]->forward(x, residual, cos, sin, k_caches[i], v_caches[i], slot_block, slot_offset,
                                             block_tables, query_start, seq_lens);
     x = std::move(out), residual = std::move(stream);

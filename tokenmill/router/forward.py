@@ -209,9 +209,9 @@ class RelayResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send_body(self, send, data: bytes) -> None:
-        try:
-            await asyncio.wait_for(send({"type": "http.response.body", "body": data, "more_body": True}),
-                                   STREAM_WRITE_TIMEOUT)
-        except asyncio.TimeoutError:
+        try:  # a timeout scope, not wait_for: that runs each send as a task of its own
+            async with asyncio.timeout(STREAM_WRITE_TIMEOUT):
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        except TimeoutError:
             logger.info("a stream's client took nothing for %g s: ended", STREAM_WRITE_TIMEOUT)
             raise

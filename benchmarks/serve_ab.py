@@ -1,11 +1,12 @@
 """Two checkouts' servers, alternated in fresh processes: streamed completions at concurrency 1
-(TTFT, TPOT; the OpenAI default temperature 1) and `tokenmill bench serve` at concurrency 16.
+(TTFT, TPOT; the OpenAI default temperature 1) and `tokenmill bench serve` at `--concurrency`
+(default 16; output tok/s, mean TPOT, p99 inter-token latency).
 
     git worktree add /tmp/old <rev>
-    python benchmarks/serve_ab.py /tmp/old [--rounds 2]
+    python benchmarks/serve_ab.py /tmp/old [--rounds 2] [--concurrency 16]
 
-The old checkout loads its own build of the kernels (TORCH_EXTENSIONS_DIR=/tmp/ext_old); the
-new one is the checkout this runs in.
+Each checkout loads its own build of the kernels (their cache directories are named by a hash of
+the sources); the new one is the checkout this runs in.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old", type=Path, help="the other checkout")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
-    builds = {"old": (args.old, {"TORCH_EXTENSIONS_DIR": "/tmp/ext_old"}), "new": (HERE, {})}
-    res = {name: {"ttft": [], "tpot": [], "tok_s": [], "tpot16": []} for name in builds}
+    builds = {"old": (args.old, {}), "new": (HERE, {})}
+    res = {name: {"ttft": [], "tpot": [], "tok_s": [], "tpot_n": [], "itl_p99": []} for name in builds}
     seed = 0
     for rnd in range(args.rounds):
         for name in (builds if rnd % 2 == 0 else list(builds)[::-1]):
@@ -77,21 +79,23 @@ def main() -> None:
                     res[name]["tpot"].append(tpot)
                 with tempfile.NamedTemporaryFile(suffix=".json") as out:
                     subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--base-url",
-                                    f"http://127.0.0.1:{port}", "--model", MODEL, "--max-concurrency", "16",
-                                    "--num-prompts", "48", "--prompt-len", "64", "128", "--output-len", "64", "64",
+                                    f"http://127.0.0.1:{port}", "--model", MODEL, "--max-concurrency",
+                                    str(args.concurrency), "--num-prompts", str(3 * args.concurrency),
+                                    "--prompt-len", "64", "128", "--output-len", "64", "64",
                                     "--json", out.name], cwd=HERE, check=True, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
                     row = json.load(open(out.name))["rows"][0]
                 res[name]["tok_s"].append(round(row["output_tok_s"], 1))
-                res[name]["tpot16"].append(round(row["tpot"]["mean"] * 1e3, 1))
+                res[name]["tpot_n"].append(round(row["tpot"]["mean"] * 1e3, 1))
+                res[name]["itl_p99"].append(round(row["itl"]["p99"] * 1e3, 1))
             finally:
                 client.close()
                 proc.terminate()
                 proc.wait()
     for name, r in res.items():
         print(f"{name}: concurrency 1: TTFT median {statistics.median(r['ttft']):.1f} ms, TPOT median "
-              f"{statistics.median(r['tpot']):.2f} ms | concurrency 16: output tok/s {r['tok_s']}, "
-              f"TPOT mean {r['tpot16']} ms")
+              f"{statistics.median(r['tpot']):.2f} ms | concurrency {args.concurrency}: output tok/s {r['tok_s']}, "
+              f"TPOT mean {r['tpot_n']} ms, ITL p99 {r['itl_p99']} ms")
 
 
 if __name__ == "__main__":

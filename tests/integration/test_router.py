@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import free_port
+from test_server import free_port, metric, read_events, stalled_stream
 
 REPLICA_HEADER = "x-tokenmill-replica"
 
@@ -308,3 +308,33 @@ def scheduled(url: str) -> tuple[float, float]:
     figures = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
                if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))}
     return figures["vllm:num_requests_running"], figures["vllm:num_requests_waiting"]
+
+
+def test_a_relayed_stream_whose_client_stops_reading_ends_after_the_write_timeout_and_is_aborted(tiny_llama,
+                                                                                                  tmp_path):
+    """A client sends a stream through the router and reads nothing (n 16, 1,000 tokens with 20
+    logprobs each: some 20 MB of events, several times what the sockets on the way hold, so the
+    router's sends wait long before the replica is done). Once a send has waited
+    `--stream-write-timeout` (0.5 s) the router ends the relay and closes the replica's stream, so
+    the replica aborts all 16 requests and frees their KV blocks, none finished; the client's
+    connection closes without [DONE]. (With a timeout of 20 s all 16 finish, in about 3.5 s here.)"""
+    port, router_port = free_port(), free_port()
+    replica, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{router_port}"
+    procs = [serve(tiny_llama, port, tmp_path / "serve.log"),
+             route([port], router_port, tmp_path / "router.log", "--stream-write-timeout", "0.5")]
+    def finished(reason: str) -> float:  # (no sample until a request ends so)
+        try:
+            return metric(replica, f'tokenmill_requests_finished_total{{finish_reason="{reason}"}}')
+        except KeyError:
+            return 0.0
+    try:
+        wait_for(lambda: healthy_replicas(url) == {replica}, procs, "a healthy replica")
+        sock = stalled_stream(url, "/v1/completions", {"prompt": "w5 w6", "n": 16, "max_tokens": 1000,
+                                                       "logprobs": 20, "ignore_eos": True})
+        wait_for(lambda: finished("abort") == 16, procs, "the stalled requests aborted", limit_s=60)
+        wait_for(lambda: metric(replica, "tokenmill_kv_blocks_used") == 0, procs, "every KV block free", limit_s=10)
+        events, done = read_events(sock)
+        assert not done and 0 < len(events) < 16 * 1000
+        assert finished("length") == 0
+    finally:
+        stop(procs)

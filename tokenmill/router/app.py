@@ -111,9 +111,11 @@ async def _http_error(_, exc: StarletteHTTPException) -> JSONResponse:
 def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastLoaded,
                max_body_bytes: int = 4 * 1024 * 1024, allowed_hosts: list[str] | None = None,
                health_interval: float = 1.0, health_timeout: float = 5.0, prefix_capacity: int = 1 << 16,
-               prefill_urls: list[str] | None = None, min_uncached_chars: int = 1024) -> FastAPI:
+               prefill_urls: list[str] | None = None, min_uncached_chars: int = 1024,
+               stream_write_timeout: float = 60.0) -> FastAPI:
     """The router over `replica_urls` (http://host:port), routing by `policy` (policy.py); with
-    `prefill_urls`, prefill instances in front of them (disagg.py).
+    `prefill_urls`, prefill instances in front of them (disagg.py). A relayed stream whose client
+    takes nothing for `stream_write_timeout` seconds is ended (its replica then aborts the request).
 
     Replicas are polled (/health, /metrics) every `health_interval` seconds, each look given
     `health_timeout`; each replica's prefix set keeps at most `prefix_capacity` chunk hashes
@@ -128,7 +130,10 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     metrics = RouterMetrics()
     prefill = [Replica(url.rstrip("/"), PrefixSet(1)) for url in prefill_urls or []]
     stage = PrefillStage(client, prefill, replicas, metrics, min_uncached_chars) if prefill else None
-    handler = RouterHandler(Forwarder(client, replicas, policy, metrics), replicas, metrics, stage)
+    if not stream_write_timeout > 0:
+        raise ValueError(f"stream_write_timeout must be > 0 seconds, got {stream_write_timeout}")
+    forwarder = Forwarder(client, replicas, policy, metrics, stream_write_timeout)
+    handler = RouterHandler(forwarder, replicas, metrics, stage)
 
     app = OpenAIStyleAPI(title="tokenmill router", version=__version__, lifespan=_lifespan)
     app.state.client, app.state.replicas = client, replicas + prefill  # all polled; prefill ones never routed to

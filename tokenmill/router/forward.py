@@ -39,7 +39,6 @@ RETRIED_STATUSES = (502, 503, 504)
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 KEPT_RESPONSE_HEADERS = ("content-type", "retry-after", "allow", "www-authenticate", "x-request-id")
 REPLICA_HEADER = "x-tokenmill-replica"   # names the replica that answered
-STREAM_WRITE_TIMEOUT = 60.0              # a stream's client that takes nothing this long is let go
 
 
 class AttemptFailed(Exception):
@@ -110,6 +109,7 @@ class Forwarder:
     replicas: list[Replica]
     policy: CacheAware | RoundRobin | LeastLoaded
     metrics: RouterMetrics
+    write_timeout: float = 60.0  # a stream's client that takes nothing this long (seconds) is let go
 
     async def forward(self, method: str, path: str, content: bytes, headers: dict[str, str],
                       hashes: list[bytes] | None, decode_tokens: int = DEFAULT_DECODE_TOKENS) -> Response:
@@ -156,7 +156,7 @@ class Forwarder:
             first = await anext(events)
             relayed = True
             return RelayResponse(upstream.status_code, answer_headers(upstream, replica), first, events,
-                                 upstream, replica)
+                                 upstream, replica, self.write_timeout)
         except (httpx.HTTPError, StopAsyncIteration) as exc:
             replica.mark_down(f"{request.url.path}: {type(exc).__name__} {exc}")
             raise AttemptFailed() from None
@@ -172,15 +172,16 @@ class Forwarder:
 class RelayResponse(Response):
     """A response relaying a replica's event stream, whose first event has come, event by
     event. It ends when the replica's stream does (with an error event if the replica fails), when
-    the client disconnects, or when the client takes nothing for STREAM_WRITE_TIMEOUT seconds; in
+    the client disconnects, or when the client takes nothing for `write_timeout` seconds; in
     each case the replica's response is closed (the replica then aborts the request) and the
     replica's in-flight count given back."""
 
     def __init__(self, status: int, headers: dict[str, str], first: bytes, events: AsyncGenerator[bytes, None],
-                 upstream: httpx.Response, replica: Replica) -> None:
+                 upstream: httpx.Response, replica: Replica, write_timeout: float) -> None:
         super().__init__(status_code=status)
         self.relayed_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self.first, self.events, self.upstream, self.replica = first, events, upstream, replica
+        self.write_timeout = write_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         relay = asyncio.ensure_future(self._relay(send))
@@ -210,8 +211,8 @@ class RelayResponse(Response):
 
     async def _send_body(self, send, data: bytes) -> None:
         try:  # a timeout scope, not wait_for: that runs each send as a task of its own
-            async with asyncio.timeout(STREAM_WRITE_TIMEOUT):
+            async with asyncio.timeout(self.write_timeout):
                 await send({"type": "http.response.body", "body": data, "more_body": True})
         except TimeoutError:
-            logger.info("a stream's client took nothing for %g s: ended", STREAM_WRITE_TIMEOUT)
+            logger.info("a stream's client took nothing for %g s: ended", self.write_timeout)
             raise

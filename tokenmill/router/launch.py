@@ -72,6 +72,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="cache_aware: the 64-character prompt chunks one row of a step costs: each request "
                              "in flight on a replica adds this times the new request's max_tokens (at most 256) to "
                              "its wait (default: 1/16, a token's work)")
+    parser.add_argument("--stream-write-timeout", type=seconds, default=60.0,
+                        help="end a relayed stream whose client takes no output for this many seconds (its "
+                             "replica then aborts the request)")
     parser.add_argument("--health-interval", type=seconds, default=1.0,
                         help="poll each replica's /health and /metrics this often (default: 1 s)")
     parser.add_argument("--allowed-hosts", default=None,
@@ -95,7 +98,8 @@ def run_router(args: argparse.Namespace) -> int:
         allowed = resolve_allowed_hosts(args.allowed_hosts, args.host, sock.getsockname()[0], None)
         app = create_app(args.replicas, policy, max_body_bytes=args.max_body_bytes, allowed_hosts=allowed,
                          health_interval=args.health_interval, prefill_urls=args.prefill,
-                         min_uncached_chars=args.min_uncached_chars)
+                         min_uncached_chars=args.min_uncached_chars,
+                         stream_write_timeout=args.stream_write_timeout)
         protocol = functools.partial(GuardedH11Protocol, header_timeout=10.0, max_connections=max_connections)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
                                                log_level=logging.getLevelName(logging.getLogger().level).lower(),

@@ -74,7 +74,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "its wait (default: 1/16, a token's work)")
     parser.add_argument("--stream-write-timeout", type=seconds, default=60.0,
                         help="end a relayed stream whose client takes no output for this many seconds (its "
-                             "replica then aborts the request)")
+                             "replica then aborts the request; default: 60 s)")
     parser.add_argument("--health-interval", type=seconds, default=1.0,
                         help="poll each replica's /health and /metrics this often (default: 1 s)")
     parser.add_argument("--allowed-hosts", default=None,

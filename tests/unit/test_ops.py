@@ -465,7 +465,7 @@ def test_the_one_call_decoder_stack_lets_other_python_threads_run_during_its_pas
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.worker import ModelWorker
     cfg = ModelConfig(architecture="llama", vocab_size=80, hidden_size=512, intermediate_size=2048, num_layers=1,
-                      num_heads=8, num_kv_heads=4, head_dim=64)  # a pass of some 10 ms at 512 tokens
+                      num_heads=8, num_kv_heads=4, head_dim=64)  # a pass of some 20 ms at 512 tokens
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg, max_len=512)
     pack_for_cpu(model, fused.kernels, {})

@@ -19,26 +19,16 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from disagg_long import free_port, wait_healthy  # beside this script
+from nixl_idle_cpu import cpu_seconds
 
 HERE = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def upstream_app(events: int, interval: float):
@@ -68,18 +58,6 @@ def upstream_app(events: int, interval: float):
     return app
 
 
-def wait_healthy(url: str, limit_s: float = 60) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy in {limit_s} s")
-
-
 async def read_streams(url: str, streams: int) -> int:
     async def one(client: httpx.AsyncClient) -> int:
         body = {"prompt": "hello", "max_tokens": 128, "stream": True}
@@ -100,7 +78,7 @@ def measure(tree: Path, upstream: str, streams: int) -> tuple[float, int]:
                               env={**os.environ, "PYTHONPATH": str(tree)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}")
+        wait_healthy(f"http://127.0.0.1:{port}", [router])
         time.sleep(1.0)
         before = cpu_seconds(router.pid)
         got = asyncio.run(read_streams(f"http://127.0.0.1:{port}", streams))
@@ -129,7 +107,7 @@ def main() -> None:
     upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(port), "--events",
                                  str(args.events), "--interval", str(args.interval)])
     try:
-        wait_healthy(f"http://127.0.0.1:{port}")
+        wait_healthy(f"http://127.0.0.1:{port}", [upstream])
         print(f"{'round':>5} {'tree':<12} {'events':>7} {'router CPU s':>12} {'µs/event':>9}")
         for round_ in range(args.rounds):
             for name, tree in trees if round_ % 2 == 0 else trees[::-1]:

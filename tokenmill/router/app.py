@@ -123,6 +123,8 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     router answers (None: any)."""
     if not replica_urls:
         raise ValueError("the router needs at least one replica")
+    if not stream_write_timeout > 0:
+        raise ValueError(f"stream_write_timeout must be > 0 seconds, got {stream_write_timeout}")
     replicas = [Replica(url.rstrip("/"), PrefixSet(prefix_capacity)) for url in replica_urls]
     # no read timeout: a completion takes as long as it takes; trust_env off: no proxy between
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False,
@@ -130,10 +132,8 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     metrics = RouterMetrics()
     prefill = [Replica(url.rstrip("/"), PrefixSet(1)) for url in prefill_urls or []]
     stage = PrefillStage(client, prefill, replicas, metrics, min_uncached_chars) if prefill else None
-    if not stream_write_timeout > 0:
-        raise ValueError(f"stream_write_timeout must be > 0 seconds, got {stream_write_timeout}")
-    forwarder = Forwarder(client, replicas, policy, metrics, stream_write_timeout)
-    handler = RouterHandler(forwarder, replicas, metrics, stage)
+    handler = RouterHandler(Forwarder(client, replicas, policy, metrics, stream_write_timeout), replicas, metrics,
+                            stage)
 
     app = OpenAIStyleAPI(title="tokenmill router", version=__version__, lifespan=_lifespan)
     app.state.client, app.state.replicas = client, replicas + prefill  # all polled; prefill ones never routed to

@@ -1,14 +1,16 @@
 """The CPU attention kernel alone, decodes over 30 layers of the default model's shapes, for builds
-of the kernels from several checkouts side by side in one process (rounds alternated).
+of the kernels from several checkouts, and pools of several dtypes, side by side in one process
+(rounds alternated).
 
     python benchmarks/cpu_attention.py old=/tmp/old/tokenmill/csrc new=tokenmill/csrc \
-        [--batch 64] [--context 300] [--contiguous] [--heads 16 16 --head-dim 128 --kv-dtype float16]
+        [--batch 64] [--context 300] [--contiguous] [--heads 16 16 --head-dim 128] \
+        [--kv-dtype float16 int8]
 
 Each checkout's csrc is built as its own extension module (kernel_builds.py). The pool sits on
 huge pages as the engine's does, one (K, V) pair per layer, the sequences' blocks at random places
 in it (or one after another with --contiguous), so every layer reads from memory.
 Prints each build's median time for the 30 layers and the rate it reads K/V at, beside a plain
-sequential read of the pool for scale.
+sequential read of the pool for scale. An int8 pool holds random codes and a scale per row.
 """
 
 from __future__ import annotations
@@ -25,8 +27,20 @@ sys.path.insert(0, str(Path.cwd()))  # the checkout this runs in
 from kernel_builds import build_named  # noqa: E402 (beside this script)
 
 from tokenmill.host_memory import huge_page_zeros  # noqa: E402
+from tokenmill.worker import pool_row_width  # noqa: E402
 
 LAYERS, BLOCK = 30, 16
+
+
+def random_pool(num_blocks: int, hkv: int, d: int, kv_dtype: torch.dtype) -> torch.Tensor:
+    """(LAYERS, 2, num_blocks, hkv, BLOCK, row) on huge pages, as worker.py lays the pool out."""
+    pool = huge_page_zeros((LAYERS, 2, num_blocks, hkv, BLOCK, pool_row_width(d, kv_dtype)), kv_dtype)
+    if kv_dtype != torch.int8:
+        return pool.normal_()
+    runs = pool.view(LAYERS, 2, num_blocks, hkv, -1)  # each run: BLOCK rows of codes, then their scales
+    runs[..., :BLOCK * d] = torch.randint(-127, 128, runs[..., :BLOCK * d].shape, dtype=torch.int8)
+    runs[..., BLOCK * d:].view(torch.float32).fill_(1 / 50)  # about normal values' spread
+    return pool
 
 
 def main() -> None:
@@ -38,50 +52,53 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("HQ", "HKV"),
                         help="query and kv heads (the default model's: 9 and 3)")
     parser.add_argument("--head-dim", type=int, default=64, help="the default model's: 64")
-    parser.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    parser.add_argument("--kv-dtype", nargs="+", choices=("float32", "float16", "bfloat16", "int8"),
+                        default=["float32"])
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
-    D, kv_dtype = args.head_dim, getattr(torch, args.kv_dtype)
+    D = args.head_dim
     builds = build_named(args.builds)
     torch.manual_seed(0)
     hq, hkv = args.heads
     blocks_per_seq = -(-args.context // BLOCK)
     num_blocks = args.batch * blocks_per_seq + 200
-    pool = huge_page_zeros((LAYERS, 2, num_blocks, hkv, BLOCK, D), kv_dtype)
-    pool.normal_()
+    pools = {name: random_pool(num_blocks, hkv, D, getattr(torch, name)) for name in args.kv_dtype}
     order = torch.arange(num_blocks) if args.contiguous else torch.randperm(num_blocks)
     tables = order[: args.batch * blocks_per_seq].view(args.batch, blocks_per_seq).to(torch.int32).contiguous()
     q = torch.randn(args.batch, hq, D)
     query_start = torch.arange(args.batch + 1, dtype=torch.int32)
     seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32)
 
-    def run(mod) -> list[torch.Tensor]:
+    def run(mod, pool: torch.Tensor) -> list[torch.Tensor]:
         return [mod.paged_attention(q, pool[layer, 0], pool[layer, 1], tables, query_start, seq_lens, D ** -0.5)
                 for layer in range(LAYERS)]
 
-    outs = {name: run(mod) for name, mod in builds.items()}
-    first = next(iter(outs.values()))
-    times: dict[str, list[float]] = {name: [] for name in builds}
+    runs = [(f"{name}/{dtype}", mod, pool) for name, mod in builds.items() for dtype, pool in pools.items()]
+    outs = {label: run(mod, pool) for label, mod, pool in runs}
+    times: dict[str, list[float]] = {label: [] for label, _, _ in runs}
     for _ in range(args.rounds):
-        for name, mod in builds.items():
+        for label, mod, pool in runs:
             best = float("inf")
             for _ in range(3):
                 start = time.perf_counter()
-                run(mod)
+                run(mod, pool)
                 best = min(best, time.perf_counter() - start)
-            times[name].append(best)
-    gigabytes = LAYERS * 2 * args.batch * args.context * hkv * D * kv_dtype.itemsize / 1e9
+            times[label].append(best)
     layout = "contiguous" if args.contiguous else "scattered"
     print(f"batch {args.batch}, context {args.context}, {layout} blocks, {torch.get_num_threads()} threads")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        same = all(torch.equal(a, b) for a, b in zip(outs[name], first))
-        print(f"{name:>8}: {med * 1e3:7.2f} ms for {LAYERS} layers, {gigabytes / med:5.1f} GB/s of K/V"
+    for label, mod, pool in runs:
+        med = statistics.median(times[label])
+        gigabytes = LAYERS * 2 * args.batch * args.context * hkv * pool.shape[-1] * pool.element_size() / 1e9
+        first = outs[f"{next(iter(builds))}/{label.split('/')[1]}"]  # the first build's, same pool
+        same = all(torch.equal(a, b) for a, b in zip(outs[label], first))
+        print(f"{label:>16}: {med * 1e3:7.2f} ms for {LAYERS} layers, {gigabytes / med:5.1f} GB/s of K/V"
               f" (outputs of all layers {'identical' if same else 'DIFFER'} to the first build's)")
-    start = time.perf_counter()
-    pool.sum()
-    seconds = time.perf_counter() - start
-    print(f"a sequential read of the whole pool: {pool.numel() * kv_dtype.itemsize / 1e9 / seconds:.1f} GB/s")
+    for dtype, pool in pools.items():
+        start = time.perf_counter()
+        pool.view(-1).view(torch.float32).sum()  # the bytes as float32, whatever they hold
+        seconds = time.perf_counter() - start
+        rate = pool.numel() * pool.element_size() / 1e9 / seconds
+        print(f"a sequential read of the whole {dtype} pool: {rate:.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 default workload's shape, alternated between them, so the machine's drift falls on both alike.
 
     python benchmarks/cpu_engine_ab.py old=/tmp/old/tokenmill/csrc new=tokenmill/csrc \
-        [--batch 64 --prompt 250 --rounds 12 --steps 6] [--workloads 4] [--model PATH]
+        [--batch 64 --prompt 250 --rounds 12 --steps 6] [--workloads 4] [--model PATH] \
+        [--kv-cache-dtypes auto int8]
 
-Only the kernels differ between the engines: the Python is this checkout's. Decode steps: each
+Only the kernels differ between the engines, or with --kv-cache-dtypes (one per build, in order)
+their KV pools too: the Python is this checkout's. Decode steps: each
 engine takes `batch` requests of `prompt` tokens, then the engines run `steps` decode steps in turn,
 `rounds` times, their order reversed every other round; each round's median step is compared.
 Workloads: each engine runs one warm-up workload (its pool's pages faulted in), then the default
@@ -32,24 +34,29 @@ from tokenmill.models.loader import default_model_path  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 
-def engine_on(module, model: str | None = None) -> LLMEngine:
+def engine_on(module, model: str | None = None, kv_cache_dtype: str = "auto") -> LLMEngine:
     """An engine of `model` (default: the default model) whose kernels come from `module` (the
     engine takes them from load_cpu_kernels while it is built)."""
     original = cpu_kernels._build
     cpu_kernels._build = lambda: module
     try:
-        return LLMEngine(EngineConfig(model=model or str(default_model_path())))
+        return LLMEngine(EngineConfig(model=model or str(default_model_path()), kv_cache_dtype=kv_cache_dtype))
     finally:
         cpu_kernels._build = original
 
 
 def decode_steps(engines: dict[str, LLMEngine], args: argparse.Namespace) -> None:
-    params = SamplingParams(max_tokens=args.rounds * args.steps + 8, ignore_eos=True, temperature=0.0)
     for engine in engines.values():
+        # requests that outlast the prompts' steps too: the first ones decode while the last ones'
+        # prompts are still being computed
+        params = SamplingParams(max_tokens=engine.scheduler.config.max_model_len - args.prompt, ignore_eos=True,
+                                temperature=0.0)
         for i in range(args.batch):
             engine.add_request(f"r{i}", [100 + (7 * i + j) % 5000 for j in range(args.prompt)], params)
         while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
             engine.step()  # the prompts
+    lengths = [r.num_tokens for r in next(iter(engines.values())).scheduler.running]
+    print(f"{len(lengths)} requests, contexts {min(lengths)}-{max(lengths)} when the decode steps start")
     times: dict[str, list[list[float]]] = {name: [] for name in engines}  # per round, its steps
     for r in range(args.rounds):
         order = list(engines.items())
@@ -64,7 +71,7 @@ def decode_steps(engines: dict[str, LLMEngine], args: argparse.Namespace) -> Non
         ratios = " ".join(f"{statistics.median(mine) / statistics.median(theirs):.3f}"
                           for mine, theirs in zip(rounds, times[first]))
         print(f"{name}: median decode step {statistics.median(sum(rounds, [])) * 1e3:.2f} ms "
-              f"(batch {args.batch}, contexts {args.prompt}-{args.prompt + args.rounds * args.steps}); "
+              f"(batch {args.batch}); "
               f"each round's median against {first}'s: {ratios}")
 
 
@@ -92,8 +99,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workloads", type=int, default=0, help="alternate this many workloads instead")
     parser.add_argument("--model", default=None, help="another model than the default one")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=None, help="each build's engine's pool dtype")
     args = parser.parse_args()
-    engines = {name: engine_on(module, args.model) for name, module in build_named(args.builds).items()}
+    dtypes = args.kv_cache_dtypes or ["auto"] * len(args.builds)
+    if len(dtypes) != len(args.builds):
+        parser.error("--kv-cache-dtypes needs one dtype per build")
+    engines = {name: engine_on(module, args.model, dtype)
+               for (name, module), dtype in zip(build_named(args.builds).items(), dtypes)}
     if args.workloads:
         workloads(engines, args.workloads)
     else:

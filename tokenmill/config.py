@@ -23,7 +23,7 @@ KV_CONNECTORS = ("shared_storage", "nixl")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "fp32": "float32"}  # vLLM's names (auto: float32 on CPU, bfloat16 on CUDA)
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")
 
 
 def parse_size(value: int | str) -> int:
@@ -170,8 +170,8 @@ class ModelConfig:
         return max(self.layer_windows)
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V for one token across all layers, in elements (multiply by dtype size)."""
+    def kv_elements_per_token(self) -> int:
+        """K and V for one token across all layers, in elements (the pool's bytes: worker.kv_bytes_per_token)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
@@ -195,7 +195,8 @@ class EngineConfig:
                                              # "float32": the CPU's exact path
     kv_cache_dtype: str = "auto"             # "auto": the model's dtype; "float16" or "bfloat16" (CPU):
                                              # half the KV bytes to store and read, values rounded to
-                                             # 11 bits (and held within +-65504) or to 8 bits
+                                             # 11 bits (and held within +-65504) or to 8 bits; "int8"
+                                             # (CPU kernels): 8-bit codes and a scale per token and head
     device: str = "cpu"                      # "cpu" or "cuda"
     seed: int | None = 0                     # seeds the sampler for requests without their own seed
                                              # (None: a random one, drawn here)

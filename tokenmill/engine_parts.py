@@ -47,7 +47,7 @@ from tokenmill.scheduler import Scheduler
 from tokenmill.spec_decode import SpeculationPolicy, Speculator
 from tokenmill.structured import GrammarCompiler
 from tokenmill.tp_rank import RankProcesses, torchrun_rank
-from tokenmill.worker import ModelWorker
+from tokenmill.worker import ModelWorker, kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -136,14 +136,14 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
     # own pool gets as many blocks: each block then costs the two models' K/V.
     proposer = (make_proposer(config.speculative, config, checkpoint.config.vocab_size)
                 if config.speculative is not None else None)
-    draft_kv = proposer.kv_elements_per_token if proposer is not None else 0
+    draft_kv = proposer.kv_bytes_per_token(kv_dtype) if proposer is not None else 0
     if local_config.encoder is not None and config.num_kv_blocks is None:
         # an encoder's blocks hold no K/V (worker.py), only the scheduler's count: as many as every
         # seat filled with a full-length prompt, not memory's worth
         num_blocks = config.max_num_seqs * -(-max_len // config.block_size)
     else:
         num_blocks = kv_pool_blocks(config, device,
-                                    (local_config.kv_bytes_per_token + draft_kv) * kv_dtype.itemsize, max_len)
+                                    kv_bytes_per_token(local_config, kv_dtype) + draft_kv, max_len)
     if ranks is not None:
         with ranks.sender().failures():
             num_blocks = ranks.group.min_over_ranks(num_blocks)
@@ -182,9 +182,9 @@ def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_co
     checkpoint's file or directory). Under tensor parallelism the worker sends each step to the
     other ranks."""
     num_blocks, block_size = cache_config.num_blocks, cache_config.block_size
-    bytes_per_block = block_size * model_config.kv_bytes_per_token * kv_dtype.itemsize
+    bytes_per_block = block_size * kv_bytes_per_token(model_config, kv_dtype)
     num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
-    backend = make_backend(config.attention_backend, device, block_size, model_config.head_dim, dtype)
+    backend = make_backend(config.attention_backend, device, block_size, model_config.head_dim, dtype, kv_dtype)
     try:  # the pool's tensors first, then its bookkeeping (a list entry per block)
         worker = ModelWorker(model, model_config, cache_config, backend, device, kv_dtype, num_host_blocks, threads,
                              ranks.sender() if ranks is not None else None)

@@ -20,7 +20,8 @@ from tokenmill.sampler import SamplingMetadata
 class NgramProposer:
     """Prompt lookup: no second model, drafts copied from the sequence itself."""
 
-    kv_elements_per_token = 0  # no cache of its own
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        return 0  # no cache of its own
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4) -> None:
         if not 1 <= ngram_min <= ngram_max:
@@ -77,11 +78,15 @@ class DraftModelProposer:
         self.target_vocab, self.vocab = target_vocab, checkpoint.config.vocab_size
         self.max_len = max_len = checkpoint.config.max_position_embeddings
         self.model_config = checkpoint.config
-        self.kv_elements_per_token = checkpoint.config.kv_bytes_per_token
         self.model = load_model(checkpoint, max_len, dtype, device, engine_config.kernels,
                                 engine_config.gguf_blocks, engine_config.int8_rows_choice,
                                 bf16_weights=engine_config.bf16_weights_choice)
         self.seqs: dict[str, Request] = {}   # request id -> the draft model's view of the sequence
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        """One token's K and V in the draft's pool."""
+        from tokenmill.worker import kv_bytes_per_token
+        return kv_bytes_per_token(self.model_config, kv_dtype)
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """The draft's KV pool (in the target pool's dtype) and runner, once the engine has sized the
@@ -96,7 +101,7 @@ class DraftModelProposer:
         cfg, device = self.config, torch.device(self.config.device)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         backend = make_backend(cfg.attention_backend, device, block_size, self.model_config.head_dim,
-                               activation_dtype(cfg, device))
+                               activation_dtype(cfg, device), kv_dtype)
         worker = ModelWorker(self.model, self.model_config, CacheConfig(num_blocks, block_size), backend, device,
                              kv_dtype)
         self.runner = ModelRunner(worker, cfg.seed)

@@ -55,7 +55,7 @@ from tokenmill.distributed import (
 from tokenmill.model_runner import kv_pool_blocks
 from tokenmill.models.loader import load_model, open_checkpoint, resolve_model_path
 from tokenmill.models.parallel import TPShard
-from tokenmill.worker import ModelWorker
+from tokenmill.worker import ModelWorker, kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -226,11 +226,10 @@ def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:
     model = load_model(checkpoint, max_len, dtype, device, config.kernels, config.gguf_blocks, config.int8_rows_choice,
                        TPShard(group.rank, group.size), group.all_reduce, config.bf16_weights_choice)
     local = model.config
-    num_blocks = group.min_over_ranks(kv_pool_blocks(config, device, local.kv_bytes_per_token * kv_dtype.itemsize,
-                                                     max_len))
-    bytes_per_block = config.block_size * local.kv_bytes_per_token * kv_dtype.itemsize
+    num_blocks = group.min_over_ranks(kv_pool_blocks(config, device, kv_bytes_per_token(local, kv_dtype), max_len))
+    bytes_per_block = config.block_size * kv_bytes_per_token(local, kv_dtype)
     num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
-    backend = make_backend(config.attention_backend, device, config.block_size, local.head_dim, dtype)
+    backend = make_backend(config.attention_backend, device, config.block_size, local.head_dim, dtype, kv_dtype)
     cache = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
     return ModelWorker(model, local, cache, backend, device, kv_dtype, num_host_blocks, threads)
 

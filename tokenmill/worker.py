@@ -8,8 +8,10 @@ where tensor-parallel ranks sit, each a worker over its share of the heads and o
 rank 0 the worker has `peers` (distributed.StepSender) and sends every swap and step to the other
 ranks before running its own share; they run theirs from what they receive (tp_rank.py).
 
-    pool  (layers, K|V, blocks + 1, kv_heads, block_size, head_dim)
-          the last block is scratch: padding rows of a replayed decode graph write there
+    pool  (layers, K|V, blocks + 1, kv_heads, block_size, row)
+          the last block is scratch: padding rows of a replayed decode graph write there;
+          row = head_dim, or head_dim + 4 in an int8 pool, whose (block, head) runs hold block_size
+          rows of codes and then their float32 scales (csrc/paged_attention_cpu.cpp)
 """
 
 from __future__ import annotations
@@ -22,6 +24,19 @@ from tokenmill.cpu_threads import ThreadGovernor
 from tokenmill.cuda_graphs import DecodeGraphs
 from tokenmill.distributed import StepSender
 from tokenmill.host_memory import huge_page_zeros
+
+INT8_SCALE_BYTES = 4  # an int8 pool's float32 scale per row of codes
+
+
+def pool_row_width(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """The pool's last dimension: head_dim, with room for each row's scale in an int8 pool."""
+    return head_dim + (INT8_SCALE_BYTES if kv_dtype == torch.int8 else 0)
+
+
+def kv_bytes_per_token(model_config: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """One token's K and V in every layer, in bytes of a pool of kv_dtype."""
+    rows = 2 * model_config.num_layers * model_config.num_kv_heads
+    return rows * pool_row_width(model_config.head_dim, kv_dtype) * kv_dtype.itemsize
 
 
 class ModelWorker:
@@ -39,7 +54,7 @@ class ModelWorker:
         # are the scheduler's bookkeeping alone
         num_layers = 0 if model_config.encoder is not None else model_config.num_layers
         shape = (num_layers, 2, cache_config.num_blocks + 1, model_config.num_kv_heads,
-                 cache_config.block_size, model_config.head_dim)
+                 cache_config.block_size, pool_row_width(model_config.head_dim, kv_dtype))
         # On the CPU the pool sits on huge pages, lazily committed (pages never touched cost no memory);
         # on a GPU it is zeroed when the backend reads past a sequence's end, where it needs finite values.
         if device.type == "cpu":

@@ -16,9 +16,9 @@ def engine(tiny_models, **options) -> LLM:
     return LLM(str(tiny_models["llama"]), **options)
 
 
-def prefill(tiny_models, storage) -> list[dict]:
+def prefill(tiny_models, storage, **options) -> list[dict]:
     """Run the prompts on a prefill instance as a proxy would (one token each); their params."""
-    llm = engine(tiny_models, kv_role="prefill", kv_storage_path=str(storage))
+    llm = engine(tiny_models, kv_role="prefill", kv_storage_path=str(storage), **options)
     outs = llm.generate(PROMPTS, GREEDY.clone(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
                         use_tqdm=False)
     return [out.kv_transfer_params for out in outs]
@@ -48,6 +48,20 @@ def test_the_decode_instance_computes_only_each_last_prompt_token_and_answers_as
     assert llm.engine.scheduler.stats().num_external_tokens == 32 + 48 + 48
     assert computed == (40 - 32) + (49 - 48) + (58 - 48)
     assert not list(tmp_path.rglob("*.kv"))  # the hand-off is consumed
+
+
+def test_int8_pools_hand_over_their_codes_and_scales_and_refuse_a_float16_pools_blocks(tiny_models, tmp_path):
+    """Both instances with kv_cache_dtype="int8": the decode instance reads the prompts' blocks (codes
+    and scales, byte for byte) and answers as one int8 instance; a float16 decode instance finds
+    none of them (the pool's dtype is in the blocks' fingerprint) and computes the prompts itself."""
+    int8 = {"dtype": "float32", "kv_cache_dtype": "int8"}
+    alone = [out.outputs[0].token_ids for out in engine(tiny_models, **int8).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    params = prefill(tiny_models, tmp_path / "a", **int8)
+    outputs, llm, computed = decode(tiny_models, tmp_path / "a", params, **int8)
+    assert outputs == alone and llm.engine.scheduler.stats().num_external_tokens == 32 + 48 + 48
+    params = prefill(tiny_models, tmp_path / "b", **int8)
+    _, llm, computed = decode(tiny_models, tmp_path / "b", params, dtype="float32", kv_cache_dtype="float16")
+    assert llm.engine.scheduler.stats().num_external_tokens == 0 and computed == 40 + 49 + 58
 
 
 def test_missing_or_corrupt_blocks_are_computed_by_the_decode_instance(tiny_models, tmp_path, colocated):

@@ -42,13 +42,13 @@ ARCHS = ["llama", "qwen2", "qwen3", "phi3"]
 
 @pytest.mark.parametrize("backend_name, kernels, kv_dtype, tol", [
     ("reference", "torch", torch.float32, 1e-4), ("cpu", "auto", torch.float32, 1e-4),
-    ("cpu", "auto", torch.float16, 3e-3), ("cpu", "auto", torch.bfloat16, 2e-2),
+    ("cpu", "auto", torch.float16, 3e-3), ("cpu", "auto", torch.bfloat16, 2e-2), ("cpu", "auto", torch.int8, 4e-2),
     pytest.param("reference", "triton", torch.float32, 1e-4, marks=needs_triton)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, kv_dtype, tol):
     """Reference path (SDPA, F.linear, torch ops) and fast path (C++ attention kernel, panel
-    GEMM projections, fused C++ ops) both match transformers; with a float16 or bfloat16 KV pool, to
-    within what rounding K and V to it costs; and the Triton element-wise kernels of CUDA (on a GPU, or
+    GEMM projections, fused C++ ops) both match transformers; with a float16, bfloat16 or int8 KV
+    pool, to within what rounding K and V to it costs; and the Triton element-wise kernels of CUDA (on a GPU, or
     under the Triton interpreter without one)."""
     path = tiny_models[arch]
     checkpoint = open_checkpoint(path)
@@ -60,8 +60,8 @@ def test_ragged_step_logits_match_hf(tiny_models, arch, backend_name, kernels, k
         from tokenmill.models.triton_ops import TritonFusedOps
         model.ops = TritonFusedOps()
     kv = KVCacheManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
-    runner = ModelRunner(ModelWorker(model, cfg, CacheConfig(64, 16), make_backend(backend_name, device), device,
-                                     kv_dtype), seed=0)
+    backend = make_backend(backend_name, device, kv_dtype=kv_dtype)
+    runner = ModelRunner(ModelWorker(model, cfg, CacheConfig(64, 16), backend, device, kv_dtype), seed=0)
     rng = random.Random(arch)
     lengths = {"a": 70, "b": 23, "c": 41, "d": 9}
     reqs = {k: Request(request_id=k, prompt_token_ids=[rng.randrange(2, 384) for _ in range(n)],

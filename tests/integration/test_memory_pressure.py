@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 
@@ -99,3 +100,23 @@ def test_priority_preemption_to_admit_keeps_every_output(tiny_llama, roomy, mode
     assert (engine.scheduler.num_swapped_out > 0) == (mode == "swap")
     assert [finals[i] for i in range(len(prompts()))] == roomy
     assert engine.scheduler.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_an_int8_pool_gives_the_same_tokens_under_pressure_as_with_room(tiny_llama, mode):
+    """kv_cache_dtype="int8": blocks swapped out and back, recomputed after preemption or served
+    from the prefix cache hold the same codes and scales, so the greedy tokens are those of a roomy
+    int8 pool; and the same memory holds blocks of rows of head_dim + 4 bytes (the codes and a
+    float32 scale) where a float16 pool's rows take 2 * head_dim."""
+    roomy_int8, engine = run(tiny_llama, num_kv_blocks=512, enable_prefix_caching=False, kv_cache_dtype="int8")
+    assert engine.runner.worker.kv_cache.dtype == torch.int8 and engine.scheduler.num_preemptions == 0
+    tokens, engine = run(tiny_llama, num_kv_blocks=24, preemption_mode=mode, swap_space=1 << 24,
+                         kv_cache_dtype="int8")
+    assert engine.scheduler.num_preemptions > 0 and (engine.scheduler.num_swapped_out > 0) == (mode == "swap")
+    assert engine.scheduler.stats().prefix_tokens_hit > 0
+    assert tokens == roomy_int8
+    config = engine.model_config
+    rows = 16 * 2 * config.num_layers * config.num_kv_heads  # a block's rows: 16 tokens' K and V
+    for dtype, row_bytes in (("float16", 2 * config.head_dim), ("int8", config.head_dim + 4)):
+        llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dtype=dtype, kv_cache_memory=1 << 22)
+        assert llm.engine.cache_config.num_blocks == (1 << 22) // (rows * row_bytes)

@@ -227,9 +227,9 @@ def test_the_kv_budget_holds_the_draft_models_pool_too(tiny_llama, draft_model):
     budget = 1 << 20
     plain = LLM(str(tiny_llama), kv_cache_memory=budget, dtype="float32").engine
     spec = LLM(str(tiny_llama), kv_cache_memory=budget, dtype="float32", speculative=f"draft:{draft_model}").engine
-    per_token = plain.model_config.kv_bytes_per_token * 4  # float32 K and V of every layer
+    per_token = plain.model_config.kv_elements_per_token * 4  # float32 K and V of every layer
     assert plain.cache_config.num_blocks == budget // (16 * per_token)
-    draft_per_token = spec.speculator.proposer.model_config.kv_bytes_per_token * 4
+    draft_per_token = spec.speculator.proposer.model_config.kv_elements_per_token * 4
     assert spec.cache_config.num_blocks == budget // (16 * (per_token + draft_per_token))
     assert spec.speculator.proposer.kv.pool.num_blocks == spec.cache_config.num_blocks
 

@@ -458,3 +458,114 @@ def test_cpu_kernel_with_sinks_matches_the_reference_backend(case, d):
         got = cpu.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5, None, None, sinks)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         assert got[:, 5].abs().max() < 1e-20 and got[:, 0].abs().max() > 0.05
+
+
+# ---- the int8 pool: 8-bit codes and a float32 scale per token and kv head ----------------------
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as csrc/paged_attention_cpu.cpp documents the int8 pool: scale = max |x| / 127, codes
+    x * (127 / max |x|) rounded to nearest even (a row of zeros: scale 0, codes 0; a row with a NaN
+    or an infinity: scale NaN, codes 0)."""
+    finite = x.isfinite().all(-1, keepdim=True)
+    x = torch.where(finite, x, 0.0)
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    scales = torch.where(finite, amax / 127, float("nan"))
+    return (x * inv).round().clamp(-127, 127).to(torch.int8), scales.squeeze(-1)
+
+
+def int8_pool(cache: torch.Tensor) -> torch.Tensor:
+    """(N, Hkv, bs, D) floats as an int8 pool (N, Hkv, bs, D + 4): each run's codes, then its scales."""
+    n, h, bs, d = cache.shape
+    codes, scales = quantize_rows(cache)
+    runs = torch.cat([codes.reshape(n, h, bs * d), scales.contiguous().view(torch.int8)], -1)
+    return runs.reshape(n, h, bs, d + 4)
+
+
+def dequantize_pool(pool: torch.Tensor) -> torch.Tensor:
+    """An int8 pool's values, code * scale, as (N, Hkv, bs, D) float32."""
+    n, h, bs, width = pool.shape
+    d = width - 4
+    runs = pool.reshape(n, h, bs * width)
+    codes, scales = runs[..., :bs * d].reshape(n, h, bs, d), runs[..., bs * d:].contiguous().view(torch.float32)
+    return codes.float() * scales[..., None]
+
+
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    codes, scales = quantize_rows(x)
+    return codes.float() * scales[..., None]
+
+
+def int8_backend(d: int):
+    return make_backend("cpu", torch.device("cpu"), block_size=BS, head_dim=d, kv_dtype=torch.int8)
+
+
+INT8_CASES = {**FP16_CASES, "long_decodes": ([1, 1], [400, 700])}
+
+
+@pytest.mark.parametrize("case", list(INT8_CASES))
+@pytest.mark.parametrize("hkv,hq,d", [(3, 9, 64), (2, 4, 128), (2, 16, 24), (1, 3, 20)])
+def test_int8_pool_matches_the_oracle_on_its_dequantized_values(case, hkv, hq, d):
+    """kv_cache_dtype="int8": each written row of K and V becomes codes and a scale, byte for byte as
+    documented, and attention over the pool equals exact attention over code * scale, on every
+    path of the kernel (decodes split in parts or not, the per-row passes, prompt tiles at head
+    sizes 64 and 128; AVX2 loops at 24, scalar ones at 20). Every sequence goes through the kernel."""
+    backend = int8_backend(d)
+    assert backend.short_query_max > 100_000
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(*INT8_CASES[case], seed=7, hkv=hkv, hq=hq, d=d)
+    meta.num_short, meta.num_short_tokens = meta.num_seqs, q.shape[0]
+    k_pool, v_pool = int8_pool(k_cache), int8_pool(v_cache)
+    expected = dense_oracle(q, dequantized(k), dequantized(v), dequantize_pool(k_pool), dequantize_pool(v_pool),
+                            meta, contexts, d ** -0.5)
+    out = backend.forward(q, k, v, k_pool, v_pool, meta, d ** -0.5)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+    k_cache[meta.slot_block, :, meta.slot_offset] = k  # what the pools should now hold, quantized
+    v_cache[meta.slot_block, :, meta.slot_offset] = v
+    assert torch.equal(k_pool, int8_pool(k_cache)) and torch.equal(v_pool, int8_pool(v_cache))
+
+
+@pytest.mark.parametrize("case,d", [("long_decodes", 64), ("mixed", 64), ("long_chunks", 32)])
+def test_int8_pool_with_a_window_a_cap_and_sinks_matches_the_oracle(case, d):
+    """The kernel's window, soft cap and sinks over an int8 pool: the scales apply before the cap and
+    the softmax, and blocks wholly before the window (NaN codes' scales) are never read."""
+    backend = int8_backend(d)
+    q, k, v, k_cache, v_cache, meta, contexts = build_case(*INT8_CASES[case], seed=9, d=d)
+    meta.num_short, meta.num_short_tokens = meta.num_seqs, q.shape[0]
+    sinks = torch.linspace(-1.0, 4.0, HQ)
+    expected = dense_oracle(q, dequantized(k), dequantized(v), dequantize_pool(int8_pool(k_cache)),
+                            dequantize_pool(int8_pool(v_cache)), meta, contexts, 0.5, 16, softcap=1.5, sinks=sinks)
+    k_pool, v_pool = (int8_pool(c) for c in poison_outside_window(k_cache, v_cache, meta, 16))
+    out = backend.forward(q, k, v, k_pool, v_pool, meta, 0.5, 16, 1.5, sinks)
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_int8_rows_of_zeros_and_of_non_finite_values():
+    """A row of zeros is stored as scale 0 (its keys score 0, not NaN); a row holding a NaN or an
+    infinity gets a NaN scale, so that attention over it gives NaN as a float pool does."""
+    backend = int8_backend(64)
+    q, k, v, k_cache, v_cache, meta, _ = build_case([1], [5], seed=2, hkv=3, hq=9, d=64)
+    k_pool, v_pool = int8_pool(k_cache), int8_pool(v_cache)
+    k[0, 0], v[0, 0] = 0.0, 0.0
+    out = backend.forward(q, k, v, k_pool, v_pool, meta, 0.125)
+    slot = (int(meta.slot_block[0]), int(meta.slot_offset[0]))
+    values = dequantize_pool(k_pool)[slot[0], :, slot[1]]
+    assert torch.isfinite(out).all() and not values[0].any() and values[1:].abs().sum() > 0
+    k[0, 1, 7] = float("inf")
+    out = backend.forward(q, k, v, k_pool, v_pool, meta, 0.125)
+    assert torch.isnan(dequantize_pool(k_pool)[slot[0], 1, slot[1]]).all()
+    assert torch.isnan(out[0, 3:6]).all() and torch.isfinite(out[0, :3]).all() and torch.isfinite(out[0, 6:]).all()
+
+
+def test_an_int8_pool_is_refused_by_backends_that_cannot_read_it():
+    for name, device, dtype in (("torch", "cpu", torch.float32), ("reference", "cpu", torch.float32),
+                                ("auto", "cpu", torch.bfloat16)):
+        with pytest.raises(ValueError, match="int8.*CPU kernels alone"):
+            make_backend(name, torch.device(device), dtype=dtype, kv_dtype=torch.int8)
+
+
+def test_cpu_write_kv_rejects_an_int8_pool_without_room_for_the_scales():
+    kernel = int8_backend(D).kernel
+    k_cache, v_cache = torch.zeros(4, HKV, BS, D, dtype=torch.int8), torch.zeros(4, HKV, BS, D, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="shapes disagree"):
+        kernel.write_kv(torch.ones(1, HKV, D), torch.ones(1, HKV, D), k_cache, v_cache, torch.tensor([0]),
+                        torch.tensor([0]))

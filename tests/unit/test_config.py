@@ -35,7 +35,7 @@ def test_sampling_params_normalise():
     ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 0), ("max_model_len", 1),
     ("num_kv_blocks", 0), ("dtype", "int8"), ("device", "tpu"), ("scheduling_policy", "random"),
     ("kv_watermark", 1.0), ("kv_cache_memory", "lots"), ("attention_backend", "magic"),
-    ("kv_cache_dtype", "int8"), ("gguf_int8_rows", -1), ("gguf_int8_rows", True), ("device", "cpu:abc"),
+    ("kv_cache_dtype", "fp8"), ("gguf_int8_rows", -1), ("gguf_int8_rows", True), ("device", "cpu:abc"),
     ("device", "cuda:-1"), ("tensor_parallel_size", 0), ("tensor_parallel_size", True),
     ("distributed_timeout", 0),
 ])
@@ -56,11 +56,12 @@ def test_tensor_parallelism_flags_reach_the_config_and_a_draft_model_is_refused_
         EngineConfig(tensor_parallel_size=2, speculative="draft:/some/model")
 
 
-def test_two_byte_kv_caches_are_for_the_cpu():
+def test_two_byte_and_int8_kv_caches_are_for_the_cpu():
     assert EngineConfig(kv_cache_dtype="float16").kv_dtype_name == "float16"
     assert EngineConfig(kv_cache_dtype="bfloat16").kv_dtype_name == "bfloat16"
+    assert EngineConfig(kv_cache_dtype="int8").kv_dtype_name == "int8"
     assert EngineConfig(device="cuda").kv_dtype_name == "bfloat16"
-    for kv in ("float16", "bfloat16"):
+    for kv in ("float16", "bfloat16", "int8"):
         with pytest.raises(ValueError, match=f"kv_cache_dtype='{kv}' is for the CPU"):
             EngineConfig(device="cuda", kv_cache_dtype=kv)
 
@@ -73,7 +74,7 @@ def test_parse_size():
     assert EngineConfig().torch_dtype_name == "float32"
 
 
-@pytest.mark.parametrize("flags", [["--block-size", "0"], ["--kv-cache-dtype", "int8"],
+@pytest.mark.parametrize("flags", [["--block-size", "0"], ["--kv-cache-dtype", "fp8"],
                                    ["--long-prefill-token-threshold", "-1"], ["--gguf-int8-rows", "-1"]])
 def test_cli_reports_bad_engine_options_as_usage_errors(flags, capsys):
     from tokenmill.cli import main

@@ -28,7 +28,9 @@ Backends share that contract and differ in speed:
   * cpu:       a C++ kernel reads K/V straight from the pool for decodes, speculative
                verification and, when the head size is a multiple of 32, prompt chunks of
                any length (as small matrix products); otherwise chunks longer than 32 tokens
-               go through SDPA as in the reference.
+               go through SDPA as in the reference. The only backend for an int8 pool (8-bit
+               codes and a float32 scale per token and head, csrc/paged_attention_cpu.cpp),
+               whose every query it then takes.
   * torch:     decodes batched by gathering a padded context (fine where memory bandwidth
                is plentiful, i.e. on a GPU); prompt chunks as in the reference.
   * triton:    (CUDA) Triton kernels read K/V in place from the pool: one for decodes, one
@@ -47,10 +49,13 @@ __all__ = ["AttentionMetadata", "make_backend", "write_kv"]
 
 
 def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim: int = 64,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None):
     """Pick an attention backend. "auto": the C++ kernel on a CPU (for float32 models, the only
     ones it takes), Triton on CUDA, and batched torch where those cannot be had (no compiler, no
-    triton, tile shapes Triton cannot take, another dtype on a CPU)."""
+    triton, tile shapes Triton cannot take, another dtype on a CPU). An int8 pool (kv_dtype) has
+    the C++ kernel or nothing."""
+    if kv_dtype == torch.int8:
+        return _int8_pool_backend(name, device, head_dim, dtype)
     from tokenmill.attention.reference import ReferenceAttention
     from tokenmill.attention.torch_batched import TorchBatchedAttention
 
@@ -72,6 +77,16 @@ def make_backend(name: str, device: torch.device, block_size: int = 16, head_dim
         if backend is not None:
             return backend
     return TorchBatchedAttention()
+
+
+def _int8_pool_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype):
+    """The C++ kernel over an int8 pool, or a ValueError that says what is missing."""
+    if name not in ("auto", "cpu") or device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"kv_cache_dtype='int8' is read by the CPU kernels alone: it needs float32 activations "
+                         f"on a CPU and attention_backend 'auto' or 'cpu', not {dtype} on {device.type} with {name!r}")
+    from tokenmill.attention.cpu import CpuPagedAttention
+    from tokenmill.cpu_kernels import load_cpu_kernels
+    return CpuPagedAttention(load_cpu_kernels(required=True), head_dim, int8_pool=True)
 
 
 def _triton_backend(block_size: int, head_dim: int, required: bool):

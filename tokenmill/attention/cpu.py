@@ -1,8 +1,9 @@
 """CPU backend: a C++ kernel (csrc/paged_attention_cpu.cpp) for every query it runs well, SDPA
-for the rest (long prompt chunks of head sizes that are not a multiple of 32). A layer's sliding
-window is the kernel's too (its prompt tiles then take the per-row path, not the tile products), and
-so is a cap on the scores (Gemma 2: c * tanh(s / c), same per-row path), and so are attention sinks
-(gpt-oss: one more logit in each head's softmax denominator, on every path)."""
+for the rest (long prompt chunks of head sizes that are not a multiple of 32; over an int8 pool,
+which SDPA cannot read, the kernel takes those too). A layer's sliding window is the kernel's too
+(its prompt tiles then take the per-row path, not the tile products), and so is a cap on the scores
+(Gemma 2: c * tanh(s / c), same per-row path), and so are attention sinks (gpt-oss: one more logit
+in each head's softmax denominator, on every path)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ class CpuPagedAttention:
     graph_safe = True     # a plain decode step reads only the metadata's device tensors (graphs are
                           # captured on CUDA only; tests run the padded graph path through this one)
 
-    def __init__(self, kernel, head_dim: int = 64) -> None:
+    def __init__(self, kernel, head_dim: int = 64, int8_pool: bool = False) -> None:
         self.kernel = kernel
         # Sequences with at most this many query tokens go through the kernel. With head sizes a
         # multiple of 32 it runs prompt tiles as small matrix products, faster than SDPA at every
         # length measured (BENCHMARKS.md); otherwise SDPA's blocked kernel wins above 32 tokens.
-        self.short_query_max = 1 << 30 if head_dim % 32 == 0 else 32
+        self.short_query_max = 1 << 30 if head_dim % 32 == 0 or int8_pool else 32
 
     @staticmethod
     def all_in_kernel(meta: AttentionMetadata) -> bool:

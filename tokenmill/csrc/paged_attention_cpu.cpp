@@ -29,12 +29,21 @@
 //
 // The pool holds float32, float16 or bfloat16 (kv_cache_dtype="float16" or "bfloat16": half the
 // bytes to read, each row widened to float32 as it is loaded: F16C, or a 16-bit shift for
-// bfloat16, whose bits are a float32's upper half); queries, scores and sums are float32.
+// bfloat16, whose bits are a float32's upper half), or int8 (kv_cache_dtype="int8": D + 4 bytes a
+// row, see below); queries, scores and sums are float32.
+//
+// An int8 pool holds each token's key (and value) of each kv head as D codes and one float32
+// scale, value = code * scale, with scale = max |x| / 127 over the row: rows written one token at a
+// time never rescale the rows before them. Each (block, kv head) run is block_size rows of D codes
+// followed by their block_size scales, so the code rows keep the float pools' layout and stride;
+// the pool's last dimension is D + 4 to make room. Scores are taken over the codes and multiplied
+// by each key's scale, and the softmax weights by each value's scale before the values are summed,
+// so a code is widened to float32 as a float16 is, with no multiply of its own.
 //
 // Shapes (contiguous):
 //   q            (T, Hq, D)                         queries, flat (rows may be strided)
-//   k_cache      (num_blocks, Hkv, block_size, D)   the pool of one layer
-//   v_cache      (num_blocks, Hkv, block_size, D)
+//   k_cache      (num_blocks, Hkv, block_size, W)   the pool of one layer, W = D (D + 4 for int8)
+//   v_cache      (num_blocks, Hkv, block_size, W)
 //   block_tables (B, max_blocks)                    int32
 //   query_start  (B + 1,)                           int32, sequence b owns tokens [qs[b], qs[b+1])
 //   seq_lens     (B,)                               int32, context length including the new tokens
@@ -53,6 +62,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -87,7 +97,24 @@ struct PrefetchCursor {
   }
 };
 
-// ---- portable primitives (any D); KV is float, at::Half or at::BFloat16 -------------------
+// An int8 pool's rows come with scales (see above); the float pools' do not.
+template <typename KV>
+constexpr bool kScaled = std::is_same_v<KV, int8_t>;
+template <typename KV>
+constexpr int64_t kScaleBytes = kScaled<KV> ? 4 : 0;  // a row's width past its D codes
+
+// The block_size scales of an int8 run that starts at `run` (row 0 of one kv head of one block).
+inline const float* run_scales(const int8_t* run, int64_t block_size, int64_t D) {
+  return reinterpret_cast<const float*>(run + block_size * D);
+}
+
+// x[g * stride + i] *= s[i] for g < G, i < n: scores or weights of G heads scaled by n rows' scales.
+inline void scale_rows(float* x, int64_t G, int64_t stride, const float* s, int64_t n) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < n; ++i) x[g * stride + i] *= s[i];
+}
+
+// ---- portable primitives (any D); KV is float, at::Half, at::BFloat16 or int8_t ----------
 
 // scores[j] = scale * <q, k_j> for j < n, k: (n, D)
 template <typename KV>
@@ -132,6 +159,9 @@ inline __m256 load8(const at::Half* p) {
 inline __m256 load8(const at::BFloat16* p) {
   const __m256i halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(halves, 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in seven shuffles instead of forty.
@@ -280,7 +310,8 @@ struct PromptScratch {
 // Attention of query rows r = j * G + g (token j of the tile, head g of the kv head's group) over
 // the keys of one kv head: row r sees the first last_len - (nt - 1 - j) keys. q(j, g) and out(j, g)
 // point at a row's query and output; head_run(p0) at the (block_size, D) run of keys p0.. (or of
-// values, values = true). sinks: the G heads' sink logits (see above), or nullptr for none.
+// values, values = true), its scales after it in an int8 pool. sinks: the G heads' sink logits (see
+// above), or nullptr for none.
 template <typename KV, typename Q, typename O, typename Run>
 void prompt_tile_gemm(int64_t nt, int64_t G, int64_t D, int64_t last_len, int64_t block_size, float scale, Q q,
                       O out, Run head_run, const float* sinks, PromptScratch& s) {
@@ -302,8 +333,13 @@ void prompt_tile_gemm(int64_t nt, int64_t G, int64_t D, int64_t last_len, int64_
     const float* k;
     if constexpr (std::is_same_v<KV, float>) {
       k = run;
-    } else {  // widen the block's keys once for all the tile's rows
+    } else {  // widen the block's keys once for all the tile's rows (and scale them, int8)
       for (int64_t i = 0; i < n * D; ++i) s.keys[i] = static_cast<float>(run[i]);
+      if constexpr (kScaled<KV>) {
+        const float* ks = run_scales(run, block_size, D);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t d = 0; d < D; ++d) s.keys[i * D + d] *= ks[i];
+      }
       k = s.keys.data();
     }
     for (int64_t k0 = 0; k0 < n; k0 += tokenmill::kTileRows) {
@@ -344,7 +380,12 @@ void prompt_tile_gemm(int64_t nt, int64_t G, int64_t D, int64_t last_len, int64_
   for (int64_t p0 = 0; p0 < last_len; p0 += block_size) {  // pass 2
     const int64_t n = std::min(block_size, last_len - p0);
     const KV* v = head_run(p0, true);
-    const float* w = s.st.data() + p0 * RP;
+    float* w = s.st.data() + p0 * RP;
+    if constexpr (kScaled<KV>) {  // each key's weights (a row of RP) times its value's scale
+      const float* vs = run_scales(v, block_size, D);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < RP; ++c) w[i * RP + c] *= vs[i];
+    }
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       int64_t r = 0;
       for (; r + 3 <= R; r += 3) accumulate_tile<KV, 3, 4>(&s.acc[r * D + d0], w + r, 1, v + d0, n, D, RP);
@@ -397,10 +438,13 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
                seq_lens.dtype() == torch::kInt32, "paged_attention: int32 metadata");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t W = D + kScaleBytes<KV>;  // a row's width in the pool
   const int64_t G = Hq / Hkv;
   const int64_t B = seq_lens.size(0);
   const int64_t max_blocks = block_tables.size(1);
-  TM_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "paged_attention: head shapes disagree");
+  TM_CHECK(Hq % Hkv == 0 && k_cache.size(3) == W && v_cache.sizes() == k_cache.sizes(),
+           "paged_attention: head shapes disagree");
+  TM_CHECK(!kScaled<KV> || block_size * D % 4 == 0, "paged_attention: an int8 pool's scales must be 4-byte aligned");
 
   const float* qp = q.data_ptr<float>();
   const KV* kp = k_cache.data_ptr<KV>();
@@ -493,7 +537,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   const Primitives<KV> prim = pick_primitives<KV>(D);
   const int64_t row = (max_len + 7) / 8 * 8;  // one query head's scores
   const int64_t HG = H * G;                   // query heads of an item, per token
-  const int64_t run_bytes = block_size * D * static_cast<int64_t>(sizeof(KV));  // one head of one block
+  const int64_t run_bytes = block_size * W * static_cast<int64_t>(sizeof(KV));  // one head of one block
 
   // the first item whose cost prefix reaches piece/num_pieces of the total
   const auto item_at = [&](int64_t piece) -> int64_t {
@@ -520,7 +564,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
                                           : std::pair<int64_t, int64_t>{first_read, last_len};
       const int32_t* table = bt + b * max_blocks;
       const auto head_base = [&](int64_t p0, int64_t h) {  // keys p0.. of kv head h0 + h
-        return (static_cast<int64_t>(table[p0 / block_size]) * Hkv + h0 + h) * block_size * D;
+        return (static_cast<int64_t>(table[p0 / block_size]) * Hkv + h0 + h) * block_size * W;
       };
       const auto query = [&](int64_t j, int64_t g) { return qp + (t0 + j) * q_stride + (h0 * G + g) * D; };
       // token j's first key (window) and the keys of block p0 that it sees, counted from the block's
@@ -552,8 +596,10 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
           pf.set(next < end_block ? kp + head_base(next * block_size, h) : vp + head_base(k_begin, h), run_bytes);
           for (int64_t j = 0; j < nt; ++j) {
             const int64_t n = visible(j, p0);
-            if (n > 0)
-              prim.scores(query(j, h * G), kp + base, n, D, fscale, &scores[(j * HG + h * G) * row + p0], row, G, pf);
+            if (n == 0) continue;
+            float* s = &scores[(j * HG + h * G) * row + p0];
+            prim.scores(query(j, h * G), kp + base, n, D, fscale, s, row, G, pf);
+            if constexpr (kScaled<KV>) scale_rows(s, G, row, run_scales(kp + base, block_size, D), n);
           }
         }
       }
@@ -576,9 +622,10 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
           if (p0 + block_size < k_end) pf.set(vp + head_base(p0 + block_size, h), run_bytes);
           for (int64_t j = 0; j < nt; ++j) {
             const int64_t n = visible(j, p0);
-            if (n > 0)
-              prim.accumulate(&acc[(j * HG + h * G) * D], G, &scores[(j * HG + h * G) * row + p0], row, vp + base, n,
-                              D, pf);
+            if (n == 0) continue;
+            float* w = &scores[(j * HG + h * G) * row + p0];  // read once, here: scaled in place
+            if constexpr (kScaled<KV>) scale_rows(w, G, row, run_scales(vp + base, block_size, D), n);
+            prim.accumulate(&acc[(j * HG + h * G) * D], G, w, row, vp + base, n, D, pf);
           }
         }
       }
@@ -621,7 +668,9 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
 }
 
 // The pool's element types the kernels read and write.
-bool pool_dtype(c10::ScalarType t) { return t == torch::kFloat32 || t == torch::kFloat16 || t == torch::kBFloat16; }
+bool pool_dtype(c10::ScalarType t) {
+  return t == torch::kFloat32 || t == torch::kFloat16 || t == torch::kBFloat16 || t == torch::kInt8;
+}
 
 }  // namespace
 
@@ -636,7 +685,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
            "paged_attention: sinks must be a contiguous float32 tensor of one logit per query head");
   const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   TM_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() && pool_dtype(k_cache.scalar_type()),
-           "paged_attention: float32 queries, a float32, float16 or bfloat16 pool");
+           "paged_attention: float32 queries, a float32, float16, bfloat16 or int8 pool");
+  if (k_cache.dtype() == torch::kInt8)
+    return paged_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
+                                        softcap, sink_ptr);
   if (k_cache.dtype() == torch::kFloat16)
     return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
                                           softcap, sink_ptr);
@@ -647,15 +699,31 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                                      sink_ptr);
 }
 
+// One row of an int8 pool: scale = max |x| / 127 and codes x / scale rounded to nearest even (all 0
+// with scale 0 for a row of zeros). A row with a NaN or infinity gets a NaN scale, so that attention
+// over it gives NaN as it does over a float pool, not a silently clipped key.
+static void quantize_row(const float* x, int64_t D, int8_t* codes, float* scale) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t d = 0; d < D; ++d) {
+    finite = finite && std::isfinite(x[d]);
+    amax = std::max(amax, std::fabs(x[d]));
+  }
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t d = 0; d < D; ++d)
+    codes[d] = finite ? static_cast<int8_t>(std::clamp(std::nearbyint(x[d] * inv), -127.0f, 127.0f)) : 0;
+  *scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+}
+
 // Store this step's keys and values: token t goes to block slot_block[t], offset slot_offset[t].
 // k, v: (T, Hkv, D) float32 (rows may be strided views of the fused qkv projection); caches as
-// above, float32, float16 (rounded to nearest on the way in, saturating at +-65504) or bfloat16
-// (rounded to nearest even, as torch's conversion does).
+// above, float32, float16 (rounded to nearest on the way in, saturating at +-65504), bfloat16
+// (rounded to nearest even, as torch's conversion does) or int8 (quantize_row).
 template <typename KV>
 void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
                    const int64_t* blocks, const int64_t* offsets) {
   const int64_t T = k.size(0), num_blocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2),
-                D = k_cache.size(3);
+                D = k.size(2), W = k_cache.size(3);
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   KV* kc = k_cache.data_ptr<KV>();
@@ -665,7 +733,7 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
     if constexpr (std::is_same_v<KV, at::Half>) {
       return static_cast<KV>(std::clamp(x, -65504.0f, 65504.0f));
     } else {
-      return x;
+      return static_cast<KV>(x);  // (int8 pools quantize whole rows instead: quantize_row)
     }
   };
   TM_CHECK(!k_cache.is_same(v_cache), "write_kv: the K and V pools must be two tensors");
@@ -675,8 +743,15 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
   const auto write = [&](const float* src, int64_t stride, KV* pool) {
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t dst = ((blocks[t] * Hkv + h) * bs + offsets[t]) * D;
-        for (int64_t d = 0; d < D; ++d) pool[dst + d] = store(src[t * stride + h * D + d]);
+        const float* x = src + t * stride + h * D;
+        KV* run = pool + (blocks[t] * Hkv + h) * bs * W;  // row 0 of this kv head of the block
+        if constexpr (kScaled<KV>) {
+          float scale;
+          quantize_row(x, D, run + offsets[t] * D, &scale);
+          std::memcpy(run + bs * D + offsets[t] * 4, &scale, 4);
+        } else {
+          for (int64_t d = 0; d < D; ++d) run[offsets[t] * D + d] = store(x[d]);
+        }
       }
   };
   // The first write into a page of the pool faults it in, which this virtual machine serves at
@@ -701,15 +776,20 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   TM_CHECK(slot_block.dtype() == torch::kInt64 && slot_offset.dtype() == torch::kInt64, "write_kv: int64 slots");
   TM_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
            pool_dtype(k_cache.scalar_type()) && k_cache.is_contiguous() && v_cache.is_contiguous(),
-           "write_kv: float32 k/v, contiguous float32, float16 or bfloat16 caches");
-  const int64_t T = k.size(0), Hkv = k_cache.size(1), D = k_cache.size(3);
-  TM_CHECK(k.dim() == 3 && k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes() &&
+           "write_kv: float32 k/v, contiguous float32, float16, bfloat16 or int8 caches");
+  TM_CHECK(k.dim() == 3, "write_kv: k/v shapes disagree with the cache");
+  const bool int8_pool = k_cache.dtype() == torch::kInt8;
+  const int64_t T = k.size(0), Hkv = k_cache.size(1), D = k.size(2);
+  TM_CHECK(k.size(1) == Hkv && k_cache.size(3) == D + (int8_pool ? 4 : 0) && v.sizes() == k.sizes() &&
            v_cache.sizes() == k_cache.sizes(), "write_kv: k/v shapes disagree with the cache");
+  TM_CHECK(!int8_pool || k_cache.size(2) * D % 4 == 0, "write_kv: an int8 pool's scales must be 4-byte aligned");
   TM_CHECK(slot_block.is_contiguous() && slot_offset.is_contiguous() && slot_block.numel() == T &&
            slot_offset.numel() == T, "write_kv: one contiguous slot per token");
   const int64_t* blocks = slot_block.data_ptr<int64_t>();
   const int64_t* offsets = slot_offset.data_ptr<int64_t>();
-  if (k_cache.dtype() == torch::kFloat16) {
+  if (int8_pool) {
+    write_kv_impl<int8_t>(k, v, k_cache, v_cache, blocks, offsets);
+  } else if (k_cache.dtype() == torch::kFloat16) {
     write_kv_impl<at::Half>(k, v, k_cache, v_cache, blocks, offsets);
   } else if (k_cache.dtype() == torch::kBFloat16) {
     write_kv_impl<at::BFloat16>(k, v, k_cache, v_cache, blocks, offsets);

@@ -351,3 +351,24 @@ def test_phi3_gives_hfs_logits_with_fused_checkpoint_weights_partial_rotary_and_
     rng = random.Random(1)
     prompt = [rng.randrange(2, 384) for _ in range(50)]
     assert_prompt_logits_match_hf(path, prompt)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3_text"])
+def test_an_int8_pool_keeps_greedy_tokens_within_the_float32_pools_top_5(tmp_path, arch):
+    """kv_cache_dtype="int8" on each kind of attention the tiny families have (head size 24 on the
+    kernel's per-row path, Gemma 2's soft cap and windows, Gemma 3's windows): greedy tokens equal
+    the float32 pool's up to the first divergence, and there each side's token is in the other's
+    top 5, as vLLM's tests check lower-precision runs. (A tiny random Mixtral diverged at a token of
+    rank 6 in a flat distribution, its top 6 within 0.51 nats: a routing flip moves a MoE's logits
+    more than the pool's rounding moves a dense model's.)"""
+    rng = random.Random(arch)
+    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (5, 40, 90)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True)
+    path = build_tiny_model(tmp_path / arch, arch)
+    runs = [LLM(str(path), dtype="float32", kv_cache_dtype=kv, max_num_batched_tokens=32)
+            .generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False) for kv in ("auto", "int8")]
+    for exact, int8 in zip(*runs):
+        a, b = exact.outputs[0], int8.outputs[0]
+        diverged = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if diverged is not None:
+            assert b.token_ids[diverged] in a.logprobs[diverged] and a.token_ids[diverged] in b.logprobs[diverged]

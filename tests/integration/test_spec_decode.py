@@ -58,6 +58,18 @@ def test_greedy_speculation_is_token_for_token_identical(tiny_llama, draft_model
     assert tokens == plain
 
 
+def test_greedy_speculation_over_int8_pools_is_token_for_token_identical(tiny_llama, draft_model):
+    """kv_cache_dtype="int8" for the target's pool and the draft's: the verified tokens are those of
+    plain decoding over an int8 pool."""
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    plain_int8, _ = generate(tiny_llama, greedy, kv_cache_dtype="int8")
+    tokens, engine = generate(tiny_llama, greedy, kv_cache_dtype="int8", speculative=f"draft:{draft_model}",
+                              speculative_adaptive=False, num_speculative_tokens=3)
+    assert engine.speculator.proposer.runner.worker.kv_cache.dtype == torch.int8
+    assert 0 < engine.speculator.num_accepted < engine.speculator.num_proposed
+    assert tokens == plain_int8
+
+
 def test_rejection_sampling_keeps_the_target_distribution():
     """The first emitted token of `_rejection_sample` follows p[0]: for a fixed (point-mass) draft,
     and for drafts drawn from a draft model's q."""

@@ -21,9 +21,9 @@ that is shared memory or TCP over loopback.
     kv_hold_timeout seconds
 
 The pool is registered whole. A transfer lists one region per (layer, K|V, block), since a
-block's (kv_heads, block_size, head_dim) is contiguous in the pool and nothing wider is:
+block's (kv_heads, block_size, row) is contiguous in the pool and nothing wider is:
 
-    pool     (layers, 2, blocks + 1, kv_heads, block_size, head_dim)
+    pool     (layers, 2, blocks + 1, kv_heads, block_size, row)   row: head_dim (+ 4 for int8, worker.py)
     region   (layer * 2 + kv) * (blocks + 1) + block
 
 A fetch or read that fails (the prefill instance gone, a timeout, a pool of another layout) fails
@@ -223,7 +223,7 @@ class NixlConnector:
         self.transfer_timeout = transfer_timeout
         self.clock = clock
         self.engine_id = uuid.uuid4().hex
-        pool = self.pool = worker.kv_cache  # (layers, 2, blocks + 1, kv_heads, block_size, head_dim), registered:
+        pool = self.pool = worker.kv_cache  # (layers, 2, blocks + 1, kv_heads, block_size, row), registered:
                                             # kept alive here as long as the agent may read or write it
         self.num_layers, self.num_blocks = pool.shape[0], pool.shape[2]
         self.link = _Agent(self.engine_id, pool)

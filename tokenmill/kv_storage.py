@@ -2,7 +2,7 @@
 instance as files in a directory both see (a local disk, /dev/shm, a network mount).
 
     <kv_storage_path>/<pool fingerprint>/<block hash>.kv    one full block, every layer's K and V:
-                                                           (layers, 2, kv_heads, block_size, head_dim),
+                                                           (layers, 2, kv_heads, block_size, row),
                                                            its raw bytes in the pool's dtype
 
 A block's name is the prefix cache's chained hash of its tokens and of every token before it

@@ -118,7 +118,7 @@ class ModelWorker:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """These blocks' K/V, every layer, on the host: (layers, 2, len(block_ids), kv_heads,
-        block_size, head_dim). For a KV connector handing a prompt to another instance."""
+        block_size, row). For a KV connector handing a prompt to another instance."""
         idx = torch.tensor(block_ids, device=self.kv_cache.device)
         return self.kv_cache.index_select(2, idx).cpu()
 

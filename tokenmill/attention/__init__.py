@@ -12,7 +12,8 @@ own sequence's context only, causally: the query at absolute position p sees pos
 0..p of its sequence, read through the sequence's block table.
 
 The pool of one layer is (num_blocks, kv_heads, block_size, head_dim): the keys of one
-head in one block are 4 KB of contiguous memory, which the CPU kernel streams.
+head in one block are 4 KB of contiguous memory, which the CPU kernel streams. (An int8 pool's
+rows are head_dim + 4 bytes wide, for their scales: worker.py.)
 
 A layer with a sliding window of w tokens (forward's `window`) lets the query at position p see
 only p - w + 1 .. p; every backend then starts reading a sequence at the block that holds the

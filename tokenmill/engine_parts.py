@@ -152,8 +152,8 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
     # window and a step's tokens, and the partial blocks at both ends
     held = max_len if window is None else min(max_len, window + config.max_num_batched_tokens + 2 * config.block_size)
     if num_blocks * config.block_size < held:
-        logger.warning("KV pool holds %d tokens: max_model_len lowered from %d", num_blocks * config.block_size,
-                       max_len)
+        logger.warning("KV pool holds %d tokens: max_model_len lowered from %d%s", num_blocks * config.block_size,
+                       max_len, _int8_hint(device, local_config, kv_dtype))
         max_len = num_blocks * config.block_size
     cache_config = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
     runner, scheduler = _runner_and_scheduler(config, model, local_config, cache_config, device, dtype, kv_dtype,
@@ -164,6 +164,14 @@ def _model_and_pool(config: EngineConfig, checkpoint: Checkpoint, device: torch.
         speculator = Speculator(proposer, SpeculationPolicy(config.num_speculative_tokens),
                                 adaptive=config.speculative_adaptive)
     return runner, scheduler, speculator, cache_config, max_len
+
+
+def _int8_hint(device: torch.device, model_config: ModelConfig, kv_dtype: torch.dtype) -> str:
+    """For a CPU pool too small for the context: how many more tokens an int8 pool would hold."""
+    if device.type != "cpu" or kv_dtype == torch.int8:
+        return ""
+    ratio = kv_bytes_per_token(model_config, kv_dtype) / kv_bytes_per_token(model_config, torch.int8)
+    return f" (kv_cache_dtype='int8' would hold {ratio:.1f}x the tokens in the same memory)"
 
 
 def _released_window(config: EngineConfig, model_config: ModelConfig) -> int | None:

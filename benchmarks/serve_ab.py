@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,10 +26,9 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 HERE = Path(__file__).resolve().parent.parent
 
 
-def start(cwd: Path, env: dict, port: int) -> subprocess.Popen:
+def start(cwd: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", "--port",
-                             str(port)], cwd=cwd, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                             str(port)], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
@@ -62,13 +60,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
-    builds = {"old": (args.old, {}), "new": (HERE, {})}
+    builds = {"old": args.old, "new": HERE}
     res = {name: {"ttft": [], "tpot": [], "tok_s": [], "tpot_n": [], "itl_p99": []} for name in builds}
     seed = 0
     for rnd in range(args.rounds):
         for name in (builds if rnd % 2 == 0 else list(builds)[::-1]):
             port = 8800 + 2 * rnd + (name == "new")
-            proc = start(*builds[name], port)
+            proc = start(builds[name], port)
             client = httpx.Client(timeout=120)
             try:
                 for _ in range(3):

@@ -229,7 +229,6 @@ def test_the_router_needs_a_replica_and_takes_several():
     assert args.replicas == ["http://a:1", "http://b:2"] and args.policy == "round_robin"
 
 
-
 def test_the_routers_stream_write_timeout_is_a_positive_number_of_seconds_60_by_default():
     parser = argparse.ArgumentParser()
     add_router_args(parser)
@@ -241,6 +240,7 @@ def test_the_routers_stream_write_timeout_is_a_positive_number_of_seconds_60_by_
             parser.parse_args([*replica, "--stream-write-timeout", bad])
     with pytest.raises(ValueError, match="stream_write_timeout must be > 0"):
         create_app(["http://a:1"], make_policy("cache_aware"), stream_write_timeout=0)
+
 
 def test_with_no_replica_answering_the_router_says_503_in_openai_shape():
     """In process, without the app's lifespan: the replica was never polled (so it is not in

@@ -27,7 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
 from tokenmill.router.disagg import PrefillStage
-from tokenmill.router.forward import ClientGone, Forwarder, request_headers, unless_disconnected
+from tokenmill.router.forward import (
+    STREAM_WRITE_TIMEOUT,
+    ClientGone,
+    Forwarder,
+    request_headers,
+    unless_disconnected,
+)
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin
 from tokenmill.router.prefix import DEFAULT_DECODE_TOKENS, PrefixSet, chunk_hashes, decode_tokens, routing_text
@@ -112,7 +118,7 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
                max_body_bytes: int = 4 * 1024 * 1024, allowed_hosts: list[str] | None = None,
                health_interval: float = 1.0, health_timeout: float = 5.0, prefix_capacity: int = 1 << 16,
                prefill_urls: list[str] | None = None, min_uncached_chars: int = 1024,
-               stream_write_timeout: float = 60.0) -> FastAPI:
+               stream_write_timeout: float = STREAM_WRITE_TIMEOUT) -> FastAPI:
     """The router over `replica_urls` (http://host:port), routing by `policy` (policy.py); with
     `prefill_urls`, prefill instances in front of them (disagg.py). A relayed stream whose client
     takes nothing for `stream_write_timeout` seconds is ended (its replica then aborts the request).

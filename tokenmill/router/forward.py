@@ -39,6 +39,7 @@ RETRIED_STATUSES = (502, 503, 504)
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 KEPT_RESPONSE_HEADERS = ("content-type", "retry-after", "allow", "www-authenticate", "x-request-id")
 REPLICA_HEADER = "x-tokenmill-replica"   # names the replica that answered
+STREAM_WRITE_TIMEOUT = 60.0              # default seconds a stream's client may take nothing before it is let go
 
 
 class AttemptFailed(Exception):
@@ -109,7 +110,7 @@ class Forwarder:
     replicas: list[Replica]
     policy: CacheAware | RoundRobin | LeastLoaded
     metrics: RouterMetrics
-    write_timeout: float = 60.0  # a stream's client that takes nothing this long (seconds) is let go
+    write_timeout: float = STREAM_WRITE_TIMEOUT  # a stream's client that takes nothing this long is let go
 
     async def forward(self, method: str, path: str, content: bytes, headers: dict[str, str],
                       hashes: list[bytes] | None, decode_tokens: int = DEFAULT_DECODE_TOKENS) -> Response:

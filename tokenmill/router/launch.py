@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from tokenmill.cli_args import at_least_one
 from tokenmill.router.app import create_app
+from tokenmill.router.forward import STREAM_WRITE_TIMEOUT
 from tokenmill.router.policy import POLICIES, make_policy
 from tokenmill.server.connections import GuardedH11Protocol, connection_cap, raise_open_file_limit
 from tokenmill.server.launch import bind, port_number, resolve_allowed_hosts, seconds
@@ -72,9 +73,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="cache_aware: the 64-character prompt chunks one row of a step costs: each request "
                              "in flight on a replica adds this times the new request's max_tokens (at most 256) to "
                              "its wait (default: 1/16, a token's work)")
-    parser.add_argument("--stream-write-timeout", type=seconds, default=60.0,
+    parser.add_argument("--stream-write-timeout", type=seconds, default=STREAM_WRITE_TIMEOUT,
                         help="end a relayed stream whose client takes no output for this many seconds (its "
-                             "replica then aborts the request; default: 60 s)")
+                             f"replica then aborts the request; default: {STREAM_WRITE_TIMEOUT:g} s)")
     parser.add_argument("--health-interval", type=seconds, default=1.0,
                         help="poll each replica's /health and /metrics this often (default: 1 s)")
     parser.add_argument("--allowed-hosts", default=None,

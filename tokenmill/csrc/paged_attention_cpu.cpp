@@ -333,13 +333,13 @@ void prompt_tile_gemm(int64_t nt, int64_t G, int64_t D, int64_t last_len, int64_
     const float* k;
     if constexpr (std::is_same_v<KV, float>) {
       k = run;
-    } else {  // widen the block's keys once for all the tile's rows (and scale them, int8)
+    } else if constexpr (kScaled<KV>) {  // widen and scale the block's keys once for all the tile's rows
+      const float* ks = run_scales(run, block_size, D);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; ++d) s.keys[i * D + d] = static_cast<float>(run[i * D + d]) * ks[i];
+      k = s.keys.data();
+    } else {  // widen the block's keys once for all the tile's rows
       for (int64_t i = 0; i < n * D; ++i) s.keys[i] = static_cast<float>(run[i]);
-      if constexpr (kScaled<KV>) {
-        const float* ks = run_scales(run, block_size, D);
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t d = 0; d < D; ++d) s.keys[i * D + d] *= ks[i];
-      }
       k = s.keys.data();
     }
     for (int64_t k0 = 0; k0 < n; k0 += tokenmill::kTileRows) {
@@ -748,7 +748,7 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
         if constexpr (kScaled<KV>) {
           float scale;
           quantize_row(x, D, run + offsets[t] * D, &scale);
-          std::memcpy(run + bs * D + offsets[t] * 4, &scale, 4);
+          std::memcpy(run + bs * D + offsets[t] * kScaleBytes<KV>, &scale, sizeof scale);
         } else {
           for (int64_t d = 0; d < D; ++d) run[offsets[t] * D + d] = store(x[d]);
         }
@@ -780,7 +780,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   TM_CHECK(k.dim() == 3, "write_kv: k/v shapes disagree with the cache");
   const bool int8_pool = k_cache.dtype() == torch::kInt8;
   const int64_t T = k.size(0), Hkv = k_cache.size(1), D = k.size(2);
-  TM_CHECK(k.size(1) == Hkv && k_cache.size(3) == D + (int8_pool ? 4 : 0) && v.sizes() == k.sizes() &&
+  TM_CHECK(k.size(1) == Hkv && k_cache.size(3) == D + (int8_pool ? kScaleBytes<int8_t> : 0) && v.sizes() == k.sizes() &&
            v_cache.sizes() == k_cache.sizes(), "write_kv: k/v shapes disagree with the cache");
   TM_CHECK(!int8_pool || k_cache.size(2) * D % 4 == 0, "write_kv: an int8 pool's scales must be 4-byte aligned");
   TM_CHECK(slot_block.is_contiguous() && slot_offset.is_contiguous() && slot_block.numel() == T &&

@@ -2,7 +2,7 @@
 default workload's shape, alternated between them, so the machine's drift falls on both alike.
 
     python benchmarks/cpu_engine_ab.py old=/tmp/old/tokenmill/csrc new=tokenmill/csrc \
-        [--batch 64 --prompt 250 --rounds 12 --steps 6] [--workloads 4] [--model PATH] \
+        [--batch 64 --prompt 250 --rounds 12 --steps 6] [--workloads 4] [--prefill 4000] [--model PATH] \
         [--kv-cache-dtypes auto int8]
 
 Only the kernels differ between the engines, or with --kv-cache-dtypes (one per build, in order)
@@ -11,7 +11,8 @@ engine takes `batch` requests of `prompt` tokens, then the engines run `steps` d
 `rounds` times, their order reversed every other round; each round's median step is compared.
 Workloads: each engine runs one warm-up workload (its pool's pages faulted in), then the default
 workload's shape with seed 100, 101, ... (a new one each round, so no prefix-cache hits; the same
-for every engine), the order of the engines reversed every other round.
+for every engine), the order of the engines reversed every other round. Prefill: each round, each
+engine computes a new lone prompt of that many tokens (one output token), in alternating order.
 """
 
 from __future__ import annotations
@@ -75,19 +76,39 @@ def decode_steps(engines: dict[str, LLMEngine], args: argparse.Namespace) -> Non
               f"each round's median against {first}'s: {ratios}")
 
 
-def workloads(engines: dict[str, LLMEngine], rounds: int) -> None:
-    for engine in engines.values():
-        run_engine(engine, random_workload(seed=99), "warm-up", progress=False)
+def alternated(engines: dict[str, LLMEngine], rounds: int, run, what: str) -> None:
+    """run(name, engine, round) -> seconds, for every engine each round, the order reversed every
+    other round; prints each engine's median and its per-round ratios to the first engine's."""
     walls: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(rounds):
         order = list(engines.items())
         for name, engine in order if r % 2 == 0 else reversed(order):
-            walls[name].append(run_engine(engine, random_workload(seed=100 + r), name, progress=False).wall)
-            print(f"round {r}: {name} {walls[name][-1]:.1f} s", flush=True)
+            walls[name].append(run(name, engine, r))
+            print(f"round {r}: {name} {walls[name][-1]:.2f} s", flush=True)
     first = next(iter(walls))
     for name, ws in walls.items():
-        ratios = " ".join(f"{w / f:.2f}" for w, f in zip(ws, walls[first]))
-        print(f"{name}: median {statistics.median(ws):.2f} s, per round against {first}: {ratios}")
+        ratios = " ".join(f"{w / f:.3f}" for w, f in zip(ws, walls[first]))
+        print(f"{name}: {what}, median {statistics.median(ws):.3f} s, per round against {first}: {ratios}")
+
+
+def workloads(engines: dict[str, LLMEngine], rounds: int) -> None:
+    for engine in engines.values():
+        run_engine(engine, random_workload(seed=99), "warm-up", progress=False)
+    alternated(engines, rounds, lambda name, engine, r: run_engine(
+        engine, random_workload(seed=100 + r), name, progress=False).wall, "default workload")
+
+
+def prefills(engines: dict[str, LLMEngine], tokens: int, rounds: int) -> None:
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def one(name: str, engine: LLMEngine, r: int) -> float:
+        engine.add_request(f"p{r}", [100 + (13 * r + j) % 5000 for j in range(tokens)], params)
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - start
+
+    alternated(engines, rounds, one, f"a {tokens}-token prompt")
 
 
 def main() -> None:
@@ -98,6 +119,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--workloads", type=int, default=0, help="alternate this many workloads instead")
+    parser.add_argument("--prefill", type=int, default=0, help="time lone prompts of this many tokens instead")
     parser.add_argument("--model", default=None, help="another model than the default one")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=None, help="each build's engine's pool dtype")
     args = parser.parse_args()
@@ -108,6 +130,8 @@ def main() -> None:
                for (name, module), dtype in zip(build_named(args.builds).items(), dtypes)}
     if args.workloads:
         workloads(engines, args.workloads)
+    elif args.prefill:
+        prefills(engines, args.prefill, args.rounds)
     else:
         decode_steps(engines, args)
 

@@ -7,7 +7,9 @@ that build may use, lowest to highest:
     generic      no AVX2: the kernels are not built (plain torch runs every op)
     avx2         AVX2, FMA, F16C (x86-64-v3): the float32 tiles
     avx512       + AVX-512 F/BW/VL/DQ: 32 vector registers, wide tiles for small steps
-    avx512_bf16  + AVX512-BF16 and AVX512-VNNI (Zen 4, Cooper Lake and later)
+    avx512_vnni  + AVX512-VNNI (Cascade Lake, Ice Lake): the 512-bit 8-bit tiles; held to this
+                 level, a build leaves VBMI out too, as Cascade Lake has none
+    avx512_bf16  + AVX512-BF16 (Zen 4, Cooper Lake and later)
     amx          + AMX tiles with BF16 and INT8 (Xeon 4th generation and later)
 
 TOKENMILL_CPU_ISA=<level> holds a build to a lower level than the CPU's own (compiler flags that
@@ -22,13 +24,14 @@ import dataclasses
 import platform
 from pathlib import Path
 
-LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+LEVELS = ("generic", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 
 # What each level needs in /proc/cpuinfo's flags, beyond the level below it.
 _LEVEL_NEEDS = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx512_bf16": ("avx512_bf16", "avx512_vnni"),
+    "avx512_vnni": ("avx512_vnni",),
+    "avx512_bf16": ("avx512_bf16",),
     "amx": ("amx_tile", "amx_bf16", "amx_int8"),
 }
 
@@ -39,6 +42,7 @@ _LEVEL_LIMITS = {
     "generic": ("-mno-avx2",),
     "avx2": ("-mno-avx512f", "-mno-avxvnni", *_NO_AMX),
     "avx512": ("-mno-avx512bf16", "-mno-avx512vnni", "-mno-avxvnni", *_NO_AMX),
+    "avx512_vnni": ("-mno-avx512bf16", "-mno-avx512vbmi", *_NO_AMX),
     "avx512_bf16": _NO_AMX,
     "amx": (),
 }

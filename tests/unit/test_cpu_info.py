@@ -7,6 +7,7 @@ import pytest
 from tokenmill.cpu_info import LEVELS, cpu_info, native_level, parse_cpuinfo
 
 AVX2 = "fpu sse sse2 avx avx2 fma f16c bmi2"
+CASCADE_LAKE = AVX2 + " avx512f avx512dq avx512bw avx512vl avx512cd avx512_vnni"
 ZEN4 = AVX2 + " avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni avx512_bitalg"
 SAPPHIRE_RAPIDS = ZEN4 + " avx_vnni avx512_fp16 amx_bf16 amx_tile amx_int8"
 
@@ -18,7 +19,8 @@ def cpuinfo(model: str, flags: str) -> str:
 
 @pytest.mark.parametrize("flags, level", [("fpu sse sse2 avx", "generic"), (AVX2, "avx2"),
                                           (AVX2 + " avx512f avx512bw avx512vl avx512dq", "avx512"),
-                                          (ZEN4, "avx512_bf16"), (SAPPHIRE_RAPIDS, "amx"),
+                                          (CASCADE_LAKE, "avx512_vnni"), (ZEN4, "avx512_bf16"),
+                                          (SAPPHIRE_RAPIDS, "amx"),
                                           (AVX2 + " amx_bf16 amx_tile amx_int8", "avx2")])
 def test_the_level_is_the_highest_whose_needs_and_those_below_it_are_all_met(flags, level):
     assert native_level(frozenset(flags.split())) == level
@@ -63,6 +65,7 @@ def test_gcc_takes_each_levels_flags_and_then_defines_nothing_above_it(level):
                             text=True, check=True).stdout
     above = {"avx2": ["__AVX512F__", "__AVX512VL__", "__AVX512BF16__", "__AVXVNNI__", "__AMX_TILE__", "__AMX_BF16__"],
              "avx512": ["__AVX512BF16__", "__AVX512VNNI__", "__AMX_TILE__", "__AMX_INT8__"],
+             "avx512_vnni": ["__AVX512BF16__", "__AVX512VBMI__", "__AMX_TILE__", "__AMX_INT8__"],
              "avx512_bf16": ["__AMX_TILE__", "__AMX_BF16__", "__AMX_INT8__"]}[level]
     assert "#define __AVX2__" in macros
     assert [m for m in above if f"#define {m} " in macros] == []

@@ -153,11 +153,19 @@ void float_panel(const float* xp, int64_t block, int64_t block_end, int64_t K, c
 // 0.5625 too), 1.08 for Q5K (0.69) and 1.07 for Q6F with a byte per code (0.82; in 6 bits, 0.82
 // too), where float32 scales for every block of 32 took 0.75, 1.25 and 1.25.
 // BF16 (9) is no block format: bfloat16 panels of a float checkpoint (see bf16_tile below).
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TOKENMILL_VNNI_512 1
 constexpr bool kVnni512 = true;  // the 8-bit tiles are int8_tile_512's (below)
 #else
 constexpr bool kVnni512 = false;
+#endif
+// VBMI's byte permute and multishift (Zen 4, Ice Lake and later; Cascade Lake has 512-bit VNNI
+// without them): Q4F's scales in 6 bits (six_bit_scales), and byte transposes in one instruction.
+#if defined(TOKENMILL_VNNI_512) && defined(__AVX512VBMI__)
+#define TOKENMILL_VBMI 1
+constexpr bool kVbmi = true;
+#else
+constexpr bool kVbmi = false;
 #endif
 enum Format : int64_t {
   kFloat32 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3, kQ4F = 4, kQ5F = 5, kQ6F = 6, kQ5K = 7, kMXF = 8, kBF16 = 9
@@ -202,10 +210,10 @@ constexpr int64_t code_bytes(int64_t format) {
 }
 // The bytes of an octet (8 k) of a block laid out for the 512-bit tile (tile_layout): a quarter of its codes.
 constexpr int64_t octet_bytes(int64_t format) { return code_bytes(format) / (kBlock / 8); }
-// Q4F's scales and mins where the 512-bit tile runs: 6 bits each, as in the file (six_bit_scales_of
-// unpacks them with VBMI's multishift), 0.5625 bytes a weight where a byte each took 0.58. A
-// Q4_K_M file is mostly Q4_K, and a batch-1 step streams it.
-constexpr bool six_bit_scales(int64_t format) { return format == kQ4F && kVnni512; }
+// Q4F's scales and mins where the 512-bit tile runs with VBMI: 6 bits each, as in the file
+// (six_bit_scales_of unpacks them with VBMI's multishift), 0.5625 bytes a weight where a byte each
+// took 0.58. A Q4_K_M file is mostly Q4_K, and a batch-1 step streams it.
+constexpr bool six_bit_scales(int64_t format) { return format == kQ4F && kVbmi; }
 constexpr int64_t kSixBitScaleBytes = 2 * kPanel * 6 / 8;  // a block's 16 scales and 16 mins in 6 bits
 // A super-block's header: the 16 features' fp16 d, for Q4F and Q5K their fp16 dmin, then its
 // 8-bit scales (Q4F, Q5K: a block's 16, block by block, then its 16 mins the same way, or where
@@ -297,7 +305,7 @@ inline BlockScales block_scales(const uint8_t* blk) {
   return s;
 }
 
-#ifdef TOKENMILL_VNNI_512
+#ifdef TOKENMILL_VBMI
 // vpermb's indexes that put each 6 bytes of a block's 6-bit scales (six_bit_scales) in a qword of
 // their own, and the bit offsets of its 8 values there for vpmultishiftqb.
 constexpr std::array<uint8_t, 64> six_bit_scales_index() {
@@ -326,7 +334,7 @@ template <int64_t F>
 inline BlockScales super_block_scales(const uint8_t* unit, int64_t j) {
   const __m256 d0 = halves8(unit), d1 = halves8(unit + 16);
   BlockScales s;
-#ifdef TOKENMILL_VNNI_512
+#ifdef TOKENMILL_VBMI
   if constexpr (six_bit_scales(F)) {
     const __m256i both = six_bit_scales_of(unit + super_scales_at(F) + j * kSixBitScaleBytes);
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(both)));
@@ -408,35 +416,11 @@ inline void nibble_quads(const uint8_t* codes, int64_t o, __m512i& first, __m512
   second = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
 }
 
-// vpermb's indexes from the 16 features' (four k) dwords to four k rows of the float32 path's
-// nibbles (8 bytes a row): byte j of row r <- feature j (low) or j + 8 (high) of k r.
-constexpr std::array<uint8_t, 64> nibble_rows_index(int high) {
-  std::array<uint8_t, 64> index{};
-  for (int r = 0; r < 4; ++r)
-    for (int j = 0; j < 8; ++j) index[8 * r + j] = static_cast<uint8_t>(4 * (j + 8 * high) + r);
-  return index;
-}
-alignas(64) constexpr std::array<uint8_t, 64> kLowNibbleRows = nibble_rows_index(0);
-alignas(64) constexpr std::array<uint8_t, 64> kHighNibbleRows = nibble_rows_index(1);
-
-// A block's quad_nibbles codes -> the nibble rows the other builds keep (k by k, feature j in byte
-// j's low nibble, j + 8 in its high one): what decode_row reads.
-inline void unpack_quad_nibbles(const uint8_t* codes, uint8_t* bytes) {
-  const __m512i low = _mm512_load_si512(kLowNibbleRows.data()), high = _mm512_load_si512(kHighNibbleRows.data());
-  for (int64_t o = 0; o < kBlock / 8; ++o) {
-    __m512i halves[2];
-    nibble_quads(codes, o, halves[0], halves[1]);
-    for (int h = 0; h < 2; ++h) {  // codes are at most 15: a 16-bit shift by four moves each byte's alone
-      const __m512i rows = _mm512_or_si512(_mm512_permutexvar_epi8(low, halves[h]),
-                                           _mm512_slli_epi16(_mm512_permutexvar_epi8(high, halves[h]), 4));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + (8 * o + 4 * h) * kPanel / 2),
-                          _mm512_castsi512_si256(rows));
-    }
-  }
-}
-
-// vpermb's indexes between four k rows of 16 byte codes (feature f of k row j at byte 16j + f)
-// and the 16 features' (four k) dwords (at byte 4f + j): into the dwords, or back into the rows.
+// Between four k rows of 16 byte codes (feature f of k row j at byte 16j + f) and the 16
+// features' (four k) dwords (at byte 4f + j). With VBMI one vpermb; without, the transpose of 4 x 4
+// dwords across the 128-bit lanes (lane L then holds k rows 0-3 of features 4L to 4L + 3, or back)
+// and the transpose of 4 x 4 bytes within each lane, in the order that inverts the other.
+#ifdef TOKENMILL_VBMI
 constexpr std::array<uint8_t, 64> quads_index(bool to_rows) {
   std::array<uint8_t, 64> index{};
   for (int f = 0; f < 16; ++f)
@@ -448,16 +432,45 @@ constexpr std::array<uint8_t, 64> quads_index(bool to_rows) {
 }
 alignas(64) constexpr std::array<uint8_t, 64> kByteQuads = quads_index(false);
 alignas(64) constexpr std::array<uint8_t, 64> kQuadRows = quads_index(true);
+#endif
+template <bool ToRows>
+inline __m512i transpose_quads(__m512i v) {
+#ifdef TOKENMILL_VBMI
+  return _mm512_permutexvar_epi8(_mm512_load_si512((ToRows ? kQuadRows : kByteQuads).data()), v);
+#else
+  const __m512i dwords = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+  if constexpr (ToRows) return _mm512_permutexvar_epi32(dwords, _mm512_shuffle_epi8(v, bytes));
+  return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, v), bytes);
+#endif
+}
+
+// A block's quad_nibbles codes -> the nibble rows the other builds keep (k by k, feature j in byte
+// j's low nibble, j + 8 in its high one): what decode_row reads.
+inline void unpack_quad_nibbles(const uint8_t* codes, uint8_t* bytes) {
+  const __m512i qwords = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);  // each lane's low half first
+  for (int64_t o = 0; o < kBlock / 8; ++o) {
+    __m512i halves[2];
+    nibble_quads(codes, o, halves[0], halves[1]);
+    for (int h = 0; h < 2; ++h) {
+      // four k rows of 16 codes; codes are at most 15, so a 16-bit shift by four moves each byte's alone
+      const __m512i rows = transpose_quads<true>(halves[h]);
+      const __m512i packed = _mm512_or_si512(rows, _mm512_slli_epi16(_mm512_bsrli_epi128(rows, 8), 4));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bytes + (8 * o + 4 * h) * kPanel / 2),
+                          _mm512_castsi512_si256(_mm512_permutexvar_epi64(qwords, packed)));
+    }
+  }
+}
 
 // A block's 6-bit codes -> a signed byte (q - 32) per code, k by k, as the other builds keep them:
 // what decode_row reads, so that the float32 path gives the same bits in every build.
 inline void unpack_six_bits(const uint8_t* codes, uint8_t* bytes) {
-  const __m512i rows = _mm512_load_si512(kQuadRows.data()), bias = _mm512_set1_epi8(32);
+  const __m512i bias = _mm512_set1_epi8(32);
   for (int64_t o = 0; o < kBlock / 8; ++o) {
     __m512i first, second;
     six_bit_quads(codes, o, first, second);
-    _mm512_storeu_si512(bytes + 8 * o * kPanel, _mm512_sub_epi8(_mm512_permutexvar_epi8(rows, first), bias));
-    _mm512_storeu_si512(bytes + (8 * o + 4) * kPanel, _mm512_sub_epi8(_mm512_permutexvar_epi8(rows, second), bias));
+    _mm512_storeu_si512(bytes + 8 * o * kPanel, _mm512_sub_epi8(transpose_quads<true>(first), bias));
+    _mm512_storeu_si512(bytes + (8 * o + 4) * kPanel, _mm512_sub_epi8(transpose_quads<true>(second), bias));
   }
 }
 #endif
@@ -675,9 +688,9 @@ using tokenmill::kVnni;
 using tokenmill::dpbusd;
 #endif
 
-// With 512-bit VNNI and VBMI's byte permute every format takes int8_tile_512 (kVnni512), which
-// reads x as bytes (and, for Q6F, its sums per 16 k); byte codes elsewhere take vpmaddwd's tile,
-// which reads x widened to int16 pairs.
+// With 512-bit VNNI every format takes int8_tile_512 (kVnni512), which reads x as bytes (and, for
+// Q6F, its sums per 16 k); byte codes elsewhere take vpmaddwd's tile, which reads x widened to
+// int16 pairs.
 constexpr bool reads_words(int64_t format) { return byte_codes(format) && !kVnni512; }
 constexpr bool reads_half_sums(int64_t format) { return format == kQ6F && kVnni512; }
 
@@ -896,12 +909,11 @@ constexpr int32_t code_offset(int64_t f) { return f == kQ8_0 ? 128 : f == kQ6F ?
 template <int64_t F>
 inline __m512i code_quads(const uint8_t* codes, int64_t j) {
   static_assert(byte_codes(F), "nibbles are laid out for the tile already (nibble_quads)");
-  const __m512i c = _mm512_permutexvar_epi8(_mm512_load_si512(kByteQuads.data()),
-                                            _mm512_loadu_si512(codes + 4 * j * kPanel));
+  const __m512i c = transpose_quads<false>(_mm512_loadu_si512(codes + 4 * j * kPanel));
   return code_offset(F) == 128 ? _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80))) : c;
 }
 
-// Every format with 512-bit VNNI and VBMI: a group of four k rows becomes the 16 features' dwords
+// Every format with 512-bit VNNI: a group of four k rows becomes the 16 features' dwords
 // once (code_quads; Q6F's 6-bit codes two groups at a time, six_bit_quads, or over a spread copy
 // already), which one vpdpbusd a row multiplies with the row's four bytes of x, into one register
 // of int32 sums a row in feature order; the block's scales go on as add_block's, 16 lanes at a

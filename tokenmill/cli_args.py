@@ -25,7 +25,8 @@ _ENGINE_HELP = {
                       "default: every step on a CPU with VNNI unless --dtype float32)",
     "kv_cache_dtype": "CPU: the KV pool's type, 'float16' or 'bfloat16' (half float32's bytes), or 'int8' "
                       "(8-bit codes and a scale per token and head: 0.53x float16's bytes; the C++ kernels only) "
-                      "(default 'auto': the model's, or float16/bfloat16 on a CPU with AVX512-BF16)",
+                      "(default 'auto': the model's, or float16 for a GGUF on a CPU with AVX512-VNNI, "
+                      "bfloat16 for float weights on one with AVX512-BF16)",
     "num_threads": "CPU: threads for a step, fixed (default: the cores other processes leave free, "
                    "followed as they change)",
     "trace_file": "write the engine's steps and each request's timeline to this file as Chrome trace JSON "

@@ -84,15 +84,16 @@ def activation_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 def kv_dtype_name(config: EngineConfig, quantized: bool, device: torch.device) -> str:
-    """The KV pool's dtype: the one config.kv_cache_dtype names, except on a CPU whose kernels have
-    AVX512-BF16 and VNNI, where kv_cache_dtype and dtype both left unset mean a 2-byte pool, half
-    the bytes for the attention to read (BENCHMARKS.md). For a quantized GGUF file
-    (Checkpoint.quantized) float16: with the layers' products taking x in 8 bits there
+    """The KV pool's dtype: the one config.kv_cache_dtype names, except on a CPU where, with
+    kv_cache_dtype and dtype both left unset, a 2-byte pool halves the bytes for the attention to
+    read (BENCHMARKS.md). For a quantized GGUF file (Checkpoint.quantized) float16 where the kernels
+    have AVX512-VNNI: with the layers' products taking x in 8 bits there
     (EngineConfig.int8_rows_choice), that is llama.cpp's arithmetic with its default cache, and its
     three more bits of mantissa kept the default model's answers where bfloat16 flipped one. For
-    float weights bfloat16, as they were trained and as vLLM keeps them, with the products in
-    bfloat16 (EngineConfig.bf16_weights_choice). dtype="float32" keeps the float32 pool."""
-    if (config.kv_cache_dtype == "auto" and config.dtype is None and device.type == "cpu"
-            and this_cpu().has("avx512_bf16")):
-        return "float16" if quantized else "bfloat16"
+    float weights bfloat16 where they have AVX512-BF16, as the weights were trained and as vLLM
+    keeps them, with the products in bfloat16 (EngineConfig.bf16_weights_choice).
+    dtype="float32" keeps the float32 pool."""
+    if config.kv_cache_dtype == "auto" and config.dtype is None and device.type == "cpu":
+        if this_cpu().has("avx512_vnni" if quantized else "avx512_bf16"):
+            return "float16" if quantized else "bfloat16"
     return config.kv_dtype_name

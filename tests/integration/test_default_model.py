@@ -171,9 +171,9 @@ def test_token_bytes_rebuild_characters_split_across_tokens(default_llm):
     assert bytes(b for i in ids for b in token_bytes(tokenizer, i)).decode() == text
 
 
-def test_the_default_pool_is_float16_where_the_cpu_has_avx512_bf16_and_float32_under_dtype_float32(default_llm,
+def test_the_default_pool_is_float16_where_the_cpu_has_avx512_vnni_and_float32_under_dtype_float32(default_llm,
                                                                                                    exact_llm):
     from tokenmill.cpu_kernels import this_cpu
-    auto = torch.float16 if this_cpu().has("avx512_bf16") else torch.float32
+    auto = torch.float16 if this_cpu().has("avx512_vnni") else torch.float32
     assert default_llm.engine.runner.worker.kv_cache.dtype == auto
     assert exact_llm.engine.runner.worker.kv_cache.dtype == torch.float32

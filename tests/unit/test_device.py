@@ -9,8 +9,8 @@ from tokenmill.device import activation_dtype, kv_dtype_name
 CPU = torch.device("cpu")
 
 
-def test_quantized_weights_on_a_cpu_with_avx512_bf16_get_a_float16_pool_unless_a_dtype_is_set():
-    auto = "float16" if this_cpu().has("avx512_bf16") else "float32"
+def test_quantized_weights_on_a_cpu_with_avx512_vnni_get_a_float16_pool_unless_a_dtype_is_set():
+    auto = "float16" if this_cpu().has("avx512_vnni") else "float32"
     assert kv_dtype_name(EngineConfig(), True, CPU) == auto
     assert kv_dtype_name(EngineConfig(dtype="float32"), True, CPU) == "float32"
     assert kv_dtype_name(EngineConfig(kv_cache_dtype="bfloat16"), True, CPU) == "bfloat16"

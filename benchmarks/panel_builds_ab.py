@@ -90,5 +90,6 @@ def compare(modules: dict, panels: dict, fmt: int, rows: int, n: int, k: int, ar
     print(f"{names[1]} / {names[0]}: {statistics.median(ratios):.3f} (median of {len(ratios)} reps; "
           f"{args.kind}, {rows} rows, {n}x{k}, {args.count} matrices)")
 
+
 if __name__ == "__main__":
     main()

@@ -94,6 +94,8 @@ def kv_dtype_name(config: EngineConfig, quantized: bool, device: torch.device) -
     keeps them, with the products in bfloat16 (EngineConfig.bf16_weights_choice).
     dtype="float32" keeps the float32 pool."""
     if config.kv_cache_dtype == "auto" and config.dtype is None and device.type == "cpu":
-        if this_cpu().has("avx512_vnni" if quantized else "avx512_bf16"):
-            return "float16" if quantized else "bfloat16"
+        if quantized and this_cpu().has("avx512_vnni"):
+            return "float16"
+        if not quantized and this_cpu().has("avx512_bf16"):
+            return "bfloat16"
     return config.kv_dtype_name

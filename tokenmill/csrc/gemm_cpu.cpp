@@ -674,7 +674,8 @@ void block_panel(const float* xp, int64_t M, int64_t K, const uint8_t* src, cons
 // blocks to float32 at 1 to 8 rows, but 1.09x at 64 and 1.35x at 512; with VNNI's vpdpbusd they
 // are faster at every step size (the loader's default there: models/cpu_packing.py).
 
-using tokenmill::Int8Row;  // one row of x in 8-bit blocks (panel_gemm.h)
+using tokenmill::Int8Pass;  // a pass's rows of x in 8-bit blocks, interleaved (panel_gemm.h)
+using tokenmill::Int8Row;   // one row of x in 8-bit blocks (panel_gemm.h)
 
 inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -913,22 +914,39 @@ inline __m512i code_quads(const uint8_t* codes, int64_t j) {
   return code_offset(F) == 128 ? _mm512_xor_si512(c, _mm512_set1_epi8(static_cast<char>(0x80))) : c;
 }
 
+// The pass's finished rows y of panel p into `out`, as store_tile writes them (bias, row scales,
+// a last panel's fewer columns): straight from the registers, not through a tile in memory.
+template <int R>
+inline void store_rows(const __m512 (&y)[R], const Int8Pass& x, int64_t p, const tokenmill::PanelOut& out) {
+  const int64_t n0 = p * kPanel, width = std::min(kPanel, out.N - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+  const __m512 bias = out.bias != nullptr ? _mm512_maskz_loadu_ps(mask, out.bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    __m512 v = _mm512_add_ps(y[r], bias);
+    if (out.row_scale != nullptr) v = _mm512_mul_ps(v, _mm512_set1_ps(out.row_scale[x.m0 + r]));
+    _mm512_mask_storeu_ps(out.y + (x.m0 + r) * out.ldy + n0, mask, v);
+  }
+}
+
 // Every format with 512-bit VNNI: a group of four k rows becomes the 16 features' dwords
 // once (code_quads; Q6F's 6-bit codes two groups at a time, six_bit_quads, or over a spread copy
-// already), which one vpdpbusd a row multiplies with the row's four bytes of x, into one register
-// of int32 sums a row in feature order; the block's scales go on as add_block's, 16 lanes at a
-// time, once a block, or for Q6F, whose halves of 16 k have scales of their own, once a half.
+// already), which one vpdpbusd a row multiplies with the row's four bytes of x (from the pass's
+// interleaved copy), into one register of int32 sums a row in feature order; the block's scales
+// go on as add_block's, 16 lanes at a time, once a block (for Q6F, whose halves of 16 k have
+// scales of their own, once a half), into a register of float sums a row that store_rows writes.
 template <int64_t F, int R, bool Spread = false>
-void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf,
-                   bool once) {
+void int8_tile_512(const Int8Pass* x, const uint8_t* src, int64_t num_blocks, int64_t p,
+                   const tokenmill::PanelOut& out, const uint8_t* pf, bool once) {
   constexpr int64_t kParts = F == kQ6F ? 2 : 1, kQuads = kBlock / 4 / kParts;  // runs of k with one scale
   constexpr int64_t kStep = tile_layout(F) && !Spread ? 2 : 1;                   // groups decoded at once
-  std::fill(out, out + R * kPanel, 0.0f);
+  __m512 y[R];  // the rows' outputs, in registers until the last block
+  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F), once);
     const uint8_t* unit = Spread ? src + b / kSuper * kSpreadUnitBytes : nullptr;  // spread_six_bits' copy
     const uint8_t* codes = Spread ? unit + codes_at(F) + b % kSuper * kBlock * kPanel : codes_of<F>(src, b);
     BlockScales s = Spread ? super_block_scales<F>(unit, b % kSuper) : scales_of<F>(src, b);
+    const int8_t* xb = x->bytes + b * kBlock * R;  // the block's x: per four k, the R rows' bytes
     for (int64_t part = 0; part < kParts; ++part) {
       if (part == 1) next_half<F>(s);
       __m512i acc[R];
@@ -948,7 +966,7 @@ void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, flo
         for (int64_t t = 0; t < kStep; ++t) {
           for (int r = 0; r < R; ++r) {
             int32_t quad;
-            std::memcpy(&quad, x[r].bytes + b * kBlock + 4 * (j + t), 4);
+            std::memcpy(&quad, xb + 4 * ((j + t) * R + r), 4);
             acc[r] = _mm512_dpbusd_epi32(acc[r], q[t], _mm512_set1_epi32(quad));
           }
         }
@@ -958,17 +976,15 @@ void int8_tile_512(const Int8Row* x, const uint8_t* src, int64_t num_blocks, flo
       for (int r = 0; r < R; ++r) {
         __m512i sums = acc[r];
         if constexpr (code_offset(F) != 0) {
-          const int32_t qsum = kParts == 2 ? x[r].half_qsum[kParts * b + part] : x[r].qsum[b];
+          const int32_t qsum = kParts == 2 ? x->half_qsum[(kParts * b + part) * R + r] : x->qsum[b * R + r];
           sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(code_offset(F) * qsum));
         }
-        float* y = out + r * kPanel;
-        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(x[r].scale[b])),
-                                   _mm512_loadu_ps(y));
-        if constexpr (has_offset(F)) v = _mm512_fmadd_ps(m, _mm512_set1_ps(x[r].sum[b]), v);
-        _mm512_storeu_ps(y, v);
+        y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(x->scale[b * R + r])), y[r]);
+        if constexpr (has_offset(F)) y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x->sum[b * R + r]), y[r]);
       }
     }
   }
+  store_rows(y, *x, p, out);
 }
 
 // A panel of Q6F's 6-bit codes -> `spread`: each unit's header, then its blocks' codes as
@@ -995,25 +1011,23 @@ void spread_six_bits(const uint8_t* src, int64_t num_blocks, uint8_t* spread, co
 }
 #endif
 
-template <int64_t F, int R>
-void int8_tile(const Int8Row* x, const uint8_t* src, int64_t num_blocks, float* out, const uint8_t* pf,
-               bool once) {
-  if constexpr (kVnni512) {
+// The 8-bit tile of R rows for format F. With 512-bit VNNI it reads a pass (Int8Pass) and writes
+// panel p of the output; the others read the pass's first row and write a tile that int8_panel stores.
 #ifdef TOKENMILL_VNNI_512
-    int8_tile_512<F, R>(x, src, num_blocks, out, pf, once);
+using Int8TileFn = void (*)(const Int8Pass*, const uint8_t*, int64_t, int64_t, const tokenmill::PanelOut&,
+                            const uint8_t*, bool);
+template <int64_t F, int R>
+constexpr Int8TileFn int8_tile = int8_tile_512<F, R>;
+#else
+using Int8TileFn = void (*)(const Int8Row*, const uint8_t*, int64_t, float*, const uint8_t*, bool);
+template <int64_t F, int R>
+constexpr Int8TileFn int8_tile = byte_codes(F) ? int8_tile_bytes<F, R> : int8_tile_nibbles<F, R>;
 #endif
-  } else if constexpr (byte_codes(F)) {
-    int8_tile_bytes<F, R>(x, src, num_blocks, out, pf, once);
-  } else {
-    int8_tile_nibbles<F, R>(x, src, num_blocks, out, pf, once);
-  }
-}
 
 // Most rows of x per pass over a panel: 12 for the 512-bit tile (one register of sums a row;
 // against 8, the default workload took 0.89-1.00x the time), 8 for the others where VNNI and
 // AVX-512VL's 32 registers hold their sums (a row's few instructions per four k against those the
 // rows share), else 4.
-using Int8TileFn = void (*)(const Int8Row*, const uint8_t*, int64_t, float*, const uint8_t*, bool);
 #if defined(TOKENMILL_VNNI) && defined(__AVX512VL__)
 constexpr int64_t kInt8Rows = kVnni512 ? 12 : 8;
 #else
@@ -1045,8 +1059,9 @@ constexpr const Int8TileFn* kInt8Tiles[kLastBlockFormat + 1] = {
 // decoding, these passes outrun the hardware prefetcher (layers of the default model at one row:
 // 0.84x the float32 decoding's time without, 0.76x with; its Q8_0 head 1.29x without, 0.76-0.94x
 // with).
-void int8_panel(const Int8Row* rows, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t format,
-                int64_t p, tokenmill::PanelScratch& scratch, const tokenmill::PanelOut& out) {
+void int8_panel(const tokenmill::PanelRows& x, const uint8_t* src, const uint8_t* next, int64_t format, int64_t p,
+                tokenmill::PanelScratch& scratch, const tokenmill::PanelOut& out) {
+  const int64_t M = x.M, K = x.K;
   const Int8TileFn* tiles = kInt8Tiles[format];
 #ifdef TOKENMILL_VNNI_512
   if (spreads_codes(format, M)) {
@@ -1054,11 +1069,14 @@ void int8_panel(const Int8Row* rows, int64_t M, int64_t K, const uint8_t* src, c
     spread_six_bits(src, K / kBlock, spread, next);
     src = spread, next = nullptr, tiles = kSpreadTiles.data();
   }
-#endif
+  for (const Int8Pass& pass : x.passes)
+    tiles[pass.n](&pass, src, K / kBlock, p, out, pass.m0 == 0 ? next : nullptr, M <= kStreamRows);
+#else
   even_passes(M, kInt8Rows, [&](int64_t m0, int64_t n) {
-    tiles[n](rows + m0, src, K / kBlock, scratch.tile, m0 == 0 ? next : nullptr, M <= kStreamRows);
+    tiles[n](x.int8.data() + m0, src, K / kBlock, scratch.tile, m0 == 0 ? next : nullptr, M <= kStreamRows);
     store_tile(out, scratch.tile, p, m0, n);
   });
+#endif
 }
 #endif
 
@@ -1217,6 +1235,50 @@ void amx_panel(const uint16_t* x, int64_t M, int64_t K, const uint8_t* src, cons
 constexpr int64_t kAmxPassRows = 0;
 #endif
 
+// The first 64-byte boundary in rows' arena (allocated 64 bytes over what it holds).
+uint8_t* aligned_arena(const tokenmill::PanelRows& rows) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(rows.arena.get()) + 63) & ~uintptr_t{63});
+}
+
+constexpr int64_t up64(int64_t n) { return (n + 63) & ~int64_t{63}; }
+
+#ifdef TOKENMILL_VNNI_512
+// Lays out the passes of rows' M rows (even_passes of kInt8Rows) from `at`, each part 64-byte
+// aligned, with room for half sums where `halves`: returns the bytes they take (with `at` null,
+// lays out nothing).
+int64_t lay_out_passes(tokenmill::PanelRows& rows, uint8_t* at, bool halves) {
+  const int64_t B = rows.K / kBlock;
+  int64_t bytes = 0;
+  even_passes(rows.M, kInt8Rows, [&](int64_t m0, int64_t n) {
+    const int64_t codes = up64(n * rows.K), part = up64(4 * n * B);  // part: a float or int32 per row and block
+    if (at != nullptr) {
+      uint8_t* p = at + bytes + codes;
+      rows.passes.push_back(Int8Pass{m0, n, reinterpret_cast<int8_t*>(at + bytes), reinterpret_cast<float*>(p),
+                                     reinterpret_cast<float*>(p + part), reinterpret_cast<int32_t*>(p + 2 * part),
+                                     halves ? reinterpret_cast<int32_t*>(p + 3 * part) : nullptr});
+    }
+    bytes += codes + (halves ? 5 : 3) * part;
+  });
+  return bytes;
+}
+
+// Row m's blocks (rows.int8[m]) copied into its pass.
+void interleave_row(const tokenmill::PanelRows& rows, int64_t m) {
+  const Int8Pass& pass = *std::prev(std::upper_bound(rows.passes.begin(), rows.passes.end(), m,
+                                                     [](int64_t row, const Int8Pass& p) { return row < p.m0; }));
+  const Int8Row& from = rows.int8[m];
+  const int64_t r = m - pass.m0, n = pass.n;
+  for (int64_t q = 0; q < rows.K / 4; ++q) std::memcpy(pass.bytes + 4 * (q * n + r), from.bytes + 4 * q, 4);
+  for (int64_t b = 0; b < rows.K / kBlock; ++b) {
+    pass.scale[b * n + r] = from.scale[b], pass.sum[b * n + r] = from.sum[b], pass.qsum[b * n + r] = from.qsum[b];
+    if (pass.half_qsum != nullptr) {
+      pass.half_qsum[2 * b * n + r] = from.half_qsum[2 * b];
+      pass.half_qsum[(2 * b + 1) * n + r] = from.half_qsum[2 * b + 1];
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 static_assert(kWideRows * kPanel <= tokenmill::kMostTileFloats && kInt8Rows <= kWideRows &&
@@ -1244,7 +1306,7 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
     // AMX's passes read whole tiles of 16 rows: zero rows pad x to a multiple of 32
     const int64_t padded = rows.amx ? (M + kAmxPassRows - 1) / kAmxPassRows * kAmxPassRows : M;
     rows.arena.reset(new uint8_t[padded * K * 2 + 64]);
-    rows.bf16 = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(rows.arena.get()) + 63) & ~uintptr_t{63});
+    rows.bf16 = reinterpret_cast<uint16_t*>(aligned_arena(rows));
     std::memset(rows.bf16 + M * K, 0, (padded - M) * K * 2);
     if (fill) fill_panel_rows(rows);
     return rows;
@@ -1255,19 +1317,28 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
     // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads
     // (8K), half sums (2B)
     const bool words = reads_words(format), quads = !byte_codes(format) && !kVnni, halves = reads_half_sums(format);
-    const auto up = [](int64_t n) { return (n + 63) & ~int64_t{63}; };
-    const int64_t B = K / kBlock, part = up(4 * B);
-    const int64_t row = 3 * part + up(K) + (words ? up(2 * K) : 0) + (quads ? 8 * K : 0) + (halves ? up(8 * B) : 0);
-    rows.arena.reset(new uint8_t[M * row + 64]);  // not zeroed: quantize_row writes every byte read
-    uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(rows.arena.get()) + 63) & ~uintptr_t{63});
+    const int64_t B = K / kBlock, part = up64(4 * B);
+    const int64_t row =
+        3 * part + up64(K) + (words ? up64(2 * K) : 0) + (quads ? 8 * K : 0) + (halves ? up64(8 * B) : 0);
+#ifdef TOKENMILL_VNNI_512
+    const int64_t interleaved = lay_out_passes(rows, nullptr, halves);  // after the rows, their passes
+#else
+    const int64_t interleaved = 0;
+#endif
+    // not zeroed: quantize_row (and interleave_row) writes every byte read
+    rows.arena.reset(new uint8_t[M * row + interleaved + 64]);
+    uint8_t* base = aligned_arena(rows);
+#ifdef TOKENMILL_VNNI_512
+    lay_out_passes(rows, base + M * row, halves);
+#endif
     rows.int8.resize(M);
     for (int64_t m = 0; m < M; ++m) {
       uint8_t* p = base + m * row;
-      uint8_t* tail = p + 3 * part + up(K);
+      uint8_t* tail = p + 3 * part + up64(K);
       rows.int8[m] = Int8Row{reinterpret_cast<float*>(p), reinterpret_cast<float*>(p + part),
                              reinterpret_cast<int32_t*>(p + 2 * part), reinterpret_cast<int8_t*>(p + 3 * part),
                              words ? reinterpret_cast<int16_t*>(tail) : nullptr, quads ? tail : nullptr,
-                             halves ? reinterpret_cast<int32_t*>(p + row - up(8 * B)) : nullptr};
+                             halves ? reinterpret_cast<int32_t*>(p + row - up64(8 * B)) : nullptr};
     }
     if (fill) fill_panel_rows(rows);
   }
@@ -1278,6 +1349,9 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
 void fill_panel_row(const PanelRows& rows, int64_t m) {
 #ifdef TOKENMILL_AVX2
   if (!rows.int8.empty()) quantize_row(rows.x + m * rows.K, rows.K, rows.int8[m]);
+#endif
+#ifdef TOKENMILL_VNNI_512
+  if (!rows.passes.empty()) interleave_row(rows, m);
 #endif
 #ifdef TOKENMILL_BF16
   if (rows.bf16 != nullptr) bf16_row(rows.x + m * rows.K, rows.K, rows.bf16 + m * rows.K);
@@ -1297,6 +1371,12 @@ PanelRows gather_panel_rows(const PanelRows& source, const int64_t* picks, int64
   TM_CHECK(!source.int8.empty(), "gather_panel_rows: the source rows must be in 8-bit blocks");
   PanelRows rows(nullptr, M, source.K);
   for (int64_t m = 0; m < M; ++m) rows.int8.push_back(source.int8[picks[m]]);
+#ifdef TOKENMILL_VNNI_512
+  const bool halves = source.int8[0].half_qsum != nullptr;
+  rows.arena.reset(new uint8_t[lay_out_passes(rows, nullptr, halves) + 64]);
+  lay_out_passes(rows, aligned_arena(rows), halves);
+  for (int64_t m = 0; m < M; ++m) interleave_row(rows, m);
+#endif
   return rows;
 }
 
@@ -1346,7 +1426,7 @@ void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t
 #endif
 #ifdef TOKENMILL_AVX2
   if (!x.int8.empty()) {
-    int8_panel(x.int8.data(), x.M, x.K, panel, next, format, p, scratch, out);
+    int8_panel(x, panel, next, format, p, scratch, out);
   } else {
     block_panel(x.x, x.M, x.K, panel, next, format, p, scratch, out);
   }

@@ -24,6 +24,18 @@ struct Int8Row {
   int32_t* half_qsum;  // for Q6F in the 512-bit tile: per 16 k, sum(xq) (its halves' own scales); else null
 };
 
+// The rows of one pass of the 512-bit 8-bit tile (gemm_cpu.cpp) copied again, interleaved, so
+// that the tile addresses all of them from one pointer: a row's own pointers (Int8Row) are more
+// than the registers left, and reloading them cost it a load beside each broadcast of x.
+struct Int8Pass {
+  int64_t m0, n;       // rows [m0, m0 + n) of x
+  int8_t* bytes;       // per block of 32 k, per four k: the n rows' four bytes one after another
+  float* scale;        // per block: the n rows' dx side by side (Int8Row's), as are
+  float* sum;          //   dx * sum(xq),
+  int32_t* qsum;       //   sum(xq)
+  int32_t* half_qsum;  //   and, per 16 k, their halves (null where the rows have none)
+};
+
 // The rows of x one product reads: M rows of K floats, contiguous; for block panels in a step of
 // up to int8_rows rows, the same rows in 8-bit blocks too (then the product reads those), for
 // bf16 panels in bfloat16. All rows' blocks sit in one arena: one allocation a product, not a few
@@ -31,9 +43,10 @@ struct Int8Row {
 struct PanelRows {
   const float* x;
   int64_t M, K;
-  std::vector<Int8Row> int8;  // empty: x in float32
-  uint16_t* bf16 = nullptr;   // for bf16 panels: the rows rounded to bfloat16, M x K
-  bool amx = false;           // bf16 rows the panels multiply on AMX tiles (then padded with zero rows)
+  std::vector<Int8Row> int8;     // empty: x in float32
+  std::vector<Int8Pass> passes;  // with the 512-bit tile: int8's rows again, pass by pass
+  uint16_t* bf16 = nullptr;      // for bf16 panels: the rows rounded to bfloat16, M x K
+  bool amx = false;              // bf16 rows the panels multiply on AMX tiles (then padded with zero rows)
   std::unique_ptr<uint8_t[]> arena;
 
   PanelRows(const float* x, int64_t M, int64_t K) : x(x), M(M), K(K) {}

@@ -172,6 +172,24 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// The last n < 8 keys of a run as block_scores_avx2 scores a group of eight, so each score has the
+// same bits as in a full group: lanes past n repeat key n - 1 (read, never stored). Every
+// sequence's last block has such a tail, which key by key in scalar code cost more than its size.
+template <typename KV>
+void tail_scores_avx2(const float* q, const KV* k, int64_t n, int64_t D, float scale, float* scores,
+                      PrefetchCursor& pf) {
+  __m256 a[8];
+  for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    pf.step2();
+    for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, load8(k + std::min<int64_t>(r, n - 1) * D + d), a[r]);
+  }
+  alignas(32) float s[8];
+  _mm256_store_ps(s, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
+  std::copy(s, s + n, scores);
+}
+
 template <typename KV>
 void block_scores_avx2(const float* q, const KV* k, int64_t n, int64_t D, float scale, float* scores,
                        PrefetchCursor& pf) {
@@ -187,7 +205,7 @@ void block_scores_avx2(const float* q, const KV* k, int64_t n, int64_t D, float 
     }
     _mm256_storeu_ps(scores + j, _mm256_mul_ps(reduce8(a), vscale));
   }
-  if (j < n) block_scores_scalar(q, k + j * D, n - j, D, scale, scores + j, pf);
+  if (j < n) tail_scores_avx2(q, k + j * D, n - j, D, scale, scores + j, pf);
 }
 
 // Scores of GH query heads (2 or 3) of one kv head for the first n keys (n a multiple of 4), four
@@ -224,8 +242,8 @@ void head_group_scores(const float* q, const KV* k, int64_t n, int64_t D, float 
 }
 
 // head_scores_scalar with AVX2: heads three (or two) at a time over the keys that
-// block_scores_avx2 takes eight at a time, the rest of them key by key as it does; a last head
-// alone by block_scores_avx2. On the default model's shapes (three query heads per kv head) the
+// block_scores_avx2 takes eight at a time, the rest of them as it does (tail_scores_avx2); a last
+// head alone by block_scores_avx2. On the default model's shapes (three query heads per kv head) the
 // attention took 0.91-0.95x the time of one head at a time (30 layers; batch 1 at 1,000 keys even).
 template <typename KV>
 void head_scores_avx2(const float* q, const KV* k, int64_t n, int64_t D, float scale, float* scores, int64_t row,
@@ -233,7 +251,7 @@ void head_scores_avx2(const float* q, const KV* k, int64_t n, int64_t D, float s
   const int64_t n8 = n / 8 * 8;
   const auto tail = [&](int64_t g0, int64_t heads) {
     for (int64_t g = g0; g < g0 + heads && n8 < n; ++g)
-      block_scores_scalar(q + g * D, k + n8 * D, n - n8, D, scale, scores + g * row + n8, pf);
+      tail_scores_avx2(q + g * D, k + n8 * D, n - n8, D, scale, scores + g * row + n8, pf);
   };
   int64_t g = 0;
   for (; G - g >= 3; g += 3) {

@@ -80,16 +80,20 @@ inline float softmax_numerator_scalar(float* x, int64_t n, float* max_out) {
 }
 
 #ifdef TOKENMILL_AVX2
-// As softmax_numerator_scalar, eight values at a time through exp256 (the rest as there).
+// As softmax_numerator_scalar, eight values at a time through exp256, the last n % 8 as one more
+// vector with the lanes past n masked off: an attention row's tail is in every row, and std::exp
+// one value at a time cost more than the vectors before it.
 inline float softmax_numerator_avx2(float* x, int64_t n, float* max_out) {
   const int64_t n8 = n / 8 * 8;
-  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - n8)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));  // the tail's lanes
+  const __m256 tail = _mm256_blendv_ps(minus_inf, _mm256_maskload_ps(x + n8, keep), _mm256_castsi256_ps(keep));
+  __m256 vmax = tail;
   for (int64_t i = 0; i < n8; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
   float lanes[8];
   _mm256_storeu_ps(lanes, vmax);
-  float mx = *std::max_element(lanes, lanes + 8);
-  for (int64_t i = n8; i < n; ++i) mx = std::max(mx, x[i]);
-  *max_out = mx;
+  const float mx = *max_out = *std::max_element(lanes, lanes + 8);
   const __m256 vm = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
   for (int64_t i = 0; i < n8; i += 8) {
@@ -97,9 +101,12 @@ inline float softmax_numerator_avx2(float* x, int64_t n, float* max_out) {
     _mm256_storeu_ps(x + i, e);
     vsum = _mm256_add_ps(vsum, e);
   }
-  float sum = hsum256(vsum);
-  for (int64_t i = n8; i < n; ++i) sum += (x[i] = std::exp(x[i] - mx));
-  return sum;
+  if (n8 < n) {
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(tail, vm)), _mm256_castsi256_ps(keep));
+    _mm256_maskstore_ps(x + n8, keep, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  return hsum256(vsum);
 }
 #endif
 

@@ -581,8 +581,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
       const auto [k_begin, k_end] = split ? part_range(first_read, last_len, item_part[item], tile_parts[tile])
                                           : std::pair<int64_t, int64_t>{first_read, last_len};
       const int32_t* table = bt + b * max_blocks;
-      const auto head_base = [&](int64_t p0, int64_t h) {  // keys p0.. of kv head h0 + h
-        return (static_cast<int64_t>(table[p0 / block_size]) * Hkv + h0 + h) * block_size * W;
+      // where the run of kv head h0 + h of the sequence's block `blk` starts in the pool (the loops
+      // count blocks rather than divide positions by block_size: a 64-bit division per run was
+      // the kernel's costliest instruction after its loads)
+      const auto head_base = [&](int64_t blk, int64_t h) {
+        return (static_cast<int64_t>(table[blk]) * Hkv + h0 + h) * block_size * W;
       };
       const auto query = [&](int64_t j, int64_t g) { return qp + (t0 + j) * q_stride + (h0 * G + g) * D; };
       // token j's first key (window) and the keys of block p0 that it sees, counted from the block's
@@ -598,7 +601,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
           prompt_tile_gemm<KV>(
               nt, G, D, last_len, block_size, fscale, [&](int64_t j, int64_t g) { return query(j, h * G + g); },
               [&](int64_t j, int64_t g) { return op + ((t0 + j) * Hq + (h0 + h) * G + g) * D; },
-              [&](int64_t p0, bool values) { return (values ? vp : kp) + head_base(p0, h); },
+              [&](int64_t p0, bool values) { return (values ? vp : kp) + head_base(p0 / block_size, h); },
               sinks == nullptr ? nullptr : sinks + (h0 + h) * G, prompt_scratch);
         }
         continue;
@@ -606,12 +609,12 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
 #endif
       // While one block's head is scored (or summed), the next run in reading order is fetched
       // (PrefetchCursor): keys block by block, then the values from the first block.
-      const int64_t end_block = (k_end + block_size - 1) / block_size;
-      for (int64_t p0 = k_begin; p0 < k_end; p0 += block_size) {  // pass 1: every score
+      const int64_t first_block = k_begin / block_size, end_block = (k_end + block_size - 1) / block_size;
+      for (int64_t blk = first_block; blk < end_block; ++blk) {  // pass 1: every score
+        const int64_t p0 = blk * block_size;
         for (int64_t h = 0; h < H; ++h) {
-          const int64_t base = head_base(p0, h);
-          const int64_t next = p0 / block_size + 1;
-          pf.set(next < end_block ? kp + head_base(next * block_size, h) : vp + head_base(k_begin, h), run_bytes);
+          const int64_t base = head_base(blk, h);
+          pf.set(blk + 1 < end_block ? kp + head_base(blk + 1, h) : vp + head_base(first_block, h), run_bytes);
           for (int64_t j = 0; j < nt; ++j) {
             const int64_t n = visible(j, p0);
             if (n == 0) continue;
@@ -634,10 +637,11 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
         }
       }
       std::fill(acc.begin(), acc.begin() + nt * HG * D, 0.0f);
-      for (int64_t p0 = k_begin; p0 < k_end; p0 += block_size) {  // pass 2: the weighted values
+      for (int64_t blk = first_block; blk < end_block; ++blk) {  // pass 2: the weighted values
+        const int64_t p0 = blk * block_size;
         for (int64_t h = 0; h < H; ++h) {
-          const int64_t base = head_base(p0, h);
-          if (p0 + block_size < k_end) pf.set(vp + head_base(p0 + block_size, h), run_bytes);
+          const int64_t base = head_base(blk, h);
+          if (blk + 1 < end_block) pf.set(vp + head_base(blk + 1, h), run_bytes);
           for (int64_t j = 0; j < nt; ++j) {
             const int64_t n = visible(j, p0);
             if (n == 0) continue;

@@ -915,7 +915,7 @@ inline __m512i code_quads(const uint8_t* codes, int64_t j) {
 }
 
 // The pass's finished rows y of panel p into `out`, as store_tile writes them (bias, row scales,
-// a last panel's fewer columns): straight from the registers, not through a tile in memory.
+// a last panel's fewer columns), with no tile in PanelScratch for int8_panel to copy out.
 template <int R>
 inline void store_rows(const __m512 (&y)[R], const Int8Pass& x, int64_t p, const tokenmill::PanelOut& out) {
   const int64_t n0 = p * kPanel, width = std::min(kPanel, out.N - n0);
@@ -939,7 +939,7 @@ void int8_tile_512(const Int8Pass* x, const uint8_t* src, int64_t num_blocks, in
                    const tokenmill::PanelOut& out, const uint8_t* pf, bool once) {
   constexpr int64_t kParts = F == kQ6F ? 2 : 1, kQuads = kBlock / 4 / kParts;  // runs of k with one scale
   constexpr int64_t kStep = tile_layout(F) && !Spread ? 2 : 1;                   // groups decoded at once
-  __m512 y[R];  // the rows' outputs, in registers until the last block
+  __m512 y[R];  // the rows' outputs, in registers through the blocks
   for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     if (pf != nullptr) prefetch_block(pf + b * block_span(F), block_span(F), once);

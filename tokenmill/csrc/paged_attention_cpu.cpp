@@ -582,8 +582,8 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
                                           : std::pair<int64_t, int64_t>{first_read, last_len};
       const int32_t* table = bt + b * max_blocks;
       // where the run of kv head h0 + h of the sequence's block `blk` starts in the pool (the loops
-      // count blocks rather than divide positions by block_size: a 64-bit division per run was
-      // the kernel's costliest instruction after its loads)
+      // count blocks rather than divide positions by block_size, known only at run time: a 64-bit
+      // division per run takes tens of cycles)
       const auto head_base = [&](int64_t blk, int64_t h) {
         return (static_cast<int64_t>(table[blk]) * Hkv + h0 + h) * block_size * W;
       };

@@ -81,8 +81,8 @@ inline float softmax_numerator_scalar(float* x, int64_t n, float* max_out) {
 
 #ifdef TOKENMILL_AVX2
 // As softmax_numerator_scalar, eight values at a time through exp256, the last n % 8 as one more
-// vector with the lanes past n masked off: an attention row's tail is in every row, and std::exp
-// one value at a time cost more than the vectors before it.
+// vector with the lanes past n masked off: every attention row has such a tail, and std::exp
+// one value at a time is slow beside exp256's eight.
 inline float softmax_numerator_avx2(float* x, int64_t n, float* max_out) {
   const int64_t n8 = n / 8 * 8;
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());

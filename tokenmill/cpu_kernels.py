@@ -127,7 +127,7 @@ def _build():
     with _builder_lock(build_dir):
         sources = _stage_sources(build_dir)
         if not (build_dir / f"{name}.so").exists():
-            logger.warning("compiling tokenmill's CPU kernels for %s (about 2 minutes on 2 cores, once per "
+            logger.warning("compiling tokenmill's CPU kernels for %s (about a minute on 2 cores, once per "
                            "version and CPU; cached in %s)", cpu.level, build_dir)
         return build(sources=sources)
 

@@ -1,5 +1,6 @@
 // Python bindings of the CPU kernels: one extension module, built on first use.
-#include <torch/extension.h>
+// pybind11 with torch's conversions of tensors, without the rest of <torch/extension.h> (cpu_ops.h)
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <sched.h>
 
@@ -69,8 +70,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "Pin the calling thread's OpenMP team to CPUs", py::arg("cpus"), py::arg("one_each"));
   py::class_<CpuDecoderLayer, std::shared_ptr<CpuDecoderLayer>>(m, "DecoderLayer",
                                                                  "A Llama decoder layer whose attention runs in the kernel, in one call")
-      .def(py::init<torch::Tensor, torch::Tensor, double, std::vector<Projection>, int64_t, int64_t, int64_t, double,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
+      .def(py::init<at::Tensor, at::Tensor, double, std::vector<Projection>, int64_t, int64_t, int64_t, double,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("projections"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none())
@@ -81,12 +82,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("int8_rows", &CpuDecoderLayer::int8_rows)
       .def_readwrite("window", &CpuDecoderLayer::window);
   py::class_<CpuDecoderStack>(m, "DecoderStack", "A model's DecoderLayers and final norm, in one call")
-      .def(py::init<std::vector<std::shared_ptr<CpuDecoderLayer>>, torch::Tensor, double>(), py::arg("layers"),
+      .def(py::init<std::vector<std::shared_ptr<CpuDecoderLayer>>, at::Tensor, double>(), py::arg("layers"),
            py::arg("final_norm"), py::arg("eps"))
       .def("forward", &CpuDecoderStack::forward);
   py::class_<CpuMoeExperts, std::shared_ptr<CpuMoeExperts>>(m, "MoeExperts",
                                                              "A layer's routed SwiGLU experts in one call (see moe_cpu.cpp)")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t>(),
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t>(),
            py::arg("gate_up"), py::arg("down"), py::arg("gate_up_format"), py::arg("down_format"), py::arg("hidden"),
            py::arg("width"))
       .def_readwrite("int8_rows", &CpuMoeExperts::int8_rows)

@@ -3,7 +3,12 @@
 // decoder_layer_cpu.cpp.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor and the factories the kernels call, no more: pybind11 is bindings.cpp's alone,
+// and torch's C++ API (<torch/extension.h>) no file's, since parsing those headers was most of
+// each file's compile time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <stdexcept>
 #include <string>
@@ -19,31 +24,31 @@
     if (!(cond)) throw std::runtime_error(std::string(message)); \
   } while (0)
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor query_start,
-                              torch::Tensor seq_lens, double scale, int64_t window, double softcap = 0.0,
-                              c10::optional<torch::Tensor> sinks = c10::nullopt);
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_block, torch::Tensor slot_offset);
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor block_tables, at::Tensor query_start,
+                              at::Tensor seq_lens, double scale, int64_t window, double softcap = 0.0,
+                              c10::optional<at::Tensor> sinks = c10::nullopt);
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_block, at::Tensor slot_offset);
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
                            double eps);
-void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
-                 int64_t num_kv_heads, int64_t head_dim, c10::optional<torch::Tensor> q_norm = c10::nullopt,
-                 c10::optional<torch::Tensor> k_norm = c10::nullopt, double eps = 1e-6);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor argmax_rows(torch::Tensor x);
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::optional<torch::Tensor> top_k,
-                          c10::optional<torch::Tensor> top_p, c10::optional<torch::Tensor> min_p, torch::Tensor u,
-                          c10::optional<torch::Tensor> floors);
+void rotary_qkv_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_q_heads,
+                 int64_t num_kv_heads, int64_t head_dim, c10::optional<at::Tensor> q_norm = c10::nullopt,
+                 c10::optional<at::Tensor> k_norm = c10::nullopt, double eps = 1e-6);
+at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor argmax_rows(at::Tensor x);
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, c10::optional<at::Tensor> top_k,
+                          c10::optional<at::Tensor> top_p, c10::optional<at::Tensor> min_p, at::Tensor u,
+                          c10::optional<at::Tensor> floors);
 // shared between the kernels' files
-void check_rows(const torch::Tensor& t, const char* name);  // float32, 2-d, contiguous rows
+void check_rows(const at::Tensor& t, const char* name);  // float32, 2-d, contiguous rows
 float row_max(const float* row, int64_t V, bool* has_nan);
 int64_t row_argmax(const float* row, int64_t V);
 void silu_mul_row(const float* gate_up, int64_t I, float* out);  // silu_mul's row: 2 * I in, I out
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
-torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out);
-torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out);
-torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format);
-torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format);
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
-                           int64_t format, c10::optional<torch::Tensor> out, int64_t int8_rows);
+at::Tensor pack_panels(at::Tensor weight, c10::optional<at::Tensor> out);
+at::Tensor pack_block_panels(at::Tensor rows, int64_t format, int64_t K, c10::optional<at::Tensor> out);
+at::Tensor recut_k_quant(at::Tensor raw, int64_t format);
+at::Tensor embed_rows(at::Tensor rows, at::Tensor ids, int64_t format);
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N,
+                           int64_t format, c10::optional<at::Tensor> out, int64_t int8_rows);

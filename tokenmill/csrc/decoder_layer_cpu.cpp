@@ -7,14 +7,15 @@
 // attribute lookups and argument parsing).
 #include "decoder_layer_cpu.h"
 
-#include <optional>
+#include <ATen/ops/sigmoid.h>
+#include <Python.h>
 
 #include "cpu_ops.h"
 
-CpuDecoderLayer::CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps,
+CpuDecoderLayer::CpuDecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps,
                                  std::vector<Projection> projections, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t head_dim, double scale, c10::optional<torch::Tensor> q_norm,
-                                 c10::optional<torch::Tensor> k_norm)
+                                 int64_t head_dim, double scale, c10::optional<at::Tensor> q_norm,
+                                 c10::optional<at::Tensor> k_norm)
     : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), eps(eps), q_norm(std::move(q_norm)),
       k_norm(std::move(k_norm)), num_heads(num_heads), num_kv_heads(num_kv_heads), head_dim(head_dim), scale(scale) {
   TM_CHECK(projections.size() == 4 || projections.size() == 2,
@@ -42,27 +43,27 @@ void CpuDecoderLayer::set_shared_expert(Projection gate_up, Projection down, Pro
 // The dense SwiGLU MLP, or as SparseMoeBlock.forward with the experts' C++ call: the router's
 // logits routed by CpuMoeExperts::route, and the shared expert's output times the sigmoid of its
 // gate added (the same torch operations, so the same bits).
-torch::Tensor CpuDecoderLayer::feed_forward(const torch::Tensor& h) const {
+at::Tensor CpuDecoderLayer::feed_forward(const at::Tensor& h) const {
   if (!moe.has_value()) {
     TM_CHECK(!gate_up.empty(), "DecoderLayer: a layer without its feed-forward (set_moe)");
     return project(down, silu_mul(project(gate_up, h)));
   }
   const auto [weights, experts] = CpuMoeExperts::route(project(moe->router, h), moe->top_k, moe->renormalise);
-  torch::Tensor out = moe->experts->forward(h, experts, weights);
+  at::Tensor out = moe->experts->forward(h, experts, weights);
   if (moe->shared_down.empty()) return out;
-  torch::Tensor shared = project(moe->shared_down, silu_mul(project(moe->shared_gate_up, h)));  // (T, hidden)
-  return out + at::sigmoid(project(moe->shared_gate, h)) * shared;                             // gate (T, 1)
+  at::Tensor shared = project(moe->shared_down, silu_mul(project(moe->shared_gate_up, h)));  // (T, hidden)
+  return out.add(at::sigmoid(project(moe->shared_gate, h)).mul(shared));  // out + gate (T, 1) * shared
 }
 
 // As PackedLinear.forward, or ConcatLinear.forward for several parts.
-torch::Tensor CpuDecoderLayer::project(const Projection& p, const torch::Tensor& x) const {
-  const auto run = [&](const ProjectionPart& part, c10::optional<torch::Tensor> out) {
+at::Tensor CpuDecoderLayer::project(const Projection& p, const at::Tensor& x) const {
+  const auto run = [&](const ProjectionPart& part, c10::optional<at::Tensor> out) {
     return panel_linear(x, std::get<0>(part), std::get<1>(part), std::get<2>(part), std::get<3>(part), out, int8_rows);
   };
   if (p.size() == 1) return run(p[0], c10::nullopt);
   int64_t width = 0;
   for (const auto& part : p) width += std::get<2>(part);
-  torch::Tensor y = torch::empty({x.size(0), width}, x.options());
+  at::Tensor y = at::empty({x.size(0), width}, x.options());
   int64_t start = 0;
   for (const auto& part : p) {
     run(part, y.narrow(1, start, std::get<2>(part)));
@@ -73,41 +74,57 @@ torch::Tensor CpuDecoderLayer::project(const Projection& p, const torch::Tensor&
 
 // x: the previous layer's output (T, hidden); residual: the residual stream, updated in place
 // (None for the first layer: it starts as x). Returns (this layer's output, the residual stream).
-std::tuple<torch::Tensor, torch::Tensor> CpuDecoderLayer::forward(
-    torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_block, torch::Tensor slot_offset,
-    torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor seq_lens) const {
+std::tuple<at::Tensor, at::Tensor> CpuDecoderLayer::forward(
+    at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor cos, at::Tensor sin,
+    at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_block, at::Tensor slot_offset,
+    at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens) const {
   const int64_t T = x.size(0);
-  torch::Tensor stream = residual.has_value() ? *residual : x;
-  torch::Tensor h = add_rms_norm(x, residual, input_norm, eps);
-  torch::Tensor qkv_rows = project(qkv, h);
-  torch::Tensor heads = qkv_rows.view({T, num_heads + 2 * num_kv_heads, head_dim});
-  torch::Tensor q = heads.narrow(1, 0, num_heads);
+  at::Tensor stream = residual.has_value() ? *residual : x;
+  at::Tensor h = add_rms_norm(x, residual, input_norm, eps);
+  at::Tensor qkv_rows = project(qkv, h);
+  at::Tensor heads = qkv_rows.view({T, num_heads + 2 * num_kv_heads, head_dim});
+  at::Tensor q = heads.narrow(1, 0, num_heads);
   rotary_qkv_(qkv_rows, cos, sin, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps);  // norms too: as CpuFusedOps
   write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
            k_cache, v_cache, slot_block, slot_offset);
-  torch::Tensor attn = paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
+  at::Tensor attn = paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
   h = add_rms_norm(project(o, attn.view({T, num_heads * head_dim})), stream, post_norm, eps);
   return {feed_forward(h), stream};
 }
 
-CpuDecoderStack::CpuDecoderStack(std::vector<std::shared_ptr<CpuDecoderLayer>> layers, torch::Tensor final_norm,
+CpuDecoderStack::CpuDecoderStack(std::vector<std::shared_ptr<CpuDecoderLayer>> layers, at::Tensor final_norm,
                                  double eps)
     : layers(std::move(layers)), final_norm(std::move(final_norm)), eps(eps) {}
 
-torch::Tensor CpuDecoderStack::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                       std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-                                       torch::Tensor slot_block, torch::Tensor slot_offset, torch::Tensor block_tables,
-                                       torch::Tensor query_start, torch::Tensor seq_lens) const {
+namespace {
+// Releases the GIL for its lifetime where this thread holds it, through Python's C API (this file
+// does without pybind11's headers: see cpu_ops.h).
+class GilReleased {
+ public:
+  GilReleased() : state_(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~GilReleased() {
+    if (state_ != nullptr) PyEval_RestoreThread(state_);
+  }
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+}  // namespace
+
+at::Tensor CpuDecoderStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                       std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                                       at::Tensor slot_block, at::Tensor slot_offset, at::Tensor block_tables,
+                                       at::Tensor query_start, at::Tensor seq_lens) const {
   TM_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
            "DecoderStack: one K and one V pool per layer");
   // The GIL is released for the whole pass, so that the server's event loop sends the last step's
   // tokens as soon as it is scheduled. Yielding it between layers instead starved the loop: each
   // release woke the waiting thread, and each wake restarted its 5 ms wait before it may ask the
   // holder to let go, so with layers shorter than that it got the GIL only after the pass.
-  std::optional<pybind11::gil_scoped_release> released;
-  if (PyGILState_Check()) released.emplace();
-  c10::optional<torch::Tensor> residual;
+  const GilReleased released;
+  c10::optional<at::Tensor> residual;
   for (size_t i = 0; i < layers.size(); ++i) {
     auto [out, stream] = layers[i]->forward(x, residual, cos, sin, k_caches[i], v_caches[i], slot_block, slot_offset,
                                             block_tables, query_start, seq_lens);

@@ -1,7 +1,7 @@
 // See decoder_layer_cpu.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <memory>
 
@@ -11,7 +11,7 @@
 
 // A projection as panel_linear takes it: panels, bias, output features, format; or several, each
 // writing its columns of one output (a ConcatLinear: parts that came in different GGUF types).
-using ProjectionPart = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>;
+using ProjectionPart = std::tuple<at::Tensor, c10::optional<at::Tensor>, int64_t, int64_t>;
 using Projection = std::vector<ProjectionPart>;
 
 // A sparse layer's feed-forward (models/moe.py's SparseMoeBlock without a router bias or gpt-oss's
@@ -28,49 +28,49 @@ struct MoeFeedForward {
 };
 
 struct CpuDecoderLayer {
-  CpuDecoderLayer(torch::Tensor input_norm, torch::Tensor post_norm, double eps, std::vector<Projection> projections,
+  CpuDecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<Projection> projections,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm);
+                  c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm);
 
   void set_moe(Projection router, std::shared_ptr<CpuMoeExperts> experts, int64_t top_k, bool renormalise);
   // after set_moe: Qwen2-MoE's shared expert and its gate (hidden -> 1)
   void set_shared_expert(Projection gate_up, Projection down, Projection gate);
 
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                   torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                                                   torch::Tensor v_cache, torch::Tensor slot_block,
-                                                   torch::Tensor slot_offset, torch::Tensor block_tables,
-                                                   torch::Tensor query_start, torch::Tensor seq_lens) const;
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, c10::optional<at::Tensor> residual,
+                                                   at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                                                   at::Tensor v_cache, at::Tensor slot_block,
+                                                   at::Tensor slot_offset, at::Tensor block_tables,
+                                                   at::Tensor query_start, at::Tensor seq_lens) const;
 
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   double eps;
   Projection qkv, o, gate_up, down;  // gate_up and down empty in a sparse layer
   c10::optional<MoeFeedForward> moe;  // set_moe: the layer's feed-forward is a mixture of experts
   // q and k norms as rotary_qkv_ takes them: Qwen3's on every head (head_dim weights), OLMoE's over
   // all of q and all of k (num_heads * head_dim and num_kv_heads * head_dim)
-  c10::optional<torch::Tensor> q_norm, k_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;
   int64_t num_heads, num_kv_heads, head_dim;
   double scale;
   int64_t int8_rows = 0;  // see panel_linear
   int64_t window = 0;     // the layer's sliding window (0: none), see paged_attention
 
  private:
-  torch::Tensor project(const Projection& p, const torch::Tensor& x) const;
-  torch::Tensor feed_forward(const torch::Tensor& h) const;
+  at::Tensor project(const Projection& p, const at::Tensor& x) const;
+  at::Tensor feed_forward(const at::Tensor& h) const;
 };
 
 // A model's decoder layers run in one call and followed by the final norm: the loop of
 // LlamaForCausalLM.forward over them, without a call from Python per layer.
 struct CpuDecoderStack {
-  CpuDecoderStack(std::vector<std::shared_ptr<CpuDecoderLayer>> layers, torch::Tensor final_norm, double eps);
+  CpuDecoderStack(std::vector<std::shared_ptr<CpuDecoderLayer>> layers, at::Tensor final_norm, double eps);
 
   // x: the token embeddings (T, hidden); one K and one V pool per layer -> the final norm's
   // output (T, hidden)
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
-                        std::vector<torch::Tensor> v_caches, torch::Tensor slot_block, torch::Tensor slot_offset,
-                        torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor seq_lens) const;
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
+                        std::vector<at::Tensor> v_caches, at::Tensor slot_block, at::Tensor slot_offset,
+                        at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens) const;
 
   std::vector<std::shared_ptr<CpuDecoderLayer>> layers;
-  torch::Tensor final_norm;
+  at::Tensor final_norm;
   double eps;
 };

@@ -7,7 +7,6 @@
 // The torch reference for each lives in tokenmill/models/ops.py; tests compare the two. Beside
 // them, for the sampler: argmax_rows, each greedy row's argmax, tested against torch.argmax (the
 // sampled rows: sampler_cpu.cpp).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -47,18 +46,18 @@ void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* o
 
 }  // namespace
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TM_CHECK(t.dtype() == torch::kFloat32, std::string(name) + ": float32 only");
+void check_rows(const at::Tensor& t, const char* name) {
+  TM_CHECK(t.dtype() == at::kFloat, std::string(name) + ": float32 only");
   TM_CHECK(t.dim() == 2 && t.stride(1) == 1, std::string(name) + ": expected a 2-d tensor with contiguous rows");
 }
 
 // Returns out; `residual`, when given, is updated in place to residual + x.
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
                            double eps) {
   check_rows(x, "add_rms_norm(x)");
   TM_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight shape");
   const int64_t T = x.size(0), H = x.size(1);
-  auto out = torch::empty({T, H}, x.options());
+  auto out = at::empty({T, H}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* rp = nullptr;
@@ -93,16 +92,16 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
 // itself where the weights are D long (Qwen3), or all of q as one row and all of k as another
 // where they are nq * D and nkv * D long (OLMoE). In the same pass, where torch's rms_norm and a
 // copy back made a dozen operations and temporaries a layer.
-void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_q_heads,
-                 int64_t num_kv_heads, int64_t head_dim, c10::optional<torch::Tensor> q_norm,
-                 c10::optional<torch::Tensor> k_norm, double eps) {
+void rotary_qkv_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_q_heads,
+                 int64_t num_kv_heads, int64_t head_dim, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm, double eps) {
   check_rows(qkv, "rotary_qkv_(qkv)");
   TM_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim / 2,
            "rotary_qkv_: cos/sin must be (T, head_dim / 2) and contiguous");
   TM_CHECK(q_norm.has_value() == k_norm.has_value(), "rotary_qkv_: q and k norms go together");
   const bool whole = q_norm.has_value() && q_norm->numel() != head_dim;  // one norm over all q, one over all k
   for (const auto& [w, heads] : {std::pair{&q_norm, num_q_heads}, std::pair{&k_norm, num_kv_heads}}) {
-    TM_CHECK(!w->has_value() || ((*w)->dtype() == torch::kFloat32 && (*w)->is_contiguous() &&
+    TM_CHECK(!w->has_value() || ((*w)->dtype() == at::kFloat && (*w)->is_contiguous() &&
                                  (*w)->numel() == (whole ? heads : 1) * head_dim),
              "rotary_qkv_: q and k norm weights must be contiguous float32, head_dim long each or "
              "num_q_heads * head_dim and num_kv_heads * head_dim");
@@ -139,10 +138,10 @@ void rotary_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_
 }
 
 // gate_up: (T, 2 * I) rows -> (T, I) = silu(gate) * up.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_rows(gate_up, "silu_mul(gate_up)");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = torch::empty({T, I}, gate_up.options());
+  auto out = at::empty({T, I}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
@@ -206,11 +205,11 @@ int64_t row_argmax(const float* row, int64_t V) {
 
 // (T, V) rows -> (T,) int64: each row's row_argmax. torch's own CPU argmax is a scalar loop: 4.2
 // ms for the 64 rows of a batch-64 decode step (3.1 M logits), against 0.9 ms here.
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   check_rows(x, "argmax_rows(x)");
   const int64_t T = x.size(0), V = x.size(1), stride = x.stride(0);
   TM_CHECK(V > 0, "argmax_rows: empty rows");
-  auto out = torch::empty({T}, x.options().dtype(torch::kInt64));
+  auto out = at::empty({T}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {

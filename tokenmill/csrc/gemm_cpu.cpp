@@ -30,7 +30,6 @@
 // then run over. Measured over the default model's matrices against float32 panels (paired):
 // 0.31x the time at 1 row, 0.43x at 4, 0.70x at 8, 0.83-0.89x at 12, 0.85x at 16, 0.90x at 32,
 // 0.95x at 64, 1.01x at 512.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -1449,21 +1448,21 @@ std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format) {
 }
 
 // `out` given: zero it (it must have the panels' shape and dtype) and pack into it; else a new tensor.
-static torch::Tensor panels_tensor(c10::optional<torch::Tensor> out, std::vector<int64_t> shape, torch::ScalarType dtype) {
-  if (!out.has_value()) return torch::zeros(shape, torch::TensorOptions().dtype(dtype));
+static at::Tensor panels_tensor(c10::optional<at::Tensor> out, std::vector<int64_t> shape, at::ScalarType dtype) {
+  if (!out.has_value()) return at::zeros(shape, at::TensorOptions().dtype(dtype));
   TM_CHECK(out->dtype() == dtype && out->sizes() == c10::IntArrayRef(shape) && out->is_contiguous(),
            "pack: out must be contiguous, of the panels' shape and dtype");
   return out->zero_();
 }
 
 // W (N, K) bfloat16 -> bf16 panels (ceil(N / 16), K / 2, 64) uint8, the last panel zero-padded.
-torch::Tensor pack_bf16_panels(const torch::Tensor& w, c10::optional<torch::Tensor> out) {
+at::Tensor pack_bf16_panels(const at::Tensor& w, c10::optional<at::Tensor> out) {
 #ifndef TOKENMILL_BF16
   TM_CHECK(false, "pack_panels: bfloat16 panels need AVX512-BF16");
 #endif
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
   TM_CHECK(K % 2 == 0, "pack_panels: bfloat16 panels take an even number of columns");
-  auto panels = panels_tensor(out, panel_shape(N, K, kBF16), torch::kUInt8);
+  auto panels = panels_tensor(out, panel_shape(N, K, kBF16), at::kByte);
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(panels.data_ptr());
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
@@ -1478,13 +1477,13 @@ torch::Tensor pack_bf16_panels(const torch::Tensor& w, c10::optional<torch::Tens
 }
 
 // W (N, K) float32 -> (ceil(N / 16), K, 16), the last panel zero-padded; bfloat16 -> bf16 panels.
-torch::Tensor pack_panels(torch::Tensor weight, c10::optional<torch::Tensor> out) {
-  TM_CHECK((weight.dtype() == torch::kFloat32 || weight.dtype() == torch::kBFloat16) && weight.dim() == 2,
+at::Tensor pack_panels(at::Tensor weight, c10::optional<at::Tensor> out) {
+  TM_CHECK((weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16) && weight.dim() == 2,
            "pack_panels: a float32 or bfloat16 matrix");
   auto w = weight.contiguous();
-  if (w.dtype() == torch::kBFloat16) return pack_bf16_panels(w, out);
+  if (w.dtype() == at::kBFloat16) return pack_bf16_panels(w, out);
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
-  auto panels = panels_tensor(out, panel_shape(N, K, kFloat32), torch::kFloat32);
+  auto panels = panels_tensor(out, panel_shape(N, K, kFloat32), at::kFloat);
   const float* src = w.data_ptr<float>();
   float* dst = panels.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
@@ -1567,18 +1566,18 @@ void put_codes(int64_t format, const uint8_t* const* qs, int64_t rows, uint8_t* 
 // A GGUF tensor's rows (N, K / 32 * block bytes) in Q4_0, Q4_1, Q8_0, or re-cut (N, K / 32 or 256
 // * unit bytes) -> panels (ceil(N / 16), K / 32 or 256, panel unit bytes), the last panel padded
 // with zero scales.
-torch::Tensor pack_block_panels(torch::Tensor rows, int64_t format, int64_t K, c10::optional<torch::Tensor> out) {
+at::Tensor pack_block_panels(at::Tensor rows, int64_t format, int64_t K, c10::optional<at::Tensor> out) {
 #ifndef TOKENMILL_AVX2
   TM_CHECK(false, "pack_block_panels: the block formats need AVX2, FMA and F16C");
 #endif
   TM_CHECK(block_format(format), "pack_block_panels: unknown format " + std::to_string(format));
-  TM_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && K % unit_k(format) == 0 &&
+  TM_CHECK(rows.dtype() == at::kByte && rows.dim() == 2 && K % unit_k(format) == 0 &&
                rows.size(1) == K / unit_k(format) * row_unit_bytes(format),
            "pack_block_panels: rows must be (N, K / 32 or 256 * unit bytes) uint8");
   const int64_t N = rows.size(0), P = (N + kPanel - 1) / kPanel, U = K / unit_k(format);
   const int64_t rb = row_unit_bytes(format), ub = unit_bytes(format);
   auto r = rows.contiguous();
-  auto panels = panels_tensor(out, panel_shape(N, K, format), torch::kUInt8);
+  auto panels = panels_tensor(out, panel_shape(N, K, format), at::kByte);
   const uint8_t* src = r.data_ptr<uint8_t>();
   uint8_t* dst = panels.data_ptr<uint8_t>();
   const int64_t row_bytes = rows.size(1);
@@ -1685,23 +1684,23 @@ void dequantize_block(int64_t format, const uint8_t* blk, float* o) {
 // dequantized to float32 (T, K) with gguf's arithmetic (dequantize_block: the same bits, tested):
 // the token-embedding lookup in a GGUF file's own rows, where gguf's numpy spends a batch-1 step's
 // lookup mostly in per-call overhead (BENCHMARKS.md).
-torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) {
-  TM_CHECK(rows.dtype() == torch::kUInt8 && rows.dim() == 2 && rows.is_contiguous(),
+at::Tensor embed_rows(at::Tensor rows, at::Tensor ids, int64_t format) {
+  TM_CHECK(rows.dtype() == at::kByte && rows.dim() == 2 && rows.is_contiguous(),
            "embed_rows: rows must be contiguous uint8 (V, bytes)");
   TM_CHECK(format >= kQ4_0 && format <= kQ5K && format != kQ5F,
            "embed_rows: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K or Q5_K only");
-  TM_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "embed_rows: ids must be int64 (T,)");
+  TM_CHECK(ids.dtype() == at::kLong && ids.dim() == 1, "embed_rows: ids must be int64 (T,)");
   const bool k_quant = super_blocks(format);
   const int64_t V = rows.size(0), bytes = rows.size(1), values = k_quant ? 256 : kBlock;
   const int64_t block = k_quant ? k_quant_bytes(format) : row_unit_bytes(format);
   TM_CHECK(bytes % block == 0, "embed_rows: rows of whole blocks");
   const int64_t B = bytes / block, T = ids.size(0);
-  const torch::Tensor idx = ids.contiguous();
+  const at::Tensor idx = ids.contiguous();
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TM_CHECK(ip[t] >= 0 && ip[t] < V, "embed_rows: token id " + std::to_string(ip[t]) + " out of range");
   }
-  auto out = torch::empty({T, B * values}, rows.options().dtype(torch::kFloat32));
+  auto out = at::empty({T, B * values}, rows.options().dtype(at::kFloat));
   const uint8_t* rp = rows.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
@@ -1713,14 +1712,14 @@ torch::Tensor embed_rows(torch::Tensor rows, torch::Tensor ids, int64_t format) 
 // Q4_K, Q5_K or Q6_K rows (N, K / 256 * super-block bytes) -> rows in the kernel's format Q4F, Q5K
 // or Q6F (row_unit_bytes): what gguf_loader.k_quant_rows makes with numpy, byte for byte (tested),
 // in one pass over the rows instead of numpy's several.
-torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
+at::Tensor recut_k_quant(at::Tensor raw, int64_t format) {
   TM_CHECK(format == kQ4F || format == kQ5K || format == kQ6F, "recut_k_quant: format Q4F, Q5K or Q6F");
   const int64_t super_bytes = k_quant_bytes(format);
-  TM_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.size(1) % super_bytes == 0,
+  TM_CHECK(raw.dtype() == at::kByte && raw.dim() == 2 && raw.size(1) % super_bytes == 0,
            "recut_k_quant: rows (N, K / 256 * super-block bytes) uint8");
   auto r = raw.contiguous();
   const int64_t supers = r.numel() / super_bytes, out_unit = row_unit_bytes(format);
-  auto out = torch::empty({raw.size(0), raw.size(1) / super_bytes * out_unit}, r.options());
+  auto out = at::empty({raw.size(0), raw.size(1) / super_bytes * out_unit}, r.options());
   const uint8_t* src = r.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, supers, 64, [&](int64_t begin, int64_t end) {
@@ -1756,10 +1755,10 @@ torch::Tensor recut_k_quant(torch::Tensor raw, int64_t format) {
 // bfloat16) or pack_block_panels (formats 1-8) and N its row count. With `out` (M, N), rows any distance
 // apart, y is written there: a column range of a wider output (a fused projection whose parts
 // came in different block formats).
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias, int64_t N,
-                           int64_t format, c10::optional<torch::Tensor> out, int64_t int8_rows) {
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N,
+                           int64_t format, c10::optional<at::Tensor> out, int64_t int8_rows) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  TM_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "panel_linear: x must be a float32 matrix");
+  TM_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "panel_linear: x must be a float32 matrix");
 #ifndef TOKENMILL_BF16
   TM_CHECK(format != kBF16, "panel_linear: bfloat16 panels need AVX512-BF16");
 #endif
@@ -1767,7 +1766,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   TM_CHECK(!block_format(format), "panel_linear: the block formats need AVX2, FMA and F16C");
 #endif
   TM_CHECK((format == kFloat32 || format == kBF16 || block_format(format)) && panels.is_contiguous() &&
-               panels.dtype() == (format == kFloat32 ? torch::kFloat32 : torch::kUInt8) &&
+               panels.dtype() == (format == kFloat32 ? at::kFloat : at::kByte) &&
                panels.sizes() == c10::IntArrayRef(panel_shape(N, K, format)),
            "panel_linear: panels of an (N, K) matrix in format " + std::to_string(format) +
                " expected (float32 (P, K, 16), bfloat16 (P, K / 2, 64), block panels (P, K / 32 or 256, unit bytes))");
@@ -1778,11 +1777,11 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
     b = bias->data_ptr<float>();
   }
   if (out.has_value()) {
-    TM_CHECK(out->dtype() == torch::kFloat32 && out->dim() == 2 && out->size(0) == M && out->size(1) == N &&
+    TM_CHECK(out->dtype() == at::kFloat && out->dim() == 2 && out->size(0) == M && out->size(1) == N &&
                  out->stride(1) == 1 && (M <= 1 || out->stride(0) >= N),
              "panel_linear: out must be a float32 (M, N) matrix with contiguous rows");
   }
-  auto y = out.has_value() ? *out : torch::empty({M, N}, x.options());
+  auto y = out.has_value() ? *out : at::empty({M, N}, x.options());
   const int64_t ldy = y.stride(0);
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();

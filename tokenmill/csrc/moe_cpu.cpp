@@ -44,13 +44,13 @@ constexpr int64_t kPanel = 16;  // output features per panel
 constexpr int64_t kSmallChunk = 16;
 
 // The panels' data as a table of pointers, each checked to be a (N, K) matrix's panels in `format`.
-std::vector<const uint8_t*> panel_table(const std::vector<torch::Tensor>& panels, int64_t format, int64_t N,
+std::vector<const uint8_t*> panel_table(const std::vector<at::Tensor>& panels, int64_t format, int64_t N,
                                         int64_t K, const char* name) {
   std::vector<const uint8_t*> table;
   const auto shape = panel_shape(N, K, format);
   for (const auto& t : panels) {
     TM_CHECK(t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape) &&
-                 t.dtype() == (format == 0 ? torch::kFloat32 : torch::kUInt8),
+                 t.dtype() == (format == 0 ? at::kFloat : at::kByte),
              std::string("MoeExperts: every expert's ") + name + " must be panels of its shape in format " +
                  std::to_string(format));
     table.push_back(static_cast<const uint8_t*>(t.data_ptr()));
@@ -60,7 +60,7 @@ std::vector<const uint8_t*> panel_table(const std::vector<torch::Tensor>& panels
 
 }  // namespace
 
-CpuMoeExperts::CpuMoeExperts(std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
+CpuMoeExperts::CpuMoeExperts(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
                              int64_t gate_up_format, int64_t down_format, int64_t hidden, int64_t width)
     : gate_up_(std::move(gate_up)), down_(std::move(down)), gate_up_format_(gate_up_format),
       down_format_(down_format), hidden_(hidden), width_(width) {
@@ -106,12 +106,12 @@ void CpuMoeExperts::project(const std::vector<const uint8_t*>& panels, int64_t f
   });
 }
 
-std::tuple<torch::Tensor, torch::Tensor> CpuMoeExperts::route(torch::Tensor logits, int64_t k, bool renormalise) {
+std::tuple<at::Tensor, at::Tensor> CpuMoeExperts::route(at::Tensor logits, int64_t k, bool renormalise) {
   check_rows(logits, "MoeExperts.route(logits)");
   const int64_t T = logits.size(0), E = logits.size(1), stride = logits.stride(0);
   TM_CHECK(k >= 1 && k <= E, "MoeExperts.route: k must be 1 to the number of experts");
-  auto weights = torch::empty({T, k}, logits.options());
-  auto ids = torch::empty({T, k}, logits.options().dtype(torch::kInt64));
+  auto weights = at::empty({T, k}, logits.options());
+  auto ids = at::empty({T, k}, logits.options().dtype(at::kLong));
   const float* lp = logits.data_ptr<float>();
   float* wp = weights.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
@@ -140,13 +140,13 @@ std::tuple<torch::Tensor, torch::Tensor> CpuMoeExperts::route(torch::Tensor logi
   return {weights, ids};
 }
 
-torch::Tensor CpuMoeExperts::forward(torch::Tensor x, torch::Tensor experts, torch::Tensor weights) const {
+at::Tensor CpuMoeExperts::forward(at::Tensor x, at::Tensor experts, at::Tensor weights) const {
   check_rows(x, "MoeExperts(x)");
   const int64_t T = x.size(0), E = static_cast<int64_t>(gate_up_.size());
   TM_CHECK(x.size(1) == hidden_, "MoeExperts: x must have the experts' hidden size");
-  TM_CHECK(experts.dtype() == torch::kInt64 && experts.dim() == 2 && experts.size(0) == T,
+  TM_CHECK(experts.dtype() == at::kLong && experts.dim() == 2 && experts.size(0) == T,
            "MoeExperts: experts must be int64 (T, k)");
-  TM_CHECK(weights.dtype() == torch::kFloat32 && weights.sizes() == experts.sizes(),
+  TM_CHECK(weights.dtype() == at::kFloat && weights.sizes() == experts.sizes(),
            "MoeExperts: weights must be float32, of the experts' shape");
   const auto xc = x.contiguous(), ids = experts.contiguous(), w = weights.contiguous();
   const int64_t k = ids.size(1), R = T * k, H = hidden_;
@@ -174,12 +174,12 @@ torch::Tensor CpuMoeExperts::forward(torch::Tensor x, torch::Tensor experts, tor
   const tokenmill::PanelRows tokens =
       shared ? tokenmill::panel_rows(xp, T, H, gate_up_format_, int8_rows) : tokenmill::PanelRows(nullptr, 0, H);
   std::vector<tokenmill::PanelRows> gate_up_x;
-  torch::Tensor rows;
+  at::Tensor rows;
   if (shared) {
     for (const Group& g : groups)
       gate_up_x.push_back(tokenmill::gather_panel_rows(tokens, &token_of[g.start], g.count));
   } else {
-    rows = torch::empty({R, H}, xc.options());  // (T * k, hidden) grouped by expert
+    rows = at::empty({R, H}, xc.options());  // (T * k, hidden) grouped by expert
     float* rp = rows.data_ptr<float>();
     at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) std::memcpy(rp + r * H, xp + token_of[r] * H, H * sizeof(float));
@@ -189,8 +189,8 @@ torch::Tensor CpuMoeExperts::forward(torch::Tensor x, torch::Tensor experts, tor
   }
   // gate_up, then each group's silu(gate) * up and down's rows of it made by the thread that
   // finishes the group's gate_up, in the same region
-  auto gate_up = torch::empty({R, 2 * width_}, xc.options());
-  auto h = torch::empty({R, width_}, xc.options());
+  auto gate_up = at::empty({R, 2 * width_}, xc.options());
+  auto h = at::empty({R, width_}, xc.options());
   float *gp = gate_up.data_ptr<float>(), *hp = h.data_ptr<float>();
   std::vector<tokenmill::PanelRows> down_x;
   for (const Group& g : groups)
@@ -202,11 +202,11 @@ torch::Tensor CpuMoeExperts::forward(torch::Tensor x, torch::Tensor experts, tor
       tokenmill::fill_panel_row(down_x[a], m);
     }
   });
-  auto y = torch::empty({R, H}, xc.options());  // weighted rows
+  auto y = at::empty({R, H}, xc.options());  // weighted rows
   project(down_panels_, down_format_, down_x, width_, y.data_ptr<float>(), H, groups, scale.data(), nullptr);
   // each token's rows added to zeros in ascending expert order, which is their grouped order: as
   // index_add_ over the grouped rows adds them
-  auto out = torch::zeros({T, H}, xc.options());
+  auto out = at::zeros({T, H}, xc.options());
   const float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {

@@ -57,7 +57,6 @@
 // Query j of sequence b sits at position seq_lens[b] - qlen + j and sees positions 0..itself, or
 // with a window only the last `window` of those: reading starts at the block holding the first
 // key the tile's first query sees (blocks before it may have been given back to the pool).
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -445,15 +444,15 @@ constexpr int64_t kPiecesPerThread = 16;  // work shared out in pieces of equal 
 constexpr int64_t kParallelWriteTokens = 8;  // write_kv splits keys and values over two threads from here
 
 template <typename KV>
-torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                   torch::Tensor block_tables, torch::Tensor query_start,
-                                   torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                   at::Tensor block_tables, at::Tensor query_start,
+                                   at::Tensor seq_lens, double scale, int64_t window, double softcap,
                                    const float* sinks) {
   TM_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
   TM_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
            "paged_attention: the pool and block tables must be contiguous");
-  TM_CHECK(block_tables.dtype() == torch::kInt32 && query_start.dtype() == torch::kInt32 &&
-               seq_lens.dtype() == torch::kInt32, "paged_attention: int32 metadata");
+  TM_CHECK(block_tables.dtype() == at::kInt && query_start.dtype() == at::kInt &&
+               seq_lens.dtype() == at::kInt, "paged_attention: int32 metadata");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t W = D + kScaleBytes<KV>;  // a row's width in the pool
@@ -471,7 +470,7 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int64_t q_stride = q.stride(0);  // q may be a view into the fused qkv rows
-  auto out = torch::empty({T, Hq, D}, q.options());
+  auto out = at::empty({T, Hq, D}, q.options());
   float* op = out.data_ptr<float>();
 
   // Tiles: up to kQueryTile consecutive query tokens of one sequence (twice that from kLongQuery
@@ -691,30 +690,30 @@ torch::Tensor paged_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch
 
 // The pool's element types the kernels read and write.
 bool pool_dtype(c10::ScalarType t) {
-  return t == torch::kFloat32 || t == torch::kFloat16 || t == torch::kBFloat16 || t == torch::kInt8;
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kChar;
 }
 
 }  // namespace
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor query_start,
-                              torch::Tensor seq_lens, double scale, int64_t window, double softcap,
-                              c10::optional<torch::Tensor> sinks) {
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor block_tables, at::Tensor query_start,
+                              at::Tensor seq_lens, double scale, int64_t window, double softcap,
+                              c10::optional<at::Tensor> sinks) {
   TM_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
   TM_CHECK(softcap >= 0, "paged_attention: softcap must be 0 (none) or positive");
-  TM_CHECK(!sinks.has_value() || (sinks->dtype() == torch::kFloat32 && sinks->dim() == 1 &&
+  TM_CHECK(!sinks.has_value() || (sinks->dtype() == at::kFloat && sinks->dim() == 1 &&
                                   sinks->size(0) == q.size(1) && sinks->is_contiguous()),
            "paged_attention: sinks must be a contiguous float32 tensor of one logit per query head");
   const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  TM_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() && pool_dtype(k_cache.scalar_type()),
+  TM_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == v_cache.dtype() && pool_dtype(k_cache.scalar_type()),
            "paged_attention: float32 queries, a float32, float16, bfloat16 or int8 pool");
-  if (k_cache.dtype() == torch::kInt8)
+  if (k_cache.dtype() == at::kChar)
     return paged_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
                                         softcap, sink_ptr);
-  if (k_cache.dtype() == torch::kFloat16)
+  if (k_cache.dtype() == at::kHalf)
     return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
                                           softcap, sink_ptr);
-  if (k_cache.dtype() == torch::kBFloat16)
+  if (k_cache.dtype() == at::kBFloat16)
     return paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale,
                                               window, softcap, sink_ptr);
   return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, softcap,
@@ -742,7 +741,7 @@ static void quantize_row(const float* x, int64_t D, int8_t* codes, float* scale)
 // above, float32, float16 (rounded to nearest on the way in, saturating at +-65504), bfloat16
 // (rounded to nearest even, as torch's conversion does) or int8 (quantize_row).
 template <typename KV>
-void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                    const int64_t* blocks, const int64_t* offsets) {
   const int64_t T = k.size(0), num_blocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2),
                 D = k.size(2), W = k_cache.size(3);
@@ -791,16 +790,16 @@ void write_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
   }
 }
 
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_block, torch::Tensor slot_offset) {
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_block, at::Tensor slot_offset) {
   TM_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
            "write_kv: heads must be contiguous");
-  TM_CHECK(slot_block.dtype() == torch::kInt64 && slot_offset.dtype() == torch::kInt64, "write_kv: int64 slots");
-  TM_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k_cache.dtype() == v_cache.dtype() &&
+  TM_CHECK(slot_block.dtype() == at::kLong && slot_offset.dtype() == at::kLong, "write_kv: int64 slots");
+  TM_CHECK(k.dtype() == at::kFloat && v.dtype() == at::kFloat && k_cache.dtype() == v_cache.dtype() &&
            pool_dtype(k_cache.scalar_type()) && k_cache.is_contiguous() && v_cache.is_contiguous(),
            "write_kv: float32 k/v, contiguous float32, float16, bfloat16 or int8 caches");
   TM_CHECK(k.dim() == 3, "write_kv: k/v shapes disagree with the cache");
-  const bool int8_pool = k_cache.dtype() == torch::kInt8;
+  const bool int8_pool = k_cache.dtype() == at::kChar;
   const int64_t T = k.size(0), Hkv = k_cache.size(1), D = k.size(2);
   TM_CHECK(k.size(1) == Hkv && k_cache.size(3) == D + (int8_pool ? kScaleBytes<int8_t> : 0) && v.sizes() == k.sizes() &&
            v_cache.sizes() == k_cache.sizes(), "write_kv: k/v shapes disagree with the cache");
@@ -811,9 +810,9 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   const int64_t* offsets = slot_offset.data_ptr<int64_t>();
   if (int8_pool) {
     write_kv_impl<int8_t>(k, v, k_cache, v_cache, blocks, offsets);
-  } else if (k_cache.dtype() == torch::kFloat16) {
+  } else if (k_cache.dtype() == at::kHalf) {
     write_kv_impl<at::Half>(k, v, k_cache, v_cache, blocks, offsets);
-  } else if (k_cache.dtype() == torch::kBFloat16) {
+  } else if (k_cache.dtype() == at::kBFloat16) {
     write_kv_impl<at::BFloat16>(k, v, k_cache, v_cache, blocks, offsets);
   } else {
     write_kv_impl<float>(k, v, k_cache, v_cache, blocks, offsets);

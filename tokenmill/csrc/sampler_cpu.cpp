@@ -14,7 +14,6 @@
 //          mass (the smallest set of best tokens reaching top_p, ties with its last token kept);
 //   min-p: e >= min_p (its probability at least min_p times the best token's).
 // Then the token is the first whose running sum of e over the kept set passes u times their total.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -278,22 +277,22 @@ int64_t sample_row(const float* logits, int64_t V, const RowParams& p, double u,
 
 }  // namespace
 
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::optional<torch::Tensor> top_k,
-                          c10::optional<torch::Tensor> top_p, c10::optional<torch::Tensor> min_p, torch::Tensor u,
-                          c10::optional<torch::Tensor> floors) {
+at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, c10::optional<at::Tensor> top_k,
+                          c10::optional<at::Tensor> top_p, c10::optional<at::Tensor> min_p, at::Tensor u,
+                          c10::optional<at::Tensor> floors) {
   check_rows(logits, "sample_rows(logits)");
   const int64_t S = logits.size(0), V = logits.size(1), stride = logits.stride(0);
   TM_CHECK(V > 0, "sample_rows: empty rows");
-  const auto per_row = [S](const c10::optional<torch::Tensor>& t, torch::ScalarType dtype, const char* name) {
-    if (!t.has_value()) return torch::Tensor();
+  const auto per_row = [S](const c10::optional<at::Tensor>& t, at::ScalarType dtype, const char* name) {
+    if (!t.has_value()) return at::Tensor();
     TM_CHECK(t->dim() == 1 && t->size(0) == S && t->scalar_type() == dtype,
              std::string("sample_rows: ") + name + " must be one " + c10::toString(dtype) + " per row");
     return t->contiguous();
   };
-  const torch::Tensor temps = per_row(temperature, torch::kFloat32, "temperature");
-  const torch::Tensor us = per_row(u, torch::kFloat64, "u");
-  const torch::Tensor ks = per_row(top_k, torch::kInt64, "top_k"), ps = per_row(top_p, torch::kFloat32, "top_p");
-  const torch::Tensor mps = per_row(min_p, torch::kFloat32, "min_p"), fl = per_row(floors, torch::kFloat32, "floors");
+  const at::Tensor temps = per_row(temperature, at::kFloat, "temperature");
+  const at::Tensor us = per_row(u, at::kDouble, "u");
+  const at::Tensor ks = per_row(top_k, at::kLong, "top_k"), ps = per_row(top_p, at::kFloat, "top_p");
+  const at::Tensor mps = per_row(min_p, at::kFloat, "min_p"), fl = per_row(floors, at::kFloat, "floors");
   TM_CHECK(!floors.has_value() || floors->is_contiguous(), "sample_rows: floors must be contiguous");
   for (int64_t r = 0; r < S; ++r) {  // what the selection and the draw rely on
     const float t = temps.data_ptr<float>()[r];
@@ -306,7 +305,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, c10::
     TM_CHECK(!mps.defined() || (mps.data_ptr<float>()[r] >= 0.0f && mps.data_ptr<float>()[r] <= 1.0f),
              "sample_rows: min_p must be in [0, 1]");
   }
-  auto out = torch::empty({S}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({S}, logits.options().dtype(at::kLong));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   tokenmill::parallel_chunks(S, 1, [&](tokenmill::ThreadChunks& chunks) {

@@ -513,6 +513,26 @@ def write_gguf_from_hf(model, path: Path, qtype: str = "F32", merged_experts: bo
     w.close()
 
 
+@pytest.fixture(autouse=True)
+def main_thread_cpus():
+    """Each test leaves the main thread's CPUs and torch's thread count as it found them: an
+    engine a test steps by hand (not through LLM, which gives them back) leaves its thread as its
+    thread governor last set it, pinned to one CPU or cut to one thread, and the next tests would
+    run so, or skip where they need two CPUs."""
+    cpus, threads = os.sched_getaffinity(0), torch_threads()
+    yield
+    if os.sched_getaffinity(0) != cpus:
+        os.sched_setaffinity(0, cpus)
+    if threads and torch_threads() != threads:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def torch_threads() -> int:
+    """torch's intra-op thread count, where a test has imported torch (importing it costs seconds)."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else 0
+
+
 @pytest.fixture(scope="session", autouse=True)
 def engine_device():
     """With TOKENMILL_TEST_DEVICE=cuda every engine a test builds without naming a device (nor a

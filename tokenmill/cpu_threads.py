@@ -153,6 +153,14 @@ class ThreadGovernor:
             self._apply()
             self._asked_up = 0
 
+    def reset(self) -> None:
+        """Back to the level the governor began at, the most parallel (every thread, none pinned):
+        for a caller whose own thread ran the steps and goes on with work of its own (LLM's calls),
+        which a level taken under load would otherwise hold to one thread or one core."""
+        self.level = len(self.levels) - 1
+        self._asked_up = 0
+        self._apply()
+
     def _wanted_level(self) -> int:
         if self.bind is None:  # a thread per CPU the others leave free
             return min(self.limit, max(1, math.floor(self.num_cpus - self.others + 0.5))) - 1

@@ -99,6 +99,10 @@ class LLMEngine:
         """Let the OpenMP threads that building the engine started exit (ModelWorker.release_threads)."""
         self.runner.worker.release_threads()
 
+    def reset_threads(self) -> None:
+        """Leave the calling thread, which ran the steps, with every CPU thread (ModelWorker.reset_threads)."""
+        self.runner.worker.reset_threads()
+
     def idle(self) -> None:
         """Between steps with no request to run: blocks a KV connector held for a peer and has since
         released go back to the pool (Scheduler.release_held)."""

@@ -101,6 +101,8 @@ class LLM:
                 if request.request_id not in finished:
                     self.engine.abort(request.request_id)
             raise
+        finally:  # the steps ran on the caller's thread: its own work next gets every thread and core
+            self.engine.reset_threads()
         return finished
 
     def get_tokenizer(self):

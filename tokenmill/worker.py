@@ -94,6 +94,12 @@ class ModelWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
+    def reset_threads(self) -> None:
+        """Give the calling thread back every CPU thread the governor may have taken from it
+        (ThreadGovernor.reset); nothing where the count is fixed."""
+        if self.threads is not None:
+            self.threads.reset()
+
     def release_threads(self) -> None:
         """Let the OpenMP worker threads that the calling thread started exit (building the engine
         ran parallel kernels on it), before the engine steps on a thread of its own: each thread that

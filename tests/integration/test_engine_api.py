@@ -57,6 +57,28 @@ def test_late_modes_give_the_same_outputs_one_step_later(tiny_models, mode):
     assert sync["e"][2] == "stop" and sync["e"][0][-1] not in sync["e"][0][:-1]
 
 
+def test_a_generate_call_gives_its_thread_back_every_cpu_and_thread_the_load_had_taken(tiny_models):
+    """LLM's steps run on the caller's thread, whose kernels' team the thread governor pins one to
+    a core (or cuts to one thread) while a neighbour is busy; when the call returns, the thread
+    has both CPUs and both threads again. The governor is put at its pinned level by hand here,
+    where a neighbour's load would take it there by timing."""
+    import os
+
+    import torch
+
+    from tokenmill.cpu_threads import usable_cpus
+    cpus, limit = usable_cpus()
+    if len(cpus) != 2 or limit != 2:
+        pytest.skip("the pinned level is for two usable CPUs")
+    llm = LLM(str(tiny_models["llama"]), num_kv_blocks=64)
+    governor = llm.engine.runner.worker.threads
+    governor.level = governor.levels.index((2, True))
+    governor._apply()
+    assert os.sched_getaffinity(0) == {min(cpus)}  # this thread is thread 0 of its team
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert os.sched_getaffinity(0) == set(cpus) and torch.get_num_threads() == 2
+
+
 def test_outputs_come_back_in_input_order_for_every_prompt_form(llm):
     prompts = ["w5 w6 w7", [5, 6, 7], {"prompt_token_ids": [5, 6, 7]}, {"prompt": "w5 w6 w7"},
                [9] * 100, "w9"]

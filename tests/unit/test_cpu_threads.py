@@ -123,6 +123,17 @@ def test_on_two_cpus_heavy_load_gets_one_thread_and_bound_two_only_after_three_l
     assert (gov.threads, gov.bound) == (2, True) and host.calls == [2, 1, 2]
 
 
+def test_reset_gives_back_every_thread_unbound_at_once_and_the_next_load_is_read_afresh() -> None:
+    host = FakeHost()
+    gov = host.governor(bind=True)
+    windows(host, gov, 1, own_cores=1.5, other_cores=1.0)
+    assert (gov.threads, gov.bound) == (2, True)
+    gov.reset()
+    assert (gov.threads, gov.bound) == (2, False) and host.calls == [2, 2, 2] and host.binds == [False, True, False]
+    windows(host, gov, 1, own_cores=0.5, other_cores=1.6)
+    assert (gov.threads, gov.bound) == (1, False)
+
+
 def test_binding_is_only_for_two_cpus_all_usable() -> None:
     for cpus, limit in ((4, 4), (2, 1)):
         host = FakeHost()

@@ -3,10 +3,10 @@ default workload's shape, alternated between them, so the machine's drift falls 
 
     python benchmarks/cpu_engine_ab.py old=/tmp/old/tokenmill/csrc new=tokenmill/csrc \
         [--batch 64 --prompt 250 --rounds 12 --steps 6] [--workloads 4] [--prefill 4000] [--model PATH] \
-        [--kv-cache-dtypes auto int8]
+        [--kv-cache-dtypes auto int8] [--block-sizes 16 32]
 
-Only the kernels differ between the engines, or with --kv-cache-dtypes (one per build, in order)
-their KV pools too: the Python is this checkout's. Decode steps: each
+Only the kernels differ between the engines, or with --kv-cache-dtypes or --block-sizes (one per
+build, in order) their KV pools too: the Python is this checkout's. Decode steps: each
 engine takes `batch` requests of `prompt` tokens, then the engines run `steps` decode steps in turn,
 `rounds` times, their order reversed every other round; each round's median step is compared.
 Workloads: each engine runs one warm-up workload (its pool's pages faulted in), then the default
@@ -35,13 +35,14 @@ from tokenmill.models.loader import default_model_path  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 
-def engine_on(module, model: str | None = None, kv_cache_dtype: str = "auto") -> LLMEngine:
+def engine_on(module, model: str | None = None, kv_cache_dtype: str = "auto", block_size: int = 16) -> LLMEngine:
     """An engine of `model` (default: the default model) whose kernels come from `module` (the
     engine takes them from load_cpu_kernels while it is built)."""
     original = cpu_kernels._build
     cpu_kernels._build = lambda: module
     try:
-        return LLMEngine(EngineConfig(model=model or str(default_model_path()), kv_cache_dtype=kv_cache_dtype))
+        return LLMEngine(EngineConfig(model=model or str(default_model_path()), kv_cache_dtype=kv_cache_dtype,
+                                      block_size=block_size))
     finally:
         cpu_kernels._build = original
 
@@ -122,12 +123,14 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=0, help="time lone prompts of this many tokens instead")
     parser.add_argument("--model", default=None, help="another model than the default one")
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=None, help="each build's engine's pool dtype")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=None, help="each build's engine's block size")
     args = parser.parse_args()
     dtypes = args.kv_cache_dtypes or ["auto"] * len(args.builds)
-    if len(dtypes) != len(args.builds):
-        parser.error("--kv-cache-dtypes needs one dtype per build")
-    engines = {name: engine_on(module, args.model, dtype)
-               for (name, module), dtype in zip(build_named(args.builds).items(), dtypes)}
+    blocks = args.block_sizes or [16] * len(args.builds)
+    if len(dtypes) != len(args.builds) or len(blocks) != len(args.builds):
+        parser.error("--kv-cache-dtypes and --block-sizes need one value per build")
+    engines = {name: engine_on(module, args.model, dtype, block)
+               for (name, module), dtype, block in zip(build_named(args.builds).items(), dtypes, blocks)}
     if args.workloads:
         workloads(engines, args.workloads)
     elif args.prefill:

@@ -114,9 +114,9 @@ class GilReleased {
 }  // namespace
 
 at::Tensor CpuDecoderStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                                       std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
-                                       at::Tensor slot_block, at::Tensor slot_offset, at::Tensor block_tables,
-                                       at::Tensor query_start, at::Tensor seq_lens) const {
+                                    std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                                    at::Tensor slot_block, at::Tensor slot_offset, at::Tensor block_tables,
+                                    at::Tensor query_start, at::Tensor seq_lens) const {
   TM_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
            "DecoderStack: one K and one V pool per layer");
   // The GIL is released for the whole pass, so that the server's event loop sends the last step's

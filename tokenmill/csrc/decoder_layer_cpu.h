@@ -37,10 +37,10 @@ struct CpuDecoderLayer {
   void set_shared_expert(Projection gate_up, Projection down, Projection gate);
 
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, c10::optional<at::Tensor> residual,
-                                                   at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
-                                                   at::Tensor v_cache, at::Tensor slot_block,
-                                                   at::Tensor slot_offset, at::Tensor block_tables,
-                                                   at::Tensor query_start, at::Tensor seq_lens) const;
+                                             at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                                             at::Tensor v_cache, at::Tensor slot_block,
+                                             at::Tensor slot_offset, at::Tensor block_tables,
+                                             at::Tensor query_start, at::Tensor seq_lens) const;
 
   at::Tensor input_norm, post_norm;
   double eps;
@@ -67,8 +67,8 @@ struct CpuDecoderStack {
   // x: the token embeddings (T, hidden); one K and one V pool per layer -> the final norm's
   // output (T, hidden)
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
-                        std::vector<at::Tensor> v_caches, at::Tensor slot_block, at::Tensor slot_offset,
-                        at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens) const;
+                     std::vector<at::Tensor> v_caches, at::Tensor slot_block, at::Tensor slot_offset,
+                     at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens) const;
 
   std::vector<std::shared_ptr<CpuDecoderLayer>> layers;
   at::Tensor final_norm;

@@ -53,7 +53,7 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 // Returns out; `residual`, when given, is updated in place to residual + x.
 at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
-                           double eps) {
+                        double eps) {
   check_rows(x, "add_rms_norm(x)");
   TM_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight shape");
   const int64_t T = x.size(0), H = x.size(1);

@@ -694,54 +694,66 @@ using tokenmill::dpbusd;
 constexpr bool reads_words(int64_t format) { return byte_codes(format) && !kVnni512; }
 constexpr bool reads_half_sums(int64_t format) { return format == kQ6F && kVnni512; }
 
-// x (K floats) -> Int8Row: xq = round(x / dx) (to nearest even), dx = max |x| / 127 (0 for a block
-// of zeros), in the layouts r has room for (those the tiles of its format read).
+// A block of 32 k of x in 8 bits: xq = round(x / dx) (to nearest even), dx = max |x| / 127 (0 for
+// a block of zeros, NaN where x has one), the bytes in k order, sum(xq) and its first 16 k's part.
+// The offsets' sum is quantized x's too (dx * sum(xq)): the product is then exactly that of the
+// dequantized weights with quantized x (with x's own sum, Q4_1's error tripled).
+struct QuantizedBlock {
+  __m256i bytes;
+  float d;
+  int32_t qsum, first_half;
+};
+
+inline QuantizedBlock quantize_block(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps(), nan = amax;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  QuantizedBlock out;
+  out.d = _mm_cvtss_f32(m4) / 127.0f;
+  const float id = out.d != 0.0f ? 1.0f / out.d : 0.0f;
+  if (_mm256_movemask_ps(nan) != 0) out.d = std::numeric_limits<float>::quiet_NaN();  // NaN in, NaN out
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));  // rounds to even
+  out.first_half = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+  out.qsum = out.first_half + hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+  out.bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+  return out;
+}
+
+#ifndef TOKENMILL_VNNI_512
+// x (K floats) -> Int8Row, in the layouts r has room for (those the tiles of its format read).
 void quantize_row(const float* x, int64_t K, const Int8Row& r) {
   const int64_t B = K / kBlock;
   const bool words = r.words != nullptr, quads = r.quads != nullptr;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
   const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
   for (int64_t b = 0; b < B; ++b) {
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps(), nan = amax;
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    float d = _mm_cvtss_f32(m4) / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    if (_mm256_movemask_ps(nan) != 0) d = std::numeric_limits<float>::quiet_NaN();  // NaN in, NaN out
-    __m256i q[4];
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));  // rounds to even
-    const int32_t qsum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-    const __m256i bytes = _mm256_permutevar8x32_epi32(
-        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
-    r.scale[b] = d, r.sum[b] = d * static_cast<float>(qsum), r.qsum[b] = qsum;
-    if (r.half_qsum != nullptr) {
-      r.half_qsum[2 * b] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
-      r.half_qsum[2 * b + 1] = qsum - r.half_qsum[2 * b];
-    }
-    // the offsets' sum is quantized x's too: the product is then exactly that of the dequantized
-    // weights with quantized x (with x's own sum, Q4_1's error tripled)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.bytes + b * kBlock), bytes);
+    const QuantizedBlock q = quantize_block(x + b * kBlock);
+    r.scale[b] = q.d, r.sum[b] = q.d * static_cast<float>(q.qsum), r.qsum[b] = q.qsum;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.bytes + b * kBlock), q.bytes);
     if (words) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words + b * kBlock),
-                          _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)));
+                          _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q.bytes)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.words + b * kBlock + 16),
-                          _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1)));
+                          _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q.bytes, 1)));
     }
     for (int j = 0; quads && j < kBlock / 4; ++j) {  // dword j of the block = xq[4j .. 4j + 3], spread out
-      const __m256i quad = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(bytes, _mm256_set1_epi32(j)), spread);
+      const __m256i quad = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(q.bytes, _mm256_set1_epi32(j)), spread);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.quads + (b * kBlock / 4 + j) * 32), quad);
     }
   }
 }
+#endif
 
 // Eight int16 sums (two vectors' low and high halves) -> eight int32: (a.lo + a.hi) per lane.
 inline __m256i widen_add(__m256i a) {
@@ -1261,19 +1273,39 @@ int64_t lay_out_passes(tokenmill::PanelRows& rows, uint8_t* at, bool halves) {
   return bytes;
 }
 
-// Row m's blocks (rows.int8[m]) copied into its pass.
-void interleave_row(const tokenmill::PanelRows& rows, int64_t m) {
-  const Int8Pass& pass = *std::prev(std::upper_bound(rows.passes.begin(), rows.passes.end(), m,
-                                                     [](int64_t row, const Int8Pass& p) { return row < p.m0; }));
-  const Int8Row& from = rows.int8[m];
-  const int64_t r = m - pass.m0, n = pass.n;
-  for (int64_t q = 0; q < rows.K / 4; ++q) std::memcpy(pass.bytes + 4 * (q * n + r), from.bytes + 4 * q, 4);
-  for (int64_t b = 0; b < rows.K / kBlock; ++b) {
-    pass.scale[b * n + r] = from.scale[b], pass.sum[b * n + r] = from.sum[b], pass.qsum[b * n + r] = from.qsum[b];
+// The pass that holds row m of rows.
+const Int8Pass& pass_of(const tokenmill::PanelRows& rows, int64_t m) {
+  return *std::prev(std::upper_bound(rows.passes.begin(), rows.passes.end(), m,
+                                     [](int64_t row, const Int8Pass& p) { return row < p.m0; }));
+}
+
+// Row r of `pass` from x (K floats), quantized as quantize_row quantizes, straight into the pass's
+// interleaved layout: a block's eight dwords of bytes 4n bytes apart, in one scatter.
+void quantize_into_pass(const float* x, int64_t K, const Int8Pass& pass, int64_t r) {
+  const int64_t n = pass.n;
+  const __m256i apart = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(static_cast<int32_t>(n)));
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const QuantizedBlock q = quantize_block(x + b * kBlock);
+    _mm256_i32scatter_epi32(pass.bytes + 4 * (kBlock / 4 * b * n + r), apart, q.bytes, 4);
+    pass.scale[b * n + r] = q.d, pass.sum[b * n + r] = q.d * static_cast<float>(q.qsum), pass.qsum[b * n + r] = q.qsum;
     if (pass.half_qsum != nullptr) {
-      pass.half_qsum[2 * b * n + r] = from.half_qsum[2 * b];
-      pass.half_qsum[(2 * b + 1) * n + r] = from.half_qsum[2 * b + 1];
+      pass.half_qsum[2 * b * n + r] = q.first_half;
+      pass.half_qsum[(2 * b + 1) * n + r] = q.qsum - q.first_half;
     }
+  }
+}
+
+// Row m of rows copied from row `from` of source, pass to pass (gather_panel_rows).
+void copy_pass_row(const tokenmill::PanelRows& source, int64_t from, const tokenmill::PanelRows& rows, int64_t m) {
+  const Int8Pass &in = pass_of(source, from), &out = pass_of(rows, m);
+  const int64_t i = from - in.m0, r = m - out.m0;
+  for (int64_t q = 0; q < rows.K / 4; ++q) std::memcpy(out.bytes + 4 * (q * out.n + r), in.bytes + 4 * (q * in.n + i), 4);
+  for (int64_t b = 0; b < rows.K / kBlock; ++b) {
+    out.scale[b * out.n + r] = in.scale[b * in.n + i], out.sum[b * out.n + r] = in.sum[b * in.n + i];
+    out.qsum[b * out.n + r] = in.qsum[b * in.n + i];
+    for (int64_t h = 0; out.half_qsum != nullptr && h < 2; ++h)
+      out.half_qsum[(2 * b + h) * out.n + r] = in.half_qsum[(2 * b + h) * in.n + i];
   }
 }
 #endif
@@ -1313,32 +1345,29 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
 #endif
 #ifdef TOKENMILL_AVX2
   if (takes_int8(format, M, int8_rows)) {
-    // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads
-    // (8K), half sums (2B)
-    const bool words = reads_words(format), quads = !byte_codes(format) && !kVnni, halves = reads_half_sums(format);
-    const int64_t B = K / kBlock, part = up64(4 * B);
-    const int64_t row =
-        3 * part + up64(K) + (words ? up64(2 * K) : 0) + (quads ? 8 * K : 0) + (halves ? up64(8 * B) : 0);
 #ifdef TOKENMILL_VNNI_512
-    const int64_t interleaved = lay_out_passes(rows, nullptr, halves);  // after the rows, their passes
+    // the rows straight into their passes (quantize_into_pass); int8 holds no views, only says
+    // that x is in 8-bit blocks. Not zeroed: every byte read is written.
+    const bool halves = reads_half_sums(format);
+    rows.arena.reset(new uint8_t[lay_out_passes(rows, nullptr, halves) + 64]);
+    lay_out_passes(rows, aligned_arena(rows), halves);
+    rows.int8.assign(M, Int8Row{});
 #else
-    const int64_t interleaved = 0;
-#endif
-    // not zeroed: quantize_row (and interleave_row) writes every byte read
-    rows.arena.reset(new uint8_t[M * row + interleaved + 64]);
+    // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads (8K)
+    const bool words = reads_words(format), quads = !byte_codes(format) && !kVnni;
+    const int64_t part = up64(4 * (K / kBlock));
+    const int64_t row = 3 * part + up64(K) + (words ? up64(2 * K) : 0) + (quads ? 8 * K : 0);
+    rows.arena.reset(new uint8_t[M * row + 64]);  // not zeroed: quantize_row writes every byte read
     uint8_t* base = aligned_arena(rows);
-#ifdef TOKENMILL_VNNI_512
-    lay_out_passes(rows, base + M * row, halves);
-#endif
     rows.int8.resize(M);
     for (int64_t m = 0; m < M; ++m) {
       uint8_t* p = base + m * row;
       uint8_t* tail = p + 3 * part + up64(K);
       rows.int8[m] = Int8Row{reinterpret_cast<float*>(p), reinterpret_cast<float*>(p + part),
                              reinterpret_cast<int32_t*>(p + 2 * part), reinterpret_cast<int8_t*>(p + 3 * part),
-                             words ? reinterpret_cast<int16_t*>(tail) : nullptr, quads ? tail : nullptr,
-                             halves ? reinterpret_cast<int32_t*>(p + row - up64(8 * B)) : nullptr};
+                             words ? reinterpret_cast<int16_t*>(tail) : nullptr, quads ? tail : nullptr};
     }
+#endif
     if (fill) fill_panel_rows(rows);
   }
 #endif
@@ -1346,11 +1375,13 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
 }
 
 void fill_panel_row(const PanelRows& rows, int64_t m) {
-#ifdef TOKENMILL_AVX2
-  if (!rows.int8.empty()) quantize_row(rows.x + m * rows.K, rows.K, rows.int8[m]);
-#endif
 #ifdef TOKENMILL_VNNI_512
-  if (!rows.passes.empty()) interleave_row(rows, m);
+  if (!rows.int8.empty()) {
+    const Int8Pass& pass = pass_of(rows, m);
+    quantize_into_pass(rows.x + m * rows.K, rows.K, pass, m - pass.m0);
+  }
+#elif defined(TOKENMILL_AVX2)
+  if (!rows.int8.empty()) quantize_row(rows.x + m * rows.K, rows.K, rows.int8[m]);
 #endif
 #ifdef TOKENMILL_BF16
   if (rows.bf16 != nullptr) bf16_row(rows.x + m * rows.K, rows.K, rows.bf16 + m * rows.K);
@@ -1371,10 +1402,10 @@ PanelRows gather_panel_rows(const PanelRows& source, const int64_t* picks, int64
   PanelRows rows(nullptr, M, source.K);
   for (int64_t m = 0; m < M; ++m) rows.int8.push_back(source.int8[picks[m]]);
 #ifdef TOKENMILL_VNNI_512
-  const bool halves = source.int8[0].half_qsum != nullptr;
+  const bool halves = source.passes.front().half_qsum != nullptr;
   rows.arena.reset(new uint8_t[lay_out_passes(rows, nullptr, halves) + 64]);
   lay_out_passes(rows, aligned_arena(rows), halves);
-  for (int64_t m = 0; m < M; ++m) interleave_row(rows, m);
+  for (int64_t m = 0; m < M; ++m) copy_pass_row(source, picks[m], rows, m);
 #endif
   return rows;
 }
@@ -1756,7 +1787,7 @@ at::Tensor recut_k_quant(at::Tensor raw, int64_t format) {
 // apart, y is written there: a column range of a wider output (a fused projection whose parts
 // came in different block formats).
 at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tensor> bias, int64_t N,
-                           int64_t format, c10::optional<at::Tensor> out, int64_t int8_rows) {
+                        int64_t format, c10::optional<at::Tensor> out, int64_t int8_rows) {
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TM_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "panel_linear: x must be a float32 matrix");
 #ifndef TOKENMILL_BF16

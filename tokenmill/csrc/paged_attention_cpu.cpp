@@ -445,9 +445,9 @@ constexpr int64_t kParallelWriteTokens = 8;  // write_kv splits keys and values 
 
 template <typename KV>
 at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                   at::Tensor block_tables, at::Tensor query_start,
-                                   at::Tensor seq_lens, double scale, int64_t window, double softcap,
-                                   const float* sinks) {
+                                at::Tensor block_tables, at::Tensor query_start,
+                                at::Tensor seq_lens, double scale, int64_t window, double softcap,
+                                const float* sinks) {
   TM_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
   TM_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
            "paged_attention: the pool and block tables must be contiguous");
@@ -696,9 +696,9 @@ bool pool_dtype(c10::ScalarType t) {
 }  // namespace
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                              at::Tensor block_tables, at::Tensor query_start,
-                              at::Tensor seq_lens, double scale, int64_t window, double softcap,
-                              c10::optional<at::Tensor> sinks) {
+                           at::Tensor block_tables, at::Tensor query_start,
+                           at::Tensor seq_lens, double scale, int64_t window, double softcap,
+                           c10::optional<at::Tensor> sinks) {
   TM_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
   TM_CHECK(softcap >= 0, "paged_attention: softcap must be 0 (none) or positive");
   TM_CHECK(!sinks.has_value() || (sinks->dtype() == at::kFloat && sinks->dim() == 1 &&

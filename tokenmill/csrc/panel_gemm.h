@@ -10,8 +10,8 @@
 
 namespace tokenmill {
 
-// One row of x in 8-bit blocks, laid out for the 8-bit tiles' two inner loops (gemm_cpu.cpp):
-// views into the arena of the PanelRows that holds it.
+// One row of x in 8-bit blocks, laid out for the 8-bit tiles' two inner loops where the build has
+// no 512-bit VNNI (gemm_cpu.cpp): views into the arena of the PanelRows that holds it.
 struct Int8Row {
   float* scale;    // per block of 32 k: dx
   float* sum;      // per block: dx * sum(xq), for the offsets
@@ -21,19 +21,18 @@ struct Int8Row {
                    // else null
   uint8_t* quads;  // nibbles without VNNI: per four k, 32 bytes: the pair (xq[4i], xq[4i + 1]) eight
                    // times, then (xq[4i + 2], xq[4i + 3]) eight times; else null
-  int32_t* half_qsum;  // for Q6F in the 512-bit tile: per 16 k, sum(xq) (its halves' own scales); else null
 };
 
-// The rows of one pass of the 512-bit 8-bit tile (gemm_cpu.cpp) copied again, interleaved, so
-// that the tile addresses all of them from one pointer: a row's own pointers (Int8Row) are more
-// than the registers left, and reloading them cost it a load beside each broadcast of x.
+// The rows of one pass of the 512-bit 8-bit tile (gemm_cpu.cpp) in 8-bit blocks, interleaved, so
+// that the tile addresses all of them from one pointer: a row's own pointers (as Int8Row's) are
+// more than the registers left, and reloading them cost it a load beside each broadcast of x.
 struct Int8Pass {
   int64_t m0, n;       // rows [m0, m0 + n) of x
   int8_t* bytes;       // per block of 32 k, per four k: the n rows' four bytes one after another
-  float* scale;        // per block: the n rows' dx side by side (Int8Row's), as are
+  float* scale;        // per block: the n rows' dx side by side, as are
   float* sum;          //   dx * sum(xq),
   int32_t* qsum;       //   sum(xq)
-  int32_t* half_qsum;  //   and, per 16 k, their halves (null where the rows have none)
+  int32_t* half_qsum;  //   and, per 16 k, their halves, for Q6F (its halves' own scales; else null)
 };
 
 // The rows of x one product reads: M rows of K floats, contiguous; for block panels in a step of
@@ -43,8 +42,8 @@ struct Int8Pass {
 struct PanelRows {
   const float* x;
   int64_t M, K;
-  std::vector<Int8Row> int8;     // empty: x in float32
-  std::vector<Int8Pass> passes;  // with the 512-bit tile: int8's rows again, pass by pass
+  std::vector<Int8Row> int8;     // empty: x in float32 (with the 512-bit tile, M null rows: x is in passes)
+  std::vector<Int8Pass> passes;  // with the 512-bit tile: the rows in 8-bit blocks, pass by pass
   uint16_t* bf16 = nullptr;      // for bf16 panels: the rows rounded to bfloat16, M x K
   bool amx = false;              // bf16 rows the panels multiply on AMX tiles (then padded with zero rows)
   std::unique_ptr<uint8_t[]> arena;
@@ -61,7 +60,8 @@ void fill_panel_rows(const PanelRows& rows);
 // Whether a product of M rows over panels in `format` takes x in 8-bit blocks (panel_rows).
 bool takes_int8(int64_t format, int64_t M, int64_t int8_rows);
 // The rows picks[0..M) of `source` (rows in 8-bit blocks), for a product that reads only those:
-// their blocks shared with source, which must outlive them, not computed again.
+// their blocks shared with source, which must outlive them (with the 512-bit tile copied into
+// passes of their own), not computed again.
 PanelRows gather_panel_rows(const PanelRows& source, const int64_t* picks, int64_t M);
 
 // Where a panel's outputs go: columns [16 p, 16 p + 16) of y (N columns, rows ldy floats apart),

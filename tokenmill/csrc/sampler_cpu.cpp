@@ -278,8 +278,8 @@ int64_t sample_row(const float* logits, int64_t V, const RowParams& p, double u,
 }  // namespace
 
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, c10::optional<at::Tensor> top_k,
-                          c10::optional<at::Tensor> top_p, c10::optional<at::Tensor> min_p, at::Tensor u,
-                          c10::optional<at::Tensor> floors) {
+                       c10::optional<at::Tensor> top_p, c10::optional<at::Tensor> min_p, at::Tensor u,
+                       c10::optional<at::Tensor> floors) {
   check_rows(logits, "sample_rows(logits)");
   const int64_t S = logits.size(0), V = logits.size(1), stride = logits.stride(0);
   TM_CHECK(V > 0, "sample_rows: empty rows");

@@ -1346,12 +1346,10 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
 #ifdef TOKENMILL_AVX2
   if (takes_int8(format, M, int8_rows)) {
 #ifdef TOKENMILL_VNNI_512
-    // the rows straight into their passes (quantize_into_pass); int8 holds no views, only says
-    // that x is in 8-bit blocks. Not zeroed: every byte read is written.
+    // the rows straight into their passes (quantize_into_pass); not zeroed: every byte read is written
     const bool halves = reads_half_sums(format);
     rows.arena.reset(new uint8_t[lay_out_passes(rows, nullptr, halves) + 64]);
     lay_out_passes(rows, aligned_arena(rows), halves);
-    rows.int8.assign(M, Int8Row{});
 #else
     // per row, 64-byte aligned parts: scale, sum, qsum (B each), bytes (K), words (K int16), quads (8K)
     const bool words = reads_words(format), quads = !byte_codes(format) && !kVnni;
@@ -1376,12 +1374,12 @@ PanelRows panel_rows(const float* x, int64_t M, int64_t K, int64_t format, int64
 
 void fill_panel_row(const PanelRows& rows, int64_t m) {
 #ifdef TOKENMILL_VNNI_512
-  if (!rows.int8.empty()) {
+  if (rows.in_8_bits()) {
     const Int8Pass& pass = pass_of(rows, m);
     quantize_into_pass(rows.x + m * rows.K, rows.K, pass, m - pass.m0);
   }
 #elif defined(TOKENMILL_AVX2)
-  if (!rows.int8.empty()) quantize_row(rows.x + m * rows.K, rows.K, rows.int8[m]);
+  if (rows.in_8_bits()) quantize_row(rows.x + m * rows.K, rows.K, rows.int8[m]);
 #endif
 #ifdef TOKENMILL_BF16
   if (rows.bf16 != nullptr) bf16_row(rows.x + m * rows.K, rows.K, rows.bf16 + m * rows.K);
@@ -1391,21 +1389,22 @@ void fill_panel_row(const PanelRows& rows, int64_t m) {
 // the threads fill rows in parallel from 16 rows (prompt chunks): serially, on one thread, it
 // held the other back
 void fill_panel_rows(const PanelRows& rows) {
-  if (rows.int8.empty() && rows.bf16 == nullptr) return;
+  if (!rows.in_8_bits() && rows.bf16 == nullptr) return;
   at::parallel_for(0, rows.M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) fill_panel_row(rows, m);
   });
 }
 
 PanelRows gather_panel_rows(const PanelRows& source, const int64_t* picks, int64_t M) {
-  TM_CHECK(!source.int8.empty(), "gather_panel_rows: the source rows must be in 8-bit blocks");
+  TM_CHECK(source.in_8_bits(), "gather_panel_rows: the source rows must be in 8-bit blocks");
   PanelRows rows(nullptr, M, source.K);
-  for (int64_t m = 0; m < M; ++m) rows.int8.push_back(source.int8[picks[m]]);
 #ifdef TOKENMILL_VNNI_512
   const bool halves = source.passes.front().half_qsum != nullptr;
   rows.arena.reset(new uint8_t[lay_out_passes(rows, nullptr, halves) + 64]);
   lay_out_passes(rows, aligned_arena(rows), halves);
   for (int64_t m = 0; m < M; ++m) copy_pass_row(source, picks[m], rows, m);
+#else
+  for (int64_t m = 0; m < M; ++m) rows.int8.push_back(source.int8[picks[m]]);
 #endif
   return rows;
 }
@@ -1418,9 +1417,9 @@ int64_t panel_stride(int64_t K, int64_t format) {
 bool decodes_panels(const PanelRows& x, int64_t format) {
   if (!block_format(format)) return false;
 #ifdef TOKENMILL_VNNI_512
-  if (!x.int8.empty()) return spreads_codes(format, x.M);
+  if (x.in_8_bits()) return spreads_codes(format, x.M);
 #endif
-  return x.int8.empty() && x.M > kDecodeRows;
+  return !x.in_8_bits() && x.M > kDecodeRows;
 }
 
 int64_t panel_chunk_for(int64_t rows) { return panel_chunk(rows); }
@@ -1455,7 +1454,7 @@ void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t
   }
 #endif
 #ifdef TOKENMILL_AVX2
-  if (!x.int8.empty()) {
+  if (x.in_8_bits()) {
     int8_panel(x, panel, next, format, p, scratch, out);
   } else {
     block_panel(x.x, x.M, x.K, panel, next, format, p, scratch, out);
@@ -1821,7 +1820,7 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, c10::optional<at::Tenso
     const tokenmill::PanelRows rows = tokenmill::panel_rows(xp, M, K, format, int8_rows);
     const uint8_t* wp = static_cast<const uint8_t*>(panels.data_ptr());
     const int64_t stride = tokenmill::panel_stride(K, format);
-    tokenmill::parallel_chunks(P, rows.int8.empty() ? panel_chunk(M) : 0, [&](tokenmill::ThreadChunks& chunks) {
+    tokenmill::parallel_chunks(P, rows.in_8_bits() ? 0 : panel_chunk(M), [&](tokenmill::ThreadChunks& chunks) {
       tokenmill::PanelScratch scratch(K, tokenmill::decodes_panels(rows, format));
       for (int64_t begin, end; chunks.next(begin, end);)
       for (int64_t p = begin; p < end; ++p) {

@@ -42,8 +42,8 @@ struct Int8Pass {
 struct PanelRows {
   const float* x;
   int64_t M, K;
-  std::vector<Int8Row> int8;     // empty: x in float32 (with the 512-bit tile, M null rows: x is in passes)
-  std::vector<Int8Pass> passes;  // with the 512-bit tile: the rows in 8-bit blocks, pass by pass
+  std::vector<Int8Row> int8;     // without the 512-bit tile: the rows in 8-bit blocks, or none
+  std::vector<Int8Pass> passes;  // with the 512-bit tile: the rows in 8-bit blocks, pass by pass, or none
   uint16_t* bf16 = nullptr;      // for bf16 panels: the rows rounded to bfloat16, M x K
   bool amx = false;              // bf16 rows the panels multiply on AMX tiles (then padded with zero rows)
   std::unique_ptr<uint8_t[]> arena;
@@ -51,6 +51,7 @@ struct PanelRows {
   PanelRows(const float* x, int64_t M, int64_t K) : x(x), M(M), K(K) {}
   PanelRows(PanelRows&&) = default;  // the arena moves with its views
   PanelRows(const PanelRows&) = delete;
+  bool in_8_bits() const { return !int8.empty() || !passes.empty(); }  // else x in float32 (or bf16)
 };
 // With `fill` false the rows are laid out but not yet computed: fill_panel_row(rows, m) computes
 // row m from x's (a caller that makes x's rows one by one), fill_panel_rows all of them.

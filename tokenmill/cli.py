@@ -114,8 +114,10 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from tokenmill.server.launch import run_server
-    return run_server(args, engine_config_from_args(args))
+    from tokenmill.server.options import listen
+    with listen(args) as sock:  # a bad key, flag or port: one line now, before torch and the model load
+        from tokenmill.server.launch import run_server
+        return run_server(args, engine_config_from_args(args), sock)
 
 
 def cmd_router(args) -> int:
@@ -150,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=cmd_chat)
 
-    from tokenmill.server.launch import add_serve_args
+    from tokenmill.server.options import add_serve_args
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(p)
     add_engine_args(p)

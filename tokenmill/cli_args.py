@@ -1,4 +1,4 @@
-"""The argparse pieces shared by `tokenmill` (cli.py), `tokenmill serve` (server/launch.py) and
+"""The argparse pieces shared by `tokenmill` (cli.py), `tokenmill serve` (server/options.py) and
 `tokenmill bench` (bench/): engine options generated from EngineConfig's fields, and argument
 types checked when the command line is read.
 

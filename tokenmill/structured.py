@@ -16,7 +16,6 @@ import logging
 import threading
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
@@ -44,6 +43,7 @@ class GrammarCompiler:
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll_tokenizer is None:
+                import llguidance.hf  # imports transformers: not for a command line that only reads this module
                 try:
                     self._ll_tokenizer = llguidance.hf.from_tokenizer(
                         self.tokenizer, n_vocab=max(self.vocab_size, len(self.tokenizer)),

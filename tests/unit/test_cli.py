@@ -4,11 +4,38 @@ naming what to change; `generate` prints each answer as soon as it can."""
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 
 import pytest
 
 from tokenmill.cli import build_parser, main
+
+HEAVY = "[m for m in ('torch', 'transformers', 'tokenmill.engine') if m in sys.modules]"
+
+
+def test_help_and_every_subcommands_options_are_read_without_importing_torch_or_transformers():
+    code = ("import sys; from tokenmill.cli import build_parser; parser = build_parser(); "
+            "[parser.parse_args(argv) for argv in (['serve', '--port', '0'], ['router', '--replica', 'http://a:1'], "
+            "['bench', 'throughput'], ['generate', 'hi'], ['chat'])]; print(" + HEAVY + ")")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_the_router_app_is_built_without_importing_torch_or_transformers():
+    code = ("import sys; from tokenmill.router.app import create_app; from tokenmill.router.policy import RoundRobin; "
+            "create_app(['http://127.0.0.1:1'], RoundRobin()); print(" + HEAVY + ")")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_serve_flag_that_needs_a_key_fails_before_torch_is_imported(tmp_path):
+    code = ("import os, sys; os.environ.pop('TOKENMILL_API_KEY', None); from tokenmill.cli import main\n"
+            "try:\n    main(['serve', 'none', '--port', '0', '--protect-metrics-and-docs'])\n"
+            "except SystemExit as exc:\n    print(exc, " + HEAVY + ")")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.stdout.strip() == "--protect-metrics-and-docs needs an API key (--api-key, --api-key-file or "\
+                                 "TOKENMILL_API_KEY) []", out.stderr
 
 
 @pytest.mark.parametrize("argv", [

@@ -1,4 +1,4 @@
-"""server/launch.py: where `tokenmill serve` takes its API key from, which Host names it answers, its
+"""server/options.py: where `tokenmill serve` takes its API key from, which Host names it answers, its
 connection limits, its stream write timeout and the sizes of what it keeps."""
 
 import argparse
@@ -7,7 +7,7 @@ import pytest
 
 from tokenmill.server.access import host_entry, host_name
 from tokenmill.server.connections import FILES_RESERVED, connection_cap
-from tokenmill.server.launch import add_serve_args, resolve_allowed_hosts, resolve_api_key, seconds
+from tokenmill.server.options import add_serve_args, resolve_allowed_hosts, resolve_api_key, seconds
 
 
 def args(api_key=None, api_key_file=None) -> argparse.Namespace:

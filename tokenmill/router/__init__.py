@@ -8,6 +8,6 @@
     app.py       the FastAPI app and its handlers
     launch.py    the command line and uvicorn
 
-The router loads no model and no tokenizer: the app (app.py and the modules it imports) imports
-neither torch nor transformers; only launch.py does, through `serve`'s socket and Host helpers.
+The router loads no model and no tokenizer: neither these modules nor `serve`'s socket and Host
+helpers they borrow (server/options.py) import torch or transformers.
 """

@@ -5,7 +5,7 @@
     tokenmill router --prefill http://127.0.0.1:8001 --replica http://127.0.0.1:8002   (prefill / decode)
 
 The socket is bound, the Host allow-list chosen and connections guarded as `tokenmill serve`
-does them (server/launch.py, server/connections.py). The router holds no API key: a client's
+does them (server/options.py, server/connections.py). The router holds no API key: a client's
 Authorization header goes on to the replicas, which check it; so a loopback router answers only
 loopback Host names unless --allowed-hosts says otherwise.
 """
@@ -18,11 +18,10 @@ import logging
 from urllib.parse import urlsplit
 
 from tokenmill.cli_args import at_least_one
-from tokenmill.router.app import create_app
 from tokenmill.router.forward import STREAM_WRITE_TIMEOUT
 from tokenmill.router.policy import POLICIES, make_policy
 from tokenmill.server.connections import GuardedH11Protocol, connection_cap, raise_open_file_limit
-from tokenmill.server.launch import bind, port_number, resolve_allowed_hosts, seconds
+from tokenmill.server.options import bind, port_number, resolve_allowed_hosts, seconds
 
 logger = logging.getLogger("tokenmill.router")
 
@@ -90,6 +89,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (uvicorn's shutdown: open streams get up to 10 s to finish)."""
     import uvicorn
+
+    from tokenmill.router.app import create_app  # FastAPI's app: not needed to read the command line
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to a replica
     policy = make_policy(args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,

@@ -128,3 +128,13 @@ def test_the_kernels_multiply_bfloat16_panels_exactly_where_their_level_has_avx5
     kernels = load_cpu_kernels(required=True)
     assert kernels.bf16 == this_cpu().has("avx512_bf16") == bf16_weights_by_cpu(kernels)
     assert (kernels.amx_min_rows > 0) == this_cpu().has("amx")  # AMX tiles for the bf16 panels' big steps
+
+
+def test_one_and_two_row_products_stream_their_weights_non_temporally_exactly_on_an_amd_cpu():
+    """prefetchnta sped them up on a Zen 4 and slowed them down on a Cascade Lake (gemm_cpu.cpp)."""
+    from pathlib import Path
+
+    from tokenmill.cpu_kernels import load_cpu_kernels
+    vendor = next(line.split(":")[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("vendor_id"))
+    assert load_cpu_kernels(required=True).streams_weights_non_temporally() == (vendor == "AuthenticAMD")

@@ -34,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One token per row: temperature (0: argmax), top-k, top-p, min-p, then a draw at u (see sampler_cpu.cpp)",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
         py::arg("floors") = py::none());
+  m.def("streams_weights_non_temporally", &streams_weights_non_temporally,
+        "Whether one- and two-row products prefetch their panels non-temporally (on AMD CPUs)");
   m.def("panel_shape", &panel_shape, "The panels' shape for an (N, K) matrix in a format (0: float32)");
   m.def("pack_panels", &pack_panels, "W (N, K) -> panels for panel_linear: float32 (ceil(N/16), K, 16), bfloat16 format 9",
         py::arg("weight"), py::arg("out") = py::none());

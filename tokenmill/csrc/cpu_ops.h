@@ -46,6 +46,7 @@ float row_max(const float* row, int64_t V, bool* has_nan);
 int64_t row_argmax(const float* row, int64_t V);
 void silu_mul_row(const float* gate_up, int64_t I, float* out);  // silu_mul's row: 2 * I in, I out
 std::vector<int64_t> panel_shape(int64_t N, int64_t K, int64_t format);
+bool streams_weights_non_temporally();  // one- and two-row steps' weights: prefetchnta (AMD) or prefetcht0
 at::Tensor pack_panels(at::Tensor weight, c10::optional<at::Tensor> out);
 at::Tensor pack_block_panels(at::Tensor rows, int64_t format, int64_t K, c10::optional<at::Tensor> out);
 at::Tensor recut_k_quant(at::Tensor raw, int64_t format);

@@ -31,6 +31,7 @@
 // 0.31x the time at 1 row, 0.43x at 4, 0.70x at 8, 0.83-0.89x at 12, 0.85x at 16, 0.90x at 32,
 // 0.95x at 64, 1.01x at 512.
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -519,13 +520,30 @@ inline void decode_row(const uint8_t* codes, int64_t i, const BlockScales& s, __
 }
 
 // A tile prefetches the panel it will likely run next while it runs this one. In a step of at most
-// kStreamRows rows, which reads each panel `once` and does little work per byte, non-temporally
-// (lines so marked are meant to leave without a place in the outer levels): the weights stream
-// faster (on a Zen 4, a one-row product over Q4_K panels that do not fit in the caches took
+// kStreamRows rows, which reads each panel `once` and does little work per byte, non-temporally on
+// an AMD CPU (lines so marked are meant to leave without a place in the outer levels): the weights
+// stream faster (on a Zen 4, a one-row product over Q4_K panels that do not fit in the caches took
 // 0.74-0.76x the time, two rows 0.75-0.89x, three 0.87x). Otherwise into every level, as steps
 // with more work per byte need (there the same change took four rows 1.09x the time, eight 1.38x:
-// presumably gone again before their use), and as later passes over the panel re-read it.
+// presumably gone again before their use), as later passes over the panel re-read it, and as an
+// Intel CPU needs at every row count (on a Cascade Lake the hint took one- and two-row Q4_1 and
+// Q4_K products 1.09-1.16x the time, batch-1 and batch-2 decode steps about 1.07x).
 constexpr int64_t kStreamRows = 2;
+
+bool amd_cpu() {
+  static const bool amd = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    char vendor[13] = {};
+    __get_cpuid(0, &eax, &ebx, &ecx, &edx);
+    std::memcpy(vendor, &ebx, 4), std::memcpy(vendor + 4, &edx, 4), std::memcpy(vendor + 8, &ecx, 4);
+    return std::strcmp(vendor, "AuthenticAMD") == 0;
+  }();
+  return amd;
+}
+
+// Whether a step of M rows prefetches its panels non-temporally (see above).
+inline bool streams_once(int64_t M) { return M <= kStreamRows && amd_cpu(); }
+
 inline void prefetch_block(const uint8_t* pf, int64_t bytes, bool once) {
   const char* p = reinterpret_cast<const char*>(pf);
   if (once) {
@@ -652,7 +670,7 @@ void block_panel(const float* xp, int64_t M, int64_t K, const uint8_t* src, cons
         tokenmill::kTiles[rows](xp + m0 * K, K, scratch.decoded(), K, scratch.tile, kPanel, nullptr, 0);
       } else {
         kBlockTiles[format][rows](xp + m0 * K, K, src, K / kBlock, scratch.tile, m0 == 0 ? next : nullptr,
-                                  M <= kStreamRows);
+                                  streams_once(M));
       }
       store_tile(out, scratch.tile, p, m0, rows);
     }
@@ -1081,10 +1099,10 @@ void int8_panel(const tokenmill::PanelRows& x, const uint8_t* src, const uint8_t
     src = spread, next = nullptr, tiles = kSpreadTiles.data();
   }
   for (const Int8Pass& pass : x.passes)
-    tiles[pass.n](&pass, src, K / kBlock, p, out, pass.m0 == 0 ? next : nullptr, M <= kStreamRows);
+    tiles[pass.n](&pass, src, K / kBlock, p, out, pass.m0 == 0 ? next : nullptr, streams_once(M));
 #else
   even_passes(M, kInt8Rows, [&](int64_t m0, int64_t n) {
-    tiles[n](x.int8.data() + m0, src, K / kBlock, scratch.tile, m0 == 0 ? next : nullptr, M <= kStreamRows);
+    tiles[n](x.int8.data() + m0, src, K / kBlock, scratch.tile, m0 == 0 ? next : nullptr, streams_once(M));
     store_tile(out, scratch.tile, p, m0, n);
   });
 #endif
@@ -1148,7 +1166,7 @@ void bf16_row(const float* x, int64_t K, uint16_t* out) {
 void bf16_panel(const uint16_t* x, int64_t M, int64_t K, const uint8_t* src, const uint8_t* next, int64_t p,
                 float* tile, const tokenmill::PanelOut& out) {
   even_passes(M, kBf16Rows, [&](int64_t m0, int64_t n) {
-    kBf16Tiles[n](x + m0 * K, K, src, tile, m0 == 0 ? next : nullptr, M <= kStreamRows);
+    kBf16Tiles[n](x + m0 * K, K, src, tile, m0 == 0 ? next : nullptr, streams_once(M));
     store_tile(out, tile, p, m0, n);
   });
 }
@@ -1463,6 +1481,8 @@ void run_panel(const PanelRows& x, const uint8_t* panel, int64_t format, int64_t
 }
 
 }  // namespace tokenmill
+
+bool streams_weights_non_temporally() { return amd_cpu(); }
 
 // The shape of the panels of an (N, K) matrix in `format`: (ceil(N / 16), K, 16) float32,
 // (ceil(N / 16), K / 2, 64) uint8 for bf16 (pairs of k), or (ceil(N / 16), K / (32 or 256),

@@ -278,6 +278,10 @@ class EngineConfig:
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (index and not (index.isdigit() and kind == "cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if str(self.kv_cache_dtype).startswith("fp8"):  # vLLM's fp8, fp8_e4m3, fp8_e5m2
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: there is no fp8 pool; on the CPU 'int8' "
+                             "holds the same bytes (a scale per token and head) with half to a quarter of "
+                             "fp8-e4m3's rounding error (BENCHMARKS.md)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.device.split(":")[0] != "cpu":

@@ -66,6 +66,12 @@ def test_two_byte_and_int8_kv_caches_are_for_the_cpu():
             EngineConfig(device="cuda", kv_cache_dtype=kv)
 
 
+@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_vllm_fp8_kv_cache_names_are_refused_with_int8_offered(name):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='{name}': there is no fp8 pool; on the CPU 'int8'"):
+        EngineConfig(kv_cache_dtype=name)
+
+
 def test_parse_size():
     assert parse_size("2GiB") == 2 * 1024**3
     assert parse_size("512 MB") == 512 * 1000**2

@@ -63,6 +63,25 @@ def test_silu_mul(fused):
     assert torch.allclose(fused.silu_mul(gate_up), TorchOps().silu_mul(gate_up), rtol=1e-5, atol=1e-6)
 
 
+def test_norm_silu_and_attention_write_into_a_given_out_and_refuse_a_wrong_one(fused):
+    """The decoder stack hands these kernels buffers it reuses layer after layer: the result is the
+    same bits as a new tensor's, in the buffer itself."""
+    k = fused.kernels
+    x, res, norm, gate_up = torch.randn(3, 40), torch.randn(3, 40), torch.rand(40), torch.randn(3, 2 * 24)
+    q, pool = torch.randn(3, 4, 16), torch.randn(2, 2, 16, 16)  # 2 blocks of 16, 2 kv heads, head size 16
+    meta = [torch.tensor(v, dtype=torch.int32) for v in ([[1, 0]], [0, 3], [20])]  # tables, starts, lengths
+    calls = {"norm": (lambda out: k.add_rms_norm(x, res.clone(), norm, 1e-6, out), (3, 40)),
+             "silu_mul": (lambda out: k.silu_mul(gate_up, out), (3, 24)),
+             "attention": (lambda out: k.paged_attention(q, pool, pool, *meta, 0.25, out=out), (3, 4, 16))}
+    for name, (call, shape) in calls.items():
+        out = torch.full(shape, float("nan"))
+        assert call(out).data_ptr() == out.data_ptr() and torch.equal(out, call(None)), name
+        for bad in (torch.empty(*shape[:-1], shape[-1] + 1), torch.empty(shape, dtype=torch.float64),
+                    torch.empty(*reversed(shape)).transpose(0, -1)):
+            with pytest.raises(RuntimeError, match="out must be a contiguous float32 tensor of the result's shape"):
+                call(bad)
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 8, 49152, 1003])
 def test_argmax_rows_answers_as_torch_argmax(fused, vocab):
     """Ties go to the first maximum, a row with NaN to its first NaN, an all -inf row to 0; rows

@@ -22,13 +22,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention for short queries (float32 queries, float32, float16 or bfloat16 pool)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("query_start"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(), py::arg("out") = py::none());
   m.def("write_kv", &write_kv, "Store a step's K/V into the block pool");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual) * weight", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("rotary_qkv_", &rotary_qkv_, "Rotate the q and k heads of a fused qkv row in place (after their RMSNorm)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("num_q_heads"), py::arg("num_kv_heads"),
         py::arg("head_dim"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6);
-  m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from a fused gate_up row", py::arg("gate_up"),
+        py::arg("out") = py::none());
   m.def("argmax_rows", &argmax_rows, "Each row's argmax, as torch.argmax(x, dim=-1) gives it");
   m.def("sample_rows", &sample_rows,
         "One token per row: temperature (0: argmax), top-k, top-p, min-p, then a draw at u (see sampler_cpu.cpp)",

@@ -27,21 +27,25 @@
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            at::Tensor block_tables, at::Tensor query_start,
                            at::Tensor seq_lens, double scale, int64_t window, double softcap = 0.0,
-                           c10::optional<at::Tensor> sinks = c10::nullopt);
+                           c10::optional<at::Tensor> sinks = c10::nullopt,
+                           c10::optional<at::Tensor> out = c10::nullopt);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
               at::Tensor slot_block, at::Tensor slot_offset);
 at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
-                        double eps);
+                        double eps, c10::optional<at::Tensor> out = c10::nullopt);
 void rotary_qkv_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_q_heads,
                  int64_t num_kv_heads, int64_t head_dim, c10::optional<at::Tensor> q_norm = c10::nullopt,
                  c10::optional<at::Tensor> k_norm = c10::nullopt, double eps = 1e-6);
-at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor silu_mul(at::Tensor gate_up, c10::optional<at::Tensor> out = c10::nullopt);
 at::Tensor argmax_rows(at::Tensor x);
 at::Tensor sample_rows(at::Tensor logits, at::Tensor temperature, c10::optional<at::Tensor> top_k,
                        c10::optional<at::Tensor> top_p, c10::optional<at::Tensor> min_p, at::Tensor u,
                        c10::optional<at::Tensor> floors);
 // shared between the kernels' files
 void check_rows(const at::Tensor& t, const char* name);  // float32, 2-d, contiguous rows
+// A kernel's result: `out` where the caller gives one (checked: contiguous float32 of `shape`), else
+// a new tensor. The decoder stack passes buffers it reuses layer after layer.
+at::Tensor out_or_empty(const c10::optional<at::Tensor>& out, at::IntArrayRef shape, const char* name);
 float row_max(const float* row, int64_t V, bool* has_nan);
 int64_t row_argmax(const float* row, int64_t V);
 void silu_mul_row(const float* gate_up, int64_t I, float* out);  // silu_mul's row: 2 * I in, I out

@@ -40,13 +40,29 @@ void CpuDecoderLayer::set_shared_expert(Projection gate_up, Projection down, Pro
   moe->shared_gate_up = std::move(gate_up), moe->shared_down = std::move(down), moe->shared_gate = std::move(gate);
 }
 
+namespace {
+int64_t width(const Projection& p) {  // the output features of all its parts
+  int64_t n = 0;
+  for (const auto& part : p) n += std::get<2>(part);
+  return n;
+}
+}  // namespace
+
+const at::Tensor& LayerRows::fit(at::Tensor& buffer, int64_t T, int64_t cols) {
+  if (!buffer.defined() || buffer.size(0) != T || buffer.size(1) != cols) buffer = at::empty({T, cols}, at::kFloat);
+  return buffer;
+}
+
 // The dense SwiGLU MLP, or as SparseMoeBlock.forward with the experts' C++ call: the router's
 // logits routed by CpuMoeExperts::route, and the shared expert's output times the sigmoid of its
 // gate added (the same torch operations, so the same bits).
-at::Tensor CpuDecoderLayer::feed_forward(const at::Tensor& h) const {
+at::Tensor CpuDecoderLayer::feed_forward(const at::Tensor& h, LayerRows& rows) const {
+  const int64_t T = h.size(0);
   if (!moe.has_value()) {
     TM_CHECK(!gate_up.empty(), "DecoderLayer: a layer without its feed-forward (set_moe)");
-    return project(down, silu_mul(project(gate_up, h)));
+    const at::Tensor gu = project(gate_up, h, LayerRows::fit(rows.gate_up, T, width(gate_up)));
+    const at::Tensor act = silu_mul(gu, LayerRows::fit(rows.act, T, gu.size(1) / 2));
+    return project(down, act, LayerRows::fit(rows.out, T, width(down)));
   }
   const auto [weights, experts] = CpuMoeExperts::route(project(moe->router, h), moe->top_k, moe->renormalise);
   at::Tensor out = moe->experts->forward(h, experts, weights);
@@ -55,15 +71,13 @@ at::Tensor CpuDecoderLayer::feed_forward(const at::Tensor& h) const {
   return out.add(at::sigmoid(project(moe->shared_gate, h)).mul(shared));  // out + gate (T, 1) * shared
 }
 
-// As PackedLinear.forward, or ConcatLinear.forward for several parts.
-at::Tensor CpuDecoderLayer::project(const Projection& p, const at::Tensor& x) const {
+// As PackedLinear.forward, or ConcatLinear.forward for several parts; into `out` where given.
+at::Tensor CpuDecoderLayer::project(const Projection& p, const at::Tensor& x, c10::optional<at::Tensor> out) const {
   const auto run = [&](const ProjectionPart& part, c10::optional<at::Tensor> out) {
     return panel_linear(x, std::get<0>(part), std::get<1>(part), std::get<2>(part), std::get<3>(part), out, int8_rows);
   };
-  if (p.size() == 1) return run(p[0], c10::nullopt);
-  int64_t width = 0;
-  for (const auto& part : p) width += std::get<2>(part);
-  at::Tensor y = at::empty({x.size(0), width}, x.options());
+  if (p.size() == 1) return run(p[0], out);
+  at::Tensor y = out.has_value() ? *out : at::empty({x.size(0), width(p)}, x.options());
   int64_t start = 0;
   for (const auto& part : p) {
     run(part, y.narrow(1, start, std::get<2>(part)));
@@ -77,19 +91,22 @@ at::Tensor CpuDecoderLayer::project(const Projection& p, const at::Tensor& x) co
 std::tuple<at::Tensor, at::Tensor> CpuDecoderLayer::forward(
     at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor cos, at::Tensor sin,
     at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_block, at::Tensor slot_offset,
-    at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens) const {
-  const int64_t T = x.size(0);
+    at::Tensor block_tables, at::Tensor query_start, at::Tensor seq_lens, LayerRows& rows) const {
+  const int64_t T = x.size(0), hidden = x.size(1);
   at::Tensor stream = residual.has_value() ? *residual : x;
-  at::Tensor h = add_rms_norm(x, residual, input_norm, eps);
-  at::Tensor qkv_rows = project(qkv, h);
+  at::Tensor h = add_rms_norm(x, residual, input_norm, eps, LayerRows::fit(rows.normed, T, hidden));
+  at::Tensor qkv_rows = project(qkv, h, LayerRows::fit(rows.qkv, T, width(qkv)));
   at::Tensor heads = qkv_rows.view({T, num_heads + 2 * num_kv_heads, head_dim});
   at::Tensor q = heads.narrow(1, 0, num_heads);
   rotary_qkv_(qkv_rows, cos, sin, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps);  // norms too: as CpuFusedOps
   write_kv(heads.narrow(1, num_heads, num_kv_heads), heads.narrow(1, num_heads + num_kv_heads, num_kv_heads),
            k_cache, v_cache, slot_block, slot_offset);
-  at::Tensor attn = paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window);
-  h = add_rms_norm(project(o, attn.view({T, num_heads * head_dim})), stream, post_norm, eps);
-  return {feed_forward(h), stream};
+  const at::Tensor& attn = LayerRows::fit(rows.attn, T, num_heads * head_dim);
+  paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, 0.0, c10::nullopt,
+                  attn.view({T, num_heads, head_dim}));
+  const at::Tensor attended = project(o, attn, LayerRows::fit(rows.attended, T, width(o)));
+  h = add_rms_norm(attended, stream, post_norm, eps, LayerRows::fit(rows.normed, T, hidden));
+  return {feed_forward(h, rows), stream};
 }
 
 CpuDecoderStack::CpuDecoderStack(std::vector<std::shared_ptr<CpuDecoderLayer>> layers, at::Tensor final_norm,
@@ -125,9 +142,10 @@ at::Tensor CpuDecoderStack::forward(at::Tensor x, at::Tensor cos, at::Tensor sin
   // holder to let go, so with layers shorter than that it got the GIL only after the pass.
   const GilReleased released;
   c10::optional<at::Tensor> residual;
+  LayerRows rows;
   for (size_t i = 0; i < layers.size(); ++i) {
     auto [out, stream] = layers[i]->forward(x, residual, cos, sin, k_caches[i], v_caches[i], slot_block, slot_offset,
-                                            block_tables, query_start, seq_lens);
+                                            block_tables, query_start, seq_lens, rows);
     x = std::move(out), residual = std::move(stream);
   }
   return add_rms_norm(x, residual, final_norm, eps);

@@ -27,6 +27,16 @@ struct MoeFeedForward {
   Projection shared_gate_up, shared_down, shared_gate;
 };
 
+// The rows a layer's kernels write, kept for the next layer of the same pass: the layers run one
+// after another, and each buffer's rows are dead once the next kernel has read them. A pass then
+// allocates them once, not once a layer (at::empty and its free cost about 1.5 us each, and a
+// batch-1 step of 30 layers made some 250 of them).
+struct LayerRows {
+  at::Tensor normed, qkv, attn, attended, gate_up, act, out;
+  // `buffer` as a (T, cols) float32 tensor, allocated again only where its shape changes
+  static const at::Tensor& fit(at::Tensor& buffer, int64_t T, int64_t cols);
+};
+
 struct CpuDecoderLayer {
   CpuDecoderLayer(at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<Projection> projections,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
@@ -40,7 +50,7 @@ struct CpuDecoderLayer {
                                              at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
                                              at::Tensor v_cache, at::Tensor slot_block,
                                              at::Tensor slot_offset, at::Tensor block_tables,
-                                             at::Tensor query_start, at::Tensor seq_lens) const;
+                                             at::Tensor query_start, at::Tensor seq_lens, LayerRows& rows) const;
 
   at::Tensor input_norm, post_norm;
   double eps;
@@ -55,8 +65,8 @@ struct CpuDecoderLayer {
   int64_t window = 0;     // the layer's sliding window (0: none), see paged_attention
 
  private:
-  at::Tensor project(const Projection& p, const at::Tensor& x) const;
-  at::Tensor feed_forward(const at::Tensor& h) const;
+  at::Tensor project(const Projection& p, const at::Tensor& x, c10::optional<at::Tensor> out = c10::nullopt) const;
+  at::Tensor feed_forward(const at::Tensor& h, LayerRows& rows) const;
 };
 
 // A model's decoder layers run in one call and followed by the final norm: the loop of

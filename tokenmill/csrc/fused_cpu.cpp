@@ -51,13 +51,21 @@ void check_rows(const at::Tensor& t, const char* name) {
   TM_CHECK(t.dim() == 2 && t.stride(1) == 1, std::string(name) + ": expected a 2-d tensor with contiguous rows");
 }
 
-// Returns out; `residual`, when given, is updated in place to residual + x.
+at::Tensor out_or_empty(const c10::optional<at::Tensor>& out, at::IntArrayRef shape, const char* name) {
+  if (!out.has_value()) return at::empty(shape, at::kFloat);
+  TM_CHECK(out->dtype() == at::kFloat && out->is_contiguous() && out->sizes() == shape,
+           std::string(name) + ": out must be a contiguous float32 tensor of the result's shape");
+  return *out;
+}
+
+// Returns the norm's rows (into `out` where given); `residual`, when given, is updated in place to
+// residual + x.
 at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight,
-                        double eps) {
+                        double eps, c10::optional<at::Tensor> rows) {
   check_rows(x, "add_rms_norm(x)");
   TM_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: weight shape");
   const int64_t T = x.size(0), H = x.size(1);
-  auto out = at::empty({T, H}, x.options());
+  auto out = out_or_empty(rows, {T, H}, "add_rms_norm");
   const float* xp = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* rp = nullptr;
@@ -138,10 +146,10 @@ void rotary_qkv_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_q_h
 }
 
 // gate_up: (T, 2 * I) rows -> (T, I) = silu(gate) * up.
-at::Tensor silu_mul(at::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up, c10::optional<at::Tensor> rows) {
   check_rows(gate_up, "silu_mul(gate_up)");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = at::empty({T, I}, gate_up.options());
+  auto out = out_or_empty(rows, {T, I}, "silu_mul");
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {

@@ -447,7 +447,7 @@ template <typename KV>
 at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                 at::Tensor block_tables, at::Tensor query_start,
                                 at::Tensor seq_lens, double scale, int64_t window, double softcap,
-                                const float* sinks) {
+                                const float* sinks, const c10::optional<at::Tensor>& rows) {
   TM_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_attention: q heads must be contiguous");
   TM_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
            "paged_attention: the pool and block tables must be contiguous");
@@ -470,7 +470,7 @@ at::Tensor paged_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_c
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int64_t q_stride = q.stride(0);  // q may be a view into the fused qkv rows
-  auto out = at::empty({T, Hq, D}, q.options());
+  auto out = out_or_empty(rows, {T, Hq, D}, "paged_attention");
   float* op = out.data_ptr<float>();
 
   // Tiles: up to kQueryTile consecutive query tokens of one sequence (twice that from kLongQuery
@@ -698,7 +698,7 @@ bool pool_dtype(c10::ScalarType t) {
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            at::Tensor block_tables, at::Tensor query_start,
                            at::Tensor seq_lens, double scale, int64_t window, double softcap,
-                           c10::optional<at::Tensor> sinks) {
+                           c10::optional<at::Tensor> sinks, c10::optional<at::Tensor> out) {
   TM_CHECK(window >= 0, "paged_attention: window must be 0 (none) or positive");
   TM_CHECK(softcap >= 0, "paged_attention: softcap must be 0 (none) or positive");
   TM_CHECK(!sinks.has_value() || (sinks->dtype() == at::kFloat && sinks->dim() == 1 &&
@@ -709,15 +709,15 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
            "paged_attention: float32 queries, a float32, float16, bfloat16 or int8 pool");
   if (k_cache.dtype() == at::kChar)
     return paged_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
-                                        softcap, sink_ptr);
+                                        softcap, sink_ptr, out);
   if (k_cache.dtype() == at::kHalf)
     return paged_attention_impl<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window,
-                                          softcap, sink_ptr);
+                                          softcap, sink_ptr, out);
   if (k_cache.dtype() == at::kBFloat16)
     return paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale,
-                                              window, softcap, sink_ptr);
+                                              window, softcap, sink_ptr, out);
   return paged_attention_impl<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, softcap,
-                                     sink_ptr);
+                                     sink_ptr, out);
 }
 
 // One row of an int8 pool: scale = max |x| / 127 and codes x / scale rounded to nearest even (all 0

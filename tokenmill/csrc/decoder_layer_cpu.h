@@ -29,8 +29,8 @@ struct MoeFeedForward {
 
 // The rows a layer's kernels write, kept for the next layer of the same pass: the layers run one
 // after another, and each buffer's rows are dead once the next kernel has read them. A pass then
-// allocates them once, not once a layer (at::empty and its free cost about 1.5 us each, and a
-// batch-1 step of 30 layers made some 250 of them).
+// allocates them once, not once a layer: at batch 1 those allocations and frees, each through
+// ATen's dispatcher and posix_memalign, were a visible share of a step (BENCHMARKS.md).
 struct LayerRows {
   at::Tensor normed, qkv, attn, attended, gate_up, act, out;
   // `buffer` as a (T, cols) float32 tensor, allocated again only where its shape changes

@@ -14,14 +14,11 @@ top-1 agreement and KL divergence of the next-token distributions; and twelve ch
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cpu_step_paths import decode_log_probs  # noqa: E402
+from cpu_step_paths import compare_log_probs, decode_log_probs  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -57,13 +54,10 @@ def main() -> None:
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     ids = exact.engine.tokenizer.encode(text)[:300]
     lp = [decode_log_probs(llm.engine, ids) for llm in (exact, other)]
-    target = torch.tensor(ids[1:])[:, None]
-    ppl = [math.exp(-float(x[:-1].gather(1, target).mean())) for x in lp]
-    kl = (lp[0].exp() * (lp[0] - lp[1])).sum(-1)
-    agree = float((lp[0].argmax(-1) == lp[1].argmax(-1)).float().mean())
-    print(f"perplexity over {len(ids)} tokens of README.md: {ppl[0]:.3f} exact, {ppl[1]:.3f} other "
-          f"({ppl[1] / ppl[0] - 1:+.2%}); top-1 agreement {agree:.1%}; KL mean {float(kl.mean()):.4f}, "
-          f"max {float(kl.max()):.4f}")
+    c = compare_log_probs(*lp, ids)
+    print(f"perplexity over {len(ids)} tokens of README.md: {c['ppl_exact']:.3f} exact, {c['ppl']:.3f} other "
+          f"({c['ppl'] / c['ppl_exact'] - 1:+.2%}); top-1 agreement {c['agree']:.1%}; KL mean {c['kl_mean']:.4f}, "
+          f"max {c['kl_max']:.4f}")
     a, b = answers(exact), answers(other)
     same = sum(x == y for x, y in zip(a, b))
     mean_prefix = sum(shared_prefix(x, y) for x, y in zip(a, b)) / len(a)

@@ -78,6 +78,16 @@ def decode_log_probs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     return torch.stack(out)
 
 
+def compare_log_probs(exact: torch.Tensor, other: torch.Tensor, ids: list[int]) -> dict[str, float]:
+    """Two runs of decode_log_probs over ids: each one's perplexity of ids, how often their top
+    tokens agree, and the KL divergence of `other`'s next-token distributions from `exact`'s."""
+    target = torch.tensor(ids[1:])[:, None]
+    ppl = [math.exp(-float(lp[:-1].gather(1, target).mean())) for lp in (exact, other)]
+    kl = (exact.exp() * (exact - other)).sum(-1)
+    return {"ppl_exact": ppl[0], "ppl": ppl[1], "agree": float((exact.argmax(-1) == other.argmax(-1)).float().mean()),
+            "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
+
+
 def quality(engine: LLMEngine) -> None:
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     ids = engine.tokenizer.encode(text)[:300]
@@ -87,13 +97,10 @@ def quality(engine: LLMEngine) -> None:
     set_int8_rows(model, 1)
     int8 = decode_log_probs(engine, ids)
     set_int8_rows(model, 0)
-    target = torch.tensor(ids[1:])[:, None]
-    ppl = [math.exp(-float(lp[:-1].gather(1, target).mean())) for lp in (exact, int8)]
-    kl = (exact.exp() * (exact - int8)).sum(-1)
-    agree = float((exact.argmax(-1) == int8.argmax(-1)).float().mean())
-    print(f"quality over {len(ids)} tokens of README.md decoded one by one: perplexity {ppl[0]:.3f} exact, "
-          f"{ppl[1]:.3f} with 8-bit x ({ppl[1] / ppl[0] - 1:+.2%}); top-1 agreement {agree:.1%}; "
-          f"KL(exact || 8-bit x) mean {float(kl.mean()):.4f}, max {float(kl.max()):.4f}")
+    c = compare_log_probs(exact, int8, ids)
+    print(f"quality over {len(ids)} tokens of README.md decoded one by one: perplexity {c['ppl_exact']:.3f} exact, "
+          f"{c['ppl']:.3f} with 8-bit x ({c['ppl'] / c['ppl_exact'] - 1:+.2%}); top-1 agreement {c['agree']:.1%}; "
+          f"KL(exact || 8-bit x) mean {c['kl_mean']:.4f}, max {c['kl_max']:.4f}")
 
 
 def main(batches: list[int]) -> None:

@@ -13,14 +13,13 @@ next-token distributions against the exact pool.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_step_paths import decode_log_probs  # noqa: E402
+from cpu_step_paths import compare_log_probs, decode_log_probs  # noqa: E402
 
 from tokenmill import LLM  # noqa: E402
 
@@ -65,15 +64,10 @@ def main() -> None:
                 rows = rows[rows.abs().amax(-1) > 0]
                 errors = [f"{f} {float((r(rows) - rows).norm() / rows.norm()):.5f}" for f, r in FORMATS.items()]
                 print(f"{'KV'[kv]} rows' relative error: {', '.join(errors)}")
-    target = torch.tensor(ids[1:])[:, None]
-    exact = log_probs["exact"]
-    base = math.exp(-float(exact[:-1].gather(1, target).mean()))
     for name, lp in log_probs.items():
-        ppl = math.exp(-float(lp[:-1].gather(1, target).mean()))
-        kl = (exact.exp() * (exact - lp)).sum(-1)
-        agree = float((exact.argmax(-1) == lp.argmax(-1)).float().mean())
-        print(f"{name:13s} perplexity {ppl:.3f} ({ppl / base - 1:+.3%}), top-1 agreement {agree:.1%}, "
-              f"KL mean {float(kl.mean()):.5f}, max {float(kl.max()):.4f}")
+        c = compare_log_probs(log_probs["exact"], lp, ids)
+        print(f"{name:13s} perplexity {c['ppl']:.3f} ({c['ppl'] / c['ppl_exact'] - 1:+.3%}), top-1 agreement "
+              f"{c['agree']:.1%}, KL mean {c['kl_mean']:.5f}, max {c['kl_max']:.4f}")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 // paged-attention kernel (decodes, and prompt chunks of up to 32 tokens, or of any length when the
 // head size is a multiple of 32: see attention/cpu.py). It calls the same kernels in the same
 // order as the Python layer (models/llama.py), so the results are the same bit for bit (tested):
-// what it saves is the Python between them. A batch-1 decode step of the default model spent
-// about 3 ms of its 13 in that glue (30 layers, ten kernel calls each, with their views,
-// attribute lookups and argument parsing).
+// what it saves is the Python between them. A batch-1 decode step of the default model spent a
+// sizeable part of its time in that glue (30 layers, ten kernel calls each, with their views,
+// attribute lookups and argument parsing; BENCHMARKS.md, "Speed work, every attempt (CPU, default
+// model)").
 #include "decoder_layer_cpu.h"
 
 #include <ATen/ops/sigmoid.h>

@@ -211,8 +211,9 @@ int64_t row_argmax(const float* row, int64_t V) {
   return found;
 }
 
-// (T, V) rows -> (T,) int64: each row's row_argmax. torch's own CPU argmax is a scalar loop: 4.2
-// ms for the 64 rows of a batch-64 decode step (3.1 M logits), against 0.9 ms here.
+// (T, V) rows -> (T,) int64: each row's row_argmax. torch's own CPU argmax is a scalar loop,
+// several times slower over the rows of a batch-64 decode step (BENCHMARKS.md, "Speed work, every
+// attempt (CPU, default model)").
 at::Tensor argmax_rows(at::Tensor x) {
   check_rows(x, "argmax_rows(x)");
   const int64_t T = x.size(0), V = x.size(1), stride = x.stride(0);

@@ -1,22 +1,20 @@
 // y = x @ W.T (+ b), float32, for the projections of a transformer layer.
 //
-// General GEMM libraries block for large square products; at decode sizes oneDNN reached
-// 60-110 GFLOP/s on this model's matrices against 150 at M = 512, and at M = 1 it left
-// bandwidth unused. This kernel keeps W in panels of 16 output features, (ceil(N / 16), K, 16):
-// a panel is one contiguous run that streams from memory once per block of rows, and the inner
-// loop (tile_gemm.h) holds a 6 x 16 tile of y in twelve registers (small steps: up to 12 x 16 where
-// AVX-512VL gives 32 registers), loading two vectors of W and
-// broadcasting six scalars of x per k. Measured against oneDNN on the default model's matrices
-// (2 threads): 1.5x at M = 1, 1.2-1.4x from 16 to 128 rows, about even at 512. Panels are split
+// General GEMM libraries block for large square products; at decode sizes oneDNN ran well below
+// its rate at M = 512 on this model's matrices, and at M = 1 it left bandwidth unused. This kernel
+// keeps W in panels of 16 output features, (ceil(N / 16), K, 16): a panel is one contiguous run
+// that streams from memory once per block of rows, and the inner loop (tile_gemm.h) holds a 6 x 16
+// tile of y in twelve registers (small steps: up to 12 x 16 where AVX-512VL gives 32 registers),
+// loading two vectors of W and broadcasting six scalars of x per k. On the default model's
+// matrices it is faster than oneDNN at decode sizes and about even at 512 rows. Panels are split
 // across threads (with stealing, parallel.h); rows go in blocks of 512 so that a block of x
 // stays in cache while the panels stream past.
 //
 // From 4 rows up, the passes over one panel also prefetch the next panel (one 64-byte line, a k
 // row of it, per k, shared between the passes in proportion to their rows): the first pass would
-// otherwise wait on memory while the later ones compute from cache. Measured over the model's
-// 121 matrices streamed from memory (paired runs): 4-7% faster from 4 to 64 rows; at 1 and 2 rows,
-// where a pass is a pure stream that the hardware prefetcher already keeps busy, 5-10% slower, so
-// those do without.
+// otherwise wait on memory while the later ones compute from cache. Over the model's matrices
+// streamed from memory that is faster from 4 to 64 rows; at 1 and 2 rows, where a pass is a pure
+// stream that the hardware prefetcher already keeps busy, it is slower, so those do without.
 //
 // Batch-1 decode streams every weight once and is bound by memory. For GGUF weights in Q4_0,
 // Q4_1 or Q8_0 (and Q5_0, Q5_1 and the K-quants Q3_K to Q6_K, see Format below) the
@@ -27,9 +25,9 @@
 // runs the same FMAs in the same order as over float32 panels, so the product is bit for bit the
 // same while a fifth of the bytes (Q4_1) stream from memory. Each pass (a tile of rows) decodes everything again,
 // so from 13 rows a panel is decoded once into a 64-byte aligned buffer that the float32 tiles
-// then run over. Measured over the default model's matrices against float32 panels (paired):
-// 0.31x the time at 1 row, 0.43x at 4, 0.70x at 8, 0.83-0.89x at 12, 0.85x at 16, 0.90x at 32,
-// 0.95x at 64, 1.01x at 512.
+// then run over. Over the default model's matrices the blocks take far less time than float32
+// panels at 1 row, less by a shrinking margin as the rows grow, and about the same at 512
+// (measured: BENCHMARKS.md, "Speed work, every attempt (CPU, default model)").
 #include <ATen/Parallel.h>
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -59,8 +57,9 @@ constexpr int64_t kWideRows = kRows;
 constexpr int64_t kRowBlock = 512;  // rows of x per pass over the panels (a default prefill chunk)
 constexpr int64_t kPrefetchRows = 4;  // prefetch the next panel from this many rows of x up
 // Block panels: steps of up to this many rows decode in registers, once per tile; bigger ones
-// decode each panel once into a buffer. With tiles of 12, two passes of decoding up to 20 rows
-// took 0.87x the time of the buffer at 16 rows and 0.93x at 20, and were even at 24.
+// decode each panel once into a buffer. With tiles of 12, two passes of decoding beat the buffer
+// up to 20 rows and were even with it at 24 (measured: BENCHMARKS.md, "Speed work, every attempt
+// (CPU, default model)").
 constexpr int64_t kDecodeRows = kWideRows > kRows ? 20 : 12;
 // Panels go to the threads with stealing (parallel.h): one at a time where a panel is much work
 // (more rows than kDecodeRows), else in chunks of a size the stealing picks (0).
@@ -522,12 +521,11 @@ inline void decode_row(const uint8_t* codes, int64_t i, const BlockScales& s, __
 // A tile prefetches the panel it will likely run next while it runs this one. In a step of at most
 // kStreamRows rows, which reads each panel `once` and does little work per byte, non-temporally on
 // an AMD CPU (lines so marked are meant to leave without a place in the outer levels): the weights
-// stream faster (on a Zen 4, a one-row product over Q4_K panels that do not fit in the caches took
-// 0.74-0.76x the time, two rows 0.75-0.89x, three 0.87x). Otherwise into every level, as steps
-// with more work per byte need (there the same change took four rows 1.09x the time, eight 1.38x:
-// presumably gone again before their use), as later passes over the panel re-read it, and as an
-// Intel CPU needs at every row count (on a Cascade Lake the hint took one- and two-row Q4_1 and
-// Q4_K products 1.09-1.16x the time, batch-1 and batch-2 decode steps about 1.07x).
+// stream faster (on a Zen 4, one- to three-row products over Q4_K panels that do not fit in the
+// caches). Otherwise into every level, as steps with more work per byte need (there the same change
+// made four and eight rows slower: presumably gone again before their use), as later passes over
+// the panel re-read it, and as an Intel CPU needs at every row count (on a Cascade Lake the hint
+// made one- and two-row Q4_1 and Q4_K products, and batch-1 and batch-2 decode steps, slower).
 constexpr int64_t kStreamRows = 2;
 
 bool amd_cpu() {
@@ -680,16 +678,17 @@ void block_panel(const float* xp, int64_t M, int64_t K, const uint8_t* src, cons
 // ---- Small steps with x in 8-bit blocks ------------------------------------------------------
 //
 // Decoding every weight to float32 costs ten to twelve instructions per 16 weights, which made
-// the batch-1 step bound by that work, not by memory (2.4x the time its blocks take to stream).
+// the batch-1 step bound by that work, not by memory (well over the time its blocks take to stream).
 // As llama.cpp does, rows of x can instead be quantized to 8 bits per block of 32 k (a float32
 // scale per block: max |x| / 127) so that the sums over a block are integer multiply-adds of the
 // codes as they are, with the block's scales applied once: y += d * dx * sum(q * xq) (+ m * dx *
 // sum(xq) for formats with an offset). The codes' own rounding (4 to 8 bits) is far coarser than x's;
-// on the default model, decoding 300 tokens this way raised perplexity by 0.75% (mean KL 0.004).
+// on the default model, decoding this way raises perplexity well within issue 28's 2% bound
+// (BENCHMARKS.md, "The defaults' perplexity over 4,800 tokens on a Cascade Lake").
 // Used for steps of up to `int8_rows` rows (panel_linear), up to kInt8Rows rows per pass.
-// With vpmaddubsw (AVX2) the layers of the default model took 0.73-0.87x the time of decoding the
-// blocks to float32 at 1 to 8 rows, but 1.09x at 64 and 1.35x at 512; with VNNI's vpdpbusd they
-// are faster at every step size (the loader's default there: models/cpu_packing.py).
+// With vpmaddubsw (AVX2) the layers of the default model were faster than decoding the blocks to
+// float32 at 1 to 8 rows, but slower at 64 and 512; with VNNI's vpdpbusd they are faster at every
+// step size (the loader's default there: models/cpu_packing.py).
 
 using tokenmill::Int8Pass;  // a pass's rows of x in 8-bit blocks, interleaved (panel_gemm.h)
 using tokenmill::Int8Row;   // one row of x in 8-bit blocks (panel_gemm.h)
@@ -1054,7 +1053,8 @@ constexpr Int8TileFn int8_tile = byte_codes(F) ? int8_tile_bytes<F, R> : int8_ti
 #endif
 
 // Most rows of x per pass over a panel: 12 for the 512-bit tile (one register of sums a row;
-// against 8, the default workload took 0.89-1.00x the time), 8 for the others where VNNI and
+// faster than 8 on the default workload, measured: BENCHMARKS.md, "Float weights in bfloat16
+// panels on a Zen 4 (issue 28), 2026-11-27, eleventh session"), 8 for the others where VNNI and
 // AVX-512VL's 32 registers hold their sums (a row's few instructions per four k against those the
 // rows share), else 4.
 #if defined(TOKENMILL_VNNI) && defined(__AVX512VL__)
@@ -1083,11 +1083,10 @@ constexpr const Int8TileFn* kInt8Tiles[kLastBlockFormat + 1] = {
     nullptr};  // MXF: never in 8 bits (panel_rows)
 
 // x (M, K), in 8-bit blocks, times panel p of blocks (at src), in even passes of at most
-// kInt8Rows rows (against passes of the most rows and a remainder, the default workload took
-// 0.92-0.97x the time). The first pass prefetches `next` (or nullptr): unlike the float32
-// decoding, these passes outrun the hardware prefetcher (layers of the default model at one row:
-// 0.84x the float32 decoding's time without, 0.76x with; its Q8_0 head 1.29x without, 0.76-0.94x
-// with).
+// kInt8Rows rows (the default workload ran faster than with passes of the most rows and a
+// remainder). The first pass prefetches `next` (or nullptr): unlike the float32 decoding, these
+// passes outrun the hardware prefetcher (at one row the default model's layers ran faster with
+// it, and its Q8_0 head went from slower than the float32 decoding without it to faster with it).
 void int8_panel(const tokenmill::PanelRows& x, const uint8_t* src, const uint8_t* next, int64_t format, int64_t p,
                 tokenmill::PanelScratch& scratch, const tokenmill::PanelOut& out) {
   const int64_t M = x.M, K = x.K;
@@ -1121,9 +1120,10 @@ constexpr int64_t kPairBytes = 2 * kPanel * 2;  // a pair of k across a panel's 
 
 #ifdef TOKENMILL_BF16
 // Most rows of x per pass over a panel, a register of sums each, every vdpbf16ps taking its pair
-// of x straight from memory as a broadcast. On a Zen 4 core, passes of 8 to 12 rows ran one
-// vdpbf16ps a cycle, 6 rows 0.9, 14 rows 0.87, 16 rows 0.81 (a stand-alone loop over cached
-// panels): a step's rows go in even passes of at most 12.
+// of x straight from memory as a broadcast. On a Zen 4 core, passes of 8 to 12 rows ran vdpbf16ps
+// at its full rate and passes of fewer or more rows did not (a stand-alone loop over cached panels:
+// BENCHMARKS.md, "Float weights in bfloat16 panels on a Zen 4 (issue 28), 2026-11-27, eleventh
+// session"): a step's rows go in even passes of at most 12.
 constexpr int64_t kBf16Rows = 12;
 
 // R rows of x in bfloat16 (rows K apart) times one bf16 panel -> out (R, 16); `pf` (or nullptr):

@@ -14,18 +14,18 @@
 // passes, prompt_tile_gemm below, which runs both as small matrix products.
 //
 // What bounds this kernel for decodes is reading the pool: each block is a few KB somewhere in
-// memory, and short scattered runs stream at half the rate of long ones (measured on one core: 6 GB/s
-// for 4 KB runs at random places, 10 for 12 KB, 15 sequential). So with enough tiles to keep
-// every thread busy an item takes all kv heads of its tile, reading each block's heads as one
-// contiguous run. A step of a few decodes (batch-1 decode above all) splits each context into
-// parts of at least 8 blocks instead (flash-decoding), an item per part with all kv heads, and
-// merges the parts' softmax sums at the end: against one kv head per item, the attention of a
-// batch-1 decode took 0.67x the time at 4,000 keys and 0.76x at 1,000 (30 layers, paired). Other
+// memory, and short scattered runs stream far slower than long ones, the shorter the slower
+// (measured on one core: BENCHMARKS.md, "Speed work, every attempt (CPU, default model)"). So with
+// enough tiles to keep every thread busy an item takes all kv heads of its tile, reading each
+// block's heads as one contiguous run. A step of a few decodes (batch-1 decode above all) splits
+// each context into parts of at least kMinPartBlocks blocks instead (flash-decoding), an item per
+// part with all kv heads, and merges the parts' softmax sums at the end: against one kv head per
+// item, that makes a batch-1 decode's attention faster, the more so the longer its context. Other
 // steps with few tiles give an item one kv head, for parallelism. Items are cut into pieces of
 // equal total context length, up to 16 per thread; a thread done with its own share of the
 // pieces takes some from the back of the others' (parallel.h).
-// (A single pass with an online softmax per block was a third slower again: its per-block max,
-// exp and rescaling were scalar work on every 16 keys.)
+// (A single pass with an online softmax per block is slower: its per-block max, exp and
+// rescaling are scalar work on every 16 keys.)
 //
 // The pool holds float32, float16 or bfloat16 (kv_cache_dtype="float16" or "bfloat16": half the
 // bytes to read, each row widened to float32 as it is loaded: F16C, or a 16-bit shift for
@@ -77,13 +77,12 @@ namespace {
 // The run of the pool to read next (one kv head of one block, a few KB at a random place, where
 // the hardware prefetcher starts late), asked for two cache lines at a time from inside the
 // primitives' loops. Asked for in one burst of 64 prefetches instead, the lines fill the core's
-// miss buffers and load queue, and the arithmetic on the current run waits behind them: 30 layers
-// of batch-64 decodes at 300 keys took 0.71x the time spread out (scattered blocks; 0.80x
-// contiguous), and the burst itself was worth only a few percent over no prefetching at all. Two
-// lines an iteration covers a whole run when a kv head serves two query heads or more (G >= 2);
-// stepping as fast as the loops read (four lines an iteration of the dot products) was 3-8% slower
-// at G = 3. What the loops leave of a run (G = 1) is left to the hardware prefetcher, not asked
-// for in a burst.
+// miss buffers and load queue, and the arithmetic on the current run waits behind them: batch-64
+// decodes run faster with the prefetches spread out, over scattered blocks and contiguous ones
+// alike, and the burst itself gains little over no prefetching at all. Two lines an iteration
+// covers a whole run when a kv head serves two query heads or more (G >= 2); stepping as fast as
+// the loops read (four lines an iteration of the dot products) is slower at G = 3. What the loops
+// leave of a run (G = 1) is left to the hardware prefetcher, not asked for in a burst.
 struct PrefetchCursor {
   const char* p = nullptr;
   const char* end = nullptr;
@@ -243,7 +242,7 @@ void head_group_scores(const float* q, const KV* k, int64_t n, int64_t D, float 
 // head_scores_scalar with AVX2: heads three (or two) at a time over the keys that
 // block_scores_avx2 takes eight at a time, the rest of them as it does (tail_scores_avx2); a last
 // head alone by block_scores_avx2. On the default model's shapes (three query heads per kv head) the
-// attention took 0.91-0.95x the time of one head at a time (30 layers; batch 1 at 1,000 keys even).
+// attention takes less time than with one head at a time, or about as much (batch 1 at 1,000 keys).
 template <typename KV>
 void head_scores_avx2(const float* q, const KV* k, int64_t n, int64_t D, float scale, float* scores, int64_t row,
                       int64_t G, PrefetchCursor& pf) {
@@ -316,9 +315,10 @@ void block_accumulate_avx2(float* acc, int64_t G, const float* w, int64_t w_stri
 // (row, key), pass 1 runs the register tile of tile_gemm.h with rows of keys as x and the tile's
 // queries as panels of 16 rows, (D, 16) each, scores landing transposed: st[key][row]. The softmax
 // then runs eight rows per vector down the keys, giving weight 0 to keys a row may not see, and
-// pass 2 sums the value rows for three rows at a time. One sequence's prompt in one chunk, 30
-// layers of the default model: 1.2-1.4x the per-row path from 64 to 2,048 tokens, and 1.05x (2,048)
-// to 2.3x (64) SDPA on the gathered context.
+// pass 2 sums the value rows for three rows at a time. For one sequence's prompt in one chunk on
+// the default model that is faster than the per-row path, and faster than SDPA on the gathered
+// context, by most on short prompts (measured: BENCHMARKS.md, "Speed work, every attempt (CPU,
+// default model)").
 
 struct PromptScratch {
   std::vector<float> qt, keys, st, acc, sums;
@@ -775,10 +775,10 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
         }
       }
   };
-  // The first write into a page of the pool faults it in, which this virtual machine serves at
-  // about 1.5 GB/s, and the K and V pools fault at the same blocks: with keys and values on two
-  // threads the two faults are taken at once, rather than one after the other while the other
-  // thread waits (1.4 s of a default-workload run). A few tokens are not worth the fork.
+  // The first write into a page of the pool faults it in, which this virtual machine serves far
+  // more slowly than it reads touched memory, and the K and V pools fault at the same blocks: with
+  // keys and values on two threads the two faults are taken at once, rather than one after the
+  // other while the other thread waits. A few tokens are not worth the fork.
   const auto write_parts = [&](int64_t begin, int64_t end) {  // 0: the keys, 1: the values
     for (int64_t which = begin; which < end; ++which)
       which == 0 ? write(kp, k.stride(0), kc) : write(vp, v.stride(0), vc);

@@ -1,10 +1,11 @@
 // Work shared between threads with stealing instead of one fixed share each.
 //
 // at::parallel_for hands each thread one equal range up front. On this shared machine the two
-// cores rarely run at the same speed: one is often 10-40% slower than the other for a while (its
+// cores rarely run at the same speed: one is often markedly slower than the other for a while (its
 // sibling on the host is busy), and then the fast one finishes its share and waits. A profile of
-// the default workload put the second thread in that wait for 18% of the run, most of it while the
-// first still ran its share of a matrix product. Here a thread that is done takes work from the
+// the default workload put the second thread in that wait for a sizeable part of the run, most of
+// it while the first still ran its share of a matrix product (BENCHMARKS.md, "Speed work, every
+// attempt (CPU, default model)"). Here a thread that is done takes work from the
 // back of the others' shares, so a slow core simply ends up doing less. Which thread computes a
 // chunk never changes what it computes.
 #pragma once

@@ -2,9 +2,10 @@
 // each row in a few passes over its logits and without sorting it.
 //
 // In torch (sampler.py) a row took a division, a softmax and a two-level draw, each a few passes
-// and a temporary of the row's size, plus topk/sort calls for top-k and top-p: 0.3 ms for one row
-// of the default model's 49,152 logits at temperature 1 (5% of a batch-1 decode step), and for 64
-// rows with top-p 0.95 over flat distributions (sets of thousands of tokens) 40% of the step.
+// and a temporary of the row's size, plus topk/sort calls for top-k and top-p: a noticeable part of
+// a batch-1 decode step for one row of the default model's logits at temperature 1, and a large
+// part of the step for 64 rows with top-p over flat distributions (sets of thousands of tokens;
+// BENCHMARKS.md, "Speed work, every attempt (CPU, default model)").
 //
 // The kept set of a row is defined by values, never by positions in a sort, so ties are kept
 // together and the set depends on the row alone (a seeded request draws the same alone or in a
@@ -38,7 +39,7 @@ struct Candidate {
 };
 
 // A row's scratch, one per thread: its s and e, and room for all of its tokens as candidates (not
-// zeroed: 1.2 MB for the default model's rows, which took half of a row's time at temperature 1 to clear).
+// zeroed: 1.2 MB for the default model's rows, whose clearing took much of a row's time at temperature 1).
 struct RowBuffers {
   std::unique_ptr<float[]> s, e;
   std::unique_ptr<Candidate[]> candidates, copy;

@@ -17,9 +17,9 @@ constexpr int64_t kTileWidth = 16;  // columns of a panel and of the tile
 constexpr int64_t kTileRows = 6;    // rows of x per tile: 12 accumulators, two of W, one of x
 // The most rows a tile takes: where AVX-512VL gives 256-bit instructions 32 registers, 12 (24
 // accumulators), for small steps, which then stream each panel (and decode a block panel) once
-// instead of once per 6 rows: decode steps of 8 rows took 0.79-0.84x the time, of 16 0.82-0.91x.
-// Big products keep tiles of 6: decode steps of 24 to 64 rows took up to 1.26x the time in tiles
-// of 12.
+// instead of once per 6 rows, which makes decode steps of 8 and 16 rows faster. Big products keep
+// tiles of 6: decode steps of 24 to 64 rows ran slower in tiles of 12 (BENCHMARKS.md, "Speed work,
+// every attempt (CPU, default model)").
 #ifdef __AVX512VL__
 constexpr int64_t kWideTileRows = 12;
 #else
@@ -47,7 +47,7 @@ void tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float
                const float* pf, int64_t pf_lines);
 
 // One row (batch-1 decode): the four accumulators take alternate k, so that no single FMA
-// chain's latency paces the stream (measured 3% faster, at the plain read rate).
+// chain's latency paces the stream (measured faster: it streams at the plain read rate).
 template <>
 inline void tile_avx2<1>(const float* x, int64_t, const float* panel, int64_t K, float* out, int64_t,
                          const float* pf, int64_t pf_lines) {
@@ -73,7 +73,7 @@ inline void tile_avx2<1>(const float* x, int64_t, const float* panel, int64_t K,
 }
 
 // Named accumulators, not an array: GCC kept an accumulator array on the stack (a store per
-// FMA, a third of the speed).
+// FMA, far slower).
 template <int R>
 void tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
                const float* pf, int64_t pf_lines) {

@@ -8,9 +8,10 @@ rather than an answer that silently ignores them.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from tokenmill.sampling_params import SamplingParams, check_schema_depth, is_unicode
 
@@ -42,10 +43,31 @@ def lone_surrogate_at(body) -> str | None:
     return None
 
 
-class APIRequest(BaseModel):
-    """A request body: unknown fields ignored, as OpenAI's API does; its text valid unicode."""
+def takes_null(annotation) -> bool:
+    """Whether a field's type admits None (`X | None`, Optional[X], None itself)."""
+    return annotation is None or annotation is type(None) or type(None) in get_args(annotation)
 
-    model_config = ConfigDict(extra="ignore")
+
+def null_is_default(field: FieldInfo) -> bool:
+    """Whether null for this field means its default: an optional field whose type has no null."""
+    return not field.is_required() and not takes_null(field.annotation)
+
+
+def schema_with_nulls(schema: dict, model: type[BaseModel]) -> None:
+    """A request's JSON schema as APIRequest reads it: null allowed where it means the default."""
+    for name, prop in schema.get("properties", {}).items():
+        field = model.model_fields.get(name)
+        if field is not None and null_is_default(field):
+            shown = {key: prop.pop(key) for key in ("title", "default", "description") if key in prop}
+            schema["properties"][name] = {"anyOf": [dict(prop), {"type": "null"}], **shown}
+
+
+class APIRequest(BaseModel):
+    """A request body: unknown fields ignored, as OpenAI's API does; its text valid unicode; null
+    for an optional field whose type has no null (n, stream, echo...) meaning its default, as
+    OpenAI's clients send it and vLLM takes it (the schema says so too)."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra=schema_with_nulls)
 
     @model_validator(mode="before")
     @classmethod
@@ -55,8 +77,17 @@ class APIRequest(BaseModel):
             raise ValueError(f"{where} is not valid unicode text (a lone surrogate such as \\ud800)")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or not null_is_default(fields[key])}
 
-class StreamOptions(BaseModel):
+
+class StreamOptions(APIRequest):
     include_usage: bool = False
 
 

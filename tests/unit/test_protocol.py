@@ -1,0 +1,48 @@
+"""Request bodies (server/protocol.py, protocol_responses.py): how pydantic reads what clients send."""
+
+import pytest
+from pydantic import ValidationError
+
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.protocol_responses import ResponsesRequest
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+
+
+def test_null_for_a_field_whose_type_has_no_null_means_its_default():
+    chat = ChatCompletionRequest.model_validate({**CHAT, "n": None, "stream": None, "logprobs": None,
+                                                 "stream_options": {"include_usage": None}, "priority": None})
+    assert chat.n == 1 and chat.stream is False and chat.logprobs is False and chat.priority == 0
+    assert chat.stream_options.include_usage is False
+    completion = CompletionRequest.model_validate({"prompt": "x", "echo": None, "n": None, "stream": None})
+    assert (completion.echo, completion.n, completion.stream) == (False, 1, False)
+    responses = ResponsesRequest.model_validate({"input": "hi", "store": None, "parallel_tool_calls": None,
+                                                 "stream": None, "background": None})
+    assert responses.store is True and responses.parallel_tool_calls is True
+    assert responses.stream is False and responses.background is False
+
+
+def test_null_stays_null_where_the_type_takes_it_and_is_refused_for_a_required_field():
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None  # the context
+    assert CompletionRequest.model_validate({"prompt": "x"}).max_tokens == 16
+    assert ChatCompletionRequest.model_validate({**CHAT, "temperature": None}).temperature is None
+    with pytest.raises(ValidationError, match="messages"):
+        ChatCompletionRequest.model_validate({"messages": None})
+    with pytest.raises(ValidationError, match="prompt"):
+        CompletionRequest.model_validate({"prompt": None})
+
+
+def test_a_wrong_type_is_still_refused():
+    with pytest.raises(ValidationError, match="n"):
+        ChatCompletionRequest.model_validate({**CHAT, "n": "two"})
+    with pytest.raises(ValidationError, match="stream"):
+        ResponsesRequest.model_validate({"input": "hi", "stream": "yes"})
+
+
+def test_the_schema_allows_null_exactly_where_it_means_the_default():
+    props = ChatCompletionRequest.model_json_schema()["properties"]
+    assert props["n"] == {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": 1, "title": "N"}
+    assert props["stream"]["anyOf"][1] == {"type": "null"} and props["stream"]["default"] is False
+    assert "anyOf" not in props["messages"]  # required: null is still refused
+    background = ResponsesRequest.model_json_schema()["properties"]["background"]
+    assert background["anyOf"] == [{"type": "boolean"}, {"type": "null"}]

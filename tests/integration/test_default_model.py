@@ -171,6 +171,28 @@ def test_token_bytes_rebuild_characters_split_across_tokens(default_llm):
     assert bytes(b for i in ids for b in token_bytes(tokenizer, i)).decode() == text
 
 
+def test_text_offsets_point_into_the_text_when_tokens_carry_pieces_of_characters(default_llm):
+    """Completions' text_offset: a token that is part of an emoji starts where the emoji does and
+    moves the offset only once the character is complete, so the offsets index the text, never go
+    back, and come out the same taken in two parts (a stream cut inside an emoji) as in one."""
+    from tokenmill.server.logprobs import TextOffsets, completion_logprobs, token_bytes
+    tokenizer = default_llm.engine.tokenizer
+    text = "Emojis: 😀😃 ok 日本"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    offsets = completion_logprobs(tokenizer, [None] * len(ids), ids, TextOffsets())["text_offset"]
+    whole_before = [bytes(b for t in ids[:i] for b in token_bytes(tokenizer, t)).decode("utf-8", "ignore")
+                    for i in range(len(ids))]  # the characters complete before each token
+    assert offsets == [len(chars) for chars in whole_before]
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    ok = ids.index(tokenizer.encode(" ok", add_special_tokens=False)[0])
+    assert text[offsets[ok]:offsets[ok + 1]] == " ok"
+    cut = next(i for i, t in enumerate(ids) if "\ufffd" in tokenizer.decode([t])) + 1  # inside the first emoji
+    taken = TextOffsets()
+    parts = (completion_logprobs(tokenizer, [None] * cut, ids[:cut], taken)["text_offset"]
+             + completion_logprobs(tokenizer, [None] * (len(ids) - cut), ids[cut:], taken)["text_offset"])
+    assert parts == offsets and taken.next == len(text)
+
+
 def test_the_default_pool_is_float16_where_the_cpu_has_avx512_vnni_and_float32_under_dtype_float32(default_llm,
                                                                                                    exact_llm):
     from tokenmill.cpu_kernels import this_cpu

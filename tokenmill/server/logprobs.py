@@ -4,6 +4,8 @@ of tokens, logprobs, top-logprob dicts and text offsets) and the one of /v1/chat
 
 from __future__ import annotations
 
+import codecs
+
 
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the character that stands for each byte in a
@@ -44,20 +46,40 @@ def _by_text(entry: dict[int, float], token_text) -> dict[str, float]:
     return out
 
 
+class TextOffsets:
+    """Where each next token's text starts in a completion's text, in characters. A token that
+    carries only part of a character (an emoji's first bytes, which decode alone to "\ufffd")
+    starts where that character does, and the text moves on by the characters its bytes complete;
+    a piece left incomplete before a whole token counts as the one "\ufffd" the text shows."""
+
+    def __init__(self, start: int = 0):
+        self.next = start
+        self._pieces = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, tokenizer, token_id: int, text: str) -> int:
+        """The offset of `token_id` (whose text alone is `text`); moves past it."""
+        at = self.next
+        if "\ufffd" in text:
+            self.next += len(self._pieces.decode(bytes(token_bytes(tokenizer, token_id))))
+        else:
+            self.next += len(self._pieces.decode(b"", final=True)) + len(text)
+            self._pieces.reset()
+        return at
+
+
 def completion_logprobs(tokenizer, entries: list[dict[int, float] | None], token_ids: list[int],
-                        offset: int) -> dict:
-    """OpenAI's legacy logprobs of `token_ids`, whose text starts at character `offset`; an entry
-    of None (a prompt's first token) gives nulls."""
-    tokens, lps, tops, offsets = [], [], [], []
+                        offsets: TextOffsets) -> dict:
+    """OpenAI's legacy logprobs of `token_ids`, their text offsets taken from `offsets` (which
+    moves past them); an entry of None (a prompt's first token) gives nulls."""
+    tokens, lps, tops, starts = [], [], [], []
     token_text = _token_text(tokenizer)
     for token, entry in zip(token_ids, entries):
         text = token_text(token)
         tokens.append(text)
         lps.append(entry.get(token) if entry is not None else None)
         tops.append(_by_text(entry, token_text) if entry is not None else None)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+        starts.append(offsets.take(tokenizer, token, text))
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": starts}
 
 
 def chat_logprobs(tokenizer, entries: list[dict[int, float]], token_ids: list[int], top_n: int) -> dict:

@@ -16,7 +16,7 @@ from fastapi import Request
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, check_model
-from tokenmill.server.logprobs import completion_logprobs
+from tokenmill.server.logprobs import TextOffsets, completion_logprobs
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import ServingEngine, sampling_params
 
@@ -56,11 +56,11 @@ class CompletionResponse:
     echo_only: bool  # echo with max_tokens 0: the prompt alone
     # per choice: the next token's text_offset (the echo's and earlier tokens' characters: text
     # held back for a stop string lags behind the tokens), and whether the prompt went out
-    offsets: list[int] = field(init=False)
+    offsets: list[TextOffsets] = field(init=False)
     echoed: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.offsets = [0] * len(self.requests)
+        self.offsets = [TextOffsets() for _ in self.requests]
         self.echoed = [not self.req.echo] * len(self.requests)
 
     @property
@@ -72,12 +72,11 @@ class CompletionResponse:
         echo = ""
         if not self.echoed[i]:
             echo, self.echoed[i] = self._prompt_text(i), True
-            self.offsets[i] = len(echo)
+            self.offsets[i] = TextOffsets(len(echo))
         lp = None
         if self.req.logprobs is not None and new_ids:  # offsets into the whole text, echo first
             lp = completion_logprobs(self.tokenizer, out.outputs[0].logprobs[-len(new_ids):], new_ids,
                                      self.offsets[i])
-            self.offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if echo:
             lp = self._with_prompt(lp, out)
         text = echo + new_text
@@ -89,7 +88,8 @@ class CompletionResponse:
     def choice(self, i: int, out: RequestOutput) -> dict:
         c = out.outputs[0]
         text, ids, entries = ("", [], []) if self.echo_only else (c.text, c.token_ids, c.logprobs)
-        lp = (completion_logprobs(self.tokenizer, entries, ids, len(self._prompt_text(i)) if self.req.echo else 0)
+        start = len(self._prompt_text(i)) if self.req.echo else 0
+        lp = (completion_logprobs(self.tokenizer, entries, ids, TextOffsets(start))
               if self.req.logprobs is not None else None)
         if self.req.echo:
             lp = self._with_prompt(lp, out)
@@ -108,5 +108,5 @@ class CompletionResponse:
         """The echoed prompt's logprobs (offsets from 0) before those of `lp`, which follow it."""
         if self.req.logprobs is None:
             return None
-        head = completion_logprobs(self.tokenizer, out.prompt_logprobs, out.prompt_token_ids, 0)
+        head = completion_logprobs(self.tokenizer, out.prompt_logprobs, out.prompt_token_ids, TextOffsets())
         return {key: head[key] + (lp[key] if lp else []) for key in head}

@@ -90,11 +90,13 @@ def _template_options(tokenizer) -> set[str]:
 
 
 def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> dict:
+                tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                continue_final_message: bool = False) -> dict:
     """{"prompt": text, "prompt_token_ids": ids} for a list of {"role", "content", ...} messages
     (and the tools the template shows the model; template_kwargs: the template's own variables,
-    such as Qwen3's enable_thinking); ValueError for a message without a role, a content part that
-    is not text, or a conversation the template rejects."""
+    such as Qwen3's enable_thinking; continue_final_message: the last message left open, for the
+    model to go on writing it); ValueError for a message without a role, a content part that is
+    not text, or a conversation the template rejects."""
     messages = []
     for i, m in enumerate(conversation):
         if not isinstance(m, dict) or "role" not in m:
@@ -110,7 +112,8 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
                          "own variables")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             tools=tools, **(template_kwargs or {}))
+                                             tools=tools, **(template_kwargs or {}),
+                                             **({"continue_final_message": True} if continue_final_message else {}))
     except Exception as exc:  # jinja raises for conversations the template rejects
         raise ValueError(f"cannot apply the chat template: {exc}") from None
     if not is_unicode(text):  # bytes that were no UTF-8 (a shell's stdin)

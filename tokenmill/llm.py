@@ -112,18 +112,21 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, rendered
         through the model's chat template (with `tools`, OpenAI's function list, where the template
         shows them, the calls being the caller's to parse; and the template's own variables, such
-        as Qwen3's enable_thinking, as in vLLM's LLM.chat). Content may be a string or OpenAI's
-        list of text parts."""
+        as Qwen3's enable_thinking, as in vLLM's LLM.chat; continue_final_message: the last message
+        left open for the model to go on, with add_generation_prompt=False). Content may be a string
+        or OpenAI's list of text parts."""
         self.engine.input_processor.check_generates()  # (an encoder's tokenizer has no chat template to blame)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(conv, add_generation_prompt, tools, chat_template_kwargs)
+        prompts = [self.render_chat(conv, add_generation_prompt, tools, chat_template_kwargs, continue_final_message)
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> dict:
-        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools, chat_template_kwargs)
+                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> dict:
+        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools, chat_template_kwargs,
+                           continue_final_message)

@@ -269,6 +269,17 @@ def test_chat_without_a_generation_prompt_continues_the_last_message(server):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] < len(with_prompt)
 
 
+
+def test_continue_final_message_leaves_the_last_message_open_and_needs_no_generation_prompt(server):
+    messages = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 1, "add_generation_prompt": False}
+    closed = httpx.post(server.url + "/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "continue_final_message": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] < closed  # no end of the turn
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={**body, "continue_final_message": True, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
 # ---- cancellation ----------------------------------------------------------------------------
 
 def test_dropped_streams_are_aborted_and_free_their_blocks(server):

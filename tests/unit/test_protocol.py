@@ -46,3 +46,24 @@ def test_the_schema_allows_null_exactly_where_it_means_the_default():
     assert "anyOf" not in props["messages"]  # required: null is still refused
     background = ResponsesRequest.model_json_schema()["properties"]["background"]
     assert background["anyOf"] == [{"type": "boolean"}, {"type": "null"}]
+
+
+def test_stream_options_without_stream_and_a_request_chat_template_are_refused_naming_the_field():
+    body = {**CHAT, "stream_options": {"include_usage": True}}
+    with pytest.raises(ValueError, match="^stream_options is only allowed with stream=true$"):
+        ChatCompletionRequest.model_validate(body).sampling_params(None, None, None)
+    assert ChatCompletionRequest.model_validate({**body, "stream": True}).sampling_params(None, None, None).n == 1
+    with pytest.raises(ValueError, match="^chat_template is not supported by this server$"):
+        ChatCompletionRequest.model_validate({**CHAT, "chat_template": "{{ messages }}"}).sampling_params(None, None,
+                                                                                                          None)
+
+
+def test_continue_final_message_needs_add_generation_prompt_false():
+    from tokenmill.server.errors import APIError
+    from tokenmill.server.serving_chat import _chat_sampling_params
+    with pytest.raises(APIError, match="continue_final_message needs add_generation_prompt=false") as info:
+        _chat_sampling_params(ChatCompletionRequest.model_validate({**CHAT, "continue_final_message": True}))
+    assert info.value.body["error"]["param"] == "continue_final_message"
+    params = _chat_sampling_params(ChatCompletionRequest.model_validate(
+        {**CHAT, "continue_final_message": True, "add_generation_prompt": False}))
+    assert params.n == 1

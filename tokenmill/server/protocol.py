@@ -2,8 +2,8 @@
 
 Pydantic checks types; SamplingParams checks ranges (and names the field); both end up as
 HTTP 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's API does;
-known ones that tokenmill does not implement (best_of, suffix, tools in completions) get a 400
-rather than an answer that silently ignores them.
+known ones that tokenmill does not implement (best_of, suffix, tools in completions, a request's
+chat_template) get a 400 rather than an answer that silently ignores them.
 """
 
 from __future__ import annotations
@@ -143,6 +143,8 @@ class SamplingFields(APIRequest):
         field = self.unsupported()
         if field is not None:
             raise ValueError(f"{field} is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
         values = {
             "n": self.n, "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
             "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop if self.stop is not None else [],
@@ -245,11 +247,16 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open: the model writes on
+    chat_template: str | None = None  # known, refused: a template is code, and the server runs the model's
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     chat_template_kwargs: dict | None = None  # the template's own variables (Qwen3's enable_thinking)
     parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the chat template (gpt-oss's reads it)
+
+    def unsupported(self) -> str | None:
+        return super().unsupported() or ("chat_template" if self.chat_template is not None else None)
 
 
 class TokenizeRequest(APIRequest):

@@ -36,14 +36,15 @@ if TYPE_CHECKING:
 
 
 def render_messages(tokenizer, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None, harmony: bool = False) -> dict:
+                    template_kwargs: dict | None = None, harmony: bool = False,
+                    continue_final_message: bool = False) -> dict:
     """{"prompt": text, "prompt_token_ids": ids} of a request's messages; a template that
     rejects them is an APIError(400) on `messages`. harmony: an assistant's reasoning_content
     goes to the template as `thinking` (gpt-oss's keeps it before the calls that followed it)."""
     conversation = [m.model_dump(exclude_none=True) for m in messages]
     try:  # (with the messages' other fields: an assistant's tool_calls, a tool's tool_call_id)
         return render_chat(tokenizer, [with_thinking(m) for m in conversation] if harmony else conversation,
-                           add_generation_prompt, tools, template_kwargs)
+                           add_generation_prompt, tools, template_kwargs, continue_final_message)
     except ValueError as exc:  # (the message names the place of a bad tool call: messages.1.tool_calls.0...)
         where = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=where if where.startswith("messages.") else "messages") from None
@@ -51,6 +52,9 @@ def render_messages(tokenizer, messages, add_generation_prompt: bool = True, too
 
 def _chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     """The request's SamplingParams, after the checks of the fields only chat has."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message needs add_generation_prompt=false: the last message is "
+                       "continued, no new one opened", param="continue_final_message")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -82,7 +86,8 @@ class ChatHandler:
         if req.reasoning_effort is not None:  # (a template that reads it: gpt-oss's "Reasoning: low")
             template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
         prompt = await asyncio.to_thread(render_messages, self.tokenizer, req.messages,  # tokenizes
-                                         req.add_generation_prompt, req.tools, template_kwargs, self.harmony)
+                                         req.add_generation_prompt, req.tools, template_kwargs, self.harmony,
+                                         req.continue_final_message)
         if plan is not None and plan.choice == "none":
             plan = None
         if self.harmony:

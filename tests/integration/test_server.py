@@ -269,7 +269,6 @@ def test_chat_without_a_generation_prompt_continues_the_last_message(server):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] < len(with_prompt)
 
 
-
 def test_continue_final_message_leaves_the_last_message_open_and_needs_no_generation_prompt(server):
     messages = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}]
     body = {"model": "tiny", "messages": messages, "max_tokens": 1, "add_generation_prompt": False}
@@ -279,6 +278,7 @@ def test_continue_final_message_leaves_the_last_message_open_and_needs_no_genera
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={**body, "continue_final_message": True, "add_generation_prompt": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
 
 # ---- cancellation ----------------------------------------------------------------------------
 

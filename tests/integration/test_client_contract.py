@@ -9,6 +9,7 @@ the template's format, and the server's parser reads it like any model's output.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -99,26 +100,44 @@ def test_langchains_tool_round_trip_needs_no_server_flags(server):
     assert answer.content == "It is 21 C in Paris." and answer.tool_calls == []
 
 
+def cut_answer(client, choice, max_tokens: int, stream: bool) -> tuple[list[tuple[str, str]], str, str]:
+    """A forced call's answer at temperature 0: its calls' (name, arguments), content and finish reason."""
+    out = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                         max_tokens=max_tokens, temperature=0, stream=stream)
+    if not stream:
+        message = out.choices[0].message
+        calls = [(t.function.name, t.function.arguments) for t in message.tool_calls or []]
+        return calls, message.content or "", out.choices[0].finish_reason
+    choices = [c.choices[0] for c in out if c.choices]
+    calls: dict[int, list[str]] = {}
+    for t in (t for c in choices for t in c.delta.tool_calls or []):
+        name, arguments = calls.setdefault(t.index, ["", ""])
+        calls[t.index] = [name + (t.function.name or ""), arguments + (t.function.arguments or "")]
+    return [tuple(calls[k]) for k in sorted(calls)], "".join(c.delta.content or "" for c in choices), (
+        choices[-1].finish_reason)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_forced_call_cut_by_max_tokens_ends_with_length(client, stream):
-    """Its arguments are unterminated JSON: "length" tells the client the call is incomplete (a
-    "required" one, whose calls are not read from a cut array, comes back as content)."""
+    """The call comes as far as it came, its arguments unterminated JSON, and "length" tells the
+    client it is incomplete: a named function's, and a "required" array's (never the array's JSON
+    as content). The cut is placed by the uncut answer's tokens: one past where the arguments open."""
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for choice in (named, "required"):
-        out = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=choice,
-                                             max_tokens=3, temperature=0, stream=stream)
-        if stream:
-            choices = [c.choices[0] for c in out if c.choices]
-            arguments = "".join(t.function.arguments or "" for c in choices for t in (c.delta.tool_calls or []))
-            content, reason = "".join(c.delta.content or "" for c in choices), choices[-1].finish_reason
-        else:
-            message, reason = out.choices[0].message, out.choices[0].finish_reason
-            arguments, content = "".join(t.function.arguments for t in message.tool_calls or []), message.content
-        assert reason == "length"
-        cut = arguments if choice is named else content
-        assert cut.startswith("[{" if choice == "required" else "{") and (choice is named or not arguments)
-        with pytest.raises(json.JSONDecodeError):
-            json.loads(cut)
+    whole = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=named,
+                                           max_tokens=3, temperature=0, logprobs=True)
+    three = "".join(t.token for t in whole.choices[0].logprobs.content)
+    assert cut_answer(client, named, 3, stream) == ([("get_weather", three)], "", "length")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(three)
+    whole = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=200, temperature=0, logprobs=True)
+    tokens = [t.token for t in whole.choices[0].logprobs.content]
+    texts = ["".join(tokens[:k]) for k in range(len(tokens) + 1)]
+    opened = next(k for k, text in enumerate(texts) if re.search(r'"parameters"\s*:\s*\{', text))
+    arguments = texts[opened + 1][re.search(r'"parameters"\s*:\s*', texts[opened]).end():]
+    assert cut_answer(client, "required", opened + 1, stream) == ([("get_weather", arguments)], "", "length")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)
 
 
 # ---- context length as OpenAI answers it ----------------------------------------------------------

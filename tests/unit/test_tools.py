@@ -78,9 +78,24 @@ def test_constraints_of_named_and_required_choices():
     text = '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
     assert required.parse(text)[0] is None and calls(required.parse(text)) == [("now", {}), ("get_weather",
                                                                                              {"city": "Oslo"})]
-    assert required.parse('[{"name": "now", "par') == ('[{"name": "now", "par', [])  # cut by max_tokens
     assert plan_tools([WEATHER], "auto", "hermes").constraint() is None
     assert plan_tools(None, "none", None) is None and plan_tools([WEATHER], "none", None).choice == "none"
+
+
+@pytest.mark.parametrize("text, cut", [
+    ('[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Os',
+     [("now", "{}"), ("get_weather", '{"city": "Os')]),
+    ('[{"name": "now", "parameters": {}},\n {"name": "get_weather", "parameters": ', [("now", "{}"), ("get_weather", "")]),
+    ('[{"name": "get_weather", "par', [("get_weather", "")]),
+    ('[{"name": "now", "parameters": {}}, {"name": "get_wea', [("now", "{}")]),
+    ('[{"name": "now", "parameters": {}}', [("now", "{}")]),
+    ('[{"na', []), ("[", []), ("", []),
+])
+def test_a_required_array_cut_by_max_tokens_gives_its_calls_as_far_as_they_came(text, cut):
+    """Whole calls as they are, then the last one's unterminated arguments once its name is whole:
+    never the array's JSON as content."""
+    parsed = plan_tools([WEATHER, NOW], "required", None).parse(text)
+    assert parsed[0] is None and [(c.name, c.arguments) for c in parsed[1]] == cut
 
 
 def test_hermes_and_llama3_json_outputs_parse_into_calls():

@@ -4,7 +4,8 @@ The tools go to the chat template; `tool_choice` decides how calls come out:
   a named function  the output is constrained (a structured output) to that function's
                     parameters schema, and is its arguments
   "required"        the output is constrained to a JSON array of {"name", "parameters"} calls,
-                    at least one, each naming one of the tools
+                    at least one, each naming one of the tools; cut by max_tokens, the calls
+                    as far as they came (finish reason "length")
   "auto"            the model decides, and its text is parsed for calls in its own format:
                     the server's tool-call parser (PARSERS; read from the chat template by
                     tool_detection.py unless --tool-call-parser names it):
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -118,13 +120,40 @@ class ToolPlan:
             return None, [ToolCall(self.name, text)]
         if self.choice == "required":
             try:
-                calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-            except (ValueError, TypeError, KeyError, RecursionError):  # cut short by max_tokens, or too deep
+                return None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                              for c in json.loads(text)]
+            except RecursionError:  # (nested past the decoder's limit)
                 return text, []
-            return None, calls
+            except (ValueError, TypeError, KeyError):  # cut short by max_tokens
+                return None, _cut_calls(text)
         if self.choice != "auto":
             return text, []
         return _PARSE[self.parser](text)
+
+
+CUT_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"parameters"\s*:\s*)?')
+
+
+def _cut_calls(text: str) -> list[ToolCall]:
+    """The calls of a "required" array cut short: each whole one, then the last as far as it came
+    once its name is whole, its arguments unterminated JSON text (as a named function's are when
+    cut; the finish reason "length" says so)."""
+    decoder, calls, at = json.JSONDecoder(), [], text.find("[") + 1
+    if at == 0:
+        return []
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            obj, end = decoder.raw_decode(text, at)
+            calls.append(ToolCall(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False)))
+        except (ValueError, TypeError, KeyError, RecursionError):
+            break
+        at = end
+    head = CUT_CALL_HEAD.match(text, at)
+    if head is not None:
+        calls.append(ToolCall(json.loads(head.group(1)), text[head.end():] if head.group(2) else ""))
+    return calls
 
 
 def _call(obj) -> ToolCall:

@@ -77,6 +77,16 @@ def test_an_openai_sdk_tool_round_trip_needs_no_server_flags(client, server):
                            '</tool_call></s><tool>21 C</s><assistant>')
 
 
+def test_tokenize_counts_messages_with_tools_as_chat_renders_them(client, server):
+    """A client that counts its prompt before sending it (vLLM's /tokenize with tools, as the
+    verifiers library calls it) gets the chat endpoint's count."""
+    body = {"messages": ASK, "tools": [WEATHER]}
+    counted = httpx.post(server.url + "/tokenize", json=body).json()["count"]
+    without = httpx.post(server.url + "/tokenize", json={"messages": ASK}).json()["count"]
+    out = client.chat.completions.create(model="tiny", max_tokens=1, tool_choice="none", **body)
+    assert counted == out.usage.prompt_tokens > without
+
+
 def test_langchains_tool_round_trip_needs_no_server_flags(server):
     """bind_tools sends tool_choice "auto" (by leaving it out); the AIMessage's tool_calls and a
     ToolMessage go back, and the model answers."""

@@ -209,7 +209,7 @@ def test_models_tokenize_detokenize_version(server, client):
     assert tokens["tokens"] == [5, 6] and tokens["count"] == 2
     assert httpx.post(server.url + "/detokenize", json={"tokens": [5, 6]}).json()["prompt"] == "w5 w6"
     chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "w7"}]}).json()
-    assert chat["tokens"] == [2, 7, 3, 4]
+    assert chat["tokens"] == [2, 7, 3, 4] and "token_strs" not in chat
     from tokenmill.cpu_kernels import load_cpu_kernels, this_cpu
     version = httpx.get(server.url + "/version").json()
     device = os.environ.get("TOKENMILL_TEST_DEVICE", "cpu")  # (the suite run on a GPU machine)
@@ -221,6 +221,22 @@ def test_models_tokenize_detokenize_version(server, client):
     assert version["arithmetic"] == {"dtype": "float32", "kv_dtype": "bfloat16" if bf16 else "float32",
                                      "bf16_weights": bf16, "amx_min_rows": amx_rows, "gguf_int8_rows": 0}
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_tokenize_renders_messages_as_chat_does_and_returns_token_strings(server):
+    tokenizer = server.engine.tokenizer
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "w5 w6", "return_token_strs": True}).json()
+    assert tokens["tokens"] == [5, 6] and tokens["token_strs"] == tokenizer.convert_ids_to_tokens([5, 6]) == [
+        "w5", "w6"]
+    messages = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}]
+    for options in ({}, {"add_generation_prompt": False}, {"add_generation_prompt": False,
+                                                           "continue_final_message": True}):
+        ids = httpx.post(server.url + "/tokenize", json={"messages": messages, **options}).json()["tokens"]
+        chat = httpx.post(server.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": messages, "max_tokens": 1, **options}).json()
+        assert len(ids) == chat["usage"]["prompt_tokens"], options
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
 def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):

@@ -119,7 +119,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     machine = {"device": str(engine.device), "cpu": this_cpu().as_dict(), "arithmetic": engine.arithmetic}
     models = ModelsHandler(served_model_name, engine.max_model_len, async_engine, metrics, machine)
     tokenization = TokenizationHandler(tokenizer, served_model_name, engine.max_model_len,
-                                       engine.model_config.vocab_size)
+                                       engine.model_config.vocab_size, harmony)
     generating = {**STREAM_RESPONSES, **error_responses(400, 404, 413, 500, 503)}
     create_completion, create_chat, create_response = completion.create, chat.create, responses.create
     if engine.model_config.encoder is not None:  # an encoder generates nothing: a 400 that says so

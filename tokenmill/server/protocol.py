@@ -260,10 +260,17 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(APIRequest):
+    """POST /tokenize: a prompt, or messages rendered as the chat endpoint renders them (vLLM's fields)."""
+
     model: str | None = None
     prompt: str | None = None
+    add_special_tokens: bool = True  # a prompt's (a chat template writes its own)
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False  # the tokens' own strings too (the vocabulary's, as "Ġword")
 
 
 class DetokenizeRequest(APIRequest):

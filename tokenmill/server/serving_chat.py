@@ -25,7 +25,7 @@ from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.harmony import HarmonyStream, call_dict, call_id, harmony_params, parse_harmony, with_thinking
 from tokenmill.server.harmony import finish_reason as harmony_finish_reason
 from tokenmill.server.logprobs import chat_logprobs
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.protocol import ChatCompletionRequest, TokenizeRequest
 from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
 from tokenmill.server.serving import ServingEngine, sampling_params, with_tool_plan
 from tokenmill.server.tools import HARMONY, ToolPlan, ToolStream
@@ -50,11 +50,16 @@ def render_messages(tokenizer, messages, add_generation_prompt: bool = True, too
         raise APIError(400, str(exc), param=where if where.startswith("messages.") else "messages") from None
 
 
-def _chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
-    """The request's SamplingParams, after the checks of the fields only chat has."""
+def check_continuation(req: ChatCompletionRequest | TokenizeRequest) -> None:
+    """A 400 for a request that continues the last message and opens a new one too."""
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(400, "continue_final_message needs add_generation_prompt=false: the last message is "
                        "continued, no new one opened", param="continue_final_message")
+
+
+def _chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    """The request's SamplingParams, after the checks of the fields only chat has."""
+    check_continuation(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:

@@ -1,5 +1,6 @@
 """POST /tokenize and /detokenize: the server's tokenizer, for clients that count or build
-token ids themselves."""
+token ids themselves. Messages are rendered as the chat endpoint renders them (its generation
+prompt, continued message, tools and template variables), so the count is the prompt's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest
-from tokenmill.server.serving_chat import render_messages
+from tokenmill.server.serving_chat import check_continuation, render_messages
 
 
 @dataclass
@@ -17,6 +18,7 @@ class TokenizationHandler:
     model_name: str      # the name clients send
     max_model_len: int   # the engine's context length, returned with the count
     vocab_size: int      # token ids to detokenize are below it
+    harmony: bool = False  # the chat endpoint renders messages for harmony (gpt-oss)
 
     async def tokenize(self, req: TokenizeRequest):
         # the ids of a prompt, or of messages rendered through the chat template (on a worker
@@ -25,11 +27,16 @@ class TokenizationHandler:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
-            ids = (await asyncio.to_thread(render_messages, self.tokenizer, req.messages))["prompt_token_ids"]
+            check_continuation(req)
+            rendered = await asyncio.to_thread(render_messages, self.tokenizer, req.messages, req.add_generation_prompt,
+                                               req.tools, req.chat_template_kwargs, self.harmony,
+                                               req.continue_final_message)
+            ids = rendered["prompt_token_ids"]
         else:
             ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt,
                                           add_special_tokens=req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+        return {**out, "token_strs": self.tokenizer.convert_ids_to_tokens(ids)} if req.return_token_strs else out
 
     async def detokenize(self, req: DetokenizeRequest):
         check_model(req.model, self.model_name)

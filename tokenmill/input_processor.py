@@ -86,8 +86,9 @@ class InputProcessor:
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
-            text, ids = None, ids[-params.truncate_prompt_tokens:]  # the text no longer matches the ids
+        keep = self._truncation(params.truncate_prompt_tokens)
+        if keep is not None and len(ids) > keep:  # its last tokens, as vLLM truncates a prompt to generate from
+            text, ids = None, ids[-keep:]
         self._check_token_ids(ids, params)
         bad_words = [seq for seq in bad_words_token_ids(self.tokenizer, params.bad_words or [])
                      if all(t < self.vocab_size for t in seq)]  # (a word with a token past the logits is never sampled)
@@ -112,21 +113,27 @@ class InputProcessor:
             raise FieldError("model", f"this model is an encoder ({self.encoder}): it serves embeddings only "
                                       "(LLM.embed, POST /v1/embeddings), not text generation")
 
-    def pooling_params(self, pooling: str | None = None, normalize: bool | None = None) -> PoolingParams:
+    def pooling_params(self, pooling: str | None = None, normalize: bool | None = None,
+                       truncate_prompt_tokens: int | None = None) -> PoolingParams:
         """An embedding request's PoolingParams: what it says, the rest from default_pooling."""
         default = self.default_pooling
         return PoolingParams(default.pooling if pooling is None else pooling,
-                             default.normalize if normalize is None else normalize)
+                             default.normalize if normalize is None else normalize, truncate_prompt_tokens)
 
     def _check_limits(self, params: SamplingParams) -> None:
-        """Values SamplingParams cannot check without the model: a top_k past the vocabulary (0
-        or -1 keep every token) and a truncation past the context (vLLM refuses it too)."""
+        """A value SamplingParams cannot check without the model: a top_k past the vocabulary (0
+        or -1 keep every token)."""
         if params.top_k > self.vocab_size:
             raise FieldError("top_k", f"top_k must be <= the vocabulary size ({self.vocab_size}), or 0 or -1 "
                                       f"for every token, got {params.top_k}")
-        if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
+
+    def _truncation(self, truncate: int | None) -> int | None:
+        """The tokens truncate_prompt_tokens keeps (-1: a context's worth); one past the context
+        is refused, as vLLM refuses it."""
+        if truncate is not None and truncate > self.max_model_len:
             raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens must be <= the model's context "
-                             f"length ({self.max_model_len}), got {params.truncate_prompt_tokens}")
+                             f"length ({self.max_model_len}), got {truncate}")
+        return self.max_model_len if truncate == -1 else truncate
 
     def make_embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams | None = None,
                                arrival_time: float | None = None) -> Request:
@@ -136,13 +143,19 @@ class InputProcessor:
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty")
+        pooling = pooling or self.default_pooling
+        keep = self._truncation(pooling.truncate_prompt_tokens)
+        if keep is not None and len(ids) > keep:  # its first tokens (vLLM's truncation for embeddings, and
+            # sentence-transformers'): a text through the tokenizer, which keeps the special tokens around it
+            text, ids = None, (self.tokenizer.encode(prompt, truncation=True, max_length=keep)
+                               if isinstance(prompt, str) else ids[:keep])
         params = SamplingParams(max_tokens=1)  # (never sampled: the request ends when its prompt has run)
         self._check_token_ids(ids, params)
         if len(ids) > self.max_model_len:
             raise ContextLengthError(self.max_model_len, len(ids), None)
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params, max_tokens=0,
                           eos_token_ids=self.eos_token_ids, prompt=text, arrival_time=arrival_time,
-                          pooling=pooling or self.default_pooling, bidirectional=self.encoder is not None)
+                          pooling=pooling, bidirectional=self.encoder is not None)
         request.timeline.add(time.monotonic(), "tokenized")
         return request
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from tokenmill.pooling_params import check_truncation
+
 MAX_N = 128            # completions per prompt: each is a request of its own
 _GREEDY_BELOW = 1e-5   # temperatures below this sample greedily
 _FLOAT32_TINY, _FLOAT32_MAX = 1.1754944e-38, 3.4028235e38  # the sampler's float32 positive range
@@ -125,7 +127,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
                                         # (OpenAI's range, -100..100: +-100 forces or bans a token)
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's, e.g. for labels)
-    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (vLLM's)
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens (vLLM's; -1: the context's worth)
     structured_outputs: StructuredOutputsParams | dict | None = None  # JSON schema, regex, choice or
                                         # grammar the output must follow (such a request does not speculate)
     bad_words: list[str] | None = None  # words never generated (vLLM's): each word's last token is
@@ -175,8 +177,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.num_speculative_tokens is not None:
             self._check_int("num_speculative_tokens", minimum=0)
-        if self.truncate_prompt_tokens is not None:
-            self._check_int("truncate_prompt_tokens", minimum=1)
+        check_truncation(self.truncate_prompt_tokens)
         if self.logit_bias is not None:
             bias = self.logit_bias
             if (not isinstance(bias, dict) or not all(map(_is_token_id, bias))

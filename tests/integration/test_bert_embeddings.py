@@ -72,9 +72,12 @@ def build_tiny_bert(path: Path, pooling: str = "mean", normalize: bool = True, h
     return path
 
 
-def sentence_transformers_vectors(path: Path, texts: list[str]) -> np.ndarray:
+def sentence_transformers_vectors(path: Path, texts: list[str], max_seq_length: int | None = None) -> np.ndarray:
     from sentence_transformers import SentenceTransformer
-    return SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True)
+    model = SentenceTransformer(str(path), device="cpu")
+    if max_seq_length is not None:
+        model.max_seq_length = max_seq_length
+    return model.encode(texts, convert_to_numpy=True)
 
 
 def rel_err(ours, theirs) -> float:
@@ -125,6 +128,17 @@ def test_a_batch_equals_each_input_alone_and_each_prompt_runs_whole_in_one_step(
         assert [e.data["tokens"] for e in chunks] == ([len(prompt)] if len(prompt) > 1 else []), i
         alone = llm.embed([{"prompt_token_ids": prompt}], use_tqdm=False)[0]
         assert rel_err(outs[f"r{i}"].embedding, alone) < TOL, i
+
+
+def test_a_truncated_text_is_embedded_as_sentence_transformers_embeds_it_at_that_length(minilm):
+    """Its first tokens, [CLS] and [SEP] kept around them: sentence-transformers' max_seq_length."""
+    llm = LLM(str(minilm), num_kv_blocks=64)
+    ours = llm.embed(TEXTS, PoolingParams("mean", truncate_prompt_tokens=5), use_tqdm=False)
+    theirs = sentence_transformers_vectors(minilm, TEXTS, max_seq_length=5)
+    for text, a, b in zip(TEXTS, ours, theirs):
+        assert rel_err(a, b) < TOL, text
+    whole = sentence_transformers_vectors(minilm, TEXTS)
+    assert rel_err(ours[0], whole[0]) > 1e-2 and rel_err(ours[1], whole[1]) < TOL  # "a dog": 4 tokens, whole
 
 
 def test_the_requests_pooling_overrides_the_checkpoints(minilm):

@@ -80,6 +80,20 @@ def test_an_input_filling_the_context_is_embedded_and_one_past_it_is_a_400(clien
     assert r.status_code == 400 and error["param"] == "input" and "context length is 128" in error["message"]
 
 
+def test_truncate_prompt_tokens_embeds_an_inputs_first_tokens(client, server):
+    def vectors(inputs, truncate=None) -> tuple[list[list[float]], int]:
+        out = client.embeddings.create(model="tiny", input=inputs, encoding_format="float",
+                                       extra_body={} if truncate is None else {"truncate_prompt_tokens": truncate})
+        return [d.embedding for d in out.data], out.usage.prompt_tokens
+    assert vectors(["w5 w6 w7 w8", "w9"], 2) == (vectors(["w5 w6", "w9"])[0], 3)
+    assert vectors([[5, 6, 7, 8], [9]], 2) == (vectors([[5, 6], [9]])[0], 3)
+    assert vectors([[5] * 200, [6] * 3], -1) == (vectors([[5] * 128, [6] * 3])[0], 131)  # the context: 128
+    for truncate in (0, -2, 129):
+        r = httpx.post(server.url + "/v1/embeddings", json={"model": "tiny", "input": "w5",
+                                                             "truncate_prompt_tokens": truncate})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": [384]}, "input"),                            # a token id past the vocabulary
     ({"input": "w5", "encoding_format": "int8"}, "encoding_format"),

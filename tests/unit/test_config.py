@@ -15,7 +15,8 @@ from tokenmill.sampling_params import SamplingParams
     ("stop", [""]), ("stop_token_ids", [-1]), ("temperature", float("nan")), ("seed", 2 ** 63),
     ("seed", -(2 ** 63) - 1), ("n", 129), ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}),
     ("logit_bias", {"5": 1.0}), ("logit_bias", [5]), ("allowed_token_ids", []), ("allowed_token_ids", [-1]),
-    ("truncate_prompt_tokens", 0), ("bad_words", [" "]), ("bad_words", [3]), ("structured_outputs", "json"),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("bad_words", [" "]), ("bad_words", [3]),
+    ("structured_outputs", "json"),
     ("temperature", 2.01), ("temperature", 1e308),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):

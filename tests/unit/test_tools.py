@@ -85,7 +85,8 @@ def test_constraints_of_named_and_required_choices():
 @pytest.mark.parametrize("text, cut", [
     ('[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Os',
      [("now", "{}"), ("get_weather", '{"city": "Os')]),
-    ('[{"name": "now", "parameters": {}},\n {"name": "get_weather", "parameters": ', [("now", "{}"), ("get_weather", "")]),
+    ('[{"name": "now", "parameters": {}},\n {"name": "get_weather", "parameters": ',
+     [("now", "{}"), ("get_weather", "")]),
     ('[{"name": "get_weather", "par', [("get_weather", "")]),
     ('[{"name": "now", "parameters": {}}, {"name": "get_wea', [("now", "{}")]),
     ('[{"name": "now", "parameters": {}}', [("now", "{}")]),

@@ -290,6 +290,7 @@ class EmbeddingRequest(APIRequest):
                                    # prompt's, or the first token's; None: the model's default (last for a
                                    # generative model, an encoder checkpoint's own)
     normalize: bool | None = None  # L2-normalise the vector; None: the model's default
+    truncate_prompt_tokens: int | None = None  # vLLM's: embed an input's first k tokens (-1: a context's worth)
 
     @field_validator("input")
     @classmethod

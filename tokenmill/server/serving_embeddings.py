@@ -10,7 +10,9 @@ generating endpoints answer it with a 400 (`embeddings_only`).
 
 Vectors come as JSON numbers, or with encoding_format "base64" as the bytes of little-endian
 float32 values (what the openai SDK decodes). The model was not trained for shorter vectors
-(matryoshka), so `dimensions` other than its own width is a 400.
+(matryoshka), so `dimensions` other than its own width is a 400. `truncate_prompt_tokens` (vLLM's)
+embeds an input's first k tokens, -1 as many as the context holds; without it an input past the
+context is a 400.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.input_processor import ContextLengthError
+from tokenmill.input_processor import ContextLengthError, FieldError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.errors import APIError, check_model, context_length_error
 from tokenmill.server.protocol import EmbeddingRequest
@@ -55,7 +57,11 @@ class EmbeddingHandler:
         if len(inputs) > MAX_INPUTS:
             raise APIError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
         prefix = f"embd-{uuid.uuid4().hex}"
-        pooling = self.serving.engine.input_processor.pooling_params(req.pooling, req.normalize)
+        try:
+            pooling = self.serving.engine.input_processor.pooling_params(req.pooling, req.normalize,
+                                                                         req.truncate_prompt_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="truncate_prompt_tokens") from None
         requests = await self._build_requests(inputs, pooling, prefix)
         outputs = await self.serving.collect(requests, raw)
         data = [{"object": "embedding", "index": i, "embedding": encode(out.embedding, req.encoding_format)}
@@ -78,6 +84,8 @@ class EmbeddingHandler:
                         for i, prompt in enumerate(inputs)]
             except ContextLengthError as exc:
                 raise context_length_error(exc, "input") from None
+            except FieldError as exc:
+                raise APIError(400, str(exc), param=exc.field) from None
             except ValueError as exc:
                 raise APIError(400, f"input: {exc}", param="input") from None
         requests = await asyncio.to_thread(build)

@@ -147,8 +147,9 @@ class ModelRunner:
                 if logprobs is not None:
                     result.logprobs[r.request_id] = [logprobs]
         for request_id, first, tables, n in pending.prompt_scores:
-            entries = [e for host in tables for e in self.sampler.collect(host, [n] * len(host.tokens)).logprobs]
-            result.prompt_logprobs[request_id] = (first, entries)
+            scored = [self.sampler.collect(host, [n] * len(host.tokens)) for host in tables]
+            result.prompt_logprobs[request_id] = (first, [e for s in scored for e in s.logprobs],
+                                                  [r for s in scored for r in s.ranks])
         if pending.pooled is not None:
             result.pooled = dict(zip(pending.pooled.request_ids, pending.pooled.vectors.cpu().tolist()))
         result.time_sample += time.perf_counter() - start  # with the wait for the device
@@ -164,7 +165,7 @@ class ModelRunner:
         for start in range(row_start, row_end, PROMPT_LOGPROB_ROWS):
             end = min(start + PROMPT_LOGPROB_ROWS, row_end)
             raw = self.worker.compute_logits(hidden[start:end]).log_softmax(dim=-1)
-            tables.append(self.sampler.to_host(targets[start - row_start:end - row_start], raw, [n]))
+            tables.append(self.sampler.to_host(targets[start - row_start:end - row_start], raw, [n], ranks=True))
         return request.request_id, first, tables, n
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:

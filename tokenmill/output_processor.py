@@ -84,6 +84,8 @@ class OutputProcessor:
                              timeline=timeline,
                              prompt_logprobs=request.prompt_logprobs if request.params.prompt_logprobs is not None
                              else None,
+                             prompt_logprob_ranks=request.prompt_logprob_ranks
+                             if request.params.prompt_logprobs is not None else None,
                              error=f"its structured output's grammar failed: {grammar.error}" if failed else None,
                              kv_transfer_params=request.kv_transfer_params,
                              embedding=request.embedding)

@@ -45,9 +45,10 @@ class RunnerOutput:
                                              # with speculation); absent for partial prompt chunks
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # per new token:
                                              # {token id: logprob} for the sampled one and the top-n
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]], list[int]]] = field(default_factory=dict)
                                              # (index of the first prompt token, its entry and the next
-                                             # ones), for requests with prompt_logprobs and a prompt chunk
+                                             # ones, their tokens' ranks), for requests with
+                                             # prompt_logprobs and a prompt chunk
     time_prepare: float = 0.0                # seconds building step tensors
     time_forward: float = 0.0                # seconds in the model
     time_sample: float = 0.0                 # seconds in the sampler (incl. the host sync)
@@ -204,6 +205,7 @@ class RequestOutput:
     timeline: Timeline | None = None            # the request's events so far (timeline.py), shared, growing
     error: str | None = None                    # set when finish_reason is "error"
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, if asked (first: None)
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank there (1: the most likely)
     kv_transfer_params: dict | None = None      # disaggregation: where this request's prompt K/V waits
                                                 # for a decode instance (kv_connector.py), once finished
     embedding: list[float] | None = None        # an embedding request's pooled vector, once it finished

@@ -92,12 +92,14 @@ class Request:
     cumulative_logprob: float = 0.0         # of the output tokens, when logprobs are asked for
     prompt_logprobs: list[dict[int, float] | None] = field(init=False)  # entry j: prompt token j given
                                             # those before it (None for the first); filled chunk by chunk
+    prompt_logprob_ranks: list[int | None] = field(init=False)  # and its rank there (1: the most likely)
     timeline: Timeline = field(init=False)  # events and token times on the monotonic clock (timeline.py)
     embedding: list[float] | None = None    # an embedding request's pooled vector, once its prompt ran
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else []
+        self.prompt_logprob_ranks = [None] if self.params.prompt_logprobs is not None else []
         self.timeline = Timeline()
         self.timeline.add(self.arrival_time, "arrival", prompt_tokens=len(self.prompt_token_ids))
 

@@ -130,6 +130,7 @@ def bad_word_ends(sequences: list[list[int]], output: list[int]) -> set[int]:
 class SamplerOutput:
     token_ids: list[int]                              # one per row
     logprobs: list[dict[int, float] | None]           # per row: sampled token and top-n, or None
+    ranks: list[int] | None = None                    # per row, when asked: its token's rank (1: the best)
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -236,10 +237,11 @@ class HostTokens:
     chosen: torch.Tensor | None = None     # (S,) logprob of each sampled token
     top_vals: torch.Tensor | None = None   # (S, n) the n best logprobs of each row
     top_ids: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None      # (S,) when asked: each token's rank in its row, ties counted
     ready: torch.cuda.Event | None = None
 
     def tables(self) -> list[torch.Tensor | None]:
-        return [self.tokens, self.chosen, self.top_vals, self.top_ids]
+        return [self.tokens, self.chosen, self.top_vals, self.top_ids, self.ranks]
 
 
 class Sampler:
@@ -335,17 +337,20 @@ class Sampler:
 
     @staticmethod
     def to_host(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
-                num_logprobs: list[int | None]) -> HostTokens:
+                num_logprobs: list[int | None], ranks: bool = False) -> HostTokens:
         """Queue the copies of what collect() reads: the tokens, and the logprob tables (the
         given token's and the top-n of each row that asks, n from num_logprobs) computed on the
-        device. The tokens may be sampled ones, or the prompt's own (prompt logprobs)."""
+        device; with `ranks`, each given token's rank too (vLLM's: the tokens at least as likely).
+        The tokens may be sampled ones, or the prompt's own (prompt logprobs)."""
         out = HostTokens(tokens)
         if raw_logprobs is not None:
             top_n = max(n for n in num_logprobs if n is not None)
             out.chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
             out.top_vals, out.top_ids = raw_logprobs.topk(max(top_n, 1), dim=-1)
+            if ranks:
+                out.ranks = (raw_logprobs >= out.chosen.unsqueeze(1)).sum(dim=1)
         if tokens.is_cuda:
-            out.tokens, out.chosen, out.top_vals, out.top_ids = (
+            out.tokens, out.chosen, out.top_vals, out.top_ids, out.ranks = (
                 t.to("cpu", non_blocking=True) if t is not None else None for t in out.tables())
             out.ready = torch.cuda.Event()
             out.ready.record()
@@ -360,7 +365,8 @@ class Sampler:
         if host.chosen is None:
             return SamplerOutput(token_list, [None] * len(token_list))
         return SamplerOutput(token_list, Sampler.logprobs(host.chosen.tolist(), host.top_vals.tolist(),
-                                                          host.top_ids.tolist(), token_list, num_logprobs))
+                                                          host.top_ids.tolist(), token_list, num_logprobs),
+                             host.ranks.tolist() if host.ranks is not None else None)
 
     @staticmethod
     def logprobs(chosen: list[float], top_vals: list[list[float]], top_ids: list[list[int]],

@@ -464,8 +464,9 @@ class Scheduler(ConnectorSteps):
                 if num_draft:
                     request.timeline.add(now, "spec", proposed=num_draft, accepted=num_draft - rejected)
             if scores := result.prompt_logprobs.get(request.request_id):
-                first, entries = scores  # a recomputed prompt (after preemption) is scored once
+                first, entries, ranks = scores  # a recomputed prompt (after preemption) is scored once
                 if first <= len(request.prompt_logprobs):
+                    request.prompt_logprob_ranks.extend(ranks[len(request.prompt_logprobs) - first:])
                     request.prompt_logprobs.extend(entries[len(request.prompt_logprobs) - first:])
             if result.pooled and request.request_id in result.pooled:  # an embedding's prompt has run
                 request.embedding = result.pooled[request.request_id]

@@ -221,7 +221,7 @@ def test_the_defaults_take_bfloat16_weights_exactly_where_the_kernels_have_avx51
 @pytest.mark.parametrize("backend, ahead", [("cpu", False), ("reference", False), ("cpu", True)])
 def test_prompt_logprobs_equal_hf_under_chunking_prefix_caching_and_preemption(tiny_llama, backend, ahead):
     """prompt_logprobs: each prompt token's logprob given the tokens before it (None for the first),
-    with the top-n, equals transformers' log_softmax over the whole prompt, when the prompt is split
+    with the top-n, and its rank there, equal transformers' log_softmax over the whole prompt, when the prompt is split
     into chunks, when an earlier request left its prefix in the cache (a request that wants prompt
     logprobs computes its whole prompt), and when requests are preempted and recomputed (scored
     once, not twice), with async scheduling too (ahead)."""
@@ -245,14 +245,16 @@ def test_prompt_logprobs_equal_hf_under_chunking_prefix_caching_and_preemption(t
         assert out.metrics.num_cached_tokens == 0
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-        got = out.prompt_logprobs
-        assert len(got) == len(prompt) and got[0] is None
+        got, ranks = out.prompt_logprobs, out.prompt_logprob_ranks
+        assert len(got) == len(ranks) == len(prompt) and got[0] is None and ranks[0] is None
         for j in range(1, len(prompt)):
             entry, row = got[j], ref[j - 1]
             top = row.topk(3)
             assert set(entry) == {prompt[j]} | set(top.indices.tolist()), f"token {j} of {len(prompt)}"
             for token, lp in entry.items():
                 assert lp == pytest.approx(row[token].item(), abs=1e-4)
+            own = row[prompt[j]].item()  # its rank: the tokens at least as likely, within float32's reach
+            assert (row > own + 1e-4).sum() + 1 <= ranks[j] <= (row >= own - 1e-4).sum(), f"token {j}"
 
 
 def prompt_logits(path, prompt: list[int], kernels: str) -> torch.Tensor:

@@ -239,6 +239,40 @@ def test_tokenize_renders_messages_as_chat_does_and_returns_token_strings(server
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
+def check_prompt_logprobs(server, entries: list, prompt_ids: list[int], n: int) -> None:
+    """vLLM's shape: None, then per token its own entry first and the top-n, ranks consistent."""
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for token, entry in zip(prompt_ids[1:], entries[1:]):
+        (own, first), *alternatives = entry.items()
+        assert own == str(token) and first["decoded_token"] == server.engine.tokenizer.decode([token])
+        ranks = [a["rank"] for _, a in alternatives]
+        assert ranks == [r for r in range(1, n + 1) if r != first["rank"]]
+        by_rank = sorted(entry.values(), key=lambda a: a["rank"])
+        assert [a["logprob"] for a in by_rank] == sorted((a["logprob"] for a in by_rank), reverse=True)
+
+
+def test_prompt_logprobs_come_in_each_completion_choice_and_once_in_chat(server):
+    url = server.url
+    body = {"model": "tiny", "prompt": "w5 w6 w7 w8", "max_tokens": 1, "prompt_logprobs": 2}
+    scored = httpx.post(url + "/v1/completions", json={**body, "echo": True, "logprobs": 2}).json()["choices"][0]
+    entries = scored["prompt_logprobs"]
+    check_prompt_logprobs(server, entries, [5, 6, 7, 8], 2)
+    assert [e and e["%d" % t]["logprob"] for e, t in zip(entries, [5, 6, 7, 8])] == scored["logprobs"][
+        "token_logprobs"][:4]  # the legacy echo's scores of the same tokens
+    two = httpx.post(url + "/v1/completions", json={**body, "n": 2, "prompt": ["w5 w6 w7 w8", "w9"]}).json()
+    assert [c["prompt_logprobs"] for c in two["choices"]] == [entries, entries, [None], [None]]
+    assert "prompt_logprobs" not in httpx.post(url + "/v1/completions", json={**body, "prompt_logprobs": None}).json()[
+        "choices"][0]
+    chat = httpx.post(url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "w7"}], "max_tokens": 1, "n": 2,
+        "prompt_logprobs": 0}).json()
+    check_prompt_logprobs(server, chat["prompt_logprobs"], [2, 7, 3, 4], 0)
+    assert all("prompt_logprobs" not in c for c in chat["choices"])
+    for extra in ({"stream": True}, {"echo": True, "logprobs": 1}, {"prompt_logprobs": 21}):
+        r = httpx.post(url + "/v1/completions", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", (extra, r.text)
+
+
 def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.server")
 

@@ -328,10 +328,13 @@ def test_prompt_logprobs_are_merged_by_prompt_index_once_each():
                 max_tokens=2)
     s.add_request(r)
     assert r.prompt_logprobs == [None]
-    s.update(s.schedule(), RunnerOutput({}, prompt_logprobs={"a": (1, [{t: -1.0} for t in (3, 4, 5, 6)])}))
+    s.update(s.schedule(), RunnerOutput({}, prompt_logprobs={"a": (1, [{t: -1.0} for t in (3, 4, 5, 6)],
+                                                                   [1, 2, 3, 4])}))
     last = s.schedule()  # positions 4 and 5: the rest of the prompt, scored from index 3 again
-    s.update(last, RunnerOutput({"a": [9]}, prompt_logprobs={"a": (3, [{5: -2.0}, {6: -2.0}, {7: -2.0}])}))
+    s.update(last, RunnerOutput({"a": [9]}, prompt_logprobs={"a": (3, [{5: -2.0}, {6: -2.0}, {7: -2.0}],
+                                                                   [30, 40, 50])}))
     assert r.prompt_logprobs == [None, {3: -1.0}, {4: -1.0}, {5: -1.0}, {6: -1.0}, {7: -2.0}]
+    assert r.prompt_logprob_ranks == [None, 1, 2, 3, 4, 50]
     assert r.output_token_ids == [9]
 
 

@@ -95,6 +95,22 @@ def chat_logprobs(tokenizer, entries: list[dict[int, float]], token_ids: list[in
     return {"content": content}
 
 
+def prompt_logprobs(tokenizer, entries: list[dict[int, float] | None], ranks: list[int | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (None for the first) {token id: {"logprob", "rank",
+    "decoded_token"}}, the prompt's own token first, then the top-n best first. Their ranks follow
+    from the own token's: the alternatives are the top-n in order, without it."""
+    token_text, out = _token_text(tokenizer), []
+    for entry, rank in zip(entries, ranks):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = [(token, lp, k if k < rank else k + 1) for k, (token, lp) in enumerate(entry.items())]
+        ranked[0] = (*ranked[0][:2], rank)
+        out.append({str(token): {"logprob": lp, "rank": r, "decoded_token": token_text(token)}
+                    for token, lp, r in ranked})
+    return out
+
+
 def _token_text(tokenizer):
     """One token's text, decoded alone."""
     return lambda token_id: tokenizer.decode([token_id])

@@ -127,6 +127,7 @@ class SamplingFields(APIRequest):
     guided_grammar: str | None = None
     bad_words: list[str] | None = None
     kv_transfer_params: dict | None = None  # disaggregated prefill/decode (vLLM's): passed to the KV connector
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and top-n (not streamed)
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
     suffix: str | None = None
@@ -145,6 +146,12 @@ class SamplingFields(APIRequest):
             raise ValueError(f"{field} is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise ValueError("prompt_logprobs is not available with stream=true")
+            if prompt_logprobs is not None and prompt_logprobs != self.prompt_logprobs:
+                raise ValueError("prompt_logprobs must equal logprobs when echo scores the prompt too")
+            prompt_logprobs = self.prompt_logprobs
         values = {
             "n": self.n, "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
             "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop if self.stop is not None else [],

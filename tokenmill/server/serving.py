@@ -54,6 +54,9 @@ class Response(Protocol):
     def choice(self, i: int, out: RequestOutput) -> dict:
         """Request i's choice in the whole response, from its final output."""
 
+    def whole_fields(self, outputs: list[RequestOutput]) -> dict:
+        """The whole response's fields beside its choices and usage."""
+
 
 def sampling_params(req, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
@@ -187,7 +190,7 @@ class ServingEngine:
         outputs = await self._collect(requests, raw)
         raise_if_failed(outputs)
         body = {**response.base, "choices": [response.choice(i, out) for i, out in enumerate(outputs)],
-                "usage": usage(outputs, n, generated)}
+                "usage": usage(outputs, n, generated), **response.whole_fields(outputs)}
         if outputs and outputs[0].kv_transfer_params is not None:  # a prefill instance's hand-off (vLLM's field)
             body["kv_transfer_params"] = outputs[0].kv_transfer_params
         return body

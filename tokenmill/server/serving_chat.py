@@ -24,7 +24,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.harmony import HarmonyStream, call_dict, call_id, harmony_params, parse_harmony, with_thinking
 from tokenmill.server.harmony import finish_reason as harmony_finish_reason
-from tokenmill.server.logprobs import chat_logprobs
+from tokenmill.server.logprobs import chat_logprobs, prompt_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest, TokenizeRequest
 from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
 from tokenmill.server.serving import ServingEngine, sampling_params, with_tool_plan
@@ -156,6 +156,13 @@ class ChatResponse:
         if out.finished:
             result.append(self._chunk(i, {}, finish_reason=reason))
         return result
+
+    def whole_fields(self, outputs: list[RequestOutput]) -> dict:
+        """vLLM's prompt_logprobs, once for the one prompt its choices share."""
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs(self.tokenizer, outputs[0].prompt_logprobs,
+                                                   outputs[0].prompt_logprob_ranks)}
 
     def _delta(self, i: int, out: RequestOutput) -> tuple[dict, str | None]:
         """Choice i's delta for output `out`, and its finish reason so far."""

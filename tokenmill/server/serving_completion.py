@@ -1,5 +1,5 @@
 """POST /v1/completions: text completion of one or several prompts, n samples each, streamed
-or whole, with the prompt echoed and legacy logprobs when asked.
+or whole, with the prompt echoed and legacy logprobs when asked, and vLLM's prompt_logprobs.
 
 Echo with max_tokens 0 returns the prompt alone, with its logprobs: that is how clients score a
 text. The engine still samples one token, which is dropped.
@@ -16,7 +16,7 @@ from fastapi import Request
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, check_model
-from tokenmill.server.logprobs import TextOffsets, completion_logprobs
+from tokenmill.server.logprobs import TextOffsets, completion_logprobs, prompt_logprobs
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import ServingEngine, sampling_params
 
@@ -93,8 +93,14 @@ class CompletionResponse:
               if self.req.logprobs is not None else None)
         if self.req.echo:
             lp = self._with_prompt(lp, out)
-        return {"index": i, "text": (self._prompt_text(i) if self.req.echo else "") + text, "logprobs": lp,
-                "finish_reason": self._finish_reason(out)}
+        choice = {"index": i, "text": (self._prompt_text(i) if self.req.echo else "") + text, "logprobs": lp,
+                  "finish_reason": self._finish_reason(out)}
+        if self.req.prompt_logprobs is not None:  # vLLM's, in each choice
+            choice["prompt_logprobs"] = prompt_logprobs(self.tokenizer, out.prompt_logprobs, out.prompt_logprob_ranks)
+        return choice
+
+    def whole_fields(self, outputs: list[RequestOutput]) -> dict:
+        return {}
 
     def _prompt_text(self, i: int) -> str:
         r = self.requests[i]

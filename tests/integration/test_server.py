@@ -273,6 +273,59 @@ def test_prompt_logprobs_come_in_each_completion_choice_and_once_in_chat(server)
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", (extra, r.text)
 
 
+def streamed_chunks(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_completions_return_token_ids_and_the_stop_reason_as_vllm_does(server):
+    url, decode = server.url, server.engine.tokenizer.decode
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]
+    ids = whole["token_ids"]
+    assert whole["prompt_token_ids"] == [5, 6] and len(ids) == 8 and decode([5, 6, *ids]) == "w5 w6" + whole["text"]
+    assert (whole["finish_reason"], whole["stop_reason"]) == ("length", None)
+    choices = [c["choices"][0] for c in streamed_chunks(url, "/v1/completions", body)]
+    assert [c["prompt_token_ids"] for c in choices if "prompt_token_ids" in c] == [[5, 6]]
+    assert [t for c in choices for t in c["token_ids"]] == ids and choices[-1]["stop_reason"] is None
+    by_id = httpx.post(url + "/v1/completions", json={**body, "stop_token_ids": [ids[2]]}).json()["choices"][0]
+    assert (by_id["finish_reason"], by_id["stop_reason"], by_id["token_ids"]) == ("stop", ids[2], ids[:3])
+    word = decode([ids[3]]).strip()
+    by_text = httpx.post(url + "/v1/completions", json={**body, "stop": [word]}).json()["choices"][0]
+    assert (by_text["finish_reason"], by_text["stop_reason"]) == ("stop", word)
+    plain = httpx.post(url + "/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain and plain["stop_reason"] is None
+    named = httpx.post(url + "/v1/completions", json={**body, "logprobs": 1, "echo": True, "max_tokens": 2,
+                                                      "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in [5, 6, *ids[:2]]]
+    assert all(key.startswith("token_id:") for top in named["logprobs"]["top_logprobs"][1:] for key in top)
+    assert named["logprobs"]["text_offset"] == [0, 2, 5, 5 + len(decode([ids[0]]))]  # the text's, as without
+
+
+def test_chat_returns_token_ids_once_for_the_prompt_and_each_choices_own(server):
+    url = server.url
+    messages = [{"role": "user", "content": "w7"}]
+    prompt = httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "n": 2}
+    whole = httpx.post(url + "/v1/chat/completions", json=body).json()
+    assert whole["prompt_token_ids"] == prompt and [len(c["token_ids"]) for c in whole["choices"]] == [5, 5]
+    assert whole["choices"][0]["stop_reason"] is None
+    chunks = streamed_chunks(url, "/v1/chat/completions", body)
+    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [prompt, prompt]  # each choice's first
+    for k in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == k]
+        assert [t for c in mine for t in c.get("token_ids", [])] == whole["choices"][k]["token_ids"]
+    named = httpx.post(url + "/v1/chat/completions", json={**body, "n": 1, "logprobs": True, "top_logprobs": 2,
+                                                           "return_tokens_as_token_ids": True}).json()["choices"][0]
+    content = named["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in named["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+
+
 def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.server")
 

@@ -68,23 +68,27 @@ class TextOffsets:
 
 
 def completion_logprobs(tokenizer, entries: list[dict[int, float] | None], token_ids: list[int],
-                        offsets: TextOffsets) -> dict:
+                        offsets: TextOffsets, as_ids: bool = False) -> dict:
     """OpenAI's legacy logprobs of `token_ids`, their text offsets taken from `offsets` (which
-    moves past them); an entry of None (a prompt's first token) gives nulls."""
+    moves past them); an entry of None (a prompt's first token) gives nulls. as_ids: tokens
+    named "token_id:ID" (vLLM's return_tokens_as_token_ids), the offsets still the text's."""
     tokens, lps, tops, starts = [], [], [], []
     token_text = _token_text(tokenizer)
+    shown = _token_id_text if as_ids else token_text
     for token, entry in zip(token_ids, entries):
         text = token_text(token)
-        tokens.append(text)
+        tokens.append(shown(token))
         lps.append(entry.get(token) if entry is not None else None)
-        tops.append(_by_text(entry, token_text) if entry is not None else None)
+        tops.append(_by_text(entry, shown) if entry is not None else None)
         starts.append(offsets.take(tokenizer, token, text))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": starts}
 
 
-def chat_logprobs(tokenizer, entries: list[dict[int, float]], token_ids: list[int], top_n: int) -> dict:
-    """Chat logprobs of `token_ids`: each token with its bytes and its `top_n` best alternatives."""
-    token_text = _token_text(tokenizer)
+def chat_logprobs(tokenizer, entries: list[dict[int, float]], token_ids: list[int], top_n: int,
+                  as_ids: bool = False) -> dict:
+    """Chat logprobs of `token_ids`: each token with its bytes and its `top_n` best alternatives.
+    as_ids: tokens named "token_id:ID" (vLLM's return_tokens_as_token_ids), with their own bytes."""
+    token_text = _token_id_text if as_ids else _token_text(tokenizer)
     content = []
     for token, entry in zip(token_ids, entries):
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
@@ -109,6 +113,10 @@ def prompt_logprobs(tokenizer, entries: list[dict[int, float] | None], ranks: li
         out.append({str(token): {"logprob": lp, "rank": r, "decoded_token": token_text(token)}
                     for token, lp, r in ranked})
     return out
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _token_text(tokenizer):

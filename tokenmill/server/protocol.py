@@ -128,6 +128,10 @@ class SamplingFields(APIRequest):
     bad_words: list[str] | None = None
     kv_transfer_params: dict | None = None  # disaggregated prefill/decode (vLLM's): passed to the KV connector
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and top-n (not streamed)
+    # vLLM's, for clients that train on the tokens (RL): the prompt's and output's token ids beside
+    # the text, and logprobs' tokens as "token_id:ID" (a piece of a character has no text of its own)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
     suffix: str | None = None

@@ -6,7 +6,8 @@ or all three out of gpt-oss's harmony messages (server/harmony.py), for a model 
 
 A stream opens each choice with a delta holding only the role, then sends content (or
 reasoning, or tool-call) deltas, and closes the choice with an empty delta carrying the
-finish reason.
+finish reason and vLLM's stop_reason (the stop token id or string that ended it). With vLLM's
+return_token_ids, the opening chunk carries the prompt's token ids and each delta its tokens'.
 """
 
 from __future__ import annotations
@@ -142,27 +143,31 @@ class ChatResponse:
         return self.req.top_logprobs or 0
 
     def chunks(self, i: int, out: RequestOutput) -> list[dict]:
-        result = []
+        result, ids = [], self.req.return_token_ids
         if not self.started[i]:  # the role comes first, in a delta of its own
             self.started[i] = True
-            result.append(self._chunk(i, {"role": "assistant", "content": ""}))
+            first = self._chunk(i, {"role": "assistant", "content": ""})
+            result.append({**first, "prompt_token_ids": out.prompt_token_ids} if ids else first)
         lp = None
         if self.req.logprobs and out.new_token_ids:
             lp = chat_logprobs(self.tokenizer, out.outputs[0].logprobs[-len(out.new_token_ids):],
-                               out.new_token_ids, self.top_n)
+                               out.new_token_ids, self.top_n, self.req.return_tokens_as_token_ids)
         delta, reason = self._delta(i, out)
-        if delta or lp is not None:
-            result.append(self._chunk(i, delta or {"content": ""}, lp))
+        if delta or lp is not None or ids and out.new_token_ids:
+            result.append(self._chunk(i, delta or {"content": ""}, lp, token_ids=out.new_token_ids if ids else None))
         if out.finished:
-            result.append(self._chunk(i, {}, finish_reason=reason))
+            result.append(self._chunk(i, {}, finish_reason=reason, stop_reason=out.outputs[0].stop_reason))
         return result
 
     def whole_fields(self, outputs: list[RequestOutput]) -> dict:
-        """vLLM's prompt_logprobs, once for the one prompt its choices share."""
-        if self.req.prompt_logprobs is None:
-            return {}
-        return {"prompt_logprobs": prompt_logprobs(self.tokenizer, outputs[0].prompt_logprobs,
-                                                   outputs[0].prompt_logprob_ranks)}
+        """vLLM's prompt_logprobs and prompt_token_ids, once for the one prompt its choices share."""
+        fields = {}
+        if self.req.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = prompt_logprobs(self.tokenizer, outputs[0].prompt_logprobs,
+                                                        outputs[0].prompt_logprob_ranks)
+        if self.req.return_token_ids:
+            fields["prompt_token_ids"] = outputs[0].prompt_token_ids
+        return fields
 
     def _delta(self, i: int, out: RequestOutput) -> tuple[dict, str | None]:
         """Choice i's delta for output `out`, and its finish reason so far."""
@@ -191,10 +196,10 @@ class ChatResponse:
         c = out.outputs[0]
         parse = self._harmony_message if self.harmony else self._message
         message, reason = parse(c.text, c.finish_reason)
-        return {"index": i, "message": message,
-                "logprobs": chat_logprobs(self.tokenizer, c.logprobs, c.token_ids, self.top_n) if self.req.logprobs
-                else None,
-                "finish_reason": reason}
+        lp = (chat_logprobs(self.tokenizer, c.logprobs, c.token_ids, self.top_n, self.req.return_tokens_as_token_ids)
+              if self.req.logprobs else None)
+        choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": reason, "stop_reason": c.stop_reason}
+        return {**choice, "token_ids": c.token_ids} if self.req.return_token_ids else choice
 
     def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The message of a whole output, its thinking and calls split off where the server knows how."""
@@ -217,6 +222,8 @@ class ChatResponse:
             message["tool_calls"] = [call_dict(call, call_id()) for call in parsed.calls]
         return message, harmony_finish_reason(len(parsed.calls), reason, self._named)
 
-    def _chunk(self, i: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
-        return {**self.chunk_base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
-                                                "finish_reason": finish_reason}]}
+    def _chunk(self, i: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
+               stop_reason: int | str | None = None, token_ids: list[int] | None = None) -> dict:
+        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        return {**self.chunk_base, "choices": [{**choice, "token_ids": token_ids} if token_ids is not None else choice]}

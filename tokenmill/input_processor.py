@@ -41,6 +41,14 @@ class ContextLengthError(FieldError):
                                            f"exceeds the model's context length ({max_model_len})")
 
 
+def cache_salt(prompt: Prompt) -> str | None:
+    """A dict prompt's "cache_salt" (vLLM's): its blocks are shared only with prompts of the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise FieldError("cache_salt", f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
+
+
 @dataclass
 class InputProcessor:
     tokenizer: object
@@ -103,7 +111,7 @@ class InputProcessor:
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params,
                           max_tokens=min(params.max_tokens or room, room), eos_token_ids=self.eos_token_ids,
                           prompt=text, priority=priority, deadline=deadline, arrival_time=arrival_time,
-                          grammar=grammar, bad_words_token_ids=bad_words)
+                          grammar=grammar, bad_words_token_ids=bad_words, cache_salt=cache_salt(prompt))
         request.timeline.add(time.monotonic(), "tokenized")
         return request
 
@@ -155,7 +163,7 @@ class InputProcessor:
             raise ContextLengthError(self.max_model_len, len(ids), None)
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params, max_tokens=0,
                           eos_token_ids=self.eos_token_ids, prompt=text, arrival_time=arrival_time,
-                          pooling=pooling, bidirectional=self.encoder is not None)
+                          pooling=pooling, bidirectional=self.encoder is not None, cache_salt=cache_salt(prompt))
         request.timeline.add(time.monotonic(), "tokenized")
         return request
 

@@ -47,6 +47,15 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]
     return h.digest()
 
 
+def first_parent(request: Request) -> bytes | None:
+    """The parent of a request's first block hash: none, or its cache_salt's (vLLM's), so that
+    requests share blocks only with requests of the same salt (one tenant cannot time another's
+    prompts by their cache hits)."""
+    salt = request.cache_salt
+    return None if salt is None else hashlib.blake2b(b"cache_salt:" + salt.encode("utf-8", "surrogatepass"),
+                                                     digest_size=16).digest()
+
+
 class BlockPool:
     """Block ids with ref counts, a free list, and an LRU pool of cached (evictable) blocks.
 
@@ -435,4 +444,5 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else first_parent(request),
+                                     request.token_ids[i * bs:(i + 1) * bs]))

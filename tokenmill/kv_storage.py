@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenmill.kv_cache import hash_block
+from tokenmill.kv_cache import first_parent, hash_block
 from tokenmill.kv_connector import external_block_span, hands_over, prompt_blocks_computed
 from tokenmill.outputs import FinishResult
 from tokenmill.request import Request
@@ -129,7 +129,8 @@ class SharedStorageConnector:
         num_blocks = min(num_blocks, len(request.token_ids) // bs)
         hashes: list[bytes] = []
         for i in range(num_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else first_parent(request),
+                                     request.token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
     def _prune(self) -> None:

@@ -69,6 +69,7 @@ class Request:
     pooling: PoolingParams | None = None    # an embedding request: pools its prompt, samples nothing
     bidirectional: bool = False             # an encoder's request: its prompt attends both ways, so it
                                             # runs whole in one step from position 0 (no cache, no chunks)
+    cache_salt: str | None = None           # vLLM's: shares cached blocks only with requests of this salt
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt + output, the sequence the model sees

@@ -368,6 +368,18 @@ def test_the_stop_token_is_in_token_ids_but_not_in_the_text(llm):
         assert out.text == cut.outputs[0].text
 
 
+def test_a_dict_prompts_cache_salt_keeps_its_blocks_to_prompts_of_that_salt(tiny_llama):
+    llm = LLM(str(tiny_llama), block_size=16)
+    prompt, once = list(range(5, 45)), SamplingParams(max_tokens=1)
+
+    def cached(**salt) -> int:
+        out = llm.generate([{"prompt_token_ids": prompt, **salt}], once, use_tqdm=False)[0]
+        return out.metrics.num_cached_tokens
+    assert [cached(cache_salt="a"), cached(cache_salt="b"), cached(), cached(cache_salt="a")] == [0, 0, 0, 32]
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        cached(cache_salt=7)
+
+
 def test_truncated_prompts_and_priorities_in_generate(tiny_llama):
     """vLLM's truncate_prompt_tokens keeps a prompt's last k tokens; generate(priority=...) orders
     requests under the priority policy (one sequence at a time here: lower runs first)."""

@@ -326,6 +326,28 @@ def test_chat_returns_token_ids_once_for_the_prompt_and_each_choices_own(server)
     assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
 
 
+def test_usage_counts_cached_prompt_tokens_and_a_cache_salt_shares_them_only_within_itself(server):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens; vLLM's cache_salt. A repeat reuses the
+    prompt's full blocks of 16 tokens but the one holding its last token (always computed)."""
+    prompt = " ".join(f"w{7 + (i * 37) % 300}" for i in range(64))  # a prompt no other test sends
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+    length = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["count"]
+    full = (length - 1) // 16 * 16
+
+    def cached(path: str = "/v1/completions", **extra) -> int:
+        r = httpx.post(server.url + path, json={**body, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert [cached(cache_salt="t1"), cached(cache_salt="t1"), cached(cache_salt="t2"), cached(),
+            cached(cache_salt="t2"), cached()] == [0, full, 0, 0, full, full] and full >= 48
+    streamed = streamed_chunks(server.url, "/v1/completions", {**body, "cache_salt": "t1",
+                                                                "stream_options": {"include_usage": True}})
+    assert streamed[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": full}
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "w5"}], "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
 def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.server")
 

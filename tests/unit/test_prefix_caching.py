@@ -70,6 +70,22 @@ def test_a_finished_prompt_is_served_from_the_cache_until_evicted():
     s.kv.pool.check_invariants()
 
 
+def test_blocks_are_shared_only_between_requests_with_the_same_cache_salt():
+    """vLLM's cache_salt: a tenant's prompts hit only its own cached blocks; unsalted ones only
+    unsalted ones. The same prompt with the same salt is served from the cache as before."""
+    s = make_scheduler(num_blocks=40, block_size=4, budget=64, prefix_caching=True)
+    prompt = list(range(10, 30))
+    cached = []
+    for rid, salt in [("a", "tenant-1"), ("b", "tenant-2"), ("c", None), ("d", "tenant-1"), ("e", None),
+                      ("f", "tenant-2")]:
+        r = request(rid, prompt, max_tokens=1, cache_salt=salt)
+        s.add_request(r)
+        step(s)
+        cached.append(r.num_cached_tokens)
+    assert cached == [0, 0, 0, 16, 16, 16]
+    s.kv.pool.check_invariants()
+
+
 def holders(s) -> dict[int, int]:
     count: dict[int, int] = {}
     for r in s.running:

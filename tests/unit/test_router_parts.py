@@ -80,6 +80,7 @@ def test_the_routing_text_is_the_prompt_or_the_tools_and_messages_in_order():
     tools = routing_text("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]})
     assert tools == '[{"type": "function"}]<system>be brief<user>hi'
     assert routing_text("/v1/chat/completions", {"messages": "not a list"}) == ""
+    assert routing_text("/v1/completions", {"prompt": "hello", "cache_salt": "t1"}) == "<salt>t1</salt>hello"
 
 
 def sent(policy: CacheAware, candidates: list[Replica], hashes: list[bytes]) -> tuple[Replica, str]:

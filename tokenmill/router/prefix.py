@@ -42,8 +42,13 @@ def chunk_hashes(text: str, chunk_chars: int = CHUNK_CHARS) -> list[bytes]:
 def routing_text(path: str, body: dict) -> str:
     """The text whose prefix decides where a request goes: a completion's prompt (the first of a
     batch: the whole batch goes to one replica), or a chat's tools and messages in order, each
-    message as its role and content. Anything malformed gives what it can; the replica answers
-    the 400."""
+    message as its role and content; after a cache_salt, which the replicas' caches share blocks
+    under. Anything malformed gives what it can; the replica answers the 400."""
+    salt = body.get("cache_salt")
+    return (f"<salt>{salt}</salt>" if isinstance(salt, str) else "") + _routed_input(path, body)
+
+
+def _routed_input(path: str, body: dict) -> str:
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         parts = [json.dumps(body["tools"], sort_keys=True)] if body.get("tools") else []

@@ -132,6 +132,7 @@ class SamplingFields(APIRequest):
     # the text, and logprobs' tokens as "token_id:ID" (a piece of a character has no text of its own)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    cache_salt: str | None = None  # vLLM's: cached prompt blocks are shared only between requests of one salt
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
     suffix: str | None = None

@@ -94,10 +94,13 @@ def raise_if_failed(outputs: list[RequestOutput]) -> None:
 
 
 def usage(outputs: list[RequestOutput], n: int, generated: bool = True) -> dict:
-    """Token counts; generated=False: the outputs' tokens are not returned (echo with max_tokens 0)."""
+    """Token counts, with OpenAI's count of the prompt tokens the prefix cache served (each prompt's
+    first sample's); generated=False: the outputs' tokens are not returned (echo with max_tokens 0)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
+    cached = sum(o.metrics.num_cached_tokens for o in outputs[::n] if o.metrics is not None)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs) if generated else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(payload: dict | str) -> str:
@@ -141,9 +144,11 @@ class ServingEngine:
     spans: RequestSpans | None = None   # --otlp-traces-endpoint (server/otel.py)
 
     async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
-                             prefix: str, input_name: str = "prompt") -> list[EngineRequest]:
-        """One engine request per (prompt, sample); raises APIError(400) for any invalid one, a
-        prompt past the context as OpenAI answers it, naming the endpoint's input (`input_name`).
+                             prefix: str, input_name: str = "prompt", cache_salt: str | None = None
+                             ) -> list[EngineRequest]:
+        """One engine request per (prompt, sample), each with the request's cache_salt; raises
+        APIError(400) for any invalid one, a prompt past the context as OpenAI answers it, naming the
+        endpoint's input (`input_name`).
         Tokenizing runs on a worker thread, so that a body of a few MB does not stall every open
         stream for seconds; the number of requests is capped, as a body of a few MB could ask for
         millions."""
@@ -152,21 +157,21 @@ class ServingEngine:
                                 f"got {len(prompts)} x {params.n}", param="prompt")
         arrival = time.monotonic()  # the requests' timelines start here, before tokenizing
         requests = await asyncio.to_thread(self._make_requests, prompts, params, priority, prefix, arrival,
-                                           input_name)
+                                           input_name, cache_salt)
         self.request_log.add(prefix, requests)
         return requests
 
     def _make_requests(self, prompts: list, params: SamplingParams, priority: int, prefix: str,
-                       arrival: float, input_name: str) -> list[EngineRequest]:
+                       arrival: float, input_name: str, cache_salt: str | None) -> list[EngineRequest]:
         requests = []
         try:
             for i, prompt in enumerate(prompts):
                 text, ids = self.engine.input_processor.tokenize_prompt(prompt)  # once for its n samples
+                tokenized = {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}
                 for j in range(params.n):
-                    sub = params.for_sample(j)
-                    requests.append(self.async_engine.make_request(f"{prefix}-{i}-{j}",
-                                                                   {"prompt": text, "prompt_token_ids": ids}, sub,
-                                                                   priority=priority, arrival_time=arrival))
+                    requests.append(self.async_engine.make_request(f"{prefix}-{i}-{j}", tokenized,
+                                                                   params.for_sample(j), priority=priority,
+                                                                   arrival_time=arrival))
         except ContextLengthError as exc:
             raise context_length_error(exc, input_name) from None
         except ValueError as exc:

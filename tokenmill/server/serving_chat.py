@@ -101,7 +101,7 @@ class ChatHandler:
         elif plan is not None and plan.keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)
         requests = await self.serving.build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}",
-                                                     input_name="messages")
+                                                     input_name="messages", cache_salt=req.cache_salt)
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name}
         # a structured output constrains the output from its first token: thinking only where the

@@ -19,6 +19,7 @@ import pytest
 from test_server import free_port, metric, read_events, stalled_stream
 
 REPLICA_HEADER = "x-tokenmill-replica"
+PAGE_ORIGIN = "http://page.example:3000"  # the routers' --allowed-origins
 
 
 def serve(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
@@ -84,7 +85,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    cluster = Cluster(tiny_llama, tmp_path_factory.mktemp("router"), ["cache_aware", "round_robin"])
+    cluster = Cluster(tiny_llama, tmp_path_factory.mktemp("router"), ["cache_aware", "round_robin"],
+                      router_args=("--allowed-origins", PAGE_ORIGIN))
     try:
         yield cluster
     finally:
@@ -110,6 +112,19 @@ def prefix_counters(replicas: list[str]) -> tuple[float, float]:
 def complete(url: str, prompt, **options) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, **options}
     return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def test_the_router_answers_a_browsers_preflight_and_marks_answers_readable_for_its_allowed_origin(cluster):
+    url = cluster.routers["round_robin"]
+    ask = {"access-control-request-method": "POST", "access-control-request-headers": "content-type"}
+    preflight = httpx.options(url + "/v1/completions", headers={"origin": PAGE_ORIGIN, **ask})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == PAGE_ORIGIN
+    relayed = httpx.post(url + "/v1/completions", headers={"origin": PAGE_ORIGIN}, timeout=60,
+                         json={"model": "tiny", "prompt": "w5", "max_tokens": 1})
+    assert relayed.status_code == 200 and relayed.headers["access-control-allow-origin"] == PAGE_ORIGIN
+    other = httpx.post(url + "/v1/completions", headers={"origin": "http://elsewhere.example"}, timeout=60,
+                       json={"model": "tiny", "prompt": "w5", "max_tokens": 1})
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
 
 
 def test_requests_sharing_a_long_prefix_land_on_the_replica_that_served_the_first_of_them(cluster):

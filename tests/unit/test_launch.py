@@ -7,7 +7,13 @@ import pytest
 
 from tokenmill.server.access import host_entry, host_name
 from tokenmill.server.connections import FILES_RESERVED, connection_cap
-from tokenmill.server.options import add_serve_args, resolve_allowed_hosts, resolve_api_key, seconds
+from tokenmill.server.options import (
+    add_serve_args,
+    resolve_allowed_hosts,
+    resolve_allowed_origins,
+    resolve_api_key,
+    seconds,
+)
 
 
 def args(api_key=None, api_key_file=None) -> argparse.Namespace:
@@ -56,6 +62,16 @@ def test_allowed_hosts_from_the_flag_apply_with_or_without_a_key_and_star_allows
 def test_a_host_header_is_compared_by_its_name_without_the_port(header, name):
     assert host_name(header) == name
     assert host_entry(name.strip("[]")) == name
+
+
+def test_allowed_origins_are_a_comma_list_or_vllms_json_list_and_none_by_default():
+    assert resolve_allowed_origins(None) is None
+    assert resolve_allowed_origins("https://app.example, http://localhost:3000/") == [
+        "https://app.example", "http://localhost:3000"]
+    assert resolve_allowed_origins('["*"]') == resolve_allowed_origins("*") == ["*"]
+    for bad in ("", " , ", "app.example", '["https://a.example", 3]', "[not json"):
+        with pytest.raises(SystemExit, match="--allowed-origins"):
+            resolve_allowed_origins(bad)
 
 
 def test_the_connection_cap_leaves_room_under_the_open_file_limit():

@@ -38,7 +38,7 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin
 from tokenmill.router.prefix import DEFAULT_DECODE_TOKENS, PrefixSet, chunk_hashes, decode_tokens, routing_text
 from tokenmill.router.replicas import Replica, poll, watch
-from tokenmill.server.access import HostAllowListMiddleware
+from tokenmill.server.access import HostAllowListMiddleware, add_cors
 from tokenmill.server.openapi import STREAM_RESPONSES, OpenAIStyleAPI, error_responses
 from tokenmill.server.protocol import error_body
 from tokenmill.server.streaming import AccessLogMiddleware, BodyLimitMiddleware
@@ -118,7 +118,7 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
                max_body_bytes: int = 4 * 1024 * 1024, allowed_hosts: list[str] | None = None,
                health_interval: float = 1.0, health_timeout: float = 5.0, prefix_capacity: int = 1 << 16,
                prefill_urls: list[str] | None = None, min_uncached_chars: int = 1024,
-               stream_write_timeout: float = STREAM_WRITE_TIMEOUT) -> FastAPI:
+               stream_write_timeout: float = STREAM_WRITE_TIMEOUT, allowed_origins: list[str] | None = None) -> FastAPI:
     """The router over `replica_urls` (http://host:port), routing by `policy` (policy.py); with
     `prefill_urls`, prefill instances in front of them (disagg.py). A relayed stream whose client
     takes nothing for `stream_write_timeout` seconds is ended (its replica then aborts the request).
@@ -126,7 +126,8 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     Replicas are polled (/health, /metrics) every `health_interval` seconds, each look given
     `health_timeout`; each replica's prefix set keeps at most `prefix_capacity` chunk hashes
     (8 bytes each, about 100 bytes with the set's own cost). allowed_hosts: the Host names the
-    router answers (None: any)."""
+    router answers (None: any); allowed_origins: the web origins whose pages may call it (CORS;
+    None: none)."""
     if not replica_urls:
         raise ValueError("the router needs at least one replica")
     if not stream_write_timeout > 0:
@@ -147,6 +148,7 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # (the last added runs first)
     if allowed_hosts is not None:
         app.add_middleware(HostAllowListMiddleware, hosts=allowed_hosts)
+    add_cors(app, allowed_origins)
     app.add_middleware(AccessLogMiddleware, logger=logger)
     app.add_exception_handler(StarletteHTTPException, _http_error)
 

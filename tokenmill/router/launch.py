@@ -21,7 +21,14 @@ from tokenmill.cli_args import at_least_one
 from tokenmill.router.forward import STREAM_WRITE_TIMEOUT
 from tokenmill.router.policy import POLICIES, make_policy
 from tokenmill.server.connections import GuardedH11Protocol, connection_cap, raise_open_file_limit
-from tokenmill.server.options import bind, port_number, resolve_allowed_hosts, seconds
+from tokenmill.server.options import (
+    add_allowed_origins_arg,
+    bind,
+    port_number,
+    resolve_allowed_hosts,
+    resolve_allowed_origins,
+    seconds,
+)
 
 logger = logging.getLogger("tokenmill.router")
 
@@ -80,6 +87,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-hosts", default=None,
                         help="comma-separated Host names to answer, '*' for any (default: on a loopback address, "
                              "localhost, 127.0.0.1 and [::1]; else any)")
+    add_allowed_origins_arg(parser)
     parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
                         help="larger bodies get HTTP 413")
     parser.add_argument("--max-connections", type=at_least_one, default=1024,
@@ -99,6 +107,7 @@ def run_router(args: argparse.Namespace) -> int:
     with bind(args.host, args.port) as sock:
         allowed = resolve_allowed_hosts(args.allowed_hosts, args.host, sock.getsockname()[0], None)
         app = create_app(args.replicas, policy, max_body_bytes=args.max_body_bytes, allowed_hosts=allowed,
+                         allowed_origins=resolve_allowed_origins(args.allowed_origins),
                          health_interval=args.health_interval, prefill_urls=args.prefill,
                          min_uncached_chars=args.min_uncached_chars,
                          stream_write_timeout=args.stream_write_timeout)

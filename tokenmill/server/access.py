@@ -1,5 +1,6 @@
-"""Who may use the server beyond its API key: the paths the key guards, and the Host header
-allow-list that keeps a web page from reaching a loopback server by DNS rebinding.
+"""Who may use the server beyond its API key: the paths the key guards, the Host header
+allow-list that keeps a web page from reaching a loopback server by DNS rebinding, and the web
+origins whose pages may call it and read its answers (CORS, none unless named).
 
 A page on a name the attacker controls can re-point that name at 127.0.0.1 and then read the
 server's answers as same-origin; its requests still carry the attacker's name in the Host
@@ -9,6 +10,8 @@ header, which a loopback server answers only for its own names.
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from starlette.middleware.cors import CORSMiddleware
 
 from tokenmill.server.protocol import error_body
 from tokenmill.server.streaming import ApiKeyMiddleware, send_error
@@ -53,3 +56,13 @@ class HostAllowListMiddleware:
                     f"this server does not answer for the host {host_name(host)!r} (start it with "
                     "--allowed-hosts to add names)", param="host", code="invalid_host"))
         await self.app(scope, receive, send)
+
+
+def add_cors(app, origins: list[str] | None) -> None:
+    """Let pages on `origins` ("*": any) call `app` and read its answers; None: no answer is marked
+    readable by another origin. Added after the API key's middleware, it runs before it: a
+    browser's preflight carries no key and is answered here. A page on a public origin may then
+    reach a server on a private address too (Private Network Access), its origin being allowed."""
+    if origins is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                           allow_private_network=True)

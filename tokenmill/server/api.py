@@ -30,7 +30,7 @@ from fastapi.responses import PlainTextResponse
 from tokenmill import __version__
 from tokenmill.async_engine import AsyncLLMEngine
 from tokenmill.cpu_kernels import this_cpu
-from tokenmill.server.access import FullApiKeyMiddleware, HostAllowListMiddleware
+from tokenmill.server.access import FullApiKeyMiddleware, HostAllowListMiddleware, add_cors
 from tokenmill.server.dashboard import DashboardHandler
 from tokenmill.server.errors import add_error_handlers
 from tokenmill.server.harmony import is_harmony
@@ -59,13 +59,14 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
                reasoning_parser: str | None = None, protect_metrics_and_docs: bool = False,
                allowed_hosts: list[str] | None = None, stream_write_timeout: float = 60.0,
                request_log_size: int = 1000, spans: RequestSpans | None = None,
-               responses_store_size: int = 1000) -> FastAPI:
+               responses_store_size: int = 1000, allowed_origins: list[str] | None = None) -> FastAPI:
     """The app serving `engine` as `served_model_name`; its engine loop runs while the app does.
 
     responses_store_size: how many stored /v1/responses answers previous_response_id finds (0: none).
     api_key: required on /v1 routes, /tokenize, /detokenize and /dashboard/state, and with protect_metrics_and_docs
     on /metrics, /docs, /redoc and /openapi.json too. allowed_hosts: the Host header names the app
-    answers (any port; None: every name). A stream whose client takes nothing for
+    answers (any port; None: every name). allowed_origins: the web origins whose pages may call it
+    and read its answers (CORS; "*": any; None: none). A stream whose client takes nothing for
     `stream_write_timeout` seconds is ended and its requests aborted. GET /v1/requests/{id} keeps
     the timelines of the last `request_log_size` responses that ended (0: none). spans: where each
     request's OpenTelemetry span goes when it ends (server/otel.py; shut down with the app).
@@ -100,6 +101,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         app.key_protected = key_middleware.PROTECTED
     if allowed_hosts is not None:
         app.add_middleware(HostAllowListMiddleware, hosts=allowed_hosts)
+    add_cors(app, allowed_origins)
     app.add_middleware(AccessLogMiddleware, logger=logger)
     add_error_handlers(app)
 

@@ -38,6 +38,7 @@ def run_server(args: argparse.Namespace, config, sock: socket.socket) -> int:
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      protect_metrics_and_docs=args.protect_metrics_and_docs, allowed_hosts=args.allowed_hosts,
+                     allowed_origins=args.allowed_origins,
                      stream_write_timeout=args.stream_write_timeout, request_log_size=args.request_log_size,
                      responses_store_size=args.responses_store_size,
                      spans=RequestSpans(otlp_exporter(args.otlp_traces_endpoint)) if args.otlp_traces_endpoint

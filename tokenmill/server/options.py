@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import socket
 from collections.abc import Mapping
@@ -88,6 +89,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated names the Host header may give (any port), '*' for any; others get "
                              "HTTP 400 (default, against DNS rebinding: on a loopback address without an API key, "
                              "localhost, 127.0.0.1 and [::1]; else any)")
+    add_allowed_origins_arg(parser)
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
     parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
                         help="larger bodies get HTTP 413")
@@ -156,13 +158,40 @@ def resolve_allowed_hosts(flag: str | None, host: str, address: str, api_key: st
     return sorted({*LOOPBACK_HOSTS, host_entry(host)})
 
 
+def add_allowed_origins_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allowed-origins", default=None,
+                        help="comma-separated web origins (scheme://host[:port]) whose pages may call the API and "
+                             "read its answers (CORS), '*' for any; vLLM's JSON list is read too (default: none, "
+                             "so no other site's page can use the server through its visitors' browsers)")
+
+
+def resolve_allowed_origins(flag: str | None) -> list[str] | None:
+    """--allowed-origins as a list (None: no cross-origin access): comma-separated, or a JSON list
+    as vLLM's flag takes it ('["*"]')."""
+    if flag is None:
+        return None
+    try:
+        origins = json.loads(flag) if flag.lstrip().startswith("[") else flag.split(",")
+    except ValueError:
+        raise SystemExit(f"--allowed-origins: {flag!r} is not a JSON list") from None
+    if not all(isinstance(o, str) for o in origins):
+        raise SystemExit(f"--allowed-origins: a JSON list of strings, got {flag!r}")
+    origins = [o.strip().rstrip("/") for o in origins if o.strip()]
+    if not origins or any(o != "*" and "://" not in o for o in origins):
+        raise SystemExit(f"--allowed-origins: give origins such as https://app.example or http://localhost:3000, "
+                         f"or '*' for any; got {flag!r}")
+    return origins
+
+
 def listen(args: argparse.Namespace) -> socket.socket:
     """Everything about `serve`'s command line that can fail before the model loads, checked, and
-    the socket bound: `args` gets its API key, connection cap and Host allow-list filled in."""
+    the socket bound: `args` gets its API key, connection cap, Host allow-list and CORS origins
+    filled in."""
     args.api_key = resolve_api_key(args, os.environ)
     if args.protect_metrics_and_docs and args.api_key is None:
         raise SystemExit(f"--protect-metrics-and-docs needs an API key (--api-key, --api-key-file or {API_KEY_ENV})")
     args.max_connections = connection_cap(args.max_connections, raise_open_file_limit())
     sock = bind(args.host, args.port)
     args.allowed_hosts = resolve_allowed_hosts(args.allowed_hosts, args.host, sock.getsockname()[0], args.api_key)
+    args.allowed_origins = resolve_allowed_origins(args.allowed_origins)
     return sock

@@ -60,8 +60,9 @@ class InputProcessor:
     encoder: str | None = None       # an encoder's architecture ("bert"): it serves embeddings only
     default_pooling: PoolingParams = PoolingParams()  # an embedding request's, unless it says otherwise
 
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) from a string, a list of token ids, or {"prompt_token_ids": [...]}."""
+    def tokenize_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) from a string, a list of token ids, or {"prompt_token_ids": [...]}; a
+        text with the special tokens its tokenizer adds (a BOS), or without them."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -72,7 +73,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not is_unicode(prompt):  # bytes that were no UTF-8 (a shell argument, stdin)
                 raise ValueError("prompt is not valid UTF-8 text")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")

@@ -386,6 +386,24 @@ def test_a_top_k_of_the_whole_vocabulary_and_a_tiny_temperature_are_served(serve
         assert r.json()["choices"][0]["text"] == greedy.choices[0].text
 
 
+def test_add_special_tokens_false_leaves_out_the_bos_a_tokenizer_adds(tiny_llama, tmp_path):
+    """A completion prompt gets its tokenizer's BOS, as vLLM gives it, unless the request says
+    add_special_tokens: false (a text that holds its own BOS would get two)."""
+    from conftest import copy_model
+    from tokenizers import Tokenizer, processors
+    model = copy_model(tiny_llama, tmp_path / "llama")
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="w0 $A", special_tokens=[("w0", 0)])
+    tokenizer.save(str(model / "tokenizer.json"))  # every text opens with w0, as Llama's open with <s>
+    with running_server(model) as s:
+        def prompt_ids(**extra) -> list[int]:
+            body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 1, "return_token_ids": True, **extra}
+            return httpx.post(s.url + "/v1/completions", json=body).json()["choices"][0]["prompt_token_ids"]
+        assert prompt_ids() == prompt_ids(add_special_tokens=True) == [0, 5, 6]
+        assert prompt_ids(add_special_tokens=False) == [5, 6]
+        assert prompt_ids(prompt=[0, 5, 6], add_special_tokens=False) == [0, 5, 6]  # token ids stay as given
+
+
 def test_chat_without_a_generation_prompt_continues_the_last_message(server):
     messages = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8"}]
     with_prompt = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
@@ -462,6 +480,7 @@ BAD_REQUESTS = [
     ("n too large", "/v1/completions", {"prompt": "w5", "n": 100_000_000}, 400, "n"),
     ("too many completions", "/v1/completions", {"prompt": [[5]] * 600, "n": 2}, 400, "prompt"),
     ("best_of", "/v1/completions", {"prompt": "w5", "best_of": 3}, 400, "best_of"),
+    ("beam search", "/v1/completions", {"prompt": "w5", "use_beam_search": True}, 400, "use_beam_search"),
     ("logit_bias key", "/v1/completions", {"prompt": "w5", "logit_bias": {"w5": 10}}, 400, "logit_bias"),
     ("logit_bias value", "/v1/completions", {"prompt": "w5", "logit_bias": {"5": 200}}, 400, "logit_bias"),
     ("logit_bias past the vocabulary", "/v1/completions", {"prompt": "w5", "logit_bias": {"99999": 1}}, 400,

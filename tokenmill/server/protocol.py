@@ -2,8 +2,8 @@
 
 Pydantic checks types; SamplingParams checks ranges (and names the field); both end up as
 HTTP 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's API does;
-known ones that tokenmill does not implement (best_of, suffix, tools in completions, a request's
-chat_template) get a 400 rather than an answer that silently ignores them.
+known ones that tokenmill does not implement (best_of, suffix, vLLM's use_beam_search, tools in
+completions, a request's chat_template) get a 400 rather than an answer that silently ignores them.
 """
 
 from __future__ import annotations
@@ -136,11 +136,14 @@ class SamplingFields(APIRequest):
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
     suffix: str | None = None
+    use_beam_search: bool = False  # vLLM's
 
     def unsupported(self) -> str | None:
         """The first field set to something tokenmill does not implement, or None."""
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
+        if self.use_beam_search:
+            return "use_beam_search"
         return "suffix" if self.suffix else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None,
@@ -215,6 +218,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     max_tokens: int | None = 16
+    add_special_tokens: bool = True  # vLLM's: false for a text that holds its BOS already (a rendered chat)
     tools: list | None = None  # a chat feature: a 400 here
 
     def unsupported(self) -> str | None:

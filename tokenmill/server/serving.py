@@ -144,9 +144,10 @@ class ServingEngine:
     spans: RequestSpans | None = None   # --otlp-traces-endpoint (server/otel.py)
 
     async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
-                             prefix: str, input_name: str = "prompt", cache_salt: str | None = None
-                             ) -> list[EngineRequest]:
-        """One engine request per (prompt, sample), each with the request's cache_salt; raises
+                             prefix: str, input_name: str = "prompt", cache_salt: str | None = None,
+                             add_special_tokens: bool = True) -> list[EngineRequest]:
+        """One engine request per (prompt, sample), each with the request's cache_salt, a text
+        prompt tokenized with or without its tokenizer's special tokens; raises
         APIError(400) for any invalid one, a prompt past the context as OpenAI answers it, naming the
         endpoint's input (`input_name`).
         Tokenizing runs on a worker thread, so that a body of a few MB does not stall every open
@@ -157,16 +158,17 @@ class ServingEngine:
                                 f"got {len(prompts)} x {params.n}", param="prompt")
         arrival = time.monotonic()  # the requests' timelines start here, before tokenizing
         requests = await asyncio.to_thread(self._make_requests, prompts, params, priority, prefix, arrival,
-                                           input_name, cache_salt)
+                                           input_name, cache_salt, add_special_tokens)
         self.request_log.add(prefix, requests)
         return requests
 
     def _make_requests(self, prompts: list, params: SamplingParams, priority: int, prefix: str,
-                       arrival: float, input_name: str, cache_salt: str | None) -> list[EngineRequest]:
+                       arrival: float, input_name: str, cache_salt: str | None,
+                       add_special_tokens: bool) -> list[EngineRequest]:
         requests = []
         try:
-            for i, prompt in enumerate(prompts):
-                text, ids = self.engine.input_processor.tokenize_prompt(prompt)  # once for its n samples
+            for i, prompt in enumerate(prompts):  # tokenized once for its n samples
+                text, ids = self.engine.input_processor.tokenize_prompt(prompt, add_special_tokens)
                 tokenized = {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}
                 for j in range(params.n):
                     requests.append(self.async_engine.make_request(f"{prefix}-{i}-{j}", tokenized,

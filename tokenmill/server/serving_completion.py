@@ -40,7 +40,8 @@ class CompletionHandler:
         params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
                                  prompt_logprobs=req.logprobs if req.echo else None)
         requests = await self.serving.build_requests(req.prompts(), params, req.priority,
-                                                     f"cmpl-{uuid.uuid4().hex}", cache_salt=req.cache_salt)
+                                                     f"cmpl-{uuid.uuid4().hex}", cache_salt=req.cache_salt,
+                                                     add_special_tokens=req.add_special_tokens)
         base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         response = CompletionResponse(req, requests, self.tokenizer, base, echo_only)

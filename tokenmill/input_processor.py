@@ -95,7 +95,7 @@ class InputProcessor:
         text, ids = self.tokenize_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        keep = self._truncation(params.truncate_prompt_tokens)
+        keep = self._truncation(params.truncate_prompt_tokens, reserve=params.max_tokens or 1)
         if keep is not None and len(ids) > keep:  # its last tokens, as vLLM truncates a prompt to generate from
             text, ids = None, ids[-keep:]
         self._check_token_ids(ids, params)
@@ -136,13 +136,13 @@ class InputProcessor:
             raise FieldError("top_k", f"top_k must be <= the vocabulary size ({self.vocab_size}), or 0 or -1 "
                                       f"for every token, got {params.top_k}")
 
-    def _truncation(self, truncate: int | None) -> int | None:
-        """The tokens truncate_prompt_tokens keeps (-1: a context's worth); one past the context
-        is refused, as vLLM refuses it."""
+    def _truncation(self, truncate: int | None, reserve: int = 0) -> int | None:
+        """The tokens truncate_prompt_tokens keeps: -1, as many as leave `reserve` tokens of the
+        context for the output (vLLM's); a count past the context is refused, as vLLM refuses it."""
         if truncate is not None and truncate > self.max_model_len:
             raise FieldError("truncate_prompt_tokens", f"truncate_prompt_tokens must be <= the model's context "
                              f"length ({self.max_model_len}), got {truncate}")
-        return self.max_model_len if truncate == -1 else truncate
+        return max(1, self.max_model_len - reserve) if truncate == -1 else truncate
 
     def make_embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams | None = None,
                                arrival_time: float | None = None) -> Request:
@@ -156,8 +156,10 @@ class InputProcessor:
         keep = self._truncation(pooling.truncate_prompt_tokens)
         if keep is not None and len(ids) > keep:  # its first tokens (vLLM's truncation for embeddings, and
             # sentence-transformers'): a text through the tokenizer, which keeps the special tokens around it
-            text, ids = None, (self.tokenizer.encode(prompt, truncation=True, max_length=keep)
-                               if isinstance(prompt, str) else ids[:keep])
+            # (unless they alone are more than `keep`: the tokenizer then cuts nothing)
+            from_text = isinstance(prompt, str) or isinstance(prompt, dict) and "prompt_token_ids" not in prompt
+            text, ids = None, (self.tokenizer.encode(text, truncation=True, max_length=keep) if from_text
+                               else ids)[:keep]
         params = SamplingParams(max_tokens=1)  # (never sampled: the request ends when its prompt has run)
         self._check_token_ids(ids, params)
         if len(ids) > self.max_model_len:

@@ -47,13 +47,19 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int] | tuple[int, ...]
     return h.digest()
 
 
-def first_parent(request: Request) -> bytes | None:
-    """The parent of a request's first block hash: none, or its cache_salt's (vLLM's), so that
-    requests share blocks only with requests of the same salt (one tenant cannot time another's
-    prompts by their cache hits)."""
+def extend_block_hashes(request: Request, hashes: list[bytes], num_blocks: int, block_size: int) -> list[bytes]:
+    """`hashes`, the chained hashes of the request's first blocks, extended to its first
+    `num_blocks` full blocks. The first block's parent is the digest of the request's cache_salt
+    (vLLM's) if it has one, so that requests share blocks only with requests of the same salt
+    (one tenant cannot time another's prompts by their cache hits). The prefix cache and the
+    disaggregated block store (kv_storage.py) hash alike, through here."""
     salt = request.cache_salt
-    return None if salt is None else hashlib.blake2b(b"cache_salt:" + salt.encode("utf-8", "surrogatepass"),
-                                                     digest_size=16).digest()
+    parent = hashes[-1] if hashes else None if salt is None else hashlib.blake2b(
+        b"cache_salt:" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    for i in range(len(hashes), num_blocks):
+        parent = hash_block(parent, request.token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
 
 
 class BlockPool:
@@ -441,8 +447,4 @@ class KVCacheManager:
 
     def _extend_hashes(self, request: Request, num_tokens: int) -> None:
         """Hash the request's full blocks within its first `num_tokens` tokens, once each."""
-        bs = self.block_size
-        hashes = request.block_hashes
-        for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else first_parent(request),
-                                     request.token_ids[i * bs:(i + 1) * bs]))
+        extend_block_hashes(request, request.block_hashes, num_tokens // self.block_size, self.block_size)

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenmill.kv_cache import first_parent, hash_block
+from tokenmill.kv_cache import extend_block_hashes
 from tokenmill.kv_connector import external_block_span, hands_over, prompt_blocks_computed
 from tokenmill.outputs import FinishResult
 from tokenmill.request import Request
@@ -125,13 +125,8 @@ class SharedStorageConnector:
 
     def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The chained hashes of the request's first `num_blocks` blocks of tokens (full ones only)."""
-        bs = self.block_size
-        num_blocks = min(num_blocks, len(request.token_ids) // bs)
-        hashes: list[bytes] = []
-        for i in range(num_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else first_parent(request),
-                                     request.token_ids[i * bs:(i + 1) * bs]))
-        return hashes
+        num_blocks = min(num_blocks, len(request.token_ids) // self.block_size)
+        return extend_block_hashes(request, [], num_blocks, self.block_size)
 
     def _prune(self) -> None:
         """At most once a minute: delete block files no decode instance took within FILE_TTL (their

@@ -76,7 +76,8 @@ class OutputProcessor:
             cumulative_logprob=request.cumulative_logprob if logprobs else None)
         timeline = request.timeline
         metrics = RequestMetrics(request.arrival_time, timeline.time_of("admitted"), timeline.time_of("first_token"),
-                                 timeline.time_of("finished"), request.num_cached_tokens, request.num_preemptions)
+                                 timeline.time_of("finished"), request.num_cached_tokens, request.num_preemptions,
+                                 request.num_external_tokens)
         grammar = request.grammar
         failed = grammar is not None and grammar.failed and request.status == RequestStatus.FINISHED_ERROR
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],

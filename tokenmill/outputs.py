@@ -187,6 +187,13 @@ class RequestMetrics:
     finished_time: float | None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_external_tokens: int = 0      # prompt tokens whose K/V a KV connector brought in (disaggregation)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Prompt tokens not computed for this request: the prefix cache's and a KV connector's
+        (a disaggregated decode's whole prompt), what vLLM and OpenAI report as cached_tokens."""
+        return self.num_cached_tokens + self.num_external_tokens
 
 
 @dataclass

@@ -85,6 +85,8 @@ def test_tokenize_counts_messages_with_tools_as_chat_renders_them(client, server
     without = httpx.post(server.url + "/tokenize", json={"messages": ASK}).json()["count"]
     out = client.chat.completions.create(model="tiny", max_tokens=1, tool_choice="none", **body)
     assert counted == out.usage.prompt_tokens > without
+    bad = httpx.post(server.url + "/tokenize", json={"messages": ASK, "tools": [{"x": 1}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"  # as chat refuses them
 
 
 def test_langchains_tool_round_trip_needs_no_server_flags(server):
@@ -110,10 +112,10 @@ def test_langchains_tool_round_trip_needs_no_server_flags(server):
     assert answer.content == "It is 21 C in Paris." and answer.tool_calls == []
 
 
-def cut_answer(client, choice, max_tokens: int, stream: bool) -> tuple[list[tuple[str, str]], str, str]:
+def cut_answer(client, choice, max_tokens: int, stream: bool, **options) -> tuple[list[tuple[str, str]], str, str]:
     """A forced call's answer at temperature 0: its calls' (name, arguments), content and finish reason."""
     out = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=choice,
-                                         max_tokens=max_tokens, temperature=0, stream=stream)
+                                         max_tokens=max_tokens, temperature=0, stream=stream, **options)
     if not stream:
         message = out.choices[0].message
         calls = [(t.function.name, t.function.arguments) for t in message.tool_calls or []]
@@ -148,6 +150,14 @@ def test_a_forced_call_cut_by_max_tokens_ends_with_length(client, stream):
     assert cut_answer(client, "required", opened + 1, stream) == ([("get_weather", arguments)], "", "length")
     with pytest.raises(json.JSONDecodeError):
         json.loads(arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_required_call_ended_by_a_stop_string_is_no_call(client, stream):
+    """Only max_tokens makes a cut array calls: a stop string ends the text, which stays content
+    (a cut call under "stop" would read as a finished one)."""
+    calls, content, reason = cut_answer(client, "required", 200, stream, stop=['"parameters"'])
+    assert (calls, reason) == ([], "stop") and content.startswith('[{"name"') and '"parameters"' not in content
 
 
 # ---- context length as OpenAI answers it ----------------------------------------------------------

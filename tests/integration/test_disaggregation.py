@@ -96,3 +96,19 @@ def test_prompt_logprobs_are_computed_here_even_when_the_blocks_wait(tiny_models
     alone = engine(tiny_models).generate(PROMPTS[0], asked, use_tqdm=False)[0]
     assert llm.engine.scheduler.stats().num_external_tokens == 0
     assert out.prompt_logprobs == alone.prompt_logprobs
+
+
+def test_salted_blocks_are_handed_over_only_to_a_request_of_the_same_salt(tiny_models, tmp_path, colocated):
+    """The prefill and decode instances hash a salted prompt's blocks alike (kv_cache's
+    extend_block_hashes); another salt finds none of them and computes its prompt."""
+    def salted(salt: str) -> list[dict]:
+        return [{"prompt_token_ids": p, "cache_salt": salt} for p in PROMPTS]
+    handoff = GREEDY.clone(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    for salt, expected in (("tenant-1", 32 + 48 + 48), ("tenant-2", 0)):
+        outs = engine(tiny_models, kv_role="prefill", kv_storage_path=str(tmp_path)).generate(
+            salted("tenant-1"), handoff, use_tqdm=False)
+        llm = engine(tiny_models, kv_role="decode", kv_storage_path=str(tmp_path))
+        answers = llm.generate(salted(salt), [GREEDY.clone(kv_transfer_params=o.kv_transfer_params) for o in outs],
+                               use_tqdm=False)
+        assert [a.outputs[0].token_ids for a in answers] == colocated
+        assert llm.engine.scheduler.stats().num_external_tokens == expected, salt

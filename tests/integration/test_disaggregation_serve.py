@@ -78,6 +78,8 @@ def test_a_long_prompt_is_computed_on_the_prefill_instance_and_answered_as_one_s
     assert counter(decode_url, "tokenmill_kv_transfer_tokens_received_total") > before
     assert counter(router, 'tokenmill_router_prefill_legs_total{outcome="transferred"}') >= 2
     assert "kv_transfer_params" not in answers[0].json()  # the decode leg's answer reports none
+    length, cached = (answers[1].json()["usage"][k] for k in ("prompt_tokens", "prompt_tokens_details"))
+    assert length - 16 < cached["cached_tokens"] < length  # brought in by the connector, as vLLM counts them
 
 
 def test_a_streamed_answer_through_the_prefill_leg_equals_the_whole_one(pd, tiny_llama):
@@ -97,6 +99,17 @@ def test_a_short_prompt_skips_the_prefill_leg(pd):
     before = counter(router, 'tokenmill_router_prefill_legs_total{outcome="local"}')
     assert complete(router, "w5 w6 w7").status_code == 200
     assert counter(router, 'tokenmill_router_prefill_legs_total{outcome="local"}') == before + 1
+
+
+def test_a_prompt_that_is_scored_skips_the_prefill_leg(pd):
+    """Its logprobs need every prompt position computed where it is answered: a prefill leg would
+    compute the prompt twice."""
+    router, _, _, _ = pd
+    before = counter(router, 'tokenmill_router_prefill_legs_total{outcome="local"}')
+    for options in ({"prompt_logprobs": 0}, {"echo": True, "logprobs": 0}):
+        answer = complete(router, prompt(5, 130), **options)
+        assert answer.status_code == 200, answer.text
+    assert counter(router, 'tokenmill_router_prefill_legs_total{outcome="local"}') == before + 2
 
 
 def test_a_dead_prefill_instance_leaves_the_decode_instance_to_compute_the_prompt(pd, tiny_llama):

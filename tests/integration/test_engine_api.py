@@ -387,6 +387,10 @@ def test_truncated_prompts_and_priorities_in_generate(tiny_llama):
     out = llm.generate([list(range(5, 15))], SamplingParams(max_tokens=2, truncate_prompt_tokens=3),
                        use_tqdm=False)[0]
     assert out.prompt_token_ids == [12, 13, 14] and out.prompt is None
+    short = LLM(str(tiny_llama), max_model_len=32)  # -1: as many as leave max_tokens of the context (vLLM's)
+    out = short.generate([list(range(5, 45))], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(range(17, 45)) and len(out.outputs[0].token_ids) == 4
     outs = llm.generate([[5, 6], [7, 8], [9, 10]], SamplingParams(max_tokens=3), priority=[2, 0, 1], use_tqdm=False)
     starts = [o.metrics.first_scheduled_time for o in outs]
     assert starts[1] < starts[2] < starts[0]

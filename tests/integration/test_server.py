@@ -268,7 +268,11 @@ def test_prompt_logprobs_come_in_each_completion_choice_and_once_in_chat(server)
         "prompt_logprobs": 0}).json()
     check_prompt_logprobs(server, chat["prompt_logprobs"], [2, 7, 3, 4], 0)
     assert all("prompt_logprobs" not in c for c in chat["choices"])
-    for extra in ({"stream": True}, {"echo": True, "logprobs": 1}, {"prompt_logprobs": 21}):
+    echo = {**body, "echo": True, "logprobs": 1, "prompt_logprobs": None, "temperature": 0}
+    both = httpx.post(url + "/v1/completions", json={**echo, "prompt_logprobs": 2}).json()["choices"][0]
+    alone = httpx.post(url + "/v1/completions", json=echo).json()["choices"][0]
+    assert both["prompt_logprobs"] == entries and both["logprobs"] == alone["logprobs"]  # each view its own n
+    for extra in ({"stream": True}, {"prompt_logprobs": 21}):
         r = httpx.post(url + "/v1/completions", json={**body, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", (extra, r.text)
 
@@ -343,6 +347,10 @@ def test_usage_counts_cached_prompt_tokens_and_a_cache_salt_shares_them_only_wit
     streamed = streamed_chunks(server.url, "/v1/completions", {**body, "cache_salt": "t1",
                                                                 "stream_options": {"include_usage": True}})
     assert streamed[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": full}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1,
+            "stream_options": {"include_usage": True}}
+    first, again = (streamed_chunks(server.url, "/v1/chat/completions", chat)[-1]["usage"] for _ in range(2))
+    assert again["prompt_tokens_details"]["cached_tokens"] == (again["prompt_tokens"] - 1) // 16 * 16 > 0
     r = httpx.post(server.url + "/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": "w5"}], "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

@@ -94,9 +94,12 @@ def test_constraints_of_named_and_required_choices():
 ])
 def test_a_required_array_cut_by_max_tokens_gives_its_calls_as_far_as_they_came(text, cut):
     """Whole calls as they are, then the last one's unterminated arguments once its name is whole:
-    never the array's JSON as content."""
-    parsed = plan_tools([WEATHER, NOW], "required", None).parse(text)
+    never the array's JSON as content. Ended by a stop string instead, no call is read from it (a
+    cut call with "stop" would read as a finished one): the text is content."""
+    required = plan_tools([WEATHER, NOW], "required", None)
+    parsed = required.parse(text, cut=True)
     assert parsed[0] is None and [(c.name, c.arguments) for c in parsed[1]] == cut
+    assert required.parse(text) == (text, [])
 
 
 def test_hermes_and_llama3_json_outputs_parse_into_calls():

@@ -50,9 +50,12 @@ class PrefillStage:
     async def prepare(self, path: str, body: dict, content: bytes, headers: dict[str, str],
                       hashes: list[bytes], text_chars: int) -> bytes:
         """The body for the decode leg: with the prefill leg's kv_transfer_params, or as it came
-        when the prompt is short where it lands or the prefill leg failed."""
+        when the prompt is short where it lands, when the request scores its prompt (its logprobs
+        need every prompt position computed where it is answered), or the prefill leg failed."""
         held = max((r.prefixes.match(hashes) for r in self.decode if r.healthy), default=0)
-        if text_chars - held * CHUNK_CHARS < self.min_uncached_chars:
+        scores_prompt = body.get("prompt_logprobs") is not None or bool(body.get("echo")) and (
+            body.get("logprobs") is not None)
+        if text_chars - held * CHUNK_CHARS < self.min_uncached_chars or scores_prompt:
             self.metrics.prefill_legs.labels("local").inc()
             return content
         params = await self._prefill(path, body, headers)

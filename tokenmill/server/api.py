@@ -54,6 +54,21 @@ from tokenmill.server.tools import HARMONY, PARSERS
 logger = logging.getLogger("tokenmill.server")
 
 
+def _writes_harmony(engine, tool_call_parser: str | None, reasoning_parser: str | None) -> bool:
+    """Whether the model's outputs are read as harmony (gpt-oss's messages), after checking the
+    parsers' names: asked for, or a harmony model's default when no parser is named."""
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+    if reasoning_parser is not None and reasoning_parser not in (*REASONING_PARSERS, HARMONY):
+        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or {HARMONY}, "
+                         f"got {reasoning_parser!r}")
+    harmony = reasoning_parser == HARMONY or (reasoning_parser is None and tool_call_parser is None
+                                              and is_harmony(engine.model_config.architecture))
+    if harmony and tool_call_parser is not None:
+        raise ValueError(f"harmony carries its own tool calls: tool_call_parser must be None, got {tool_call_parser!r}")
+    return harmony
+
+
 def create_app(engine, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = 4 * 1024 * 1024, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, protect_metrics_and_docs: bool = False,
@@ -76,15 +91,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     which a gpt-oss model gets without asking)."""
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("protect_metrics_and_docs needs an api_key")
-    if tool_call_parser is not None and tool_call_parser not in PARSERS:
-        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
-    if reasoning_parser is not None and reasoning_parser not in (*REASONING_PARSERS, HARMONY):
-        raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or {HARMONY}, "
-                         f"got {reasoning_parser!r}")
-    harmony = reasoning_parser == HARMONY or (reasoning_parser is None and tool_call_parser is None
-                                              and is_harmony(engine.model_config.architecture))
-    if harmony and tool_call_parser is not None:
-        raise ValueError(f"harmony carries its own tool calls: tool_call_parser must be None, got {tool_call_parser!r}")
+    harmony = _writes_harmony(engine, tool_call_parser, reasoning_parser)
     metrics = ServerMetrics(engine, served_model_name)
     history = StepHistory()
     async_engine = AsyncLLMEngine(engine, listeners=[metrics.on_step, history.on_step]

@@ -99,20 +99,29 @@ def chat_logprobs(tokenizer, entries: list[dict[int, float]], token_ids: list[in
     return {"content": content}
 
 
-def prompt_logprobs(tokenizer, entries: list[dict[int, float] | None], ranks: list[int | None]) -> list[dict | None]:
+def ranked(entry: dict[int, float], rank: int, n: int) -> list[tuple[int, float, int]]:
+    """A prompt token's entry (its own token first, then the top-N best first without it) as
+    (token, logprob, rank), cut to the own token and the top n. The alternatives' ranks follow
+    from the own token's: they are the top-N in order, without it."""
+    out = [(token, lp, k if k < rank else k + 1) for k, (token, lp) in enumerate(entry.items())]
+    return [(*out[0][:2], rank)] + [alternative for alternative in out[1:] if alternative[2] <= n]
+
+
+def top_prompt_entries(entries: list[dict[int, float] | None], ranks: list[int | None],
+                       n: int) -> list[dict[int, float] | None]:
+    """Prompt entries scored with a top-N of at least n, cut to the top n (as if scored with n)."""
+    return [None if entry is None else {token: lp for token, lp, _ in ranked(entry, rank, n)}
+            for entry, rank in zip(entries, ranks)]
+
+
+def prompt_logprobs(tokenizer, entries: list[dict[int, float] | None], ranks: list[int | None],
+                    n: int) -> list[dict | None]:
     """vLLM's prompt_logprobs: per prompt token (None for the first) {token id: {"logprob", "rank",
-    "decoded_token"}}, the prompt's own token first, then the top-n best first. Their ranks follow
-    from the own token's: the alternatives are the top-n in order, without it."""
-    token_text, out = _token_text(tokenizer), []
-    for entry, rank in zip(entries, ranks):
-        if entry is None:
-            out.append(None)
-            continue
-        ranked = [(token, lp, k if k < rank else k + 1) for k, (token, lp) in enumerate(entry.items())]
-        ranked[0] = (*ranked[0][:2], rank)
-        out.append({str(token): {"logprob": lp, "rank": r, "decoded_token": token_text(token)}
-                    for token, lp, r in ranked})
-    return out
+    "decoded_token"}}, the prompt's own token first, then the top n best first."""
+    token_text = _token_text(tokenizer)
+    return [None if entry is None else {str(token): {"logprob": lp, "rank": r, "decoded_token": token_text(token)}
+                                        for token, lp, r in ranked(entry, rank, n)}
+            for entry, rank in zip(entries, ranks)]
 
 
 def _token_id_text(token_id: int) -> str:

@@ -162,7 +162,8 @@ def add_allowed_origins_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-origins", default=None,
                         help="comma-separated web origins (scheme://host[:port]) whose pages may call the API and "
                              "read its answers (CORS), '*' for any; vLLM's JSON list is read too (default: none, "
-                             "so no other site's page can use the server through its visitors' browsers)")
+                             "so no other site's page can use the server through its visitors' browsers; vLLM's "
+                             "default is '*')")
 
 
 def resolve_allowed_origins(flag: str | None) -> list[str] | None:

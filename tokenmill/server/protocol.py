@@ -154,12 +154,10 @@ class SamplingFields(APIRequest):
             raise ValueError(f"{field} is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None:  # (scored with the larger top-n when echo scores the prompt too)
             if self.stream:
                 raise ValueError("prompt_logprobs is not available with stream=true")
-            if prompt_logprobs is not None and prompt_logprobs != self.prompt_logprobs:
-                raise ValueError("prompt_logprobs must equal logprobs when echo scores the prompt too")
-            prompt_logprobs = self.prompt_logprobs
+            prompt_logprobs = max(self.prompt_logprobs, prompt_logprobs or 0)
         values = {
             "n": self.n, "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
             "min_tokens": self.min_tokens, "seed": self.seed, "stop": self.stop if self.stop is not None else [],

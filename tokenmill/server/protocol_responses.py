@@ -152,6 +152,7 @@ class ResponsesRequest(APIRequest):
     parallel_tool_calls: bool = True
     reasoning: ReasoningConfig | None = None
     user: str | None = None
+    cache_salt: str | None = None                 # vLLM's: cached blocks shared only within one salt
     background: bool = False                      # known, not implemented: true is a 400
 
     @field_validator("background")

@@ -83,7 +83,7 @@ def output_items(plan: ToolPlan | None, text: str, status: str, thinking: Reason
                                                                       for c in parsed.calls]
     else:
         reasoning, text = thinking.split(text) if thinking is not None else ("", text)
-        content, found = plan.parse(text) if plan is not None else (text, [])
+        content, found = plan.parse(text, status == "incomplete") if plan is not None else (text, [])
         calls = [(call.id, call.name, call.arguments) for call in found]
     items = [reasoning_item(new_id("rs"), [text_part("reasoning", reasoning)], status)] if reasoning else []
     if content or not calls:
@@ -93,7 +93,7 @@ def output_items(plan: ToolPlan | None, text: str, status: str, thinking: Reason
 
 def usage(out: RequestOutput) -> dict:
     prompt, output = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    cached = out.metrics.num_cached_tokens if out.metrics is not None else 0
+    cached = out.metrics.num_uncomputed_tokens if out.metrics is not None else 0
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
 
@@ -161,7 +161,8 @@ class ResponseEvents:
             delta = self.harmony.delta(text, out.finished) or {}
             events += self._text("reasoning", delta["reasoning_content"]) if "reasoning_content" in delta else []
         else:
-            delta = self._delta(text, new_text, out.finished, events)
+            delta = self._delta(text, new_text, out.finished, events,
+                                status_of(out.outputs[0].finish_reason) == "incomplete")
         events += self._text("message", delta["content"]) if delta.get("content") else []
         for call in delta.get("tool_calls", []):  # (a named function's first delta opens its call)
             if "id" in call:
@@ -170,12 +171,13 @@ class ResponseEvents:
                 events += self._arguments(call["function"]["arguments"])
         return events + (self._finish(out) if out.finished else [])
 
-    def _delta(self, text: str, new_text: str, finished: bool, events: list[str]) -> dict:
-        """The content and calls an output adds; its thinking's events (if split off) added to `events`."""
+    def _delta(self, text: str, new_text: str, finished: bool, events: list[str], cut: bool) -> dict:
+        """The content and calls an output adds (cut: it ended early); its thinking's events (if
+        split off) added to `events`."""
         if self.thinking is not None:  # the thinking first; what follows it is the answer
             new_reasoning, text, new_text = self.thinking.step(text, finished)
             events += self._text("reasoning", new_reasoning) if new_reasoning else []
-        return {"content": new_text} if self.tools is None else self.tools.delta(text, new_text, finished) or {}
+        return {"content": new_text} if self.tools is None else self.tools.delta(text, new_text, finished, cut) or {}
 
     def failed(self, message: str) -> list[str]:
         """The events that end a response whose request failed (a step's error, the engine's death)."""

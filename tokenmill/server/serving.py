@@ -94,10 +94,11 @@ def raise_if_failed(outputs: list[RequestOutput]) -> None:
 
 
 def usage(outputs: list[RequestOutput], n: int, generated: bool = True) -> dict:
-    """Token counts, with OpenAI's count of the prompt tokens the prefix cache served (each prompt's
-    first sample's); generated=False: the outputs' tokens are not returned (echo with max_tokens 0)."""
+    """Token counts, with OpenAI's count of the prompt tokens not computed (cached_tokens, each
+    prompt's first sample's); generated=False: the outputs' tokens are not returned (echo with
+    max_tokens 0)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
-    cached = sum(o.metrics.num_cached_tokens for o in outputs[::n] if o.metrics is not None)
+    cached = sum(o.metrics.num_uncomputed_tokens for o in outputs[::n] if o.metrics is not None)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs) if generated else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}

@@ -164,7 +164,7 @@ class ChatResponse:
         fields = {}
         if self.req.prompt_logprobs is not None:
             fields["prompt_logprobs"] = prompt_logprobs(self.tokenizer, outputs[0].prompt_logprobs,
-                                                        outputs[0].prompt_logprob_ranks)
+                                                        outputs[0].prompt_logprob_ranks, self.req.prompt_logprobs)
         if self.req.return_token_ids:
             fields["prompt_token_ids"] = outputs[0].prompt_token_ids
         return fields
@@ -184,7 +184,7 @@ class ChatResponse:
             if new_text:
                 delta["content"] = new_text
         else:
-            delta.update(stream.delta(text, new_text, out.finished) or {})
+            delta.update(stream.delta(text, new_text, out.finished, reason == "length") or {})
             reason = stream.finish_reason(reason)
         return delta, reason
 
@@ -208,7 +208,7 @@ class ChatResponse:
             reasoning, message["content"] = self.split.split(text)
             message["reasoning_content"] = reasoning or None
         if self.plan is not None:
-            message["content"], calls = self.plan.parse(message["content"])
+            message["content"], calls = self.plan.parse(message["content"], reason == "length")
             if calls:
                 message["tool_calls"] = [call.to_dict() for call in calls]
             reason = tool_finish_reason(self.plan, calls, reason)

@@ -18,7 +18,7 @@ from fastapi import Request
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, check_model
-from tokenmill.server.logprobs import TextOffsets, completion_logprobs, prompt_logprobs
+from tokenmill.server.logprobs import TextOffsets, completion_logprobs, prompt_logprobs, top_prompt_entries
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving import ServingEngine, sampling_params
 
@@ -104,7 +104,8 @@ class CompletionResponse:
         choice = {"index": i, "text": (self._prompt_text(i) if self.req.echo else "") + text, "logprobs": lp,
                   "finish_reason": self._finish_reason(out), "stop_reason": self._stop_reason(out)}
         if self.req.prompt_logprobs is not None:  # vLLM's, in each choice
-            choice["prompt_logprobs"] = prompt_logprobs(self.tokenizer, out.prompt_logprobs, out.prompt_logprob_ranks)
+            choice["prompt_logprobs"] = prompt_logprobs(self.tokenizer, out.prompt_logprobs, out.prompt_logprob_ranks,
+                                                        self.req.prompt_logprobs)
         if self.req.return_token_ids:
             choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=ids)
         return choice
@@ -128,6 +129,7 @@ class CompletionResponse:
         """The echoed prompt's logprobs (offsets from 0) before those of `lp`, which follow it."""
         if self.req.logprobs is None:
             return None
-        head = completion_logprobs(self.tokenizer, out.prompt_logprobs, out.prompt_token_ids, TextOffsets(),
+        entries = top_prompt_entries(out.prompt_logprobs, out.prompt_logprob_ranks, self.req.logprobs)
+        head = completion_logprobs(self.tokenizer, entries, out.prompt_token_ids, TextOffsets(),
                                    self.req.return_tokens_as_token_ids)
         return {key: head[key] + (lp[key] if lp else []) for key in head}

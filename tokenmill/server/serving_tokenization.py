@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest
 from tokenmill.server.serving_chat import check_continuation, render_messages
+from tokenmill.server.tools import plan_tools
 
 
 @dataclass
@@ -28,6 +29,10 @@ class TokenizationHandler:
             raise APIError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
             check_continuation(req)
+            try:  # tools as chat checks them (a malformed one is a 400 there too)
+                plan_tools(req.tools, "none", None)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tools") from None
             rendered = await asyncio.to_thread(render_messages, self.tokenizer, req.messages, req.add_generation_prompt,
                                                req.tools, req.chat_template_kwargs, self.harmony,
                                                req.continue_final_message)

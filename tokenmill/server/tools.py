@@ -5,7 +5,8 @@ The tools go to the chat template; `tool_choice` decides how calls come out:
                     parameters schema, and is its arguments
   "required"        the output is constrained to a JSON array of {"name", "parameters"} calls,
                     at least one, each naming one of the tools; cut by max_tokens, the calls
-                    as far as they came (finish reason "length")
+                    as far as they came (finish reason "length"); ended by a stop string before
+                    the array did, the text as content
   "auto"            the model decides, and its text is parsed for calls in its own format:
                     the server's tool-call parser (PARSERS; read from the chat template by
                     tool_detection.py unless --tool-call-parser names it):
@@ -108,24 +109,23 @@ class ToolPlan:
         undecided = not head or any(o.startswith(head) or head.startswith(o) for o in CALLS_OPEN_WITH[self.parser])
         return 0 if undecided else len(text)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) from a whole output. Text that does not parse as calls is content."""
-        content, calls = self._parse(text)
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) from a whole output; cut: max_tokens ended it (a "required" array is
+        then read as far as it came). Text that does not parse as calls is content."""
+        content, calls = self._parse(text, cut)
         for call in calls:
             call.id = self.call_id()
         return content, calls
 
-    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def _parse(self, text: str, cut: bool) -> tuple[str | None, list[ToolCall]]:
         if self.choice == "named":
             return None, [ToolCall(self.name, text)]
         if self.choice == "required":
             try:
                 return None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                               for c in json.loads(text)]
-            except RecursionError:  # (nested past the decoder's limit)
-                return text, []
-            except (ValueError, TypeError, KeyError):  # cut short by max_tokens
-                return None, _cut_calls(text)
+            except (ValueError, TypeError, KeyError, RecursionError):  # cut short, or nested past the decoder's limit
+                return (None, _cut_calls(text)) if cut else (text, [])
         if self.choice != "auto":
             return text, []
         return _PARSE[self.parser](text)
@@ -318,8 +318,9 @@ class ToolStream:
         self.sent = 0                          # characters of content already streamed
         self.calls: list[ToolCall] = []
 
-    def delta(self, text: str, new_text: str, finished: bool) -> dict | None:
-        """The delta for an output whose text is now `text` (`new_text` of it new)."""
+    def delta(self, text: str, new_text: str, finished: bool, cut: bool = False) -> dict | None:
+        """The delta for an output whose text is now `text` (`new_text` of it new); cut: max_tokens
+        ended it."""
         if self.plan.choice == "named":
             if self.calls and new_text:
                 return {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}
@@ -331,7 +332,7 @@ class ToolStream:
             end = self.plan.content_end(text)
             piece, self.sent = text[self.sent:end], max(self.sent, end)
             return {"content": piece} if piece else None
-        content, self.calls = self.plan.parse(text)
+        content, self.calls = self.plan.parse(text, cut)
         delta = {}
         if (content or "")[self.sent:]:
             delta["content"] = content[self.sent:]

@@ -330,6 +330,22 @@ def test_chat_returns_token_ids_once_for_the_prompt_and_each_choices_own(server)
     assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
 
 
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(server):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries the
+    usage of its choice so far; the last chunk (no choices) the whole request's, as without it."""
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2,
+            "return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = streamed_chunks(server.url, "/v1/completions", body)
+    emitted = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        choice = chunk["choices"][0]
+        emitted[choice["index"]] += len(choice["token_ids"])
+        assert chunk["usage"]["prompt_tokens"] == 2 and chunk["usage"]["completion_tokens"] == emitted[choice["index"]]
+    assert emitted == {0: 6, 1: 6} and chunks[-1]["usage"]["completion_tokens"] == 12
+    plain = streamed_chunks(server.url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"] == chunks[-1]["usage"]
+
+
 def test_usage_counts_cached_prompt_tokens_and_a_cache_salt_shares_them_only_within_itself(server):
     """OpenAI's usage.prompt_tokens_details.cached_tokens; vLLM's cache_salt. A repeat reuses the
     prompt's full blocks of 16 tokens but the one holding its last token (always computed)."""

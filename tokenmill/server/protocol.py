@@ -89,6 +89,7 @@ class APIRequest(BaseModel):
 
 class StreamOptions(APIRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, each chunk carries its choice's usage so far
 
 
 class SamplingFields(APIRequest):

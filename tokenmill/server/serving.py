@@ -184,16 +184,20 @@ class ServingEngine:
 
     async def respond(self, req, requests: list[EngineRequest], n: int, raw: Request, response: Response,
                       generated: bool = True):
-        """An SSE stream of `response.chunks` (plus the usage chunk when asked), or the whole
-        response with one `response.choice` per request once all are done. n: the completions
-        per prompt (usage counts each prompt once)."""
+        """An SSE stream of `response.chunks` (plus the usage chunk when asked, and with vLLM's
+        continuous_usage_stats each chunk's choice's usage so far), or the whole response with one
+        `response.choice` per request once all are done. n: the completions per prompt (usage
+        counts each prompt once)."""
         if self.spans is not None:
             self.spans.start([r.request_id for r in requests], raw.headers)
         if req.stream:
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            options = req.stream_options
+            include_usage = options is not None and options.include_usage
             final = ((lambda outs: {**response.chunk_base, "choices": [], "usage": usage(outs, n, generated)})
                      if include_usage else None)
-            return TimedStreamingResponse(self._event_stream(requests, response, final), self.write_timeout,
+            running = ((lambda out: usage([out], 1, generated)) if include_usage and options.continuous_usage_stats
+                       else None)
+            return TimedStreamingResponse(self._event_stream(requests, response, final, running), self.write_timeout,
                                           media_type="text/event-stream")
         outputs = await self._collect(requests, raw)
         raise_if_failed(outputs)
@@ -236,8 +240,10 @@ class ServingEngine:
         return [finals[i] for i in range(len(requests))]
 
     async def _event_stream(self, requests: list[EngineRequest], response: Response,
-                            final_usage: Callable[[list[RequestOutput]], dict] | None) -> AsyncIterator[str]:
-        """SSE: chunks as outputs arrive, an error event if a step failed, optional usage, [DONE]."""
+                            final_usage: Callable[[list[RequestOutput]], dict] | None,
+                            chunk_usage: Callable[[RequestOutput], dict] | None = None) -> AsyncIterator[str]:
+        """SSE: chunks as outputs arrive (each with its output's usage, given `chunk_usage`), an
+        error event if a step failed, optional usage, [DONE]."""
         finals: dict[int, RequestOutput] = {}  # (for the usage)
         try:
             async for i, out in self._outputs(requests):
@@ -247,7 +253,7 @@ class ServingEngine:
                 if out.finished:
                     finals[i] = out
                 for chunk in response.chunks(i, out):
-                    yield sse(chunk)
+                    yield sse(chunk if chunk_usage is None else {**chunk, "usage": chunk_usage(out)})
         except EngineDeadError as exc:
             yield sse(error_body(str(exc), "server_error"))
             return

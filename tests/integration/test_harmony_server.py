@@ -145,9 +145,11 @@ def test_a_forced_tool_choice_is_a_harmony_call_to_a_tool(client, tiny_harmony, 
         assert isinstance(value.get("city", ""), str) and len(value.get("city", "")) <= 8
 
 
-def test_the_template_gets_the_tools_the_reasoning_effort_and_earlier_calls_and_thinking(client, tiny_harmony):
+def test_the_template_gets_the_tools_the_reasoning_effort_and_earlier_calls_and_thinking(client, server,
+                                                                                          tiny_harmony):
     """The prompt has transformers' apply_chat_template's tokens for the same conversation, the
-    calls' arguments as objects and the assistant's reasoning_content as its thinking."""
+    calls' arguments as objects and the assistant's reasoning_content as its thinking; /tokenize
+    renders the same request to the same tokens."""
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_harmony))
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = [*ASK, {"role": "assistant", "content": None, "reasoning_content": "Need it.", "tool_calls": [call]},
@@ -163,6 +165,9 @@ def test_the_template_gets_the_tools_the_reasoning_effort_and_earlier_calls_and_
         assert ('analysis<|message|>Need it.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary '
                 'json<|message|>{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant') in text
         assert out.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+        counted = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": TOOLS,
+                                                              "reasoning_effort": effort}).json()["tokens"]
+        assert counted == tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_a_bad_reasoning_effort_is_a_400_naming_it(server):

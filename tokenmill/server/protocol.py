@@ -256,35 +256,44 @@ class ChatMessage(BaseModel):
         return v
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatRendering(APIRequest):
+    """The fields that shape how messages render through the chat template: chat's, and also
+    /tokenize's, so that its count of messages is chat's prompt."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open: the model writes on
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None  # the template's own variables (Qwen3's enable_thinking)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the chat template (gpt-oss's reads it)
+
+    def template_kwargs(self) -> dict | None:
+        """The template's variables: chat_template_kwargs, and reasoning_effort for a template that
+        reads it (gpt-oss's "Reasoning: low")."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+
+
+class ChatCompletionRequest(SamplingFields, ChatRendering):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # the last (assistant) message left open: the model writes on
     chat_template: str | None = None  # known, refused: a template is code, and the server runs the model's
-    tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    chat_template_kwargs: dict | None = None  # the template's own variables (Qwen3's enable_thinking)
     parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
-    reasoning_effort: Literal["low", "medium", "high"] | None = None  # to the chat template (gpt-oss's reads it)
 
     def unsupported(self) -> str | None:
         return super().unsupported() or ("chat_template" if self.chat_template is not None else None)
 
 
-class TokenizeRequest(APIRequest):
+class TokenizeRequest(ChatRendering):
     """POST /tokenize: a prompt, or messages rendered as the chat endpoint renders them (vLLM's fields)."""
 
     model: str | None = None
     prompt: str | None = None
     add_special_tokens: bool = True  # a prompt's (a chat template writes its own)
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    tools: list[dict] | None = None
-    chat_template_kwargs: dict | None = None
     return_token_strs: bool = False  # the tokens' own strings too (the vocabulary's, as "Ġword")
 
 

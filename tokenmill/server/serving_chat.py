@@ -26,7 +26,7 @@ from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.harmony import HarmonyStream, call_dict, call_id, harmony_params, parse_harmony, with_thinking
 from tokenmill.server.harmony import finish_reason as harmony_finish_reason
 from tokenmill.server.logprobs import chat_logprobs, prompt_logprobs
-from tokenmill.server.protocol import ChatCompletionRequest, TokenizeRequest
+from tokenmill.server.protocol import ChatCompletionRequest, ChatRendering, TokenizeRequest
 from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
 from tokenmill.server.serving import ServingEngine, sampling_params, with_tool_plan
 from tokenmill.server.tools import HARMONY, ToolPlan, ToolStream
@@ -36,22 +36,21 @@ if TYPE_CHECKING:
     from tokenmill.sampling_params import SamplingParams
 
 
-def render_messages(tokenizer, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None, harmony: bool = False,
-                    continue_final_message: bool = False) -> dict:
-    """{"prompt": text, "prompt_token_ids": ids} of a request's messages; a template that
+def render_request(tokenizer, req: ChatCompletionRequest | TokenizeRequest, harmony: bool) -> dict:
+    """{"prompt": text, "prompt_token_ids": ids} of a request's messages, rendered with its
+    rendering fields (protocol.ChatRendering: chat's and /tokenize's alike); a template that
     rejects them is an APIError(400) on `messages`. harmony: an assistant's reasoning_content
     goes to the template as `thinking` (gpt-oss's keeps it before the calls that followed it)."""
-    conversation = [m.model_dump(exclude_none=True) for m in messages]
+    conversation = [m.model_dump(exclude_none=True) for m in req.messages]
     try:  # (with the messages' other fields: an assistant's tool_calls, a tool's tool_call_id)
         return render_chat(tokenizer, [with_thinking(m) for m in conversation] if harmony else conversation,
-                           add_generation_prompt, tools, template_kwargs, continue_final_message)
+                           req.add_generation_prompt, req.tools, req.template_kwargs(), req.continue_final_message)
     except ValueError as exc:  # (the message names the place of a bad tool call: messages.1.tool_calls.0...)
         where = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), param=where if where.startswith("messages.") else "messages") from None
 
 
-def check_continuation(req: ChatCompletionRequest | TokenizeRequest) -> None:
+def check_continuation(req: ChatRendering) -> None:
     """A 400 for a request that continues the last message and opens a new one too."""
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(400, "continue_final_message needs add_generation_prompt=false: the last message is "
@@ -88,12 +87,7 @@ class ChatHandler:
                                       HARMONY if self.harmony else self.tool_call_parser,
                                       req.parallel_tool_calls is not False,
                                       "response_format or structured_outputs")
-        template_kwargs = req.chat_template_kwargs
-        if req.reasoning_effort is not None:  # (a template that reads it: gpt-oss's "Reasoning: low")
-            template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
-        prompt = await asyncio.to_thread(render_messages, self.tokenizer, req.messages,  # tokenizes
-                                         req.add_generation_prompt, req.tools, template_kwargs, self.harmony,
-                                         req.continue_final_message)
+        prompt = await asyncio.to_thread(render_request, self.tokenizer, req, self.harmony)  # tokenizes
         if plan is not None and plan.choice == "none":
             plan = None
         if self.harmony:

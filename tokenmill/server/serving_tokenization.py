@@ -1,6 +1,6 @@
 """POST /tokenize and /detokenize: the server's tokenizer, for clients that count or build
-token ids themselves. Messages are rendered as the chat endpoint renders them (its generation
-prompt, continued message, tools and template variables), so the count is the prompt's."""
+token ids themselves. Messages are rendered as the chat endpoint renders them (the same
+rendering fields, protocol.ChatRendering), so the count is the prompt's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeRequest
-from tokenmill.server.serving_chat import check_continuation, render_messages
+from tokenmill.server.serving_chat import check_continuation, render_request
 from tokenmill.server.tools import plan_tools
 
 
@@ -33,10 +33,7 @@ class TokenizationHandler:
                 plan_tools(req.tools, "none", None)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="tools") from None
-            rendered = await asyncio.to_thread(render_messages, self.tokenizer, req.messages, req.add_generation_prompt,
-                                               req.tools, req.chat_template_kwargs, self.harmony,
-                                               req.continue_final_message)
-            ids = rendered["prompt_token_ids"]
+            ids = (await asyncio.to_thread(render_request, self.tokenizer, req, self.harmony))["prompt_token_ids"]
         else:
             ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt,
                                           add_special_tokens=req.add_special_tokens)

@@ -77,7 +77,7 @@ def completion_logprobs(tokenizer, entries: list[dict[int, float] | None], token
     shown = _token_id_text if as_ids else token_text
     for token, entry in zip(token_ids, entries):
         text = token_text(token)
-        tokens.append(shown(token))
+        tokens.append(_token_id_text(token) if as_ids else text)
         lps.append(entry.get(token) if entry is not None else None)
         tops.append(_by_text(entry, shown) if entry is not None else None)
         starts.append(offsets.take(tokenizer, token, text))

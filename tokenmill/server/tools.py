@@ -122,13 +122,17 @@ class ToolPlan:
             return None, [ToolCall(self.name, text)]
         if self.choice == "required":
             try:
-                return None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                              for c in json.loads(text)]
+                return None, [_required_call(c) for c in json.loads(text)]
             except (ValueError, TypeError, KeyError, RecursionError):  # cut short, or nested past the decoder's limit
                 return (None, _cut_calls(text)) if cut else (text, [])
         if self.choice != "auto":
             return text, []
         return _PARSE[self.parser](text)
+
+
+def _required_call(obj) -> ToolCall:
+    """A call from one {"name", "parameters"} object of a "required" array."""
+    return ToolCall(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False))
 
 
 CUT_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"parameters"\s*:\s*)?')
@@ -146,7 +150,7 @@ def _cut_calls(text: str) -> list[ToolCall]:
             at += 1
         try:
             obj, end = decoder.raw_decode(text, at)
-            calls.append(ToolCall(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False)))
+            calls.append(_required_call(obj))
         except (ValueError, TypeError, KeyError, RecursionError):
             break
         at = end

@@ -20,11 +20,12 @@ def _byte_alphabet() -> dict[str, int]:
 BYTE_ALPHABET = _byte_alphabet()
 
 
-def token_bytes(tokenizer, token_id: int) -> list[int]:
-    """A token's own bytes, as OpenAI's `bytes` field gives them: a piece of a character (an
-    emoji's first bytes) decodes to "\ufffd", so its bytes come from its vocabulary entry, in
-    GPT-2's byte alphabet or as sentencepiece's <0xNN>."""
-    text = tokenizer.decode([token_id])
+def token_bytes(tokenizer, token_id: int, text: str | None = None) -> list[int]:
+    """A token's own bytes, as OpenAI's `bytes` field gives them, from its text decoded alone (given
+    as `text` where the caller has it): a piece of a character (an emoji's first bytes) decodes to
+    "\ufffd", so its bytes come from its vocabulary entry, in GPT-2's byte alphabet or as
+    sentencepiece's <0xNN>."""
+    text = tokenizer.decode([token_id]) if text is None else text
     if "\ufffd" not in text:
         return list(text.encode())
     piece = tokenizer.convert_ids_to_tokens(token_id)
@@ -60,7 +61,7 @@ class TextOffsets:
         """The offset of `token_id` (whose text alone is `text`); moves past it."""
         at = self.next
         if "\ufffd" in text:
-            self.next += len(self._pieces.decode(bytes(token_bytes(tokenizer, token_id))))
+            self.next += len(self._pieces.decode(bytes(token_bytes(tokenizer, token_id, text))))
         else:
             self.next += len(self._pieces.decode(b"", final=True)) + len(text)
             self._pieces.reset()
@@ -88,14 +89,16 @@ def chat_logprobs(tokenizer, entries: list[dict[int, float]], token_ids: list[in
                   as_ids: bool = False) -> dict:
     """Chat logprobs of `token_ids`: each token with its bytes and its `top_n` best alternatives.
     as_ids: tokens named "token_id:ID" (vLLM's return_tokens_as_token_ids), with their own bytes."""
-    token_text = _token_id_text if as_ids else _token_text(tokenizer)
+    token_text = _token_text(tokenizer)
+
+    def described(token: int, lp: float | None) -> dict:  # (each token decoded once)
+        text = token_text(token)
+        return {"token": _token_id_text(token) if as_ids else text, "logprob": lp,
+                "bytes": token_bytes(tokenizer, token, text)}
     content = []
     for token, entry in zip(token_ids, entries):
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
-        content.append({"token": token_text(token), "logprob": entry.get(token),
-                        "bytes": token_bytes(tokenizer, token),
-                        "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": token_bytes(tokenizer, t)}
-                                         for t, lp in top]})
+        content.append({**described(token, entry.get(token)), "top_logprobs": [described(t, lp) for t, lp in top]})
     return {"content": content}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 
-from tokenmill.sampling_params import is_unicode
+from tokenmill.sampling_params import MAX_JSON_DEPTH, is_unicode, nesting_depth
 
 
 def content_text(content) -> str:
@@ -31,20 +31,23 @@ def content_text(content) -> str:
 def _with_argument_objects(tool_calls: list, where: str) -> list:
     """An assistant message's tool calls with their JSON-text arguments (OpenAI's form) as objects,
     the form chat templates (Qwen's, Llama's) write out; arguments that are no JSON stay text.
-    ValueError naming the call (`where`: the message's place) for arguments nested past JSON's
-    decoder (RecursionError)."""
+    ValueError naming the call (`where`: the message's place) for arguments nested past
+    MAX_JSON_DEPTH, or past JSON's decoder (RecursionError)."""
     out = []
     for k, call in enumerate(tool_calls):
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            too_deep = ValueError(f"{where}.tool_calls.{k}.function.arguments nests objects and arrays deeper than "
+                                  f"{MAX_JSON_DEPTH} levels")
             try:
-                function = {**function, "arguments": json.loads(function["arguments"])}
+                arguments = json.loads(function["arguments"])
             except ValueError:
-                pass
+                arguments = function["arguments"]
             except RecursionError:
-                raise ValueError(f"{where}.tool_calls.{k}.function.arguments nests objects and arrays too deeply "
-                                 "to read") from None
-            call = {**call, "function": function}
+                raise too_deep from None
+            if nesting_depth(arguments, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+                raise too_deep
+            call = {**call, "function": {**function, "arguments": arguments}}
         out.append(call)
     return out
 

@@ -18,6 +18,10 @@ MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]; past it sampling i
 # JSON schemas (structured outputs, tool parameters) nest objects and arrays at most this deep:
 # OpenAI's structured outputs take 10 levels of nested schemas, about 20 of JSON
 MAX_SCHEMA_DEPTH = 64
+# A request's JSON (its body, a tool call's arguments) nests at most this deep. Python's own decoder
+# stops near 1,000 levels on 3.11 and near 8,000 on 3.12 and 3.13, so without a limit of our own the
+# same body was a 400 on one version and served on another.
+MAX_JSON_DEPTH = 512
 
 
 def is_unicode(text: str) -> bool:

@@ -73,6 +73,8 @@ async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
     # the location without "body" and the union members pydantic names ("prompt.str", "list[int]")
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_name(p)]
     message = first.get("msg", "invalid request")
+    if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
+        message = str(first["ctx"]["error"])  # a validator's own text, without pydantic's "Value error, "
     if first.get("type") == "json_invalid":
         message = "request body is not valid JSON"
         loc = []

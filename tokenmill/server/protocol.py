@@ -13,7 +13,7 @@ from typing import Annotated, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from tokenmill.sampling_params import SamplingParams, check_schema_depth, is_unicode
+from tokenmill.sampling_params import MAX_JSON_DEPTH, SamplingParams, check_schema_depth, is_unicode, nesting_depth
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -63,15 +63,18 @@ def schema_with_nulls(schema: dict, model: type[BaseModel]) -> None:
 
 
 class APIRequest(BaseModel):
-    """A request body: unknown fields ignored, as OpenAI's API does; its text valid unicode; null
-    for an optional field whose type has no null (n, stream, echo...) meaning its default, as
-    OpenAI's clients send it and vLLM takes it (the schema says so too)."""
+    """A request body: unknown fields ignored, as OpenAI's API does; nested at most MAX_JSON_DEPTH
+    deep; its text valid unicode; null for an optional field whose type has no null (n, stream,
+    echo...) meaning its default, as OpenAI's clients send it and vLLM takes it (the schema says so
+    too)."""
 
     model_config = ConfigDict(extra="ignore", json_schema_extra=schema_with_nulls)
 
     @model_validator(mode="before")
     @classmethod
     def _unicode(cls, data):
+        if nesting_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise ValueError(f"the body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels")
         where = lone_surrogate_at(data)
         if where is not None:
             raise ValueError(f"{where} is not valid unicode text (a lone surrogate such as \\ud800)")

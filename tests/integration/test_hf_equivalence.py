@@ -190,8 +190,9 @@ def test_the_defaults_take_bfloat16_weights_exactly_where_the_kernels_have_avx51
     path = tiny_models["qwen3"]
     kernels = load_cpu_kernels(required=True)
     bf16, amx_rows = kernels.bf16, kernels.amx_min_rows
-    exact, auto = LLM(str(path), dtype="float32", num_kv_blocks=32), LLM(str(path), num_kv_blocks=32)
-    asked = LLM(str(path), dtype="bfloat16", num_kv_blocks=32)  # as vLLM users ask for bfloat16
+    cpu = {"device": "cpu", "num_kv_blocks": 32}  # (on the CPU also where the suite's engines run on CUDA)
+    exact, auto = LLM(str(path), dtype="float32", **cpu), LLM(str(path), **cpu)
+    asked = LLM(str(path), dtype="bfloat16", **cpu)  # as vLLM users ask for bfloat16
     if bf16:  # the same arithmetic as the defaults (torch's own bfloat16 layers elsewhere)
         assert asked.engine.arithmetic == auto.engine.arithmetic
     for llm, expected in ((exact, False), (auto, bf16)):

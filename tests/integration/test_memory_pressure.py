@@ -124,9 +124,10 @@ def test_an_int8_pool_gives_the_same_tokens_under_pressure_as_with_room(tiny_lla
 
 def test_a_pool_too_small_for_the_context_names_how_much_more_an_int8_pool_holds(tiny_llama, caplog):
     """The warning that lowers max_model_len says what kv_cache_dtype="int8" would hold instead: a
-    float32 pool's rows take 4 * head_dim bytes, an int8 pool's head_dim + 4."""
+    float32 pool's rows take 4 * head_dim bytes, an int8 pool's head_dim + 4. (A CPU pool's: CUDA
+    has no int8 pool.)"""
     with caplog.at_level("WARNING", logger="tokenmill.engine_parts"):
-        head_dim = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=8).engine.model_config.head_dim
+        head_dim = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=8, device="cpu").engine.model_config.head_dim
     assert "max_model_len lowered from" in caplog.text
     assert f"kv_cache_dtype='int8' would hold {4 * head_dim / (head_dim + 4):.1f}x the tokens" in caplog.text
     caplog.clear()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import copy_model, random_k_quant_rows
+from conftest import copy_model, random_k_quant_rows, write_gguf_from_hf
 
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.models.cpu_packing import GGUFEmbedding, use_gguf_embedding
@@ -372,16 +372,25 @@ def test_the_gguf_reader_through_a_plain_view_reads_what_ggufs_own_does(tmp_path
         assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, stock.tensors))
 
 
-@pytest.mark.parametrize("keep", [0, 1024, 3 << 20])
-def test_a_truncated_gguf_is_a_value_error_naming_the_file(tmp_path, keep):
-    """Cut short anywhere (empty, inside the metadata, inside the tensors), not an IndexError from
-    inside gguf's reader or a bare numpy reshape error."""
+@pytest.mark.parametrize("where", ["empty", "inside the metadata", "inside the tensors"])
+def test_a_truncated_gguf_is_a_value_error_naming_the_file(tiny_llama, tmp_path, where):
+    """Cut short anywhere, not an IndexError from inside gguf's reader or a bare numpy reshape
+    error (the whole file loads)."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
     from tokenmill.config import EngineConfig
     from tokenmill.engine import LLMEngine
-    from tokenmill.models.loader import default_model_path
+    whole = tmp_path / "whole.gguf"
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"▁w{i}" for i in range(hf.config.vocab_size - 4)]
+    write_gguf_from_hf(hf, whole, "Q8_0", tokens=tokens)
+    LLMEngine(EngineConfig(model=str(whole), num_kv_blocks=16))
+    data = whole.read_bytes()
+    tensors_at = GGUFReader(str(whole)).data_offset
+    keep = {"empty": 0, "inside the metadata": tensors_at // 2, "inside the tensors": (tensors_at + len(data)) // 2}
     cut = tmp_path / "cut.gguf"
-    with open(default_model_path(), "rb") as f:
-        cut.write_bytes(f.read(keep))
+    cut.write_bytes(data[:keep[where]])
     with pytest.raises((ValueError, OSError), match="cut.gguf"):
         LLMEngine(EngineConfig(model=str(cut)))
 

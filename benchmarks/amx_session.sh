@@ -15,14 +15,16 @@
 #   bf16      the default workload on a SmolLM2-shaped model with random bf16 weights: amx,
 #             avx512_bf16 and float32, alternated
 #   products  the projections' GFLOP/s by row count, tokenmill's bf16 panels beside oneDNN's
-#   gguf      the default workload on the default GGUF's twin with random weights (random_gguf.py)
+#   gguf      the default workload on the default GGUF's twin with random weights (random_gguf.py),
+#             alternated with the bf16 model on AMX tiles
 #   llamacpp  batch-1 decode on that twin: tokenmill (float32 x, 8-bit x) and llama-bench, rep by rep
 #   roofline  `bench roofline` on the bf16 model: the layers at 512 rows against torch's bf16 peak
 # Logs go to $OUT; the summary is the output's end.
 set -o pipefail
 OUT=${OUT:-/tmp}
 PARTS=${*:-moe build tests bf16 products gguf llamacpp roofline}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+[ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 grep -m1 "model name" /proc/cpuinfo; nproc
 grep -m1 flags /proc/cpuinfo | tr ' ' '\n' | grep -E '^(amx|avx512_bf16|avx512_vnni|avx512f$|avx2$)' | tr '\n' ' '; echo
@@ -56,7 +58,7 @@ engine() {  # $1 level, $2 name, $3 model, then bench arguments
       --num-threads 2 --json "$OUT/engine_$name.json" "$@" > "$OUT/engine_$name.txt" 2>&1
   echo "$name: $(grep -E '^tokenmill ' "$OUT/engine_$name.txt" | awk '{print $2}') output tok/s"
 }
-if wants bf16 || wants roofline; then
+if wants bf16 || wants gguf || wants roofline; then
   python3 benchmarks/random_copy.py .amx/smollm2 /tmp/smol > /dev/null 2>&1 || echo "random_copy failed"
 fi
 if wants bf16; then
@@ -75,8 +77,8 @@ if wants gguf || wants llamacpp; then
   python3 benchmarks/random_gguf.py write .amx/smollm2_q4_1_layout.json /tmp/smol_q4_1.gguf || echo "random_gguf failed"
 fi
 if wants gguf; then
-  engine native gguf_1 /tmp/smol_q4_1.gguf; engine native gguf_f32 /tmp/smol_q4_1.gguf --dtype float32
-  engine native gguf_2 /tmp/smol_q4_1.gguf
+  engine native gguf_1 /tmp/smol_q4_1.gguf; engine native amx_bf16_1 /tmp/smol
+  engine native gguf_2 /tmp/smol_q4_1.gguf; engine native amx_bf16_2 /tmp/smol
 fi
 if wants llamacpp; then
   taskset -c 0,1 timeout 200 python3 benchmarks/moe_vs_llamacpp.py /tmp/smol_q4_1.gguf --alternate --reps 5 \
@@ -84,7 +86,7 @@ if wants llamacpp; then
   echo "llamacpp exit $?"; tail -6 "$OUT/batch1_llamacpp.txt"
 fi
 if wants roofline; then
-  taskset -c 0,1 timeout 200 python3 -m tokenmill.cli bench roofline --model /tmp/smol --num-threads 2 \
+  taskset -c 0,1 timeout "${ROOFLINE_S:-200}" python3 -m tokenmill.cli bench roofline --model /tmp/smol --num-threads 2 \
       > "$OUT/roofline.txt" 2>&1; echo "roofline exit $?"; tail -14 "$OUT/roofline.txt"
 fi
 wait; [ -f "$OUT/moe.txt" ] && tail -14 "$OUT/moe.txt"

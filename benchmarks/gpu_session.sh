@@ -1,24 +1,42 @@
 #!/bin/bash
-# One call on a lent GPU machine (run from the repo root, `.whl/` carried; see BENCHMARKS.md's GPU
-# section): the machine, the test suite with every engine on CUDA, greedy parity with transformers,
-# the nano-vllm workload and a Qwen3-30B-A3B-shaped MoE (4 layers) grouped vs looped. Logs go to
-# $OUT; the summary is the output's end.
+# One call on a lent GPU machine, run from the repo root with `.whl/` carried (see BENCHMARKS.md's
+# GPU sections):
+#
+#     OUT=$OUT bash benchmarks/gpu_session.sh [PART ...]      (default: every part, in this order)
+#
+# Parts:
+#   suite  the test suite with every engine on CUDA (TOKENMILL_TEST_DEVICE=cuda), $WORKERS workers
+#   check  greedy parity with transformers on CUDA, chunked prefill and both preemption modes
+#   bench  the nano-vllm workload (256 requests, a Qwen3-0.6B-shaped model with random weights)
+#   moe    a Qwen3-30B-A3B-shaped MoE (4 layers), experts grouped against looped
+# The packages in `.whl/` are installed once per machine, so amx_session.sh can run beside this
+# one (each pinned to its own cores with taskset). Logs go to $OUT; the summary is the output's end.
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp}
-grep -m1 "model name" /proc/cpuinfo; nproc
-grep -m1 flags /proc/cpuinfo | tr ' ' '\n' | grep -E '^(amx|avx512_bf16|avx512_vnni|avx512f$|avx2$)' | tr '\n' ' '; echo
+OUT=${OUT:-/tmp}
+PARTS=${*:-suite check bench moe}
+[ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+wants() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
             'transformers', transformers.__version__)"
-TOKENMILL_TEST_DEVICE=cuda timeout "${PYTEST_S:-300}" python3 -m pytest -n "${WORKERS:-14}" -q -p no:cacheprovider \
-    --deselect tests/integration/test_default_model.py ${TESTS:-tests} > "$OUT/pytest_cuda.txt" 2>&1
-echo "pytest exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.txt" | cut -c1-200 | head -40
-tail -1 "$OUT/pytest_cuda.txt"
-timeout "${CHECK_S:-90}" python3 benchmarks/gpu_bench.py check > "$OUT/check.txt" 2>&1; echo "check exit $?"
-grep -E "False|rror" "$OUT/check.txt" | cut -c1-200 | head -8; grep -c "equal to transformers: True" "$OUT/check.txt"
-timeout "${BENCH_S:-110}" python3 benchmarks/gpu_bench.py bench --modes "${MODES:-graphs}" > "$OUT/bench.txt" 2>&1
-echo "bench exit $?"; tail -6 "$OUT/bench.txt"
-timeout "${MOE_S:-240}" python3 benchmarks/gpu_moe.py --layers 4 --rounds 1 > "$OUT/moe.txt" 2>&1
-echo "moe exit $?"; grep -E "round|rror" "$OUT/moe.txt" | tail -6
+
+if wants suite; then
+  TOKENMILL_TEST_DEVICE=cuda timeout "${PYTEST_S:-300}" python3 -m pytest -n "${WORKERS:-14}" -q -p no:cacheprovider \
+      --deselect tests/integration/test_default_model.py ${TESTS:-tests} > "$OUT/pytest_cuda.txt" 2>&1
+  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.txt" | cut -c1-200 | head -40
+  tail -1 "$OUT/pytest_cuda.txt"
+fi
+if wants check; then
+  timeout "${CHECK_S:-90}" python3 benchmarks/gpu_bench.py check > "$OUT/check.txt" 2>&1; echo "check exit $?"
+  grep -E "False|rror" "$OUT/check.txt" | cut -c1-200 | head -8; grep -c "equal to transformers: True" "$OUT/check.txt"
+fi
+if wants bench; then
+  timeout "${BENCH_S:-110}" python3 benchmarks/gpu_bench.py bench --modes "${MODES:-graphs}" > "$OUT/bench.txt" 2>&1
+  echo "bench exit $?"; tail -6 "$OUT/bench.txt"
+fi
+if wants moe; then
+  timeout "${MOE_S:-240}" python3 benchmarks/gpu_moe.py --layers 4 --rounds 1 > "$OUT/moe.txt" 2>&1
+  echo "moe exit $?"; grep -E "round|rror" "$OUT/moe.txt" | tail -6
+fi

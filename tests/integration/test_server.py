@@ -373,6 +373,39 @@ def test_usage_counts_cached_prompt_tokens_and_a_cache_salt_shares_them_only_wit
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
+def test_a_request_id_header_names_the_answer_and_comes_back_with_it_as_vllms_does(server):
+    """X-Request-Id (else the body's request_id) after the endpoint's prefix, whole and streamed,
+    echoed as a header, and the key of the answer's request timelines; the same id twice at once
+    is two answers (the engine's own ids stay unique); a header past 256 characters is a 400."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 2},
+                   headers={"X-Request-Id": "trace-41"})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-41" and r.headers["x-request-id"] == "trace-41"
+    assert [t["request_id"].startswith("cmpl-trace-41-") for t in
+            httpx.get(server.url + "/v1/requests/cmpl-trace-41").json()["requests"]] == [True]
+    r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "request_id": "from-the-body"})
+    assert r.json()["id"] == "chatcmpl-from-the-body" and "x-request-id" not in r.headers
+    r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "request_id": "from-the-body"},
+                   headers={"X-Request-Id": "from-the-header"})
+    assert r.json()["id"] == "chatcmpl-from-the-header"
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True},
+                      headers={"X-Request-Id": "s-1"}) as response:
+        assert response.headers["x-request-id"] == "s-1"
+        ids = {json.loads(line[6:])["id"] for line in response.iter_lines()
+               if line.startswith("data: ") and line != "data: [DONE]"}
+    assert ids == {"chatcmpl-s-1"}
+
+    async def twice() -> list[httpx.Response]:
+        async with httpx.AsyncClient() as client:
+            body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 16, "ignore_eos": True}
+            return await asyncio.gather(*(client.post(server.url + "/v1/completions", json=body,
+                                                      headers={"X-Request-Id": "same"}) for _ in range(2)))
+    assert [(a.status_code, a.json()["id"]) for a in asyncio.run(twice())] == [(200, "cmpl-same")] * 2
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5"},
+                   headers={"X-Request-Id": "x" * 257})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id" and r.headers["x-request-id"]
+
+
 def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.server")
 

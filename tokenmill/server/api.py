@@ -47,7 +47,8 @@ from tokenmill.server.serving_models import ModelsHandler
 from tokenmill.server.serving_responses import ResponsesHandler, ResponseStore
 from tokenmill.server.serving_tokenization import TokenizationHandler
 from tokenmill.server.step_history import StepHistory
-from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware
+from tokenmill.server.streaming import (AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware,
+                                        RequestIdMiddleware)
 from tokenmill.server.tool_detection import tool_parser_of
 from tokenmill.server.tools import HARMONY, PARSERS
 
@@ -110,6 +111,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
         app.add_middleware(HostAllowListMiddleware, hosts=allowed_hosts)
     add_cors(app, allowed_origins)
     app.add_middleware(AccessLogMiddleware, logger=logger)
+    app.add_middleware(RequestIdMiddleware)
     add_error_handlers(app)
 
     if not stream_write_timeout > 0:

@@ -137,6 +137,7 @@ class SamplingFields(APIRequest):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     cache_salt: str | None = None  # vLLM's: cached prompt blocks are shared only between requests of one salt
+    request_id: str | None = None  # vLLM's: the answer's id (after its 'cmpl-'); an X-Request-Id header wins
     # known but not implemented: a request that sets them gets a 400 (see unsupported)
     best_of: int | None = None
     suffix: str | None = None

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -40,6 +41,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill.server")
 
 MAX_COMPLETIONS = 1024  # engine requests one HTTP request may make
+MAX_REQUEST_ID_CHARS = 256  # a client's own id for an answer (X-Request-Id)
+
+
+def answer_ids(kind: str, raw: Request, asked: str | None = None) -> tuple[str, str]:
+    """(the answer's id, the prefix of its engine requests' ids), as vLLM names them: `kind`, a
+    dash, then the X-Request-Id header, else the body's request_id (`asked`), else a random hex. A
+    client's id leaves the engine's unique, in case it sends the same one twice at once (the
+    request log then keeps the later answer under it)."""
+    fresh = uuid.uuid4().hex
+    given = raw.headers.get("x-request-id") or asked
+    if not given:
+        return f"{kind}-{fresh}", f"{kind}-{fresh}"
+    if len(given) > MAX_REQUEST_ID_CHARS or not given.isprintable():
+        raise APIError(400, f"a request id (X-Request-Id, or request_id) must be at most {MAX_REQUEST_ID_CHARS} "
+                            "printable characters", param="request_id")
+    return f"{kind}-{given}", f"{kind}-{given}-{fresh[:12]}"
 
 
 class Response(Protocol):
@@ -145,10 +162,11 @@ class ServingEngine:
     spans: RequestSpans | None = None   # --otlp-traces-endpoint (server/otel.py)
 
     async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
-                             prefix: str, input_name: str = "prompt", cache_salt: str | None = None,
+                             ids: tuple[str, str], input_name: str = "prompt", cache_salt: str | None = None,
                              add_special_tokens: bool = True) -> list[EngineRequest]:
         """One engine request per (prompt, sample), each with the request's cache_salt, a text
-        prompt tokenized with or without its tokenizer's special tokens; raises
+        prompt tokenized with or without its tokenizer's special tokens, logged under the answer's
+        id (`ids`: the answer's id and its requests' prefix, from answer_ids); raises
         APIError(400) for any invalid one, a prompt past the context as OpenAI answers it, naming the
         endpoint's input (`input_name`).
         Tokenizing runs on a worker thread, so that a body of a few MB does not stall every open
@@ -158,9 +176,10 @@ class ServingEngine:
             raise APIError(400, f"at most {MAX_COMPLETIONS} completions per request (prompts x n), "
                                 f"got {len(prompts)} x {params.n}", param="prompt")
         arrival = time.monotonic()  # the requests' timelines start here, before tokenizing
+        answer_id, prefix = ids
         requests = await asyncio.to_thread(self._make_requests, prompts, params, priority, prefix, arrival,
                                            input_name, cache_salt, add_special_tokens)
-        self.request_log.add(prefix, requests)
+        self.request_log.add(answer_id, requests)
         return requests
 
     def _make_requests(self, prompts: list, params: SamplingParams, priority: int, prefix: str,

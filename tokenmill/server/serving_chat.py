@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,7 +27,7 @@ from tokenmill.server.harmony import finish_reason as harmony_finish_reason
 from tokenmill.server.logprobs import chat_logprobs, prompt_logprobs
 from tokenmill.server.protocol import ChatCompletionRequest, ChatRendering, TokenizeRequest
 from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
-from tokenmill.server.serving import ServingEngine, sampling_params, with_tool_plan
+from tokenmill.server.serving import ServingEngine, answer_ids, sampling_params, with_tool_plan
 from tokenmill.server.tools import HARMONY, ToolPlan, ToolStream
 from tokenmill.server.tools import finish_reason as tool_finish_reason
 
@@ -94,9 +93,10 @@ class ChatHandler:
             params = harmony_params(params, self.tokenizer)
         elif plan is not None and plan.keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)
-        requests = await self.serving.build_requests([prompt], params, req.priority, f"chatcmpl-{uuid.uuid4().hex}",
-                                                     input_name="messages", cache_salt=req.cache_salt)
-        base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "chat.completion",
+        ids = answer_ids("chatcmpl", raw, req.request_id)
+        requests = await self.serving.build_requests([prompt], params, req.priority, ids, input_name="messages",
+                                                     cache_salt=req.cache_salt)
+        base = {"id": ids[0], "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name}
         # a structured output constrains the output from its first token: thinking only where the
         # grammar itself opens a block (deepseek_r1's rule would take all of it as thinking)

@@ -10,7 +10,6 @@ text. The engine still samples one token, which is dropped.
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +19,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, check_model
 from tokenmill.server.logprobs import TextOffsets, completion_logprobs, prompt_logprobs, top_prompt_entries
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.serving import ServingEngine, sampling_params
+from tokenmill.server.serving import ServingEngine, answer_ids, sampling_params
 
 if TYPE_CHECKING:
     from tokenmill.request import Request as EngineRequest
@@ -39,10 +38,11 @@ class CompletionHandler:
             raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens (0)", param="min_tokens")
         params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
                                  prompt_logprobs=req.logprobs if req.echo else None)
-        requests = await self.serving.build_requests(req.prompts(), params, req.priority,
-                                                     f"cmpl-{uuid.uuid4().hex}", cache_salt=req.cache_salt,
+        ids = answer_ids("cmpl", raw, req.request_id)
+        requests = await self.serving.build_requests(req.prompts(), params, req.priority, ids,
+                                                     cache_salt=req.cache_salt,
                                                      add_special_tokens=req.add_special_tokens)
-        base = {"id": requests[0].request_id.rsplit("-", 2)[0], "object": "text_completion",
+        base = {"id": ids[0], "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         response = CompletionResponse(req, requests, self.tokenizer, base, echo_only)
         return await self.serving.respond(req, requests, params.n, raw, response, generated=not echo_only)

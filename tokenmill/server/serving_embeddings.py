@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,7 +32,7 @@ from tokenmill.input_processor import ContextLengthError, FieldError
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.errors import APIError, check_model, context_length_error
 from tokenmill.server.protocol import EmbeddingRequest
-from tokenmill.server.serving import ServingEngine
+from tokenmill.server.serving import ServingEngine, answer_ids
 
 if TYPE_CHECKING:
     from tokenmill.request import Request as EngineRequest
@@ -56,27 +55,28 @@ class EmbeddingHandler:
         inputs = req.inputs()
         if len(inputs) > MAX_INPUTS:
             raise APIError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
-        prefix = f"embd-{uuid.uuid4().hex}"
+        ids = answer_ids("embd", raw)
         try:
             pooling = self.serving.engine.input_processor.pooling_params(req.pooling, req.normalize,
                                                                          req.truncate_prompt_tokens)
         except ValueError as exc:
             raise APIError(400, str(exc), param="truncate_prompt_tokens") from None
-        requests = await self._build_requests(inputs, pooling, prefix)
+        requests = await self._build_requests(inputs, pooling, ids)
         outputs = await self.serving.collect(requests, raw)
         data = [{"object": "embedding", "index": i, "embedding": encode(out.embedding, req.encoding_format)}
                 for i, out in enumerate(outputs)]
         tokens = sum(len(out.prompt_token_ids) for out in outputs)
         # (JSONResponse: FastAPI's own encoder would walk every number of every vector)
-        return JSONResponse({"id": prefix, "object": "list", "created": int(time.time()), "model": self.model_name,
+        return JSONResponse({"id": ids[0], "object": "list", "created": int(time.time()), "model": self.model_name,
                              "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def _build_requests(self, inputs: list[str | list[int]], pooling: PoolingParams,
-                              prefix: str) -> list[EngineRequest]:
+                              ids: tuple[str, str]) -> list[EngineRequest]:
         """One engine request per input, tokenized on a worker thread (a body of a few MB would
         stall every open stream); an input the engine refuses (too long, a token id past the
-        vocabulary) is a 400. The requests go into the request log under the response's id."""
-        arrival = time.monotonic()
+        vocabulary) is a 400. The requests go into the request log under the response's id (`ids`:
+        that id and the requests' prefix, from answer_ids)."""
+        arrival, (answer_id, prefix) = time.monotonic(), ids
 
         def build() -> list[EngineRequest]:
             try:
@@ -89,7 +89,7 @@ class EmbeddingHandler:
             except ValueError as exc:
                 raise APIError(400, f"input: {exc}", param="input") from None
         requests = await asyncio.to_thread(build)
-        self.serving.request_log.add(prefix, requests)
+        self.serving.request_log.add(answer_id, requests)
         return requests
 
 

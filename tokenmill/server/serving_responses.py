@@ -208,8 +208,8 @@ class ResponsesHandler:
     async def _request(self, prompt: dict, params: SamplingParams, response_id: str, cache_salt: str | None):
         """The engine request; its errors name the Responses API's fields (max_output_tokens)."""
         try:
-            return (await self.serving.build_requests([prompt], params, 0, response_id, input_name="input",
-                                                      cache_salt=cache_salt))[0]
+            return (await self.serving.build_requests([prompt], params, 0, (response_id, response_id),
+                                                      input_name="input", cache_salt=cache_salt))[0]
         except APIError as exc:
             error = exc.body["error"]
             error["param"] = FIELD_NAMES.get(error["param"], error["param"])

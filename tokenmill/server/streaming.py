@@ -148,6 +148,28 @@ class BodyLimitMiddleware:
                                                code="request_too_large"))
 
 
+class RequestIdMiddleware:
+    """A request's X-Request-Id header back on its response, whatever answers it (an endpoint or a
+    middleware's error): vLLM's --enable-request-id-headers, for a client or proxy that follows one
+    request through logs. The generating endpoints also take it as the answer's id (answer_ids)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        given = dict(scope.get("headers") or []).get(b"x-request-id") if scope["type"] == "http" else None
+        if not given:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 class ApiKeyMiddleware:
     """401 for a request to a protected path (every /v1 one, /tokenize, /detokenize, the
     dashboard's data under /dashboard/) without 'Authorization: Bearer KEY', before its body is

@@ -5,7 +5,7 @@
 #     OUT=$OUT bash benchmarks/gpu_session.sh [PART ...]      (default: every part, in this order)
 #
 # Parts:
-#   suite  the test suite with every engine on CUDA (TOKENMILL_TEST_DEVICE=cuda), $WORKERS workers
+#   suite  the test suite with every engine on CUDA (TOKENMILL_TEST_DEVICE=cuda), $WORKERS workers, -v
 #   check  greedy parity with transformers on CUDA, chunked prefill and both preemption modes
 #   bench  the nano-vllm workload (256 requests, a Qwen3-0.6B-shaped model with random weights)
 #   moe    a Qwen3-30B-A3B-shaped MoE (4 layers), experts grouped against looped
@@ -23,9 +23,12 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
             'transformers', transformers.__version__)"
 
 if wants suite; then
-  TOKENMILL_TEST_DEVICE=cuda timeout "${PYTEST_S:-300}" python3 -m pytest -n "${WORKERS:-14}" -q -p no:cacheprovider \
-      --deselect tests/integration/test_default_model.py ${TESTS:-tests} > "$OUT/pytest_cuda.txt" 2>&1
-  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda.txt" | cut -c1-200 | head -40
+  # -v: a line per test as it ends, so a run the call's limit cuts short still names what failed
+  TOKENMILL_TEST_DEVICE=cuda timeout "${PYTEST_S:-300}" python3 -m pytest -n "${WORKERS:-14}" -v -p no:cacheprovider \
+      --timeout 150 --deselect tests/integration/test_default_model.py ${TESTS:-tests/unit tests/integration} \
+      > "$OUT/pytest_cuda.txt" 2>&1
+  echo "pytest exit $?; passed $(grep -c ' PASSED ' "$OUT/pytest_cuda.txt")"
+  grep -E " (FAILED|ERROR) tests" "$OUT/pytest_cuda.txt" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -40
   tail -1 "$OUT/pytest_cuda.txt"
 fi
 if wants check; then

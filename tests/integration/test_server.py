@@ -618,7 +618,8 @@ def test_a_body_nested_as_deep_as_the_limit_is_served_and_one_level_more_is_a_40
     assert post(MAX_JSON_DEPTH).status_code == 200
     refused = post(MAX_JSON_DEPTH + 1)
     assert refused.status_code == 400
-    assert refused.json()["error"]["message"] == f"the body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+    message = refused.json()["error"]["message"]
+    assert message == f"the body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
 
 
 def test_a_wrong_method_gets_405_with_an_allow_header_and_an_openai_error_body(server):

@@ -47,8 +47,7 @@ from tokenmill.server.serving_models import ModelsHandler
 from tokenmill.server.serving_responses import ResponsesHandler, ResponseStore
 from tokenmill.server.serving_tokenization import TokenizationHandler
 from tokenmill.server.step_history import StepHistory
-from tokenmill.server.streaming import (AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware,
-                                        RequestIdMiddleware)
+from tokenmill.server.streaming import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from tokenmill.server.tool_detection import tool_parser_of
 from tokenmill.server.tools import HARMONY, PARSERS
 

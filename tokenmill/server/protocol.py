@@ -13,7 +13,7 @@ from typing import Annotated, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from tokenmill.sampling_params import MAX_JSON_DEPTH, SamplingParams, check_schema_depth, is_unicode, nesting_depth
+from tokenmill.sampling_params import MAX_JSON_DEPTH, SamplingParams, check_schema_depth, is_unicode
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -21,26 +21,36 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 TokenId = Annotated[int, Strict()]
 
 
-def lone_surrogate_at(body) -> str | None:
-    """Where a request's text is no unicode (is_unicode: a lone UTF-16 surrogate). A loop,
-    not recursion (bodies may nest as deep as JSON lets them), that passes over numbers and ASCII
-    text at once (a prompt of 100,000 token ids takes a few milliseconds)."""
-    stack: list = [(body, None)]   # (value, where: None, or (where its container is, key))
+def body_problem(body) -> str | None:
+    """What makes a request body unreadable, or None: objects and arrays nested past
+    MAX_JSON_DEPTH, or text that is no unicode (is_unicode: a lone UTF-16 surrogate), named by its
+    place. One loop, not recursion (bodies may nest as deep as JSON lets them), that passes over
+    numbers and ASCII text at once (a prompt of 100,000 token ids takes a few milliseconds)."""
+    stack: list = [(body, None, 1)]   # (value, where: None or (where its container is, key), its depth)
     while stack:
-        value, where = stack.pop()
+        value, where, depth = stack.pop()
         if isinstance(value, str):
             if not is_unicode(value):
-                keys = []
-                while where is not None:
-                    where, key = where
-                    keys.append(str(key).encode("utf-8", "backslashreplace").decode())
-                return ".".join(reversed(keys)) or "the body"
+                return f"{_place(where)} is not valid unicode text (a lone surrogate such as \\ud800)"
+        elif isinstance(value, (dict, list)) and depth > MAX_JSON_DEPTH:
+            return f"the body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
         elif isinstance(value, dict):
-            stack += [(key, where) for key in value if not key.isascii()]
-            stack += [(item, (where, key)) for key, item in value.items() if isinstance(item, (str, dict, list))]
+            stack += [(key, where, depth) for key in value if not key.isascii()]
+            stack += [(item, (where, key), depth + 1) for key, item in value.items()
+                      if isinstance(item, (str, dict, list))]
         elif isinstance(value, list):
-            stack += [(item, (where, k)) for k, item in enumerate(value) if isinstance(item, (str, dict, list))]
+            stack += [(item, (where, k), depth + 1) for k, item in enumerate(value)
+                      if isinstance(item, (str, dict, list))]
     return None
+
+
+def _place(where) -> str:
+    """A body_problem place, (where its container is, key) down from None, as "a.0.b"."""
+    keys = []
+    while where is not None:
+        where, key = where
+        keys.append(str(key).encode("utf-8", "backslashreplace").decode())
+    return ".".join(reversed(keys)) or "the body"
 
 
 def takes_null(annotation) -> bool:
@@ -72,12 +82,10 @@ class APIRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _unicode(cls, data):
-        if nesting_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-            raise ValueError(f"the body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels")
-        where = lone_surrogate_at(data)
-        if where is not None:
-            raise ValueError(f"{where} is not valid unicode text (a lone surrogate such as \\ud800)")
+    def _readable(cls, data):
+        problem = body_problem(data)
+        if problem is not None:
+            raise ValueError(problem)
         return data
 
     @model_validator(mode="before")

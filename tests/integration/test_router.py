@@ -212,6 +212,10 @@ def test_the_router_answers_bad_input_itself_in_openai_shape_and_passes_a_replic
         "request body is not valid JSON")
     assert error(httpx.post(router + "/v1/chat/completions", content=b"[1]"), 400)["message"] == (
         "request body must be a JSON object")
+    for depth in (600, 5000):  # past the replicas' limit; past Python 3.11's decoder (a 500 before)
+        deep = b'{"prompt": "w5", "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+        assert error(httpx.post(router + "/v1/completions", content=deep), 400)["message"] == (
+            "the body nests objects and arrays deeper than 512 levels")
     assert error(httpx.post(router + "/v1/completions", content=b" " * (5 << 20)), 413)["code"] == "request_too_large"
     assert error(httpx.get(router + "/v1/nothing"), 404)["type"] == "not_found_error"
     assert error(httpx.get(router + "/v1/completions"), 405)["type"] == "invalid_request_error"

@@ -23,8 +23,9 @@
 set -o pipefail
 OUT=${OUT:-/tmp}
 PARTS=${*:-moe build tests bf16 products gguf llamacpp roofline}
-[ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site .whl/*.whl || exit 1
+# once per machine, under a lock: the other script may be installing beside this one
+flock /tmp/site.lock bash -c '[ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps \
+    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }' || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 grep -m1 "model name" /proc/cpuinfo; nproc
 grep -m1 flags /proc/cpuinfo | tr ' ' '\n' | grep -E '^(amx|avx512_bf16|avx512_vnni|avx512f$|avx2$)' | tr '\n' ' '; echo

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 
-from tokenmill.sampling_params import MAX_JSON_DEPTH, is_unicode, nesting_depth
+from tokenmill.sampling_params import check_depth, is_unicode, too_deep
 
 
 def content_text(content) -> str:
@@ -37,16 +37,14 @@ def _with_argument_objects(tool_calls: list, where: str) -> list:
     for k, call in enumerate(tool_calls):
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            too_deep = ValueError(f"{where}.tool_calls.{k}.function.arguments nests objects and arrays deeper than "
-                                  f"{MAX_JSON_DEPTH} levels")
+            place = f"{where}.tool_calls.{k}.function.arguments"
             try:
                 arguments = json.loads(function["arguments"])
             except ValueError:
                 arguments = function["arguments"]
             except RecursionError:
-                raise too_deep from None
-            if nesting_depth(arguments, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-                raise too_deep
+                raise too_deep(place) from None
+            check_depth(arguments, place)
             call = {**call, "function": {**function, "arguments": arguments}}
         out.append(call)
     return out

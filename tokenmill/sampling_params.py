@@ -51,11 +51,21 @@ def nesting_depth(value, limit: int) -> int:
     return deepest
 
 
+def too_deep(where: str, limit: int = MAX_JSON_DEPTH) -> ValueError:
+    """The error for JSON at `where` nested past `limit` levels."""
+    return ValueError(f"{where} nests objects and arrays deeper than {limit} levels")
+
+
+def check_depth(value, where: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """too_deep(where, limit) raised for `value` nested past `limit`."""
+    if nesting_depth(value, limit) > limit:
+        raise too_deep(where, limit)
+
+
 def check_schema_depth(schema, where: str) -> None:
     """ValueError naming `where` for a JSON schema nested past MAX_SCHEMA_DEPTH: compiling one
     (and closing its objects, structured.py) recurses once per level."""
-    if nesting_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"{where} nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} levels")
+    check_depth(schema, where, MAX_SCHEMA_DEPTH)
 
 
 def _is_token_id(t) -> bool:

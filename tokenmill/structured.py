@@ -19,7 +19,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from tokenmill.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, check_schema_depth
+from tokenmill.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, check_schema_depth, too_deep
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
             except RecursionError:  # nested past the decoder's own limit, far past ours
-                raise ValueError(f"the JSON schema nests objects and arrays deeper than {MAX_SCHEMA_DEPTH} "
-                                 "levels") from None
+                raise too_deep("the JSON schema", MAX_SCHEMA_DEPTH) from None
             check_schema_depth(schema, "the JSON schema")
         if spec.disable_additional_properties and isinstance(schema, dict):
             schema = forbid_undeclared_properties(schema)

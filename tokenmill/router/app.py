@@ -38,14 +38,13 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin
 from tokenmill.router.prefix import DEFAULT_DECODE_TOKENS, PrefixSet, chunk_hashes, decode_tokens, routing_text
 from tokenmill.router.replicas import Replica, poll, watch
-from tokenmill.sampling_params import MAX_JSON_DEPTH, nesting_depth
+from tokenmill.sampling_params import check_depth, too_deep
 from tokenmill.server.access import HostAllowListMiddleware, add_cors
 from tokenmill.server.openapi import STREAM_RESPONSES, OpenAIStyleAPI, error_responses
 from tokenmill.server.protocol import error_body
 from tokenmill.server.streaming import AccessLogMiddleware, BodyLimitMiddleware
 
 logger = logging.getLogger("tokenmill.router")
-_TOO_DEEP = object()  # a body past the JSON decoder's own depth
 
 
 @dataclass
@@ -87,10 +86,11 @@ class RouterHandler:
         except (ValueError, UnicodeDecodeError):
             return JSONResponse(error_body("request body is not valid JSON"), status_code=400)
         except RecursionError:  # (past Python 3.11's decoder; 3.12's reads on to about 8,000 levels)
-            body = _TOO_DEEP
-        if body is _TOO_DEEP or nesting_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:  # as the replicas refuse it
-            return JSONResponse(error_body(f"the body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"),
-                                status_code=400)
+            return JSONResponse(error_body(str(too_deep("the body"))), status_code=400)
+        try:
+            check_depth(body, "the body")  # as the replicas refuse it
+        except ValueError as exc:
+            return JSONResponse(error_body(str(exc)), status_code=400)
         if not isinstance(body, dict):
             return JSONResponse(error_body("request body must be a JSON object"), status_code=400)
         text = routing_text(raw.url.path, body)

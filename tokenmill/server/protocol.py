@@ -13,7 +13,7 @@ from typing import Annotated, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from tokenmill.sampling_params import MAX_JSON_DEPTH, SamplingParams, check_schema_depth, is_unicode
+from tokenmill.sampling_params import MAX_JSON_DEPTH, SamplingParams, check_schema_depth, is_unicode, too_deep
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -33,7 +33,7 @@ def body_problem(body) -> str | None:
             if not is_unicode(value):
                 return f"{_place(where)} is not valid unicode text (a lone surrogate such as \\ud800)"
         elif isinstance(value, (dict, list)) and depth > MAX_JSON_DEPTH:
-            return f"the body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+            return str(too_deep("the body"))
         elif isinstance(value, dict):
             stack += [(key, where, depth) for key in value if not key.isascii()]
             stack += [(item, (where, key), depth + 1) for key, item in value.items()

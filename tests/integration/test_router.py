@@ -208,8 +208,8 @@ def test_the_router_answers_bad_input_itself_in_openai_shape_and_passes_a_replic
         assert response.headers["content-type"] == "application/json"
         return response.json()["error"]
 
-    assert error(httpx.post(router + "/v1/completions", content=b"{"), 400)["message"] == (
-        "request body is not valid JSON")
+    bad = httpx.post(router + "/v1/completions", content=b"{", headers={"X-Request-Id": "r-7"})
+    assert error(bad, 400)["message"] == "request body is not valid JSON" and bad.headers["x-request-id"] == "r-7"
     assert error(httpx.post(router + "/v1/chat/completions", content=b"[1]"), 400)["message"] == (
         "request body must be a JSON object")
     for depth in (600, 5000):  # past the replicas' limit; past Python 3.11's decoder (a 500 before)

@@ -406,6 +406,21 @@ def test_a_request_id_header_names_the_answer_and_comes_back_with_it_as_vllms_do
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id" and r.headers["x-request-id"]
 
 
+def test_an_embedding_a_slashed_id_and_a_repeated_header_each_name_the_answer_by_the_first_id_given(server):
+    """Embeddings take the body's request_id as the other endpoints do; an id with slashes is found
+    at /v1/requests/{id}; with X-Request-Id sent twice, the answer's id and the echo are the first."""
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": "tiny", "input": "w5", "request_id": "e-1"})
+    assert r.status_code == 200 and r.json()["id"] == "embd-e-1"
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 2},
+                   headers={"X-Request-Id": "team/a/41"})
+    assert r.json()["id"] == "cmpl-team/a/41"
+    timeline = httpx.get(server.url + "/v1/requests/cmpl-team/a/41")
+    assert timeline.status_code == 200 and timeline.json()["id"] == "cmpl-team/a/41"
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 2},
+                   headers=[("X-Request-Id", "first"), ("X-Request-Id", "second")])
+    assert r.json()["id"] == "cmpl-first" and r.headers.get_list("x-request-id") == ["first"]
+
+
 def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.server")
 

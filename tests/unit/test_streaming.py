@@ -1,10 +1,12 @@
-"""server/streaming.py: merge_streams holds one item per stream for a consumer that lags."""
+"""server/streaming.py: merge_streams holds one item per stream for a consumer that lags; a request's id
+comes back on every answer, an unhandled error's 500 included."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
-from tokenmill.server.streaming import merge_streams
+from tokenmill.server.streaming import RequestIdMiddleware, merge_streams
 
 
 async def _numbers(start: int, count: int, produced: list[int]):
@@ -57,3 +59,46 @@ def test_an_error_in_one_stream_reaches_the_consumer_and_closes_the_others():
             return str(exc)
 
     assert asyncio.run(asyncio.wait_for(main(), timeout=10)) == "boom" and closed == [True]
+
+
+
+def _run(app, headers: list[tuple[bytes, bytes]]) -> tuple[list[dict], BaseException | None]:
+    """The messages an ASGI app sends for one GET with these headers, and what it raised."""
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": headers}
+    try:
+        asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
+    except Exception as exc:  # noqa: BLE001 (the tests look at it)
+        return sent, exc
+    return sent, None
+
+
+async def _failing(scope, receive, send):
+    raise RuntimeError("a bug")
+
+
+async def _failing_mid_answer(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"x-request-id", b"stale")]})
+    raise RuntimeError("a bug")
+
+
+def test_an_unhandled_error_before_the_answer_is_a_json_500_with_the_first_request_id_and_is_raised_on():
+    sent, error = _run(RequestIdMiddleware(_failing), [(b"x-request-id", b"one"), (b"x-request-id", b"two")])
+    assert str(error) == "a bug"  # raised on, for the server's log
+    start, body = sent
+    assert start["status"] == 500 and [v for k, v in start["headers"] if k == b"x-request-id"] == [b"one"]
+    assert json.loads(body["body"]) == {"error": {"message": "internal server error", "type": "server_error",
+                                                  "param": None, "code": None}}
+
+
+def test_an_error_after_the_answer_began_sends_nothing_more_and_the_answer_carries_the_id_once():
+    sent, error = _run(RequestIdMiddleware(_failing_mid_answer), [(b"x-request-id", b"one")])
+    assert str(error) == "a bug"
+    assert [(m["status"], m["headers"]) for m in sent] == [(200, [(b"x-request-id", b"one")])]

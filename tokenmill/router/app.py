@@ -42,7 +42,7 @@ from tokenmill.sampling_params import check_depth, too_deep
 from tokenmill.server.access import HostAllowListMiddleware, add_cors
 from tokenmill.server.openapi import STREAM_RESPONSES, OpenAIStyleAPI, error_responses
 from tokenmill.server.protocol import error_body
-from tokenmill.server.streaming import AccessLogMiddleware, BodyLimitMiddleware
+from tokenmill.server.streaming import AccessLogMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 
 logger = logging.getLogger("tokenmill.router")
 
@@ -157,6 +157,7 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
         app.add_middleware(HostAllowListMiddleware, hosts=allowed_hosts)
     add_cors(app, allowed_origins)
     app.add_middleware(AccessLogMiddleware, logger=logger)
+    app.add_middleware(RequestIdMiddleware)  # the router's own answers echo it too; replicas' pass it on
     app.add_exception_handler(StarletteHTTPException, _http_error)
 
     generating = {**STREAM_RESPONSES, **error_responses(400, 404, 413, 500, 503)}

@@ -148,7 +148,7 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_api_route("/metrics", models.metrics, methods=["GET"], name="prometheus_metrics",
                       response_class=PlainTextResponse)
     app.add_api_route("/version", models.version, methods=["GET"])
-    app.add_api_route("/v1/requests/{response_id}", RequestLogHandler(request_log).request, methods=["GET"],
+    app.add_api_route("/v1/requests/{response_id:path}", RequestLogHandler(request_log).request, methods=["GET"],
                       name="request_timeline", responses=error_responses(404))
     app.add_api_route("/v1/responses", create_response, methods=["POST"], name="responses", responses=generating)
     scheduler = engine.scheduler

@@ -327,6 +327,7 @@ class EmbeddingRequest(APIRequest):
                                    # generative model, an encoder checkpoint's own)
     normalize: bool | None = None  # L2-normalise the vector; None: the model's default
     truncate_prompt_tokens: int | None = None  # vLLM's: embed an input's first k tokens (-1: a context's worth)
+    request_id: str | None = None  # vLLM's: the answer's id (after its 'embd-'); an X-Request-Id header wins
 
     @field_validator("input")
     @classmethod

@@ -55,7 +55,7 @@ class EmbeddingHandler:
         inputs = req.inputs()
         if len(inputs) > MAX_INPUTS:
             raise APIError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
-        ids = answer_ids("embd", raw)
+        ids = answer_ids("embd", raw, req.request_id)
         try:
             pooling = self.serving.engine.input_processor.pooling_params(req.pooling, req.normalize,
                                                                          req.truncate_prompt_tokens)

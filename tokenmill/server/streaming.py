@@ -1,7 +1,7 @@
-"""Plumbing for the server: merging request streams, the access log, the API key, and the
-request-body size limit.
+"""Plumbing for the server: merging request streams, the access log, the API key, the
+request-body size limit, and request ids.
 
-The two middlewares are plain ASGI ones, not Starlette's BaseHTTPMiddleware (`@app.middleware`),
+The middlewares are plain ASGI ones, not Starlette's BaseHTTPMiddleware (`@app.middleware`),
 which hands every chunk of a streamed response through a memory stream and a task of its own:
 per token, that work showed in a stream's inter-token time (BENCHMARKS.md, the server A/Bs). For
 the same reason a request's single stream is read directly; merge_streams' tasks and slots serve
@@ -17,6 +17,8 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
+
+from starlette.datastructures import Headers
 
 from tokenmill.server.protocol import error_body
 
@@ -149,25 +151,37 @@ class BodyLimitMiddleware:
 
 
 class RequestIdMiddleware:
-    """A request's X-Request-Id header back on its response, whatever answers it (an endpoint or a
-    middleware's error): vLLM's --enable-request-id-headers, for a client or proxy that follows one
-    request through logs. The generating endpoints also take it as the answer's id (answer_ids)."""
+    """A request's X-Request-Id header back on its response, whatever answers it (an endpoint, a
+    middleware's error, or an error nothing handled): vLLM's --enable-request-id-headers, for a
+    client or proxy that follows one request through logs. The generating endpoints also take it as
+    the answer's id (answer_ids); with the header twice, both read the first. Added last, it runs
+    first, so an exception that escapes every other layer before the response began gets its 500
+    here, as JSON with the header, and is raised on for the server to log."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        given = dict(scope.get("headers") or []).get(b"x-request-id") if scope["type"] == "http" else None
-        if not given:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        given = Headers(scope=scope).get("x-request-id")
+        started = False
 
         async def send_with_id(message):
+            nonlocal started
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", given)]}
+                started = True
+                if given:
+                    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                    message = {**message, "headers": [*headers, (b"x-request-id", given.encode("latin-1"))]}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            if not started:
+                await send_error(send_with_id, 500, error_body("internal server error", "server_error"))
+            raise
 
 
 class ApiKeyMiddleware:

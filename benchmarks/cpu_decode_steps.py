@@ -1,7 +1,8 @@
 """Decode steps of the default model at a few batch sizes, and optionally the default workload's
 wall time, in one line: for A/B runs of two commits in fresh processes, alternated.
 
-    python benchmarks/cpu_decode_steps.py [--batches 1 4 16 64] [--workload]
+    python benchmarks/cpu_decode_steps.py [--batches 1 4 16 64] [--workload] [--gguf-int8-rows N]
+        [--kv-cache-dtype D]
 
 Alternating two commits (one of them in a git worktree with its own TORCH_EXTENSIONS_DIR, so
 that each loads its own build of the kernels):
@@ -57,8 +58,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--workload", action="store_true", help="also time the default workload (about 40 s)")
+    parser.add_argument("--gguf-int8-rows", type=int, default=None, help="EngineConfig.gguf_int8_rows (default: the CPU's)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=str(default_model_path())))
+    engine = LLMEngine(EngineConfig(model=str(default_model_path()), gguf_int8_rows=args.gguf_int8_rows,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     parts = [f"batch {b}: {median_decode_step(engine, b) * 1e3:.2f} ms" for b in args.batches]
     if args.workload:
         run = run_engine(engine, random_workload(), "tokenmill", progress=False)

@@ -8,12 +8,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import subprocess
-import sys
 
 import httpx
 import pytest
-from test_router import healthy_replicas, serve, stop, wait_for
+from test_router import healthy_replicas, logged, serve, stop, wait_for
 from test_server import free_port
 
 from tokenmill import LLM, SamplingParams
@@ -39,10 +37,8 @@ def pd(request, tiny_llama, tmp_path_factory):
               else ("--kv-connector", "nixl"))
     procs = [serve(tiny_llama, ports[0], logs / "prefill.log", "--kv-role", "prefill", *shared),
              serve(tiny_llama, ports[1], logs / "decode.log", "--kv-role", "decode", *shared)]
-    procs.append(subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "router", "--prefill",
-         f"http://127.0.0.1:{ports[0]}", "--replica", f"http://127.0.0.1:{ports[1]}", "--port", str(ports[2]),
-         "--min-uncached-chars", "200"], stdout=(logs / "router.log").open("a"), stderr=subprocess.STDOUT))
+    procs.append(logged(["router", "--prefill", f"http://127.0.0.1:{ports[0]}", "--replica", f"http://127.0.0.1:{ports[1]}",
+                         "--port", str(ports[2]), "--min-uncached-chars", "200"], logs / "router.log"))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         wait_for(lambda: healthy_replicas(urls[2]) == set(urls[:2]), procs, "healthy prefill and decode instances")

@@ -22,16 +22,23 @@ REPLICA_HEADER = "x-tokenmill-replica"
 PAGE_ORIGIN = "http://page.example:3000"  # the routers' --allowed-origins
 
 
-def serve(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", str(model),
-                             "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "512", *extra],
+def logged(args: list[str], log: Path) -> subprocess.Popen:
+    """`python -m tokenmill.cli ARGS`, its output appended to `log` (kept on the process as .log, so a
+    wait that fails can show it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", *args],
                             stdout=log.open("a"), stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc
+
+
+def serve(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
+    return logged(["serve", str(model), "--port", str(port), "--served-model-name", "tiny", "--num-kv-blocks", "512",
+                   *extra], log)
 
 
 def route(replica_ports: list[int], port: int, log: Path, *extra: str) -> subprocess.Popen:
     replicas = [arg for p in replica_ports for arg in ("--replica", f"http://127.0.0.1:{p}")]
-    return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "router", *replicas,
-                             "--port", str(port), *extra], stdout=log.open("a"), stderr=subprocess.STDOUT)
+    return logged(["router", *replicas, "--port", str(port), *extra], log)
 
 
 def healthy_replicas(url: str) -> set[str]:
@@ -45,9 +52,16 @@ def healthy_replicas(url: str) -> set[str]:
 def wait_for(condition, procs: list[subprocess.Popen], what: str, limit_s: float = 120, every_s: float = 0.2) -> None:
     deadline = time.monotonic() + limit_s
     while not condition():
-        assert all(p.poll() is None for p in procs), f"a process exited while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {limit_s} s"
+        assert all(p.poll() is None for p in procs), f"a process exited while waiting for {what}{log_tails(procs)}"
+        assert time.monotonic() < deadline, f"no {what} within {limit_s} s{log_tails(procs)}"
         time.sleep(every_s)
+
+
+def log_tails(procs: list[subprocess.Popen], lines: int = 15) -> str:
+    """The last lines each process logged (those started by `logged`), for a failed wait's message."""
+    tails = [(p.log.name, p.poll(), p.log.read_text(errors="replace").splitlines()[-lines:])
+             for p in procs if hasattr(p, "log") and p.log.exists()]
+    return "".join(f"\n--- {name} (exit {code}):\n" + "\n".join(tail) for name, code, tail in tails)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:

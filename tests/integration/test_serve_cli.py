@@ -25,7 +25,9 @@ def wait_until_up(proc: subprocess.Popen, url: str) -> None:
                 return
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline, "server did not come up"
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server did not come up within 120 s; its output:\n{proc.communicate()[0][-3000:]}")
         time.sleep(0.2)
 
 

@@ -58,7 +58,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--workload", action="store_true", help="also time the default workload (about 40 s)")
-    parser.add_argument("--gguf-int8-rows", type=int, default=None, help="EngineConfig.gguf_int8_rows (default: the CPU's)")
+    parser.add_argument("--gguf-int8-rows", type=int, default=None,
+                        help="EngineConfig.gguf_int8_rows (default: the CPU's)")
     parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=str(default_model_path()), gguf_int8_rows=args.gguf_int8_rows,

@@ -37,8 +37,9 @@ def pd(request, tiny_llama, tmp_path_factory):
               else ("--kv-connector", "nixl"))
     procs = [serve(tiny_llama, ports[0], logs / "prefill.log", "--kv-role", "prefill", *shared),
              serve(tiny_llama, ports[1], logs / "decode.log", "--kv-role", "decode", *shared)]
-    procs.append(logged(["router", "--prefill", f"http://127.0.0.1:{ports[0]}", "--replica", f"http://127.0.0.1:{ports[1]}",
-                         "--port", str(ports[2]), "--min-uncached-chars", "200"], logs / "router.log"))
+    procs.append(logged(["router", "--prefill", f"http://127.0.0.1:{ports[0]}",
+                         "--replica", f"http://127.0.0.1:{ports[1]}", "--port", str(ports[2]),
+                         "--min-uncached-chars", "200"], logs / "router.log"))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         wait_for(lambda: healthy_replicas(urls[2]) == set(urls[:2]), procs, "healthy prefill and decode instances")

@@ -23,8 +23,8 @@ PAGE_ORIGIN = "http://page.example:3000"  # the routers' --allowed-origins
 
 
 def logged(args: list[str], log: Path) -> subprocess.Popen:
-    """`python -m tokenmill.cli ARGS`, its output appended to `log` (kept on the process as .log, so a
-    wait that fails can show it)."""
+    """`python -m tokenmill.cli --log-level WARNING ARGS`, its output appended to `log` (kept on the
+    process as .log, so a wait that fails can show it)."""
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", *args],
                             stdout=log.open("a"), stderr=subprocess.STDOUT)
     proc.log = log
@@ -61,7 +61,8 @@ def log_tails(procs: list[subprocess.Popen], lines: int = 15) -> str:
     """The last lines each process logged (those started by `logged`), for a failed wait's message."""
     tails = [(p.log.name, p.poll(), p.log.read_text(errors="replace").splitlines()[-lines:])
              for p in procs if hasattr(p, "log") and p.log.exists()]
-    return "".join(f"\n--- {name} (exit {code}):\n" + "\n".join(tail) for name, code, tail in tails)
+    return "".join(f"\n--- {name} ({'running' if code is None else f'exit {code}'}):\n" + "\n".join(tail)
+                   for name, code, tail in tails)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -241,6 +242,21 @@ def test_the_router_answers_bad_input_itself_in_openai_shape_and_passes_a_replic
         assert routed.json() == direct.json()
     models = httpx.get(router + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_a_request_id_comes_back_once_through_the_router_whole_and_streamed(cluster):
+    """The replica names the answer by X-Request-Id and echoes it; the router relays that answer
+    with the header once, not the replica's and its own."""
+    router = cluster.routers["round_robin"]
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 2}
+    r = httpx.post(router + "/v1/completions", json=body, headers={"X-Request-Id": "r-8"}, timeout=60)
+    assert (r.status_code, r.json()["id"], r.headers.get_list("x-request-id")) == (200, "cmpl-r-8", ["r-8"])
+    with httpx.stream("POST", router + "/v1/completions", json={**body, "stream": True},
+                      headers={"X-Request-Id": "r-9"}, timeout=60) as response:
+        assert response.headers.get_list("x-request-id") == ["r-9"]
+        ids = {json.loads(line[6:])["id"] for line in response.iter_lines()
+               if line.startswith("data: ") and line != "data: [DONE]"}
+    assert ids == {"cmpl-r-9"}
 
 
 def test_the_routers_metrics_count_requests_per_replica(cluster):

@@ -27,7 +27,8 @@ def wait_until_up(proc: subprocess.Popen, url: str) -> None:
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError(f"server did not come up within 120 s; its output:\n{proc.communicate()[0][-3000:]}")
+            output = proc.communicate(timeout=30)[0]
+            raise AssertionError(f"server did not come up within 120 s; its output:\n{output[-3000:]}")
         time.sleep(0.2)
 
 

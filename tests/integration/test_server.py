@@ -406,19 +406,27 @@ def test_a_request_id_header_names_the_answer_and_comes_back_with_it_as_vllms_do
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id" and r.headers["x-request-id"]
 
 
-def test_an_embedding_a_slashed_id_and_a_repeated_header_each_name_the_answer_by_the_first_id_given(server):
-    """Embeddings take the body's request_id as the other endpoints do; an id with slashes is found
-    at /v1/requests/{id}; with X-Request-Id sent twice, the answer's id and the echo are the first."""
-    r = httpx.post(server.url + "/v1/embeddings", json={"model": "tiny", "input": "w5", "request_id": "e-1"})
+def test_embeddings_slashed_and_utf8_ids_and_a_repeated_header_each_name_the_answer_by_the_id_given(server):
+    """Embeddings take the body's request_id, and the header over it, as the other endpoints do; an
+    id with slashes, or with UTF-8 bytes, is found at /v1/requests/{id} (bytes that are not UTF-8 are
+    a 400); with X-Request-Id sent twice, the answer's id and the echo are the first."""
+    embed = {"model": "tiny", "input": "w5", "request_id": "e-1"}
+    r = httpx.post(server.url + "/v1/embeddings", json=embed)
     assert r.status_code == 200 and r.json()["id"] == "embd-e-1"
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 2},
-                   headers={"X-Request-Id": "team/a/41"})
-    assert r.json()["id"] == "cmpl-team/a/41"
-    timeline = httpx.get(server.url + "/v1/requests/cmpl-team/a/41")
-    assert timeline.status_code == 200 and timeline.json()["id"] == "cmpl-team/a/41"
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w5", "max_tokens": 2},
+    r = httpx.post(server.url + "/v1/embeddings", json=embed, headers={"X-Request-Id": "e-2"})
+    assert (r.status_code, r.json()["id"], r.headers["x-request-id"]) == (200, "embd-e-2", "e-2")
+    completion = {"model": "tiny", "prompt": "w5", "max_tokens": 2}
+    for given, path in (("team/a/41", "team/a/41"), ("café".encode(), "caf%C3%A9")):
+        r = httpx.post(server.url + "/v1/completions", json=completion, headers={"X-Request-Id": given})
+        name = given if isinstance(given, str) else given.decode()
+        assert (r.status_code, r.json()["id"]) == (200, f"cmpl-{name}")
+        timeline = httpx.get(server.url + f"/v1/requests/cmpl-{path}")
+        assert timeline.status_code == 200 and timeline.json()["id"] == f"cmpl-{name}"
+    r = httpx.post(server.url + "/v1/completions", json=completion, headers={"X-Request-Id": b"\xff"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "X-Request-Id must be UTF-8"
+    r = httpx.post(server.url + "/v1/completions", json=completion,
                    headers=[("X-Request-Id", "first"), ("X-Request-Id", "second")])
-    assert r.json()["id"] == "cmpl-first" and r.headers.get_list("x-request-id") == ["first"]
+    assert (r.status_code, r.json()["id"], r.headers.get_list("x-request-id")) == (200, "cmpl-first", ["first"])
 
 
 def test_access_log_has_a_line_per_request_once_it_is_done(server, caplog):

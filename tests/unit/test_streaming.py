@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
+from fastapi import FastAPI
+
 from tokenmill.server.streaming import RequestIdMiddleware, merge_streams
 
 
@@ -61,7 +64,6 @@ def test_an_error_in_one_stream_reaches_the_consumer_and_closes_the_others():
     assert asyncio.run(asyncio.wait_for(main(), timeout=10)) == "boom" and closed == [True]
 
 
-
 def _run(app, headers: list[tuple[bytes, bytes]]) -> tuple[list[dict], BaseException | None]:
     """The messages an ASGI app sends for one GET with these headers, and what it raised."""
     sent: list[dict] = []
@@ -102,3 +104,23 @@ def test_an_error_after_the_answer_began_sends_nothing_more_and_the_answer_carri
     sent, error = _run(RequestIdMiddleware(_failing_mid_answer), [(b"x-request-id", b"one")])
     assert str(error) == "a bug"
     assert [(m["status"], m["headers"]) for m in sent] == [(200, [(b"x-request-id", b"one")])]
+
+
+def test_through_a_fastapi_app_an_unhandled_error_is_one_json_500_closing_the_connection_with_or_without_an_id():
+    """Starlette's own error layer sits outside the app's middleware: it must send nothing more."""
+    app = FastAPI()
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+    app.add_middleware(RequestIdMiddleware)
+
+    async def get(headers: dict) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/boom", headers=headers)
+
+    for headers, echoed in (({"X-Request-Id": "r-1"}, ["r-1"]), ({}, [])):
+        r = asyncio.run(asyncio.wait_for(get(headers), timeout=10))
+        assert (r.status_code, r.headers["content-type"], r.headers["connection"]) == (500, "application/json", "close")
+        assert r.json()["error"]["type"] == "server_error" and r.headers.get_list("x-request-id") == echoed

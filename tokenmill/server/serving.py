@@ -46,11 +46,17 @@ MAX_REQUEST_ID_CHARS = 256  # a client's own id for an answer (X-Request-Id)
 
 def answer_ids(kind: str, raw: Request, asked: str | None = None) -> tuple[str, str]:
     """(the answer's id, the prefix of its engine requests' ids), as vLLM names them: `kind`, a
-    dash, then the X-Request-Id header, else the body's request_id (`asked`), else a random hex. A
-    client's id leaves the engine's unique, in case it sends the same one twice at once (the
-    request log then keeps the later answer under it)."""
+    dash, then the X-Request-Id header (its bytes read as UTF-8, as the request log's URL path is),
+    else the body's request_id (`asked`), else a random hex. A client's id leaves the engine's
+    unique, in case it sends the same one twice at once (the request log then keeps the later
+    answer under it)."""
     fresh = uuid.uuid4().hex
-    given = raw.headers.get("x-request-id") or asked
+    given = asked
+    if header := raw.headers.get("x-request-id"):
+        try:
+            given = header.encode("latin-1").decode("utf-8")  # Starlette decodes header bytes as latin-1
+        except UnicodeDecodeError:
+            raise APIError(400, "X-Request-Id must be UTF-8", param="request_id") from None
     if not given:
         return f"{kind}-{fresh}", f"{kind}-{fresh}"
     if len(given) > MAX_REQUEST_ID_CHARS or not given.isprintable():

@@ -153,10 +153,11 @@ class BodyLimitMiddleware:
 class RequestIdMiddleware:
     """A request's X-Request-Id header back on its response, whatever answers it (an endpoint, a
     middleware's error, or an error nothing handled): vLLM's --enable-request-id-headers, for a
-    client or proxy that follows one request through logs. The generating endpoints also take it as
-    the answer's id (answer_ids); with the header twice, both read the first. Added last, it runs
-    first, so an exception that escapes every other layer before the response began gets its 500
-    here, as JSON with the header, and is raised on for the server to log."""
+    client or proxy that follows one request through logs. Completions, chat and embeddings also
+    take it as the answer's id (answer_ids); with the header twice, both read the first. Added
+    last, it is the outermost of the app's own layers, so an exception that escapes them before
+    the response began gets its 500 here, as JSON with the header (Starlette's error layer outside
+    then sends nothing more), and is raised on for the server to log and close the connection."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -179,8 +180,9 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:
-            if not started:
-                await send_error(send_with_id, 500, error_body("internal server error", "server_error"))
+            if not started:  # the server closes the connection after this: say so to keep-alive clients
+                await send_error(send_with_id, 500, error_body("internal server error", "server_error"),
+                                 ((b"connection", b"close"),))
             raise
 
 
@@ -209,9 +211,10 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def send_error(send, status: int, body: dict) -> None:
+async def send_error(send, status: int, body: dict, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     """A whole JSON error response, straight from a middleware."""
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *headers]})
     await send({"type": "http.response.body", "body": data})

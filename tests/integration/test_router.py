@@ -287,14 +287,17 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_
     prompts = [f"w{5 + i} w{40 + i}" for i in range(8)]
     body = {"model": "tiny", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
     results: dict[int, dict] = {}
+    # one client for the sends and the polls: a client of its own per call builds an SSL context
+    # each time (tens of ms), and the sends must all be in before the victim's first 2 finish
+    client = httpx.Client(timeout=120)
 
     def run(i: int) -> None:
         request = {**body, "prompt": prompts[i]}
         if i not in STREAMED:
-            results[i] = httpx.post(router + "/v1/completions", json=request, timeout=120).json()
+            results[i] = client.post(router + "/v1/completions", json=request).json()
             return
         events = []
-        with httpx.stream("POST", router + "/v1/completions", json={**request, "stream": True}, timeout=120) as r:
+        with client.stream("POST", router + "/v1/completions", json={**request, "stream": True}) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[len("data: "):])
@@ -304,11 +307,12 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_
         threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
         for sent, thread in enumerate(threads, start=1):  # each at the router before the next: round-robin
             thread.start()                                   # alternates the replicas in this order
-            wait_for(lambda: routed(router) >= sent, cluster.procs, f"request {sent - 1} at the router", 30, 0.01)
+            wait_for(lambda: routed(client, router) >= sent, cluster.procs, f"request {sent - 1} at the router", 30,
+                     0.01)
         seen = []   # the victim's (running, waiting), as polled
 
         def queued() -> bool:
-            seen.append(scheduled(victim))
+            seen.append(scheduled(client, victim))
             return seen[-1] == (2, 2)
         try:
             wait_for(queued, cluster.procs, "1 and 3 running, 5 and 7 queued", 30, 0.01)
@@ -342,18 +346,19 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_
         landed = {complete(router, "w5 w6").headers[REPLICA_HEADER] for _ in range(2)}
         assert landed == set(cluster.replicas)
     finally:
+        client.close()
         stop(cluster.procs)
 
 
-def routed(router: str) -> float:
+def routed(client: httpx.Client, router: str) -> float:
     """The requests the router has sent to a replica, over all replicas."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(router + "/metrics", timeout=5).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in client.get(router + "/metrics", timeout=5).text.splitlines()
                if line.startswith("tokenmill_router_requests_routed_total{"))
 
 
-def scheduled(url: str) -> tuple[float, float]:
+def scheduled(client: httpx.Client, url: str) -> tuple[float, float]:
     """A replica's requests running and waiting, from its vLLM-named metrics."""
-    page = httpx.get(url + "/metrics", timeout=5).text
+    page = client.get(url + "/metrics", timeout=5).text
     figures = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
                if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))}
     return figures["vllm:num_requests_running"], figures["vllm:num_requests_waiting"]

@@ -22,9 +22,9 @@ def content_text(content) -> str:
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"unsupported content part type {kind!r} (only 'text')")
-        if not isinstance(part.get("text", ""), str):
+        if not isinstance(part.get("text"), str):
             raise ValueError(f"a text content part's 'text' must be a string, got {part.get('text')!r}")
-        parts.append(part.get("text", ""))
+        parts.append(part["text"])
     return "\n".join(parts)
 
 

@@ -217,7 +217,8 @@ def test_an_input_past_the_positions_is_a_400_naming_the_limit(server):
     r = httpx.post(server.url + "/v1/embeddings", json={"model": "tiny", "input": [[5] * POSITIONS, [5] * 65]})
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "input"
-    assert error["message"].startswith(f"This model's maximum context length is {POSITIONS} tokens")
+    assert error["message"] == (f"This model's maximum context length is {POSITIONS} tokens. However, your input "
+                                f"resulted in {POSITIONS + 1} tokens. Please reduce the length of the input.")
 
 
 @pytest.mark.parametrize("command", [["generate", "the cat"], ["chat"]])

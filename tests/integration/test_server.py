@@ -273,9 +273,13 @@ def test_prompt_logprobs_come_in_each_completion_choice_and_once_in_chat(server)
     both = httpx.post(url + "/v1/completions", json={**echo, "prompt_logprobs": 2}).json()["choices"][0]
     alone = httpx.post(url + "/v1/completions", json=echo).json()["choices"][0]
     assert both["prompt_logprobs"] == entries and both["logprobs"] == alone["logprobs"]  # each view its own n
-    for extra in ({"stream": True}, {"prompt_logprobs": 21}):
+    for extra in ({"stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1},
+                  {"prompt_logprobs": -3, "echo": True, "logprobs": 2}):
         r = httpx.post(url + "/v1/completions", json={**body, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", (extra, r.text)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "w7"}], "max_tokens": 1, "prompt_logprobs": -1}
+    r = httpx.post(url + "/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "prompt_logprobs must be >= 0, got -1", r.text
 
 
 def streamed_chunks(url: str, path: str, body: dict) -> list[dict]:

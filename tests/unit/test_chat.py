@@ -25,6 +25,8 @@ def test_content_parts_are_joined_with_newlines_and_only_text_is_taken():
         content_text([{"type": "image_url", "image_url": {"url": "x"}}])
     with pytest.raises(ValueError, match="must be a string"):
         content_text([{"type": "text", "text": {"not": "text"}}])
+    with pytest.raises(ValueError, match="'text' must be a string, got None"):  # OpenAI's part requires its text
+        content_text([{"type": "text"}])
 
 
 def test_render_chat_checks_roles_and_turns_template_errors_into_value_errors():

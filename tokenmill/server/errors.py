@@ -37,16 +37,20 @@ def check_model(requested: str | None, served: str) -> None:
                        param="model", code="model_not_found")
 
 
-def context_length_error(exc: ContextLengthError, input_name: str) -> APIError:
+def context_length_error(exc: ContextLengthError, input_name: str, generates: bool = True) -> APIError:
     """A prompt past the model's context as OpenAI answers it: a 400 with code
     context_length_exceeded, `param` the endpoint's input (`input_name`: "prompt", "messages",
     "input"), and a message that opens with "This model's maximum context length is N tokens",
     which clients look for before they trim the conversation and retry: LiteLLM raises its
     ContextWindowExceededError on those words, LangChain its ContextOverflowError on the code in
     the error's text or on "prompt is too long" (the openai SDK's error text is the message alone,
-    without the code)."""
+    without the code). `generates` false: an input that makes no output (embeddings), which may
+    fill the context: its message says nothing of room for output."""
     head = f"This model's maximum context length is {exc.max_model_len} tokens. However, "
-    if exc.max_tokens is None:
+    if not generates:
+        message = (f"{head}your {input_name} resulted in {exc.prompt_tokens} tokens. "
+                   f"Please reduce the length of the {input_name}.")
+    elif exc.max_tokens is None:
         message = (f"{head}your {input_name} resulted in {exc.prompt_tokens} tokens: the prompt is too long, with "
                    f"no room for output. Please reduce the length of the {input_name}.")
     else:

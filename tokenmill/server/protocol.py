@@ -170,6 +170,8 @@ class SamplingFields(APIRequest):
         if self.prompt_logprobs is not None:  # (scored with the larger top-n when echo scores the prompt too)
             if self.stream:
                 raise ValueError("prompt_logprobs is not available with stream=true")
+            if self.prompt_logprobs < 0:  # checked here: the max below would hide it from SamplingParams
+                raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
             prompt_logprobs = max(self.prompt_logprobs, prompt_logprobs or 0)
         values = {
             "n": self.n, "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,

@@ -83,7 +83,7 @@ class EmbeddingHandler:
                 return [self.serving.async_engine.make_embedding_request(f"{prefix}-{i}", prompt, pooling, arrival)
                         for i, prompt in enumerate(inputs)]
             except ContextLengthError as exc:
-                raise context_length_error(exc, "input") from None
+                raise context_length_error(exc, "input", generates=False) from None
             except FieldError as exc:
                 raise APIError(400, str(exc), param=exc.field) from None
             except ValueError as exc:

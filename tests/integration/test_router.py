@@ -392,3 +392,67 @@ def test_a_relayed_stream_whose_client_stops_reading_ends_after_the_write_timeou
         assert finished("length") == 0
     finally:
         stop(procs)
+
+
+@pytest.mark.parametrize("how", ["the replica resumes within the drain", "a second signal",
+                                 "the drain timeout"])
+def test_a_router_told_to_stop_drains_its_requests_then_ends_the_rest_cleanly_and_exits_0(tiny_llama, tmp_path, how):
+    """A stream (its first event relayed) and a whole request are in flight through the router,
+    their replica frozen by SIGSTOP; then SIGTERM to the router. If the replica resumes within
+    --drain-timeout, both finish as usual; if a second signal (SIGINT) comes first, or the
+    drain's 1 s is up, both end at once: the stream with a router_shutting_down error event, the
+    whole request with that 503, and the replica, resumed, aborts them. Either way the router exits
+    0 with no traceback in its log."""
+    port, router_port = free_port(), free_port()
+    replica, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{router_port}"
+    drain = "1" if how == "the drain timeout" else "60"
+    procs = [serve(tiny_llama, port, tmp_path / "serve.log"),
+             route([port], router_port, tmp_path / "router.log", "--drain-timeout", drain)]
+    client = httpx.Client(timeout=60)
+    body = {"model": "tiny", "prompt": "w5 w6", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    events, whole, first = [], {}, threading.Event()
+
+    def stream() -> None:
+        with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    first.set()
+
+    def ask() -> None:
+        r = client.post(url + "/v1/completions", json=body)
+        whole.update(status=r.status_code, body=r.json())
+    threads = [threading.Thread(target=stream), threading.Thread(target=ask)]
+    try:
+        wait_for(lambda: healthy_replicas(url) == {replica}, procs, "a healthy replica")
+        threads[0].start()
+        assert first.wait(60), log_tails(procs)
+        procs[0].send_signal(signal.SIGSTOP)  # 1000 tokens take a second or more: the stream is far from done
+        threads[1].start()
+        wait_for(lambda: routed(client, url) == 2, procs[1:], "the whole request at the router", 30, 0.01)
+        procs[1].send_signal(signal.SIGTERM)
+        if how == "a second signal":
+            time.sleep(0.5)
+            procs[1].send_signal(signal.SIGINT)
+        if how == "the replica resumes within the drain":
+            time.sleep(1.0)
+            assert procs[1].poll() is None  # draining, not gone
+            procs[0].send_signal(signal.SIGCONT)
+        assert procs[1].wait(30) == 0
+        procs[0].send_signal(signal.SIGCONT)
+        for thread in threads:
+            thread.join(30)
+        if how == "the replica resumes within the drain":
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+            assert whole["status"] == 200 and whole["body"]["usage"]["completion_tokens"] == 1000
+        else:
+            assert json.loads(events[-1])["error"]["code"] == "router_shutting_down" and "[DONE]" not in events
+            assert whole["status"] == 503 and whole["body"]["error"]["code"] == "router_shutting_down"
+            wait_for(lambda: scheduled(client, replica) == (0, 0), procs[:1], "the replica's requests aborted", 30)
+        log = (tmp_path / "router.log").read_text()
+        assert "Traceback" not in log and "ERROR" not in log, log
+    finally:
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGCONT)
+        client.close()
+        stop(procs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import socket
 
 import httpx
@@ -13,7 +14,7 @@ import pytest
 
 from tokenmill.router.app import create_app
 from tokenmill.router.forward import Forwarder, sse_events
-from tokenmill.router.launch import add_router_args, replica_url
+from tokenmill.router.launch import add_router_args, distinct_replicas, replica_url
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin, make_policy
 from tokenmill.router.prefix import (
@@ -25,7 +26,7 @@ from tokenmill.router.prefix import (
     decode_tokens,
     routing_text,
 )
-from tokenmill.router.replicas import Replica, waiting_requests
+from tokenmill.router.replicas import Replica, poll, waiting_requests
 
 
 def replicas(n: int, capacity: int = 1000) -> list[Replica]:
@@ -230,6 +231,25 @@ def test_the_router_needs_a_replica_and_takes_several():
     assert args.replicas == ["http://a:1", "http://b:2"] and args.policy == "round_robin"
 
 
+@pytest.mark.parametrize("flag, bad", [("--decode-weight", "-1"), ("--balance-abs-threshold", "-1"),
+                                       ("--balance-rel-threshold", "0.5"), ("--min-uncached-chars", "-1"),
+                                       ("--drain-timeout", "0")])
+def test_a_router_flag_out_of_its_range_is_a_usage_error(flag, bad, capsys):
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--replica", "http://a:1", flag, bad])
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_an_instance_given_twice_is_refused_and_named():
+    distinct_replicas(["http://a:1", "http://b:2"], ["http://c:3"])
+    with pytest.raises(SystemExit, match=r"^each instance once: http://a:1 given more than once"):
+        distinct_replicas(["http://a:1", "http://b:2", "http://a:1"], None)
+    with pytest.raises(SystemExit, match="http://b:2 given more than once"):
+        distinct_replicas(["http://a:1", "http://b:2"], ["http://b:2"])
+
+
 def test_the_routers_stream_write_timeout_is_a_positive_number_of_seconds_60_by_default():
     parser = argparse.ArgumentParser()
     add_router_args(parser)
@@ -314,3 +334,30 @@ def test_a_request_counts_in_its_replicas_backlog_until_its_first_event_and_in_f
     computing, streaming = asyncio.run(scenario())
     assert computing == (1, 1, 3)
     assert streaming == (1, 0, 0)   # the relay gives its in-flight count back when the stream ends
+
+
+def test_a_replica_whose_metrics_need_a_key_stays_in_routing_and_the_log_says_so_once(caplog):
+    """A replica on loopback whose /health answers 200 and /metrics 401 (a replica run with
+    --protect-metrics-and-docs), polled three times."""
+    async def scenario() -> Replica:
+        async def replica_side(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = b"200 OK" if head.startswith(b"GET /health ") else b"401 Unauthorized"
+            writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(replica_side, "127.0.0.1", 0)
+        replica = Replica(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", PrefixSet(100))
+        async with httpx.AsyncClient() as client:
+            for _ in range(3):
+                await poll(client, replica, 5.0)
+        server.close()
+        await server.wait_closed()
+        return replica
+    with caplog.at_level(logging.WARNING, logger="tokenmill.router"):
+        replica = asyncio.run(scenario())
+    assert replica.healthy and replica.waiting == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"replica {replica.url}'s /metrics needs a key (--protect-metrics-and-docs): routing goes without its queue "
+        "length"]

@@ -8,7 +8,8 @@
 
 The router answers itself only what it must read to route: a body that is no JSON object (400),
 an oversized body (413), a Host it does not answer (400), an unknown path (404), no replica
-left (503); each in OpenAI's error shape. Everything else is the replicas' answer, unchanged.
+left (503), a request its shutdown ended (503); each in OpenAI's error shape. Everything else
+is the replicas' answer, unchanged.
 `create_app` wires the module-level handler's routes; the poller runs while the app does.
 """
 
@@ -31,8 +32,10 @@ from tokenmill.router.forward import (
     STREAM_WRITE_TIMEOUT,
     ClientGone,
     Forwarder,
+    RouterStopping,
     request_headers,
-    unless_disconnected,
+    settle,
+    shutting_down,
 )
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import CacheAware, LeastLoaded, RoundRobin
@@ -98,9 +101,11 @@ class RouterHandler:
         if self.prefill is not None:
             leg = self.prefill.prepare(raw.url.path, body, content, request_headers(raw.headers), hashes, len(text))
             try:
-                content = await unless_disconnected(leg, raw.receive)
+                content = await settle(leg, raw.receive, self.forwarder.stopping)
             except ClientGone:
                 return Response(status_code=499)
+            except RouterStopping:
+                return shutting_down()
         return await self._forward(raw, content, hashes, decode_tokens(body))
 
     async def _forward(self, raw: Request, content: bytes, hashes: list[bytes] | None,
@@ -110,9 +115,11 @@ class RouterHandler:
             target += "?" + raw.url.query
         work = self.forwarder.forward(raw.method, target, content, request_headers(raw.headers), hashes, steps)
         try:
-            return await unless_disconnected(work, raw.receive)
+            return await settle(work, raw.receive, self.forwarder.stopping)
         except ClientGone:  # nobody reads this answer; its replica's work was cancelled
             return Response(status_code=499)
+        except RouterStopping:
+            return shutting_down()
 
 
 async def _http_error(_, exc: StarletteHTTPException) -> JSONResponse:
@@ -152,6 +159,7 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     app = OpenAIStyleAPI(title="tokenmill router", version=__version__, lifespan=_lifespan)
     app.state.client, app.state.replicas = client, replicas + prefill  # all polled; prefill ones never routed to
     app.state.health = (health_interval, health_timeout)
+    app.state.stopping = handler.forwarder.stopping  # set by launch.py when the shutdown's drain time is up
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # (the last added runs first)
     if allowed_hosts is not None:
         app.add_middleware(HostAllowListMiddleware, hosts=allowed_hosts)

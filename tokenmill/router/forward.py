@@ -11,15 +11,21 @@ ends the stream with an error event, as the server's own streams end when a step
 Streams are relayed by whole events (the replica's "data: ...\\n\\n"), so an error event never
 lands inside a cut one. The router's in-flight count for a replica covers a request from its
 send until its last byte (or the client leaving).
+
+When the router is told to stop (launch.py sets `Forwarder.stopping` once the drain time after a
+signal is up), what is still in flight ends at once, cleanly: a request whose answer has not
+begun gets a 503 (router_shutting_down), a relayed stream an error event of that code; the
+replicas' responses are closed, so they abort the requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import httpx
@@ -55,22 +61,28 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+class RouterStopping(Exception):
+    """The router's shutdown ended a request before its answer was ready."""
+
+
 async def until_disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def unless_disconnected(work: Awaitable[T], receive) -> T:
-    """`work`'s result, or ClientGone (and `work` cancelled) if the client disconnects first."""
-    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(until_disconnected(receive))
+async def settle(work: Awaitable[T], receive, stopping: asyncio.Event) -> T:
+    """`work`'s result; ClientGone if the client disconnects first, RouterStopping if `stopping`
+    is set first (`work` cancelled either way)."""
+    task = asyncio.ensure_future(work)
+    gone, stop = asyncio.ensure_future(until_disconnected(receive)), asyncio.ensure_future(stopping.wait())
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for pending in (task, gone):
+        for pending in (task, gone, stop):
             pending.cancel()
-        await asyncio.gather(task, gone, return_exceptions=True)
+        await asyncio.gather(task, gone, stop, return_exceptions=True)
     if task.cancelled():
-        raise ClientGone
+        raise ClientGone if not gone.cancelled() else RouterStopping
     return task.result()
 
 
@@ -82,6 +94,14 @@ def request_headers(headers) -> dict[str, str]:
 def answer_headers(upstream: httpx.Response, replica: Replica) -> dict[str, str]:
     kept = {name: upstream.headers[name] for name in KEPT_RESPONSE_HEADERS if name in upstream.headers}
     return {**kept, REPLICA_HEADER: replica.url}
+
+
+SHUTTING_DOWN = "the router is shutting down"
+
+
+def shutting_down() -> JSONResponse:
+    """503 for a request the router's shutdown ended before its answer began."""
+    return JSONResponse(error_body(SHUTTING_DOWN, "server_error", code="router_shutting_down"), status_code=503)
 
 
 def no_replica(tried: list[Replica]) -> JSONResponse:
@@ -111,6 +131,7 @@ class Forwarder:
     policy: CacheAware | RoundRobin | LeastLoaded
     metrics: RouterMetrics
     write_timeout: float = STREAM_WRITE_TIMEOUT  # a stream's client that takes nothing this long is let go
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set: end what is in flight (shutdown)
 
     async def forward(self, method: str, path: str, content: bytes, headers: dict[str, str],
                       hashes: list[bytes] | None, decode_tokens: int = DEFAULT_DECODE_TOKENS) -> Response:
@@ -157,7 +178,7 @@ class Forwarder:
             first = await anext(events)
             relayed = True
             return RelayResponse(upstream.status_code, answer_headers(upstream, replica), first, events,
-                                 upstream, replica, self.write_timeout)
+                                 upstream, replica, self.write_timeout, self.stopping)
         except (httpx.HTTPError, StopAsyncIteration) as exc:
             replica.mark_down(f"{request.url.path}: {type(exc).__name__} {exc}")
             raise AttemptFailed() from None
@@ -173,32 +194,42 @@ class Forwarder:
 class RelayResponse(Response):
     """A response relaying a replica's event stream, whose first event has come, event by
     event. It ends when the replica's stream does (with an error event if the replica fails), when
-    the client disconnects, or when the client takes nothing for `write_timeout` seconds; in
-    each case the replica's response is closed (the replica then aborts the request) and the
-    replica's in-flight count given back."""
+    the client disconnects, when the client takes nothing for `write_timeout` seconds, or when
+    `stopping` is set (with an error event); in each case the replica's response is closed (the
+    replica then aborts the request) and the replica's in-flight count given back."""
 
     def __init__(self, status: int, headers: dict[str, str], first: bytes, events: AsyncGenerator[bytes, None],
-                 upstream: httpx.Response, replica: Replica, write_timeout: float) -> None:
+                 upstream: httpx.Response, replica: Replica, write_timeout: float, stopping: asyncio.Event) -> None:
         super().__init__(status_code=status)
         self.relayed_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self.first, self.events, self.upstream, self.replica = first, events, upstream, replica
-        self.write_timeout = write_timeout
+        self.write_timeout, self.stopping = write_timeout, stopping
+        self.started = False  # whether the answer's head went out
 
     async def __call__(self, scope, receive, send) -> None:
         relay = asyncio.ensure_future(self._relay(send))
         gone = asyncio.ensure_future(until_disconnected(receive))
+        stop = asyncio.ensure_future(self.stopping.wait())
         try:
-            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({relay, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (relay, gone):
+            for task in (relay, gone, stop):
                 task.cancel()
-            await asyncio.gather(relay, gone, return_exceptions=True)
+            await asyncio.gather(relay, gone, stop, return_exceptions=True)
             await self.events.aclose()
             await self.upstream.aclose()
             self.replica.in_flight -= 1
+        if relay.cancelled() and gone.cancelled():  # the shutdown's: the client is told, within a second
+            stopped = error_body(SHUTTING_DOWN, "server_error", code="router_shutting_down")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    if not self.started:
+                        await self._start(send)
+                    await send({"type": "http.response.body", "body": f"data: {json.dumps(stopped)}\n\n".encode(),
+                                "more_body": False})
 
     async def _relay(self, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.relayed_headers})
+        await self._start(send)
         await self._send_body(send, self.first)
         try:
             async for event in self.events:
@@ -209,6 +240,10 @@ class RelayResponse(Response):
                                  code="replica_failed")
             await self._send_body(send, f"data: {json.dumps(failure)}\n\n".encode())
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _start(self, send) -> None:
+        self.started = True
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.relayed_headers})
 
     async def _send_body(self, send, data: bytes) -> None:
         try:  # a timeout scope, not wait_for: that runs each send as a task of its own

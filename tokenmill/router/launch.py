@@ -8,6 +8,10 @@ The socket is bound, the Host allow-list chosen and connections guarded as `toke
 does them (server/options.py, server/connections.py). The router holds no API key: a client's
 Authorization header goes on to the replicas, which check it; so a loopback router answers only
 loopback Host names unless --allowed-hosts says otherwise.
+
+On SIGINT/SIGTERM the router takes no new connections and lets what is in flight finish for
+--drain-timeout seconds; then (or at a second signal) it ends the rest at once (forward.py:
+a 503, or a stream's error event), and exits 0.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from tokenmill.server.connections import GuardedH11Protocol, connection_cap, rai
 from tokenmill.server.options import (
     add_allowed_origins_arg,
     bind,
+    count,
     port_number,
     resolve_allowed_hosts,
     resolve_allowed_origins,
@@ -52,13 +57,39 @@ def share(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def ratio(text: str) -> float:
+    value = non_negative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a ratio >= 1, got {text!r}")
+    return value
+
+
+def distinct_replicas(replicas: list[str], prefill: list[str] | None) -> None:
+    """SystemExit for a URL given twice (as --replica, --prefill or both): one instance would be
+    counted as two, each with half its load."""
+    urls = [*replicas, *(prefill or [])]
+    twice = sorted({url for url in urls if urls.count(url) > 1})
+    if twice:
+        raise SystemExit(f"each instance once: {', '.join(twice)} given more than once (--replica/--prefill)")
+
+
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica", type=replica_url, action="append", required=True, dest="replicas", metavar="URL",
                         help="a `tokenmill serve` instance's base URL (repeat for each replica)")
     parser.add_argument("--prefill", type=replica_url, action="append", default=None, dest="prefill", metavar="URL",
                         help="a `tokenmill serve --kv-role prefill` instance (repeat for each): each request's prompt "
                              "is computed there and its K/V handed to the replicas, then `--kv-role decode` instances")
-    parser.add_argument("--min-uncached-chars", type=int, default=1024,
+    parser.add_argument("--min-uncached-chars", type=count, default=1024,
                         help="with --prefill: a prompt with fewer characters than this that no decode instance is "
                              "known to hold is computed where it lands, without a transfer (default: 1024)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -70,18 +101,21 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-threshold", type=share, default=0.5,
                         help="cache_aware: the share of a prompt's prefix chunks a replica must hold to be chosen "
                              "for it (default: 0.5)")
-    parser.add_argument("--balance-abs-threshold", type=int, default=8,
+    parser.add_argument("--balance-abs-threshold", type=count, default=8,
                         help="cache_aware: loads are uneven when the most loaded replica has more than this many "
                              "requests over the least loaded ... (default: 8)")
-    parser.add_argument("--balance-rel-threshold", type=float, default=1.5,
+    parser.add_argument("--balance-rel-threshold", type=ratio, default=1.5,
                         help="... and more than this many times its load (default: 1.5)")
-    parser.add_argument("--decode-weight", type=float, default=1 / 16,
+    parser.add_argument("--decode-weight", type=non_negative, default=1 / 16,
                         help="cache_aware: the 64-character prompt chunks one row of a step costs: each request "
                              "in flight on a replica adds this times the new request's max_tokens (at most 256) to "
                              "its wait (default: 1/16, a token's work)")
     parser.add_argument("--stream-write-timeout", type=seconds, default=STREAM_WRITE_TIMEOUT,
                         help="end a relayed stream whose client takes no output for this many seconds (its "
                              f"replica then aborts the request; default: {STREAM_WRITE_TIMEOUT:g} s)")
+    parser.add_argument("--drain-timeout", type=seconds, default=10.0,
+                        help="on SIGINT/SIGTERM, let requests in flight finish for this long, then end them (a 503, "
+                             "or an error event in a stream); a second signal ends them at once (default: 10 s)")
     parser.add_argument("--health-interval", type=seconds, default=1.0,
                         help="poll each replica's /health and /metrics this often (default: 1 s)")
     parser.add_argument("--allowed-hosts", default=None,
@@ -95,11 +129,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM (uvicorn's shutdown: open streams get up to 10 s to finish)."""
+    """Serve until SIGINT/SIGTERM, then drain (the module's docstring)."""
     import uvicorn
 
-    from tokenmill.router.app import create_app  # FastAPI's app: not needed to read the command line
+    from tokenmill.router.app import create_app  # FastAPI's app and uvicorn: not needed to read the command line
+    from tokenmill.router.draining import DrainingServer
 
+    distinct_replicas(args.replicas, args.prefill)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to a replica
     policy = make_policy(args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
                          args.decode_weight)
@@ -112,11 +148,13 @@ def run_router(args: argparse.Namespace) -> int:
                          min_uncached_chars=args.min_uncached_chars,
                          stream_write_timeout=args.stream_write_timeout)
         protocol = functools.partial(GuardedH11Protocol, header_timeout=10.0, max_connections=max_connections)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
-                                               log_level=logging.getLevelName(logging.getLogger().level).lower(),
-                                               timeout_graceful_shutdown=10))
+        config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
+                                log_level=logging.getLevelName(logging.getLogger().level).lower(),
+                                timeout_graceful_shutdown=args.drain_timeout + 5)  # (the drain ends them first)
+        server = DrainingServer(config, app.state.stopping, args.drain_timeout)
         logger.warning("routing (%s) over %s%s on http://%s:%d", args.policy, ", ".join(args.replicas),
                        f", prefill on {', '.join(args.prefill)}" if args.prefill else "", args.host,
                        sock.getsockname()[1])
         server.run(sockets=[sock])
     return 0
+

@@ -31,6 +31,7 @@ class Replica:
     waiting: int = 0      # the replica's own queue, from its /metrics at the last poll
     prefilling: int = 0   # of in_flight, those whose answer has not begun: their prompts are being computed
     backlog: int = 0      # the prompt chunks those requests brought that this replica was not known to hold
+    metrics_refused: bool = False  # its /metrics answered 401/403 (said once in the log)
 
     @property
     def load(self) -> int:
@@ -88,6 +89,10 @@ async def poll(client: httpx.AsyncClient, replica: Replica, timeout: float) -> N
         return
     if page.status_code == 200:
         replica.waiting = waiting_requests(page.text)
+    elif page.status_code in (401, 403) and not replica.metrics_refused:
+        replica.metrics_refused = True
+        logger.warning("replica %s's /metrics needs a key (--protect-metrics-and-docs): routing goes without its "
+                       "queue length", replica.url)
 
 
 async def watch(client: httpx.AsyncClient, replicas: list[Replica], interval: float, timeout: float) -> None:

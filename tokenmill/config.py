@@ -26,15 +26,15 @@ DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32", "bf16": "b
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "int8")
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as "2GiB", "512 MB" or "1.5g"."""
+def parse_size(value: int | str, name: str) -> int:
+    """Bytes from an int or a string such as "2GiB", "512 MB" or "1.5g"; errors name the setting `name`."""
     if isinstance(value, bool):
-        raise ValueError(f"kv_cache_memory: expected bytes or a size string, got {value!r}")
+        raise ValueError(f"{name}: expected bytes or a size string, got {value!r}")
     if isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"kv_cache_memory: cannot parse size {value!r} (try '2GiB' or 2147483648)")
+        raise ValueError(f"{name}: cannot parse size {value!r} (try '2GiB' or 2147483648)")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
@@ -266,7 +266,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
+        if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory, "kv_cache_memory") <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))  # (frozen)
         if self.seed is None:
@@ -296,7 +296,7 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
-        if parse_size(self.swap_space) < 0:
+        if parse_size(self.swap_space, "swap_space") < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space!r}")
         if not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")

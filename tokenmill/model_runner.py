@@ -294,7 +294,7 @@ def kv_pool_blocks(config: EngineConfig, device: torch.device, bytes_per_token: 
         return config.num_kv_blocks
     bytes_per_block = config.block_size * bytes_per_token
     if config.kv_cache_memory is not None:
-        budget = parse_size(config.kv_cache_memory)
+        budget = parse_size(config.kv_cache_memory, "kv_cache_memory")
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * 0.85)
@@ -302,7 +302,10 @@ def kv_pool_blocks(config: EngineConfig, device: torch.device, bytes_per_token: 
         budget = min(DEFAULT_CPU_KV_MEMORY, config.max_num_seqs * max_len * bytes_per_token)
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds no block of {bytes_per_block} bytes")
+        held_by = (f"kv_cache_memory={config.kv_cache_memory!r}" if config.kv_cache_memory is not None
+                   else f"the KV pool's default budget ({budget} bytes)")
+        raise ValueError(f"a KV block of block_size={config.block_size} tokens takes {bytes_per_block} bytes, "
+                         f"more than {held_by} holds: lower block_size or raise kv_cache_memory")
     return num_blocks
 
 

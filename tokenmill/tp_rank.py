@@ -228,7 +228,8 @@ def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:
     local = model.config
     num_blocks = group.min_over_ranks(kv_pool_blocks(config, device, kv_bytes_per_token(local, kv_dtype), max_len))
     bytes_per_block = config.block_size * kv_bytes_per_token(local, kv_dtype)
-    num_host_blocks = parse_size(config.swap_space) // bytes_per_block if config.preemption_mode == "swap" else 0
+    swap_bytes = parse_size(config.swap_space, "swap_space")
+    num_host_blocks = swap_bytes // bytes_per_block if config.preemption_mode == "swap" else 0
     backend = make_backend(config.attention_backend, device, config.block_size, local.head_dim, dtype, kv_dtype)
     cache = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
     return ModelWorker(model, local, cache, backend, device, kv_dtype, num_host_blocks, threads)

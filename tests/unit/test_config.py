@@ -74,15 +74,16 @@ def test_vllm_fp8_kv_cache_names_are_refused_with_int8_offered(name):
 
 
 def test_parse_size():
-    assert parse_size("2GiB") == 2 * 1024**3
-    assert parse_size("512 MB") == 512 * 1000**2
-    assert parse_size(1234) == 1234
+    assert parse_size("2GiB", "kv_cache_memory") == 2 * 1024**3
+    assert parse_size("512 MB", "kv_cache_memory") == 512 * 1000**2
+    assert parse_size(1234, "kv_cache_memory") == 1234
     assert EngineConfig(device="cuda").torch_dtype_name == "bfloat16"
     assert EngineConfig().torch_dtype_name == "float32"
 
 
 @pytest.mark.parametrize("flags", [["--block-size", "0"], ["--kv-cache-dtype", "fp8"],
-                                   ["--long-prefill-token-threshold", "-1"], ["--gguf-int8-rows", "-1"]])
+                                   ["--long-prefill-token-threshold", "-1"], ["--gguf-int8-rows", "-1"],
+                                   ["--swap-space", "-1"]])
 def test_cli_reports_bad_engine_options_as_usage_errors(flags, capsys):
     from tokenmill.cli import main
     with pytest.raises(SystemExit) as exit_info:

@@ -32,12 +32,12 @@ def test_the_flag_then_the_file_then_the_environment_give_the_key(tmp_path):
 
 
 @pytest.mark.parametrize("case, message", [("both", "not both"), ("missing", "cannot read"),
-                                           ("empty", "holds no key")])
-def test_a_key_file_that_gives_no_key_is_an_error_before_anything_loads(case, message, tmp_path):
+                                           ("empty", "holds no key"), ("blank flag", "the key is blank")])
+def test_a_key_file_or_flag_that_gives_no_key_is_an_error_before_anything_loads(case, message, tmp_path):
     empty = tmp_path / "empty"
     empty.write_text("\n")
     given = {"both": args(api_key="k", api_key_file=str(empty)), "missing": args(api_key_file=str(tmp_path / "no")),
-             "empty": args(api_key_file=str(empty))}[case]
+             "empty": args(api_key_file=str(empty)), "blank flag": args(api_key=" ")}[case]
     with pytest.raises(SystemExit, match=message):
         resolve_api_key(given, {})
 

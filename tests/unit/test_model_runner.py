@@ -49,3 +49,14 @@ def test_decode_steps_get_the_same_tensors_from_either_path(tiny_llama, backend)
     while engine.has_unfinished_requests():
         engine.step()
     assert len(compared) >= 5 and max(compared) == 4 and shortcuts == compared
+
+
+def test_a_block_bigger_than_the_kv_budget_is_an_error_naming_block_size_and_the_budget():
+    from tokenmill.model_runner import kv_pool_blocks
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^a KV block of block_size=64 tokens takes 6400 bytes, more than "
+                                         r"kv_cache_memory='4KiB' holds: lower block_size or raise kv_cache_memory$"):
+        kv_pool_blocks(EngineConfig(block_size=64, kv_cache_memory="4KiB"), cpu, bytes_per_token=100, max_len=128)
+    with pytest.raises(ValueError, match=r"more than the KV pool's default budget \(4096 bytes\) holds"):
+        kv_pool_blocks(EngineConfig(block_size=64, max_num_seqs=1), cpu, bytes_per_token=128, max_len=32)
+    assert kv_pool_blocks(EngineConfig(block_size=16, kv_cache_memory=6400), cpu, bytes_per_token=100, max_len=8) == 4

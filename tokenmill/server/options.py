@@ -129,9 +129,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
     """The key clients must send: --api-key, else the first line of --api-key-file, else the
     environment's TOKENMILL_API_KEY (neither of the last two shows in `ps` or /proc/PID/cmdline);
-    None for none. SystemExit for both flags, or a file that cannot be read or holds no key."""
+    None for none. SystemExit for both flags, a blank --api-key (as `--api-key "$KEY"` gives with
+    KEY unset: a server no key could open), or a file that cannot be read or holds no key."""
     if args.api_key is not None and args.api_key_file is not None:
         raise SystemExit("give --api-key or --api-key-file, not both")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit("--api-key: the key is blank (leave the flag out to serve without a key)")
     if args.api_key_file is not None:
         try:
             key = Path(args.api_key_file).read_text().partition("\n")[0].strip()

@@ -314,15 +314,54 @@ void block_accumulate_avx2(float* acc, int64_t G, const float* w, int64_t w_stri
 // A tile of nt query tokens has R = nt * G query rows per kv head. Rather than one dot product per
 // (row, key), pass 1 runs the register tile of tile_gemm.h with rows of keys as x and the tile's
 // queries as panels of 16 rows, (D, 16) each, scores landing transposed: st[key][row]. The softmax
-// then runs eight rows per vector down the keys, giving weight 0 to keys a row may not see, and
-// pass 2 sums the value rows for three rows at a time. For one sequence's prompt in one chunk on
-// the default model that is faster than the per-row path, and faster than SDPA on the gathered
-// context, by most on short prompts (measured: BENCHMARKS.md, "Speed work, every attempt (CPU,
-// default model)").
+// then runs key by key, eight rows per vector (st in the order it lies: over a long context st
+// outgrows the caches, and sweeps down one column of vectors at a time read it once per column),
+// giving weight 0 to keys a row may not see, and pass 2 sums the value rows for three rows at a
+// time. For one sequence's prompt in one chunk on the default model that is faster than the
+// per-row path, and faster than SDPA on the gathered context, by most on short prompts (measured:
+// BENCHMARKS.md, "Speed work, every attempt (CPU, default model)").
 
 struct PromptScratch {
-  std::vector<float> qt, keys, st, acc, sums;
+  std::vector<float> qt, keys, st, acc, sums, lens, maxes;
 };
+
+// The prompt tile's softmax numerators in place of its scores st (keys x RP rows, row r seeing the
+// first last_len - (nt - 1 - r / G) keys; rows from R on are padding) and each row's sum, with its
+// sink where `sinks`. Key by key: the rows' maxima, then each e = exp(s - max) and the sums. Every
+// row sees the keys before the tile's last nt - 1, which take no mask (a padding row's numbers
+// there are never read).
+void prompt_softmax(int64_t nt, int64_t G, int64_t R, int64_t RP, int64_t last_len, const float* sinks,
+                    PromptScratch& s) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t all_see = last_len - (nt - 1);
+  s.lens.resize(RP);
+  s.maxes.assign(RP, -std::numeric_limits<float>::infinity());
+  s.sums.assign(RP, 0.0f);
+  for (int64_t r = 0; r < RP; ++r) s.lens[r] = r < R ? static_cast<float>(last_len - (nt - 1 - r / G)) : 0.0f;
+  float *lens = s.lens.data(), *maxes = s.maxes.data(), *sums = s.sums.data();
+  const auto seen = [&](int64_t key, int64_t c0) {
+    return _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(key)), _mm256_loadu_ps(lens + c0), _CMP_LT_OQ);
+  };
+  for (int64_t key = 0; key < last_len; ++key) {
+    const float* sp = &s.st[key * RP];
+    for (int64_t c0 = 0; c0 < RP; c0 += 8) {
+      __m256 v = _mm256_loadu_ps(sp + c0);
+      if (key >= all_see) v = _mm256_blendv_ps(ninf, v, seen(key, c0));
+      _mm256_storeu_ps(maxes + c0, _mm256_max_ps(_mm256_loadu_ps(maxes + c0), v));
+    }
+  }
+  for (int64_t key = 0; key < last_len; ++key) {
+    float* sp = &s.st[key * RP];
+    for (int64_t c0 = 0; c0 < RP; c0 += 8) {
+      __m256 e = tokenmill::exp256(_mm256_sub_ps(_mm256_loadu_ps(sp + c0), _mm256_loadu_ps(maxes + c0)));
+      if (key >= all_see) e = _mm256_and_ps(e, seen(key, c0));
+      _mm256_storeu_ps(sp + c0, e);
+      _mm256_storeu_ps(sums + c0, _mm256_add_ps(_mm256_loadu_ps(sums + c0), e));
+    }
+  }
+  for (int64_t r = 0; sinks != nullptr && r < R; ++r)  // each row's sink joins its denominator, as the rest
+    sums[r] += std::exp(sinks[r % G] - maxes[r]);
+}
 
 // Attention of query rows r = j * G + g (token j of the tile, head g of the kv head's group) over
 // the keys of one kv head: row r sees the first last_len - (nt - 1 - j) keys. q(j, g) and out(j, g)
@@ -337,7 +376,6 @@ void prompt_tile_gemm(int64_t nt, int64_t G, int64_t D, int64_t last_len, int64_
   s.qt.assign(RP * D, 0.0f);
   s.st.resize(keys_rounded * RP);
   s.acc.assign(R * D, 0.0f);
-  s.sums.resize(RP);
   s.keys.resize(block_size * D);
   for (int64_t r = 0; r < R; ++r) {  // qt[panel][d][c] = scale * q(row 16 panel + c)[d]
     const float* qr = q(r / G, r % G);
@@ -366,34 +404,7 @@ void prompt_tile_gemm(int64_t nt, int64_t G, int64_t D, int64_t last_len, int64_
                                 s.st.data() + (p0 + k0) * RP + panel * 16, RP, nullptr, 0);
     }
   }
-  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t c0 = 0; c0 < RP; c0 += 8) {  // softmax numerators, eight rows at a time
-    alignas(32) float lens[8];
-    for (int64_t c = 0; c < 8; ++c) {
-      const int64_t r = c0 + c;
-      lens[c] = r < R ? static_cast<float>(last_len - (nt - 1 - r / G)) : 0.0f;
-    }
-    const __m256 vlen = _mm256_load_ps(lens);
-    const auto seen = [&](int64_t key) {
-      return _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(key)), vlen, _CMP_LT_OQ);
-    };
-    __m256 vmax = ninf;
-    for (int64_t key = 0; key < last_len; ++key)
-      vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(ninf, _mm256_loadu_ps(&s.st[key * RP + c0]), seen(key)));
-    __m256 vsum = _mm256_setzero_ps();
-    for (int64_t key = 0; key < last_len; ++key) {
-      float* sp = &s.st[key * RP + c0];
-      const __m256 e = _mm256_and_ps(tokenmill::exp256(_mm256_sub_ps(_mm256_loadu_ps(sp), vmax)), seen(key));
-      _mm256_storeu_ps(sp, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    _mm256_storeu_ps(&s.sums[c0], vsum);
-    if (sinks != nullptr) {  // each row's sink joins its denominator, scaled by the row's max as the rest
-      alignas(32) float row_max[8];
-      _mm256_store_ps(row_max, vmax);
-      for (int64_t c = 0; c < 8 && c0 + c < R; ++c) s.sums[c0 + c] += std::exp(sinks[(c0 + c) % G] - row_max[c]);
-    }
-  }
+  prompt_softmax(nt, G, R, RP, last_len, sinks, s);
   for (int64_t p0 = 0; p0 < last_len; p0 += block_size) {  // pass 2
     const int64_t n = std::min(block_size, last_len - p0);
     const KV* v = head_run(p0, true);

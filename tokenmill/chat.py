@@ -17,6 +17,8 @@ def content_text(content) -> str:
     whose text parts are joined with newlines (as vLLM joins them); other parts are refused."""
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise ValueError(f"a message's content must be a string, null or a list of text parts, got {content!r}")
     parts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text":
@@ -98,10 +100,12 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
     such as Qwen3's enable_thinking; continue_final_message: the last message left open, for the
     model to go on writing it); ValueError for a message without a role, a content part that is
     not text, or a conversation the template rejects."""
+    if not isinstance(conversation, list):
+        raise ValueError(f"a conversation is a list of messages, got {type(conversation).__name__} {conversation!r}")
     messages = []
     for i, m in enumerate(conversation):
         if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"a chat message needs a 'role' and a 'content', got {m!r}")
+            raise ValueError(f"a chat message needs a 'role' (and a 'content'), got {m!r}")
         messages.append({**m, "content": content_text(m.get("content"))})
         if isinstance(m.get("tool_calls"), list):
             messages[-1]["tool_calls"] = _with_argument_objects(m["tool_calls"], f"messages.{i}")

@@ -120,6 +120,8 @@ class LLM:
         left open for the model to go on, with add_generation_prompt=False). Content may be a string
         or OpenAI's list of text parts."""
         self.engine.input_processor.check_generates()  # (an encoder's tokenizer has no chat template to blame)
+        if not isinstance(messages, list):
+            raise ValueError(f"messages: a list of message dicts, or a list of such lists; got {messages!r:.80}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.render_chat(conv, add_generation_prompt, tools, chat_template_kwargs, continue_final_message)
                    for conv in conversations]

@@ -203,6 +203,8 @@ def test_chat_uses_the_chat_template(llm):
     assert no_prompt.prompt_token_ids == [2, 7, 8, 3]
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "w7"}])
+    with pytest.raises(ValueError, match="^messages: a list of message dicts, or a list of such lists; got 'w7'$"):
+        llm.chat("w7")
     assert llm.get_tokenizer() is llm.tokenizer
 
 

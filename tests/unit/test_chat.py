@@ -27,6 +27,8 @@ def test_content_parts_are_joined_with_newlines_and_only_text_is_taken():
         content_text([{"type": "text", "text": {"not": "text"}}])
     with pytest.raises(ValueError, match="'text' must be a string, got None"):  # OpenAI's part requires its text
         content_text([{"type": "text"}])
+    with pytest.raises(ValueError, match="content must be a string, null or a list of text parts, got 5"):
+        content_text(5)
 
 
 def test_render_chat_checks_roles_and_turns_template_errors_into_value_errors():
@@ -36,6 +38,8 @@ def test_render_chat_checks_roles_and_turns_template_errors_into_value_errors():
     assert bare["prompt"] == "user:x"
     with pytest.raises(ValueError, match="role"):
         render_chat(FakeTokenizer(), [{"content": "x"}])
+    with pytest.raises(ValueError, match="^a conversation is a list of messages, got str 'hi'$"):
+        render_chat(FakeTokenizer(), "hi")
     with pytest.raises(ValueError, match="cannot apply the chat template: template says no"):
         render_chat(FakeTokenizer(), [{"role": "bad", "content": "x"}])
 

@@ -341,6 +341,12 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             raise ValueError("kv_role does not combine with tensor_parallel_size > 1 yet")
 
+    def host_blocks(self, bytes_per_block: int) -> int:
+        """Blocks of `bytes_per_block` in the host pool that swap preemption fills (0 without it)."""
+        if self.preemption_mode != "swap":
+            return 0
+        return parse_size(self.swap_space, "swap_space") // bytes_per_block
+
     @property
     def torch_dtype_name(self) -> str:
         """float32 on CPU (no native bf16 there), bfloat16 on CUDA, unless set."""

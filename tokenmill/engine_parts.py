@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 
 from tokenmill.attention import make_backend
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.cpu_threads import ThreadGovernor
 from tokenmill.device import activation_dtype, context_length, kv_dtype_name, resolve_device, thread_governor
@@ -191,8 +191,7 @@ def _runner_and_scheduler(config: EngineConfig, model: torch.nn.Module, model_co
     other ranks."""
     num_blocks, block_size = cache_config.num_blocks, cache_config.block_size
     bytes_per_block = block_size * kv_bytes_per_token(model_config, kv_dtype)
-    swap_bytes = parse_size(config.swap_space, "swap_space")
-    num_host_blocks = swap_bytes // bytes_per_block if config.preemption_mode == "swap" else 0
+    num_host_blocks = config.host_blocks(bytes_per_block)
     backend = make_backend(config.attention_backend, device, block_size, model_config.head_dim, dtype, kv_dtype)
     try:  # the pool's tensors first, then its bookkeeping (a list entry per block)
         worker = ModelWorker(model, model_config, cache_config, backend, device, kv_dtype, num_host_blocks, threads,

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.attention import make_backend
-from tokenmill.config import CacheConfig, EngineConfig, parse_size
+from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.device import activation_dtype, context_length, kv_dtype_name, rank_device, thread_governor
 from tokenmill.distributed import (
     Message,
@@ -228,8 +228,7 @@ def build_rank_worker(config: EngineConfig, group: TPGroup) -> ModelWorker:
     local = model.config
     num_blocks = group.min_over_ranks(kv_pool_blocks(config, device, kv_bytes_per_token(local, kv_dtype), max_len))
     bytes_per_block = config.block_size * kv_bytes_per_token(local, kv_dtype)
-    swap_bytes = parse_size(config.swap_space, "swap_space")
-    num_host_blocks = swap_bytes // bytes_per_block if config.preemption_mode == "swap" else 0
+    num_host_blocks = config.host_blocks(bytes_per_block)
     backend = make_backend(config.attention_backend, device, config.block_size, local.head_dim, dtype, kv_dtype)
     cache = CacheConfig(num_blocks, config.block_size, config.enable_prefix_caching)
     return ModelWorker(model, local, cache, backend, device, kv_dtype, num_host_blocks, threads)

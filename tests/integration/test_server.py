@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 import logging
 import os
@@ -349,6 +350,19 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(server)
     assert emitted == {0: 6, 1: 6} and chunks[-1]["usage"]["completion_tokens"] == 12
     plain = streamed_chunks(server.url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"] == chunks[-1]["usage"]
+
+
+def test_continuous_usage_of_a_chat_stream_counts_no_tokens_in_the_role_delta(server):
+    """As in vLLM, the delta that opens a chat choice (its role) reports 0 completion tokens, though
+    it goes out together with the choice's first token; every later chunk counts its tokens so far."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w7"}], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = streamed_chunks(server.url, "/v1/chat/completions", body)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    emitted = list(itertools.accumulate(len(c["choices"][0].get("token_ids", [])) for c in chunks[:-1]))
+    assert counts == emitted and counts[0] == 0 and counts[-1] == 4 == chunks[-1]["usage"]["completion_tokens"]
 
 
 def test_usage_counts_cached_prompt_tokens_and_a_cache_salt_shares_them_only_within_itself(server):

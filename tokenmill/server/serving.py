@@ -127,6 +127,12 @@ def usage(outputs: list[RequestOutput], n: int, generated: bool = True) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def opens_choice(chunk: dict) -> bool:
+    """Whether a chunk is a chat choice's opening role delta, which carries no completion tokens
+    (in vLLM's continuous usage too), though it goes out with the choice's first token."""
+    return any("role" in choice.get("delta", {}) for choice in chunk["choices"])
+
+
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -220,8 +226,8 @@ class ServingEngine:
             include_usage = options is not None and options.include_usage
             final = ((lambda outs: {**response.chunk_base, "choices": [], "usage": usage(outs, n, generated)})
                      if include_usage else None)
-            running = ((lambda out: usage([out], 1, generated)) if include_usage and options.continuous_usage_stats
-                       else None)
+            running = ((lambda out, chunk: usage([out], 1, generated and not opens_choice(chunk)))
+                       if include_usage and options.continuous_usage_stats else None)
             return TimedStreamingResponse(self._event_stream(requests, response, final, running), self.write_timeout,
                                           media_type="text/event-stream")
         outputs = await self._collect(requests, raw)
@@ -266,7 +272,7 @@ class ServingEngine:
 
     async def _event_stream(self, requests: list[EngineRequest], response: Response,
                             final_usage: Callable[[list[RequestOutput]], dict] | None,
-                            chunk_usage: Callable[[RequestOutput], dict] | None = None) -> AsyncIterator[str]:
+                            chunk_usage: Callable[[RequestOutput, dict], dict] | None = None) -> AsyncIterator[str]:
         """SSE: chunks as outputs arrive (each with its output's usage, given `chunk_usage`), an
         error event if a step failed, optional usage, [DONE]."""
         finals: dict[int, RequestOutput] = {}  # (for the usage)
@@ -278,7 +284,7 @@ class ServingEngine:
                 if out.finished:
                     finals[i] = out
                 for chunk in response.chunks(i, out):
-                    yield sse(chunk if chunk_usage is None else {**chunk, "usage": chunk_usage(out)})
+                    yield sse(chunk if chunk_usage is None else {**chunk, "usage": chunk_usage(out, chunk)})
         except EngineDeadError as exc:
             yield sse(error_body(str(exc), "server_error"))
             return

@@ -275,11 +275,12 @@ def test_cpu_kernel_query_heads_together_or_alone(hkv, hq, dtype):
 def test_cpu_kernel_prompt_chunks_head_shapes(hkv, hq, d):
     """Prompt chunks through the kernel: tiles of 8 query rows or more per kv head run as small
     matrix products when d is a multiple of 32 (group sizes 1 to 8, a partial last panel of 16
-    rows, a first chunk and later chunks, a 300-token chunk in tiles of 16), the per-row path
-    otherwise; every query still sees exactly the keys up to itself."""
+    rows, a first chunk and later chunks, a 300-token chunk in tiles of 16, pass 2's last 1 to 5
+    rows after its groups of six), the per-row path otherwise; every query still sees exactly the
+    keys up to itself."""
     backend = make_backend("cpu", torch.device("cpu"), head_dim=d)
-    query_lens = [1, 300, 3, 37, 8, 2]
-    seq_lens = [40, 330, 3, 37, 100, 9]
+    query_lens = [1, 300, 3, 37, 8, 2, 15]
+    seq_lens = [40, 330, 3, 37, 100, 9, 95]
     q, k, v, k_cache, v_cache, meta, contexts = build_case(query_lens, seq_lens, seed=13, hkv=hkv, hq=hq, d=d)
     meta.num_short, meta.num_short_tokens = len(query_lens), sum(query_lens)
     expected = dense_oracle(q, k, v, k_cache, v_cache, meta, contexts, d ** -0.5)
@@ -287,20 +288,21 @@ def test_cpu_kernel_prompt_chunks_head_shapes(hkv, hq, d):
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("block_size", [8, 12, 32])
+@pytest.mark.parametrize("block_size", [1, 8, 12, 32, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cpu_kernel_other_block_sizes(block_size, dtype):
     """The kernel at block sizes other than 16 (prompt tiles, a long chunk, a decode), against the
-    reference backend's per-sequence SDPA over the same pool."""
+    reference backend's per-sequence SDPA over the same pool: blocks of one key, blocks that do not
+    divide a prompt tile's span of 64 keys in pass 2 (12), and blocks longer than it (128)."""
     from tokenmill.attention.reference import attend_sequence
     from tokenmill.cpu_kernels import load_cpu_kernels
     kernels = load_cpu_kernels(required=True)
     g = torch.Generator().manual_seed(1)
-    num_blocks, hkv, d, hq = 200, 2, 64, 8
-    k_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
     query_lens, seq_lens = [30, 1, 300, 9], [70, 20, 300, 9]
     width = max(-(-s // block_size) for s in seq_lens)
+    num_blocks, hkv, d, hq = 4 * width + 8, 2, 64, 8
+    k_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, hkv, block_size, d, generator=g).to(dtype)
     tables = torch.randperm(num_blocks, generator=g)[:4 * width].view(4, width).int()
     q = torch.randn(sum(query_lens), hq, d, generator=g)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)

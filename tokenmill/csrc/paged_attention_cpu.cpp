@@ -60,6 +60,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -268,16 +269,16 @@ void head_scores_avx2(const float* q, const KV* k, int64_t n, int64_t D, float s
 // each loaded value vector feeds GC FMAs.
 template <typename KV, int GC, int VC>
 void accumulate_tile(float* acc, const float* w, int64_t w_stride, const KV* v, int64_t n, int64_t D,
-                     int64_t key_stride = 1, PrefetchCursor* pf = nullptr) {
+                     PrefetchCursor& pf) {
   __m256 r[GC][VC];
   for (int g = 0; g < GC; ++g)
     for (int i = 0; i < VC; ++i) r[g][i] = _mm256_loadu_ps(acc + g * D + 8 * i);
   for (int64_t j = 0; j < n; ++j) {
     __m256 vj[VC];
-    if (pf) pf->step2();
+    pf.step2();
     for (int i = 0; i < VC; ++i) vj[i] = load8(v + j * D + 8 * i);
     for (int g = 0; g < GC; ++g) {
-      const __m256 wg = _mm256_set1_ps(w[g * w_stride + j * key_stride]);
+      const __m256 wg = _mm256_set1_ps(w[g * w_stride + j]);
       for (int i = 0; i < VC; ++i) r[g][i] = _mm256_fmadd_ps(wg, vj[i], r[g][i]);
     }
   }
@@ -291,11 +292,11 @@ void accumulate_heads(float* acc, int64_t G, const float* w, int64_t w_stride, c
   for (int64_t d0 = 0; d0 < D; d0 += 8 * VC) {  // tiles of up to 3 heads x VC vectors (12 registers)
     int64_t g = 0;
     for (; g + 3 <= G; g += 3)
-      accumulate_tile<KV, 3, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D, 1, &pf);
+      accumulate_tile<KV, 3, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D, pf);
     if (G - g == 2)
-      accumulate_tile<KV, 2, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D, 1, &pf);
+      accumulate_tile<KV, 2, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D, pf);
     if (G - g == 1)
-      accumulate_tile<KV, 1, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D, 1, &pf);
+      accumulate_tile<KV, 1, VC>(acc + g * D + d0, w + g * w_stride, w_stride, v + d0, n, D, pf);
   }
 }
 
@@ -316,10 +317,11 @@ void block_accumulate_avx2(float* acc, int64_t G, const float* w, int64_t w_stri
 // queries as panels of 16 rows, (D, 16) each, scores landing transposed: st[key][row]. The softmax
 // then runs key by key, eight rows per vector (st in the order it lies: over a long context st
 // outgrows the caches, and sweeps down one column of vectors at a time read it once per column),
-// giving weight 0 to keys a row may not see, and pass 2 sums the value rows for three rows at a
-// time. For one sequence's prompt in one chunk on the default model that is faster than the
-// per-row path, and faster than SDPA on the gathered context, by most on short prompts (measured:
-// BENCHMARKS.md, "Speed work, every attempt (CPU, default model)").
+// giving weight 0 to keys a row may not see, and pass 2 sums the value rows for six rows and 16
+// columns at a time, over spans of several blocks (span_tile). For one sequence's prompt in one
+// chunk on the default model that is faster than the per-row path, and faster than SDPA on the
+// gathered context, by most on short prompts (measured: BENCHMARKS.md, "Speed work, every attempt
+// (CPU, default model)" and "Long prompts on an AVX2-only CPU").
 
 struct PromptScratch {
   std::vector<float> qt, keys, st, acc, sums, lens, maxes;
@@ -361,6 +363,48 @@ void prompt_softmax(int64_t nt, int64_t G, int64_t R, int64_t RP, int64_t last_l
   }
   for (int64_t r = 0; sinks != nullptr && r < R; ++r)  // each row's sink joins its denominator, as the rest
     sums[r] += std::exp(sinks[r % G] - maxes[r]);
+}
+
+constexpr int64_t kSpanKeys = 64;  // keys whose value rows pass 2 sums with each row group's sums in registers
+
+// Pass 2 of a prompt tile for GC rows and 16 columns d0.. of their outputs, over `span` keys
+// (consecutive blocks of block_size keys, the values of block b at values[b]): the rows' sums stay
+// in registers (2 GC of the 16) across the span's blocks, each loaded value vector feeding GC FMAs.
+// Every sum adds its keys in order, as one block at a time would.
+template <typename KV, int GC>
+void span_tile(float* acc, int64_t D, const float* w, int64_t RP, const KV* const* values, int64_t d0,
+               int64_t span, int64_t block_size) {
+  __m256 r[GC][2];
+  for (int g = 0; g < GC; ++g)
+    for (int i = 0; i < 2; ++i) r[g][i] = _mm256_loadu_ps(acc + g * D + 8 * i);
+  for (int64_t p = 0, b = 0; p < span; p += block_size, ++b) {
+    const KV* v = values[b] + d0;
+    const float* wb = w + p * RP;
+    for (int64_t j = 0; j < std::min(block_size, span - p); ++j) {
+      const __m256 v0 = load8(v + j * D), v1 = load8(v + j * D + 8);
+      for (int g = 0; g < GC; ++g) {
+        const __m256 wg = _mm256_set1_ps(wb[j * RP + g]);
+        r[g][0] = _mm256_fmadd_ps(wg, v0, r[g][0]);
+        r[g][1] = _mm256_fmadd_ps(wg, v1, r[g][1]);
+      }
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int i = 0; i < 2; ++i) _mm256_storeu_ps(acc + g * D + 8 * i, r[g][i]);
+}
+
+// span_tile for the last rows rows (fewer than 6) of a tile.
+template <typename KV>
+void span_tail(int64_t rows, float* acc, int64_t D, const float* w, int64_t RP, const KV* const* values,
+               int64_t d0, int64_t span, int64_t block_size) {
+  switch (rows) {
+    case 5: return span_tile<KV, 5>(acc, D, w, RP, values, d0, span, block_size);
+    case 4: return span_tile<KV, 4>(acc, D, w, RP, values, d0, span, block_size);
+    case 3: return span_tile<KV, 3>(acc, D, w, RP, values, d0, span, block_size);
+    case 2: return span_tile<KV, 2>(acc, D, w, RP, values, d0, span, block_size);
+    case 1: return span_tile<KV, 1>(acc, D, w, RP, values, d0, span, block_size);
+    default: return;
+  }
 }
 
 // Attention of query rows r = j * G + g (token j of the tile, head g of the kv head's group) over
@@ -405,20 +449,26 @@ void prompt_tile_gemm(int64_t nt, int64_t G, int64_t D, int64_t last_len, int64_
     }
   }
   prompt_softmax(nt, G, R, RP, last_len, sinks, s);
-  for (int64_t p0 = 0; p0 < last_len; p0 += block_size) {  // pass 2
-    const int64_t n = std::min(block_size, last_len - p0);
-    const KV* v = head_run(p0, true);
-    float* w = s.st.data() + p0 * RP;
-    if constexpr (kScaled<KV>) {  // each key's weights (a row of RP) times its value's scale
-      const float* vs = run_scales(v, block_size, D);
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t c = 0; c < RP; ++c) w[i * RP + c] *= vs[i];
+  std::array<const KV*, kSpanKeys> values;  // pass 2, whole blocks of about kSpanKeys keys at a time
+  const int64_t span_keys = std::max<int64_t>(1, kSpanKeys / block_size) * block_size;
+  for (int64_t p0 = 0; p0 < last_len; p0 += span_keys) {
+    const int64_t span = std::min(span_keys, last_len - p0);
+    int64_t runs = 0;
+    for (int64_t p = p0; p < p0 + span; p += block_size) {
+      const KV* v = head_run(p, true);
+      values[runs++] = v;
+      if constexpr (kScaled<KV>) {  // each key's weights (a row of RP) times its value's scale
+        const float* vs = run_scales(v, block_size, D);
+        float* w = s.st.data() + p * RP;
+        for (int64_t i = 0; i < std::min(block_size, p0 + span - p); ++i)
+          for (int64_t c = 0; c < RP; ++c) w[i * RP + c] *= vs[i];
+      }
     }
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    const float* w = s.st.data() + p0 * RP;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
       int64_t r = 0;
-      for (; r + 3 <= R; r += 3) accumulate_tile<KV, 3, 4>(&s.acc[r * D + d0], w + r, 1, v + d0, n, D, RP);
-      if (R - r == 2) accumulate_tile<KV, 2, 4>(&s.acc[r * D + d0], w + r, 1, v + d0, n, D, RP);
-      if (R - r == 1) accumulate_tile<KV, 1, 4>(&s.acc[r * D + d0], w + r, 1, v + d0, n, D, RP);
+      for (; r + 6 <= R; r += 6) span_tile<KV, 6>(&s.acc[r * D + d0], D, w + r, RP, values.data(), d0, span, block_size);
+      span_tail<KV>(R - r, &s.acc[r * D + d0], D, w + r, RP, values.data(), d0, span, block_size);
     }
   }
   for (int64_t r = 0; r < R; ++r) {

@@ -98,6 +98,11 @@ class EncoderConfig:
             raise ValueError(f"encoder config: gelu_approximate must be none or tanh, got {self.gelu_approximate!r}")
 
 
+class UnsupportedModel(ValueError):
+    """A model's config or file asks for what tokenmill does not run (an architecture, a variant,
+    an option): named as such, not taken for a broken file."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder-only transformer (or of an encoder, with `encoder`), read from

@@ -308,5 +308,5 @@ def test_a_quantized_checkpoint_of_another_model_is_refused_by_name(tiny_gpt_oss
 
 
 def test_tensor_parallelism_is_refused_naming_the_sinks(tiny_gpt_oss):
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: gpt_oss's attention sinks and o_proj bias"):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: this gpt_oss model's attention sinks and o_proj"):
         LLM(str(tiny_gpt_oss), tensor_parallel_size=2)

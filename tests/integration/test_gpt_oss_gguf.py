@@ -276,5 +276,5 @@ def test_unsupported_gpt_oss_files_are_refused_by_name(files, tmp_path):
     bad = open_checkpoint(rewritten(src, tmp_path / "q8_1.gguf", raw={"blk.0.ffn_gate_exps.weight": (q8_1, "Q8_1")}))
     with pytest.raises(ValueError, match="unsupported GGUF tensor type Q8_1 of blk.0.ffn_gate_exps.weight"):
         load_model(bad, 64, torch.float32, torch.device("cpu"), kernels="torch")
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: gpt_oss's attention sinks and o_proj bias"):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: this gpt_oss model's attention sinks and o_proj"):
         LLM(str(src), tensor_parallel_size=2)

@@ -283,7 +283,7 @@ def assert_prompt_logits_match_hf(path, prompt: list[int]) -> None:
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
-GGUF_MODELS = {  # llama: biases on q and k, which llama.cpp permutes as it does their weights
+GGUF_MODELS = {  # llama: biases on q, k, v and o; q's and k's permuted as llama.cpp does their weights
     "llama_qk_bias": dict(model_type="llama", attention_bias=True, rope_theta=500000.0),
     "qwen2_yarn": dict(model_type="qwen2", tie_word_embeddings=True, rope_scaling=YARN, rope_theta=1e6),
     "qwen3_head_dim": dict(model_type="qwen3", head_dim=32, rope_theta=1e6),
@@ -305,11 +305,9 @@ def test_gguf_written_as_llama_cpp_does_gives_hfs_logits(tmp_path, case, qtype):
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for layer in hf.model.layers:
-            for bias in ("q_proj", "k_proj", "v_proj"):  # transformers starts them at zero
+            for bias in ("q_proj", "k_proj", "v_proj", "o_proj"):  # transformers starts them at zero
                 if getattr(layer.self_attn, bias).bias is not None:
                     getattr(layer.self_attn, bias).bias.normal_(0, 0.5)
-            if case == "llama_qk_bias":  # transformers' llama puts a bias on o too: none in the file
-                layer.self_attn.o_proj.bias = None
     path = tmp_path / f"{case}.gguf"
     write_gguf_from_hf(hf, path, qtype)
     rng = random.Random(0)
@@ -354,6 +352,35 @@ def test_phi3_gives_hfs_logits_with_fused_checkpoint_weights_partial_rotary_and_
     rng = random.Random(1)
     prompt = [rng.randrange(2, 384) for _ in range(50)]
     assert_prompt_logits_match_hf(path, prompt)
+
+
+def randomize_biases(path) -> None:
+    """Give every bias of the checkpoint at `path` random values (transformers' init makes them 0,
+    where a missing or misplaced bias would not show in the logits)."""
+    model = hf_model(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(str(path), safe_serialization=True)
+
+
+@pytest.mark.parametrize("arch, config", [
+    ("llama", {"attention_bias": True}), ("qwen3", {"attention_bias": True}),
+    ("qwen2", {"attention_bias": False}), ("phi3", {"attention_bias": True}),
+    ("olmoe", {"attention_bias": True}), ("gemma2", {"attention_bias": True}),
+    ("mistral", {"sliding_window": 8, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"]}),
+    ("ministral", {"sliding_window": 8, "head_dim": 16, "layer_types": ["full_attention", "sliding_attention"]}),
+], ids=["llama_attention_bias", "qwen3_attention_bias", "qwen2_attention_bias_false", "phi3_attention_bias",
+        "olmoe_attention_bias", "gemma2_attention_bias", "mistral_layer_types", "ministral"])
+def test_config_keys_are_read_as_each_transformers_model_reads_them(tmp_path, arch, config):
+    """Llama's, Qwen3's, OLMoE's and Gemma's attention_bias puts biases on q, k, v and o_proj; Qwen2 has q, k and v
+    biases whatever it says and Phi-3 none; a Mistral config with layer_types runs as Ministral,
+    each layer with the attention its type names (the prompt of 40 tokens is past the window of 8)."""
+    path = build_tiny_model(tmp_path / arch, arch, **config)
+    randomize_biases(path)
+    rng = random.Random(2)
+    assert_prompt_logits_match_hf(path, [rng.randrange(2, 384) for _ in range(40)])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3_text"])

@@ -137,7 +137,7 @@ def test_greedy_generation_equals_hf_under_chunking_prefix_caching_and_preemptio
 
 @pytest.mark.parametrize("arch, change, named", [
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
-    ("qwen3_moe", {"attention_bias": True}, "attention_bias"),
+    ("qwen3_moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ("qwen3_moe", {"hidden_act": "gelu"}, "'gelu'"),
     ("mixtral", {"model_type": "deepseek_v3"}, "'deepseek_v3'"),
 ])

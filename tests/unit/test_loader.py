@@ -283,6 +283,9 @@ WINDOW_CASES = [  # config.json changes -> each layer's window (2 layers), as tr
     ({"model_type": "qwen3", "sliding_window": 8, "use_sliding_window": True,
       "layer_types": ["sliding_attention", "full_attention"]}, (8, None)),
     ({"model_type": "llama", "sliding_window": 32}, ()),                   # transformers' Llama has no window
+    ({"model_type": "mistral", "sliding_window": 32, "layer_types": ["full_attention", "sliding_attention"]},
+     (None, 32)),                                                         # as Ministral, in transformers
+    ({"model_type": "ministral", "sliding_window": 32}, (32, 32)),
 ]
 # architectures this branch's loader does not take yet, whose windows it reads as transformers does
 OTHER_WINDOW_CASES = [
@@ -393,6 +396,22 @@ def test_a_truncated_gguf_is_a_value_error_naming_the_file(tiny_llama, tmp_path,
     cut.write_bytes(data[:keep[where]])
     with pytest.raises((ValueError, OSError), match="cut.gguf"):
         LLMEngine(EngineConfig(model=str(cut)))
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"mlp_bias": True}, "unsupported llama variant: mlp_bias = True"),
+    ({"partial_rotary_factor": 0.5}, "unsupported partial_rotary_factor 0.5 for llama"),
+    ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
+])
+def test_what_tokenmill_does_not_run_is_named_not_taken_for_a_broken_file(tiny_llama, tmp_path, changes, match):
+    """A config asking for what the model code lacks is refused by that key, with the path, and
+    without the words a broken file gets."""
+    from tokenmill.config import UnsupportedModel
+    from tokenmill.models.loader import open_checkpoint
+    path = copy_model(tiny_llama, tmp_path / "m", **changes)
+    with pytest.raises(UnsupportedModel, match=match) as info:
+        open_checkpoint(path)
+    assert str(info.value).startswith(f"{path}: ") and "corrupt" not in str(info.value)
 
 
 def test_an_activation_other_than_silu_is_refused(tiny_llama, tmp_path):

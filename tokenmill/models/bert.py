@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.config import EncoderConfig, ModelConfig
+from tokenmill.config import EncoderConfig, ModelConfig, UnsupportedModel
 from tokenmill.host_memory import to_device
 
 # config.json's hidden_act -> F.gelu's approximate
@@ -54,12 +54,13 @@ def bert_model_config(path: Path, cfg: dict) -> ModelConfig:
     modules for the pooling. Variants this model does not run are refused by name."""
     act = cfg.get("hidden_act", "gelu")
     if act not in GELU_APPROXIMATIONS:
-        raise ValueError(f"unsupported hidden_act {act!r} for bert (supported: {', '.join(GELU_APPROXIMATIONS)})")
+        raise UnsupportedModel(f"unsupported hidden_act {act!r} for bert (supported: {', '.join(GELU_APPROXIMATIONS)})")
     if cfg.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"unsupported position_embedding_type {cfg['position_embedding_type']!r} for bert "
-                         "(supported: absolute)")
+        raise UnsupportedModel(f"unsupported position_embedding_type {cfg['position_embedding_type']!r} for bert "
+                               "(supported: absolute)")
     if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
-        raise ValueError("unsupported bert variant: is_decoder / add_cross_attention (tokenmill runs the encoder)")
+        raise UnsupportedModel("unsupported bert variant: is_decoder / add_cross_attention "
+                               "(tokenmill runs the encoder)")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     if hidden % heads:
         raise ValueError(f"bert: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
@@ -83,8 +84,8 @@ def sentence_transformers_pooling(path: Path) -> tuple[str, bool]:
     modules = json.loads(modules_file.read_text())
     kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
     if unknown := [k for k in kinds if k not in ST_MODULES]:
-        raise ValueError(f"{path}: unsupported sentence-transformers modules {unknown} "
-                         f"(supported: {', '.join(ST_MODULES)})")
+        raise UnsupportedModel(f"{path}: unsupported sentence-transformers modules {unknown} "
+                               f"(supported: {', '.join(ST_MODULES)})")
     if "Pooling" not in kinds:
         raise ValueError(f"{path}: modules.json lists no Pooling module")
     pooling = modules[kinds.index("Pooling")]
@@ -100,8 +101,8 @@ def st_pooling_mode(cfg: dict) -> str:
     else:
         modes = [mode for key, mode in ST_LEGACY_POOLING_KEYS.items() if cfg.get(key)] or ["mean"]
     if len(modes) != 1 or modes[0] not in ST_POOLING_MODES:
-        raise ValueError(f"unsupported sentence-transformers pooling {modes} (supported: one of "
-                         f"{', '.join(ST_POOLING_MODES)})")
+        raise UnsupportedModel(f"unsupported sentence-transformers pooling {modes} (supported: one of "
+                               f"{', '.join(ST_POOLING_MODES)})")
     return ST_POOLING_MODES[modes[0]]
 
 

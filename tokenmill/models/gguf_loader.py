@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenmill.config import ModelConfig, MoEConfig
+from tokenmill.config import ModelConfig, MoEConfig, UnsupportedModel
 from tokenmill.host_memory import read_only_tensor
 from tokenmill.models.gemma import GEMMA_ARCHITECTURES
 from tokenmill.models.gpt_oss import (
@@ -124,15 +124,15 @@ def _gguf_phi3(meta, reader, layers: int, rotary_dim: int) -> dict:
         rotary_dim  rope.dimension_count (Phi-4-mini: 96 of 128 dims rotate).
     """
     if meta("expert_count"):
-        raise ValueError(f"unsupported GGUF phi3 variant: expert_count {meta('expert_count')} (supported: dense)")
+        raise UnsupportedModel(f"unsupported GGUF phi3 variant: expert_count {meta('expert_count')} (supported: dense)")
     window = meta("attention.sliding_window", 0)
     fields = dict(layer_windows=(window,) * layers if window else ())
     factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
     if not factors:
         return fields
     if set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
-        raise ValueError(f"unsupported GGUF phi3 variant: rope factors {', '.join(sorted(factors))} (supported: "
-                         "rope_factors_long.weight with rope_factors_short.weight)")
+        raise UnsupportedModel(f"unsupported GGUF phi3 variant: rope factors {', '.join(sorted(factors))} (supported: "
+                               "rope_factors_long.weight with rope_factors_short.weight)")
     long, short = (np.asarray(factors[f"rope_factors_{k}.weight"].data, np.float64).reshape(-1).tolist()
                    for k in ("long", "short"))
     if len(long) != rotary_dim // 2 or len(short) != rotary_dim // 2:
@@ -157,9 +157,9 @@ def _gguf_moe(meta, arch: str, reader) -> MoEConfig:
     scales are refused."""
     gating, scale = meta("expert_gating_func"), meta("expert_weights_scale")
     if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise ValueError(f"unsupported GGUF expert_gating_func {gating} (supported: 1, softmax)")
+        raise UnsupportedModel(f"unsupported GGUF expert_gating_func {gating} (supported: 1, softmax)")
     if scale not in (None, 0.0, 1.0):
-        raise ValueError(f"unsupported GGUF expert_weights_scale {scale} (supported: 1)")
+        raise UnsupportedModel(f"unsupported GGUF expert_weights_scale {scale} (supported: 1)")
     widths = {}  # ffn_gate_exps / ffn_gate_shexp -> width; older Mixtral files: blk.L.ffn_gate.E.weight per expert
     for t in reader.tensors:
         parts = t.name.split(".")
@@ -236,8 +236,8 @@ def _gguf_gpt_oss(meta, reader, moe: MoEConfig, layers: int, scaling: dict | Non
     """
     base, swa_base = meta("rope.freq_base"), meta("rope.freq_base_swa")
     if swa_base is not None and swa_base != base:
-        raise ValueError(f"unsupported GGUF gpt-oss variant: rope.freq_base_swa {swa_base} beside rope.freq_base "
-                         f"{base} (supported: one base for every layer)")
+        raise UnsupportedModel(f"unsupported GGUF gpt-oss variant: rope.freq_base_swa {swa_base} beside rope.freq_base "
+                               f"{base} (supported: one base for every layer)")
     if not meta("attention.sliding_window"):  # llama.cpp requires it too
         raise ValueError("GGUF gpt-oss file without attention.sliding_window (its sliding layers need one)")
     names = {t.name for t in reader.tensors}
@@ -273,10 +273,10 @@ def gguf_model_config(reader) -> ModelConfig:
     name = _gguf_field(reader, "general.architecture")
     if name not in GGUF_ARCHS:
         hint = " (a multimodal projector, mmproj, file: give the language model's file)" if name == "clip" else ""
-        raise ValueError(f"unsupported GGUF architecture {name!r}{hint} (supported: {', '.join(GGUF_ARCHS)})")
+        raise UnsupportedModel(f"unsupported GGUF architecture {name!r}{hint} (supported: {', '.join(GGUF_ARCHS)})")
     if towers := sorted({t.name.split(".")[0] for t in reader.tensors if t.name.startswith(_MULTIMODAL_PREFIXES)}):
-        raise ValueError(f"unsupported GGUF {name} variant: vision or audio tensors "
-                         f"({', '.join(f'{p}.*' for p in towers)}) beside the language model (text only)")
+        raise UnsupportedModel(f"unsupported GGUF {name} variant: vision or audio tensors "
+                               f"({', '.join(f'{p}.*' for p in towers)}) beside the language model (text only)")
 
     def meta(key, default=None):
         return _gguf_field(reader, f"{name}.{key}", default)
@@ -288,8 +288,8 @@ def gguf_model_config(reader) -> ModelConfig:
     head_dim = meta("attention.key_length") or hidden // heads
     rotary_dim = meta("rope.dimension_count") or head_dim
     if rotary_dim != head_dim and arch != "phi3":
-        raise ValueError(f"unsupported GGUF {name} variant: rope.dimension_count {rotary_dim} of head_dim {head_dim} "
-                         "(partial rotary is read for phi3 files)")
+        raise UnsupportedModel(f"unsupported GGUF {name} variant: rope.dimension_count {rotary_dim} of head_dim "
+                               f"{head_dim} (partial rotary is read for phi3 files)")
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1+: llama.cpp keeps its rope scaling as a divisor per frequency
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors",
@@ -316,7 +316,7 @@ def gguf_model_config(reader) -> ModelConfig:
         rope_theta=meta("rope.freq_base", 10000.0), rope_scaling=scaling,
         max_position_embeddings=meta("context_length", 2048),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names, o_proj_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm=arch != "olmoe" and "blk.0.attn_q_norm.weight" in tensor_names, qk_norm_whole=arch == "olmoe",
         moe=moe, bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids) | gemma | phi3 | gpt_oss)
@@ -345,7 +345,7 @@ def _gguf_name(gguf_name: str, cfg: ModelConfig) -> tuple[str | None, int]:
              _PHI3_GGUF_NAMES if cfg.architecture == "phi3" else
              _GPT_OSS_GGUF_NAMES if cfg.architecture == "gpt_oss" else _GGUF_NAMES)
     if kind not in names:  # such as llama.cpp's optionally fused attn_qkv or ffn_gate_up_exps
-        raise ValueError(f"unsupported GGUF tensor {gguf_name} in a {cfg.architecture} file")
+        raise UnsupportedModel(f"unsupported GGUF tensor {gguf_name} in a {cfg.architecture} file")
     return f"model.layers.{layer}.{names[kind]}.{suffix}", heads
 
 
@@ -417,7 +417,7 @@ def _values(tensor) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]]:
     try:
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     except NotImplementedError:
-        raise ValueError(f"unsupported GGUF tensor type {tensor.tensor_type.name} of {tensor.name}") from None
+        raise UnsupportedModel(f"unsupported GGUF tensor type {tensor.tensor_type.name} of {tensor.name}") from None
     return data.reshape(shape), lambda part: part
 
 

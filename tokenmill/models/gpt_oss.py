@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenmill.config import ModelConfig, MoEConfig
+from tokenmill.config import ModelConfig, MoEConfig, UnsupportedModel
 from tokenmill.models.packed_linear import GGUFMatrix
 
 # transformers' defaults (GptOssConfig) for what a config.json may leave out
@@ -77,10 +77,10 @@ def gpt_oss_fields(cfg: dict) -> dict:
     its experts'; a quantization other than MXFP4 refused by name."""
     quant = cfg.get("quantization_config")
     if quant is not None and quant.get("quant_method") != "mxfp4":
-        raise ValueError(f"unsupported quantization_config quant_method {quant.get('quant_method')!r} for gpt_oss "
-                         "(supported: mxfp4, or none)")
+        raise UnsupportedModel(f"unsupported quantization_config quant_method {quant.get('quant_method')!r} for "
+                               "gpt_oss (supported: mxfp4, or none)")
     if not cfg["attention_bias"]:
-        raise ValueError("unsupported gpt_oss variant: attention_bias = False (supported: True)")
+        raise UnsupportedModel("unsupported gpt_oss variant: attention_bias = False (supported: True)")
     return {"attention_bias": True, "o_proj_bias": True, "attention_sinks": True}
 
 

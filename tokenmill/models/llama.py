@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.config import ModelConfig
+from tokenmill.config import ModelConfig, UnsupportedModel
 from tokenmill.models.moe import AbsentExpert, ClampedSwiGLU, SparseMoeBlock, checkpoint_name
 from tokenmill.models.ops import TorchOps
 
@@ -92,8 +92,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / factor * ramp + inv_freq * (1 - ramp)  # high frequencies kept, low ones interpolated
     if kind == "longrope":  # Phi-3: the short factors (Rotary switches to the long ones past the original context)
         return inv_freq / _longrope_factors(scaling)[0]
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
-                     "longrope, freq_factors)")
+    raise UnsupportedModel(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn, "
+                           "longrope, freq_factors)")
 
 
 def longrope_angles(positions: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
@@ -113,8 +113,8 @@ def longrope_angles(positions: torch.Tensor, head_dim: int, theta: float, scalin
 
 def _longrope_factors(scaling: dict) -> tuple[torch.Tensor, torch.Tensor]:
     if "short_factor" not in scaling or "long_factor" not in scaling:
-        raise ValueError("unsupported rope scaling: longrope without short_factor and long_factor (GGUF files "
-                         "keep them as tensors, which are read for phi3 files only)")
+        raise UnsupportedModel("unsupported rope scaling: longrope without short_factor and long_factor (GGUF files "
+                               "keep them as tensors, which are read for phi3 files only)")
     return tuple(torch.tensor(scaling[k], dtype=torch.float64, device="cpu") for k in ("short_factor", "long_factor"))
 
 

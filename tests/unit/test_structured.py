@@ -183,6 +183,23 @@ def test_a_response_format_and_forced_tool_calls_refuse_a_key_the_schema_never_d
         assert not walk(grammar(), tokenizer, before + '{"city": "Paris", "x"'), name
 
 
+@pytest.mark.parametrize("parameters", [None, {}, {"type": "object"}, {"type": "object", "properties": {}}])
+def test_a_function_without_parameters_is_called_with_no_arguments(compiler, tokenizer, parameters):
+    """A tool whose parameters are left out, or declare no property, takes none: forced, its
+    arguments are {} (an empty `properties` is a declaration, where {"type": "object"} alone in a
+    response_format stays any object)."""
+    function = {"name": "ping", **({} if parameters is None else {"parameters": parameters})}
+    named = plan_tools([{"type": "function", "function": function}], {"type": "function", "function": {"name": "ping"}},
+                       None)
+    grammar = compile_(compiler, **named.constraint())
+    assert walk(grammar, tokenizer, "{}") and grammar.is_terminated
+    assert not walk(compile_(compiler, **named.constraint()), tokenizer, '{"x"')
+    empty = compile_(compiler, json={"type": "object", "properties": {}})
+    assert not walk(empty, tokenizer, '{"x"')
+    assert forbid_undeclared_properties({"type": "object", "properties": {}}) == {
+        "type": "object", "properties": {}, "additionalProperties": False}
+
+
 def test_the_permissive_option_lets_an_undeclared_key_through_but_never_into_tool_arguments(compiler, tokenizer):
     permissive = compile_(compiler, json=CITY, disable_additional_properties=False)
     assert walk(permissive, tokenizer, '{"city": "Paris", "x": 1}')

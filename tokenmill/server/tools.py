@@ -58,6 +58,17 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
+def parameters_schema(function: dict) -> dict:
+    """A function's parameters schema for its calls' arguments. One that is left out, or declares
+    no properties and says nothing else of its object, is an empty parameter list (as OpenAI reads
+    an omitted `parameters`): its calls' arguments are {}."""
+    schema = function.get("parameters") or {}
+    keys = set(schema) - {"type", "title", "description", "$schema"}
+    if keys or schema.get("type", "object") != "object":
+        return schema
+    return {**schema, "type": "object", "properties": {}}
+
+
 @dataclass
 class ToolPlan:
     choice: str                         # "none", "auto", "required" or "named"
@@ -70,7 +81,7 @@ class ToolPlan:
         """The structured output that makes the calls (StructuredOutputsParams fields), if any.
         Arguments never carry a key the function's parameters do not declare (unless its schema
         allows others itself): a call made as f(**arguments) would fail on it."""
-        functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
+        functions = {t["function"]["name"]: parameters_schema(t["function"]) for t in self.tools}
         if self.parser == HARMONY and self.choice in ("named", "required"):  # one call, in harmony's header
             return {"grammar": call_grammar({self.name: functions[self.name]} if self.name else functions)}
         if self.choice == "named":

@@ -2,11 +2,13 @@
 
 The tools go to the chat template; `tool_choice` decides how calls come out:
   a named function  the output is constrained (a structured output) to that function's
-                    parameters schema, and is its arguments
+                    parameters schema, and is its arguments, streamed as they come: cut by
+                    max_tokens or a stop string, they are as far as they came
   "required"        the output is constrained to a JSON array of {"name", "parameters"} calls,
                     at least one, each naming one of the tools; cut by max_tokens, the calls
-                    as far as they came (finish reason "length"); ended by a stop string before
-                    the array did, the text as content
+                    as far as they came (finish reason "length"), or the text as content if no
+                    call's name was whole yet; ended by a stop string before the array did, the
+                    text as content
   "auto"            the model decides, and its text is parsed for calls in its own format:
                     the server's tool-call parser (PARSERS; read from the chat template by
                     tool_detection.py unless --tool-call-parser names it):
@@ -135,7 +137,8 @@ class ToolPlan:
             try:
                 return None, [_required_call(c) for c in json.loads(text)]
             except (ValueError, TypeError, KeyError, RecursionError):  # cut short, or nested past the decoder's limit
-                return (None, _cut_calls(text)) if cut else (text, [])
+                calls = _cut_calls(text) if cut else []
+                return (None, calls) if calls else (text, [])  # (cut before a name was whole: the text)
         if self.choice != "auto":
             return text, []
         return _PARSE[self.parser](text)

@@ -580,6 +580,8 @@ BAD_REQUESTS = [
     ("too many completions", "/v1/completions", {"prompt": [[5]] * 600, "n": 2}, 400, "prompt"),
     ("best_of", "/v1/completions", {"prompt": "w5", "best_of": 3}, 400, "best_of"),
     ("beam search", "/v1/completions", {"prompt": "w5", "use_beam_search": True}, 400, "use_beam_search"),
+    ("echo in chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "echo": True}, 400,
+     "echo"),
     ("logit_bias key", "/v1/completions", {"prompt": "w5", "logit_bias": {"w5": 10}}, 400, "logit_bias"),
     ("logit_bias value", "/v1/completions", {"prompt": "w5", "logit_bias": {"5": 200}}, 400, "logit_bias"),
     ("logit_bias past the vocabulary", "/v1/completions", {"prompt": "w5", "logit_bias": {"99999": 1}}, 400,

@@ -294,11 +294,13 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template: str | None = None  # known, refused: a template is code, and the server runs the model's
+    echo: bool = False  # vLLM's (the last message's text before the answer): known, not implemented
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
 
     def unsupported(self) -> str | None:
-        return super().unsupported() or ("chat_template" if self.chat_template is not None else None)
+        return (super().unsupported() or ("chat_template" if self.chat_template is not None else None)
+                or ("echo" if self.echo else None))
 
 
 class TokenizeRequest(ChatRendering):

@@ -233,6 +233,13 @@ BAD_REQUESTS = [
     ("two constraints", {"input": "hi", "tools": [TOOL], "tool_choice": CALL_WEATHER,
                          "text": {"format": {"type": "json_object"}}}, "tool_choice"),
     ("background", {"input": "hi", "background": True}, "background"),
+    ("logprobs", {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3}, "include"),
+    ("top_logprobs", {"input": "hi", "top_logprobs": 3}, "top_logprobs"),
+    ("truncation auto", {"input": "hi", "truncation": "auto"}, "truncation"),
+    ("a stored conversation", {"input": "hi", "conversation": "conv_1"}, "conversation"),
+    ("a stored prompt", {"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ("max_tool_calls", {"input": "hi", "max_tool_calls": 1}, "max_tool_calls"),
+    ("flex tier", {"input": "hi", "service_tier": "flex"}, "service_tier"),
     ("metadata", {"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ("lone surrogate", b'{"input": "\\ud800"}', "input"),
 ]

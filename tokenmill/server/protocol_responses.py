@@ -4,7 +4,8 @@ The shapes are OpenAI's: `input` is a string or a list of items (messages, and t
 and outputs of an earlier turn), tools are flat function definitions, `text.format` asks for a
 structured output. What pydantic checks here (an item's type, a message's role, a content part's
 type, the fields each kind of item needs) is a 400 naming the field; known fields tokenmill does
-not implement (`background`) are a 400 too. Unknown fields are ignored, as elsewhere. Types are
+not implement (`background`, `include`, `top_logprobs`, `truncation` "auto", `conversation`,
+`prompt`, `max_tool_calls`, a `service_tier` other than "auto" or "default") are a 400 too. Unknown fields are ignored, as elsewhere. Types are
 strict, as the OpenAPI schema states them: 0 is no boolean and "5" no number.
 """
 
@@ -153,13 +154,24 @@ class ResponsesRequest(APIRequest):
     reasoning: ReasoningConfig | None = None
     user: str | None = None
     cache_salt: str | None = None                 # vLLM's: cached blocks shared only within one salt
-    background: bool = False                      # known, not implemented: true is a 400
+    # known, not implemented: a value other than these defaults is a 400 naming the field (each
+    # would change the answer, or promise what it does not hold, if it were ignored)
+    background: bool = False                      # (the server answers while the client waits)
+    include: list[str] | None = None              # (output_text logprobs, encrypted reasoning, ...)
+    top_logprobs: int | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    conversation: str | dict | None = None        # (a stored conversation's items come first)
+    prompt: dict | None = None                    # (a stored prompt template)
+    max_tool_calls: int | None = None
+    service_tier: str | None = None               # ("auto" and "default" are what it does)
 
-    @field_validator("background")
+    @field_validator("background", "include", "top_logprobs", "truncation", "conversation", "prompt",
+                     "max_tool_calls", "service_tier")
     @classmethod
-    def _not_in_background(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("true is not supported by this server (it answers while the client waits)")
+    def _not_implemented(cls, value, info):
+        if value not in (None, False, [], 0, "disabled", "auto", "default") or (
+                info.field_name == "truncation" and value == "auto"):
+            raise ValueError(f"{value!r} is not supported by this server")
         return value
 
     @field_validator("metadata")

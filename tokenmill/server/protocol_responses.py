@@ -5,8 +5,9 @@ and outputs of an earlier turn), tools are flat function definitions, `text.form
 structured output. What pydantic checks here (an item's type, a message's role, a content part's
 type, the fields each kind of item needs) is a 400 naming the field; known fields tokenmill does
 not implement (`background`, `include`, `top_logprobs`, `truncation` "auto", `conversation`,
-`prompt`, `max_tool_calls`, a `service_tier` other than "auto" or "default") are a 400 too. Unknown fields are ignored, as elsewhere. Types are
-strict, as the OpenAPI schema states them: 0 is no boolean and "5" no number.
+`prompt`, `max_tool_calls`, a `service_tier` other than "auto" or "default") are a 400 too.
+Unknown fields are ignored, as elsewhere. Types are strict, as the OpenAPI schema states them: 0
+is no boolean and "5" no number.
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ def test_time_per_output_token_leaves_out_one_token_requests():
     row = summarize(results, wall=3.0, rate=1.0, slo={"tpot": 150.0})
     assert abs(row["tpot"]["mean"] - 0.15) < 1e-9 and row["completed"] == 3
     assert abs(row["goodput_req_s"] - 2 / 3.0) < 1e-9  # the one-token request meets any TPOT SLO
+    assert summarize(results, wall=3.0, rate=1.0, slo={})["goodput_req_s"] is None  # no SLO: no goodput
 
 
 def test_arrivals_keep_their_schedule_while_the_loop_is_busy():

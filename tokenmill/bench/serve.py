@@ -11,7 +11,7 @@ bounded by --num-prompts and --max-seconds.
 
 Per request: TTFT (send to first token), ITL (gaps between streamed chunks), TPOT
 ((end - first token) / (tokens - 1)) and end-to-end latency; goodput counts the requests
-per second that met --slo ttft=MS,tpot=MS.
+per second that met --slo ttft=MS,tpot=MS (none without it: it would repeat req/s).
 """
 
 from __future__ import annotations
@@ -175,23 +175,27 @@ def summarize(results: list[RequestResult], wall: float, rate: float, slo: dict[
     itl = [x for r in ok for x in r.itl]
     return {"request_rate": rate, "completed": len(ok), "failed": len(results) - len(ok), "wall_s": wall,
             "request_throughput": len(ok) / wall, "output_tok_s": sum(r.output_tokens for r in ok) / wall,
-            "goodput_req_s": len(good) / wall, "ttft": pct([r.ttft for r in ok]),
+            "goodput_req_s": len(good) / wall if slo else None, "ttft": pct([r.ttft for r in ok]),
             "tpot": pct([r.tpot for r in ok if r.output_tokens > 1]),  # one token has no time per output token
             "itl": pct(itl), "e2e": pct([r.e2e for r in ok]),
             "errors": sorted({r.error for r in results if not r.ok})[:5],
             "ttft_samples": [r.ttft for r in ok], "itl_samples": itl}
 
 
+def _figure(value: float | None, width: int, spec: str) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+
+
 def format_rows(rows: list[dict]) -> str:
     columns = [f"{m} {p}" for m in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99")]
     head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'goodput':>8} "
             + " ".join(f"{c:>10}" for c in columns))
-    lines = [head, "(latencies in ms; -: no sample)"]
+    lines = [head, "(latencies in ms; -: no sample, or no goodput without --slo)"]
     for r in rows:
-        lat = " ".join(f"{'-':>10}" if r[m][p] is None else f"{r[m][p] * 1e3:>10.1f}"
+        lat = " ".join(_figure(None if r[m][p] is None else r[m][p] * 1e3, 10, ".1f")
                        for m in ("ttft", "tpot", "itl", "e2e") for p in ("mean", "p50", "p90", "p99"))
         lines.append(f"{r['request_rate']:>6} {r['completed']:>5} {r['failed']:>4} {r['request_throughput']:>7.2f} "
-                     f"{r['output_tok_s']:>9.1f} {r['goodput_req_s']:>8.2f} {lat}")
+                     f"{r['output_tok_s']:>9.1f} {_figure(r['goodput_req_s'], 8, '.2f')} {lat}")
     return "\n".join(lines)
 
 

@@ -91,6 +91,9 @@ class InputProcessor:
         if priority and self.scheduling_policy != "priority":  # as vLLM: not silently ignored
             raise FieldError("priority", f"priority {priority} needs scheduling_policy 'priority' "
                              f"(this engine runs '{self.scheduling_policy}')")
+        if deadline is not None and self.scheduling_policy != "edf":
+            raise FieldError("deadline", f"a deadline needs scheduling_policy 'edf' "
+                             f"(this engine runs '{self.scheduling_policy}')")
         self._check_limits(params)
         text, ids = self.tokenize_prompt(prompt)
         if not ids:

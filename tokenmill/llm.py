@@ -9,6 +9,7 @@ outputs in input order.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -31,9 +32,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 deadline: Sequence[float | None] | None = None) -> list[RequestOutput]:
         """Prompts are strings, token-id lists or {"prompt_token_ids": [...]} dicts (or one of them).
-        priority: one per prompt (lower first), for the engine's "priority" scheduling policy."""
+        priority: one per prompt (lower first), for the engine's "priority" scheduling policy;
+        deadline: one per prompt, seconds from this call (None: none), for its "edf" policy."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -44,15 +47,20 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        start = time.monotonic()
+        deadlines = [None if d is None else start + d for d in deadline] if deadline is not None else [None] * len(
+            prompts)
+        if len(deadlines) != len(prompts):
+            raise ValueError(f"got {len(deadlines)} deadlines for {len(prompts)} prompts")
 
         # n > 1 fans out into n requests; a seeded request gets seeds seed, seed+1, ...
         jobs, requests = [], []  # (prompt index, sample index, request id), and the requests
-        for i, (prompt, p, rank) in enumerate(zip(prompts, params_list, priorities)):
+        for i, (prompt, p, rank, due) in enumerate(zip(prompts, params_list, priorities, deadlines)):
             for j in range(p.n):
                 sub = (p if p.n == 1 else p.for_sample(j)).clone(output_kind="final")  # no output per step
                 # as vLLM offline: max_tokens past the context ends the output there ("length")
                 make = self.engine.input_processor.make_request
-                requests.append(make(self._next_id(), prompt, sub, priority=rank, fit_to_context=True))
+                requests.append(make(self._next_id(), prompt, sub, priority=rank, deadline=due, fit_to_context=True))
                 jobs.append((i, j, requests[-1].request_id))
         finished = self._run(requests, "generating", use_tqdm)
 

@@ -76,6 +76,7 @@ class SchedulerStats:
     num_external_tokens: int = 0      # cumulative: prompt tokens whose K/V a KV connector brought in
     num_held_requests: int = 0        # finished requests whose blocks a KV connector holds for a peer
     kv_blocks_held: int = 0           # their blocks (among kv_blocks_used, shared ones counted per request)
+    num_missed_deadlines: int = 0     # cumulative: requests that finished after their deadline (edf)
 
 
 @dataclass(frozen=True)

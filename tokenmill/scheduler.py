@@ -110,7 +110,7 @@ class Scheduler(ConnectorSteps):
         self.num_preemptions = 0
         self.num_swapped_out = 0                 # of which by swapping
         self.num_external_tokens = 0             # prompt tokens whose K/V the connector brought in
-        self.missed_deadlines: list[str] = []    # edf: requests that finished after their deadline
+        self.num_missed_deadlines = 0            # cumulative: requests that finished after their deadline
         self._watermark_blocks = int(config.kv_watermark * kv.pool.num_blocks)
         self._swap_out: list[tuple[int, int]] = []  # this step's swap-out copies
 
@@ -146,7 +146,7 @@ class Scheduler(ConnectorSteps):
         else:
             self._free(request)  # (a failed step has already made the whole pool forget its hashes)
         if request.deadline is not None and now > request.deadline:
-            self.missed_deadlines.append(request_id)
+            self.num_missed_deadlines += 1
         self._finished_ids.append(request_id)
         return request
 
@@ -192,7 +192,8 @@ class Scheduler(ConnectorSteps):
             kv_slots_used=self.kv.slots_filled(self.running), prefix_tokens_queried=self.kv.prompt_tokens_queried,
             prefix_tokens_hit=self.kv.prompt_tokens_hit, num_evictions=pool.num_evictions,
             num_preemptions=self.num_preemptions, num_external_tokens=self.num_external_tokens,
-            num_held_requests=len(self.held), kv_blocks_held=sum(len(r.block_ids) for r in self.held.values()))
+            num_held_requests=len(self.held), kv_blocks_held=sum(len(r.block_ids) for r in self.held.values()),
+            num_missed_deadlines=self.num_missed_deadlines)
 
     def snapshot(self, max_waiting: int = 256) -> SchedulerSnapshot:
         """The pool's block states and the requests' progress, copied: call it between steps, on

@@ -400,6 +400,23 @@ def test_truncated_prompts_and_priorities_in_generate(tiny_llama):
         llm.generate([[5, 6]], SamplingParams(max_tokens=1), priority=[1, 2])
 
 
+def test_deadlines_in_generate_order_requests_under_edf_and_are_refused_elsewhere(tiny_llama):
+    """generate(deadline=...) (seconds from the call) reaches the edf policy: one sequence at a
+    time, the earliest deadline runs first and one without a deadline last; under another policy
+    a deadline is an error, not ignored."""
+    llm = LLM(str(tiny_llama), max_num_seqs=1, scheduling_policy="edf")
+    outs = llm.generate([[5, 6], [7, 8], [9, 10], [11, 12]], SamplingParams(max_tokens=3),
+                        deadline=[300.0, None, 100.0, 200.0], use_tqdm=False)
+    starts = [o.metrics.first_scheduled_time for o in outs]
+    assert starts[2] < starts[3] < starts[0] < starts[1]
+    with pytest.raises(ValueError, match="deadlines"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=1), deadline=[1.0, 2.0])
+    fcfs = LLM(str(tiny_llama), max_num_seqs=1)
+    with pytest.raises(ValueError, match="a deadline needs scheduling_policy 'edf'"):
+        fcfs.generate([[5, 6]], SamplingParams(max_tokens=1), deadline=[1.0], use_tqdm=False)
+    assert not fcfs.engine.has_unfinished_requests()
+
+
 def test_each_output_carries_its_request_timeline_in_order(llm):
     """The offline API returns the timeline on each output: arrival, tokenizing, admission, the
     prompt's chunks (64-token budget: a 150-token prompt takes three), the first token, the end;

@@ -365,6 +365,19 @@ def test_continuous_usage_of_a_chat_stream_counts_no_tokens_in_the_role_delta(se
     assert counts == emitted and counts[0] == 0 and counts[-1] == 4 == chunks[-1]["usage"]["completion_tokens"]
 
 
+def test_a_requests_deadline_reaches_the_edf_scheduler_from_every_endpoint(tiny_llama):
+    """A deadline of a microsecond is missed, one of an hour is not: each endpoint's `deadline`
+    reaches the scheduler, which counts the late ones."""
+    with running_server(tiny_llama, engine_options={"scheduling_policy": "edf"}) as s:
+        late, early = {"max_tokens": 2, "deadline": 1e-6}, {"max_tokens": 2, "deadline": 3600}
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "w5"}]}
+        for path, body in [("/v1/completions", {"model": "tiny", "prompt": "w5", **late}),
+                           ("/v1/chat/completions", {**chat, **early}), ("/v1/chat/completions", {**chat, **late}),
+                           ("/v1/responses", {"input": "w5", "max_output_tokens": 2, "deadline": 1e-6})]:
+            assert httpx.post(s.url + path, json=body).status_code == 200, path
+        assert metric(s.url, "tokenmill_requests_missed_deadline_total") == 3
+
+
 def test_usage_counts_cached_prompt_tokens_and_a_cache_salt_shares_them_only_within_itself(server):
     """OpenAI's usage.prompt_tokens_details.cached_tokens; vLLM's cache_salt. A repeat reuses the
     prompt's full blocks of 16 tokens but the one holding its last token (always computed)."""
@@ -597,6 +610,10 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": "w5"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("empty stop string", "/v1/completions", {"prompt": "w5", "stop": ""}, 400, "stop"),
     ("priority under fcfs", "/v1/completions", {"prompt": "w5", "priority": 5}, 400, "priority"),
+    ("deadline under fcfs", "/v1/completions", {"prompt": "w5", "deadline": 5}, 400, "deadline"),
+    ("deadline of 0", "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "deadline": 0}, 400,
+     "deadline"),
+    ("deadline not a number", "/v1/completions", {"prompt": "w5", "deadline": "soon"}, 400, "deadline"),
     # lone surrogates ("\ud800" in JSON) are no unicode: the tokenizer and the response's encoder refuse them
     ("lone surrogate in a prompt", "/v1/completions", b'{"prompt": "w5 \\ud800"}', 400, "prompt"),
     ("lone surrogate in a message", "/v1/chat/completions",

@@ -40,6 +40,10 @@ class ServerMetrics:
                                    "Prompt tokens whose K/V a KV connector brought in (disaggregated decode)",
                                    registry=r)
         self._transferred = 0  # the cumulative figure already counted
+        self.missed_deadlines = Counter("tokenmill_requests_missed_deadline",
+                                        "Requests that finished after their deadline (scheduling policy edf)",
+                                        registry=r)
+        self._missed = 0
         self.generation_tokens = Counter("tokenmill_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("tokenmill_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.draft_tokens = Counter("tokenmill_spec_draft_tokens", "Speculative tokens proposed and verified",
@@ -70,6 +74,8 @@ class ServerMetrics:
         self.hit_rate.set(s.prefix_tokens_hit / s.prefix_tokens_queried if s.prefix_tokens_queried else 0.0)
         self.transferred.inc(s.num_external_tokens - self._transferred)
         self._transferred = s.num_external_tokens
+        self.missed_deadlines.inc(s.num_missed_deadlines - self._missed)
+        self._missed = s.num_missed_deadlines
         self.vllm.observe(s)
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:

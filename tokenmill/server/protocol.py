@@ -128,6 +128,7 @@ class SamplingFields(APIRequest):
     allowed_token_ids: list[TokenId] | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0
+    deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # seconds from arrival, for edf
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*

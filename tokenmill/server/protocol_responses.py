@@ -155,6 +155,8 @@ class ResponsesRequest(APIRequest):
     reasoning: ReasoningConfig | None = None
     user: str | None = None
     cache_salt: str | None = None                 # vLLM's: cached blocks shared only within one salt
+    priority: int = 0                             # vLLM's, for --scheduling-policy priority (lower first)
+    deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # seconds from arrival, for edf
     # known, not implemented: a value other than these defaults is a 400 naming the field (each
     # would change the answer, or promise what it does not hold, if it were ignored)
     background: bool = False                      # (the server answers while the client waits)

@@ -175,8 +175,9 @@ class ServingEngine:
 
     async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
                              ids: tuple[str, str], input_name: str = "prompt", cache_salt: str | None = None,
-                             add_special_tokens: bool = True) -> list[EngineRequest]:
-        """One engine request per (prompt, sample), each with the request's cache_salt, a text
+                             add_special_tokens: bool = True, deadline: float | None = None) -> list[EngineRequest]:
+        """One engine request per (prompt, sample), each with the request's cache_salt, priority and
+        deadline (seconds from its arrival, for the edf policy), a text
         prompt tokenized with or without its tokenizer's special tokens, logged under the answer's
         id (`ids`: the answer's id and its requests' prefix, from answer_ids); raises
         APIError(400) for any invalid one, a prompt past the context as OpenAI answers it, naming the
@@ -189,12 +190,13 @@ class ServingEngine:
                                 f"got {len(prompts)} x {params.n}", param="prompt")
         arrival = time.monotonic()  # the requests' timelines start here, before tokenizing
         answer_id, prefix = ids
-        requests = await asyncio.to_thread(self._make_requests, prompts, params, priority, prefix, arrival,
+        due = arrival + deadline if deadline is not None else None
+        requests = await asyncio.to_thread(self._make_requests, prompts, params, (priority, due), prefix, arrival,
                                            input_name, cache_salt, add_special_tokens)
         self.request_log.add(answer_id, requests)
         return requests
 
-    def _make_requests(self, prompts: list, params: SamplingParams, priority: int, prefix: str,
+    def _make_requests(self, prompts: list, params: SamplingParams, order: tuple[int, float | None], prefix: str,
                        arrival: float, input_name: str, cache_salt: str | None,
                        add_special_tokens: bool) -> list[EngineRequest]:
         requests = []
@@ -204,8 +206,8 @@ class ServingEngine:
                 tokenized = {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}
                 for j in range(params.n):
                     requests.append(self.async_engine.make_request(f"{prefix}-{i}-{j}", tokenized,
-                                                                   params.for_sample(j), priority=priority,
-                                                                   arrival_time=arrival))
+                                                                   params.for_sample(j), priority=order[0],
+                                                                   deadline=order[1], arrival_time=arrival))
         except ContextLengthError as exc:
             raise context_length_error(exc, input_name) from None
         except ValueError as exc:

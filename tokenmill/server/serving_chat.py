@@ -95,7 +95,7 @@ class ChatHandler:
             params = params.clone(skip_special_tokens=False)
         ids = answer_ids("chatcmpl", raw, req.request_id)
         requests = await self.serving.build_requests([prompt], params, req.priority, ids, input_name="messages",
-                                                     cache_salt=req.cache_salt)
+                                                     cache_salt=req.cache_salt, deadline=req.deadline)
         base = {"id": ids[0], "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name}
         # a structured output constrains the output from its first token: thinking only where the

@@ -40,7 +40,7 @@ class CompletionHandler:
                                  prompt_logprobs=req.logprobs if req.echo else None)
         ids = answer_ids("cmpl", raw, req.request_id)
         requests = await self.serving.build_requests(req.prompts(), params, req.priority, ids,
-                                                     cache_salt=req.cache_salt,
+                                                     cache_salt=req.cache_salt, deadline=req.deadline,
                                                      add_special_tokens=req.add_special_tokens)
         base = {"id": ids[0], "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}

@@ -179,7 +179,7 @@ class ResponsesHandler:
         elif plan is not None and plan.keeps_special_tokens:
             params = params.clone(skip_special_tokens=False)
         response_id = new_id("resp")
-        request = await self._request(prompt, params, response_id, req.cache_salt)
+        request = await self._request(prompt, params, response_id, req)
         head = ResponseHead.of(req, params, response_id, self.model_name)
         kept = conversation if req.store else None
         # as in chat: under a structured output, thinking only where the grammar itself opens a block
@@ -205,11 +205,13 @@ class ResponsesHandler:
                            param="previous_response_id", code="previous_response_not_found")
         return conversation
 
-    async def _request(self, prompt: dict, params: SamplingParams, response_id: str, cache_salt: str | None):
-        """The engine request; its errors name the Responses API's fields (max_output_tokens)."""
+    async def _request(self, prompt: dict, params: SamplingParams, response_id: str, req: ResponsesRequest):
+        """The engine request, with the request's cache_salt, priority and deadline; its errors name
+        the Responses API's fields (max_output_tokens)."""
         try:
-            return (await self.serving.build_requests([prompt], params, 0, (response_id, response_id),
-                                                      input_name="input", cache_salt=cache_salt))[0]
+            return (await self.serving.build_requests([prompt], params, req.priority, (response_id, response_id),
+                                                      input_name="input", cache_salt=req.cache_salt,
+                                                      deadline=req.deadline))[0]
         except APIError as exc:
             error = exc.body["error"]
             error["param"] = FIELD_NAMES.get(error["param"], error["param"])

@@ -17,7 +17,7 @@ import pytest
 from test_serve_cli import wait_until_up
 from test_server import free_port
 
-KEEP_ALIVE_S, HEADERS_S, MAX_CONNECTIONS = 1.0, 2.0, 300
+KEEP_ALIVE_S, HEADERS_S, BODY_S, MAX_CONNECTIONS = 1.0, 2.0, 2.0, 300
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,8 @@ def guarded(tiny_llama):
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", str(tiny_llama),
                              "--port", str(port),
                              "--num-kv-blocks", "64", "--timeout-keep-alive", str(KEEP_ALIVE_S),
-                             "--timeout-request-headers", str(HEADERS_S), "--max-connections", str(MAX_CONNECTIONS)],
+                             "--timeout-request-headers", str(HEADERS_S), "--timeout-request-body", str(BODY_S),
+                             "--max-connections", str(MAX_CONNECTIONS)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=lower_soft_limit)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -87,6 +88,27 @@ def test_slowloris_heads_are_closed_after_the_header_timeout_while_health_answer
         time.sleep(0.3)
     closed = seconds_until_closed(slow, start, HEADERS_S + 8)
     assert min(closed) >= HEADERS_S and max(closed) < HEADERS_S + 8
+    assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_body_that_stops_coming_is_closed_and_one_that_keeps_coming_is_served(guarded):
+    """50 requests whose bodies stop after 10 of 100 bytes are closed once BODY_S passes without a
+    byte; a body sent a byte every half second, for longer than BODY_S in all, is answered."""
+    body = json.dumps({"prompt": "w5", "max_tokens": 1}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    start = time.monotonic()
+    stalled = [connect(guarded.port, head + body[:10]) for _ in range(50)]
+    trickled = connect(guarded.port, head)
+    for i in range(0, len(body), len(body) // 6 + 1):
+        time.sleep(0.5)
+        trickled.sendall(body[i:i + len(body) // 6 + 1])
+    assert time.monotonic() - start > BODY_S
+    trickled.settimeout(10)
+    assert trickled.recv(65536).startswith(b"HTTP/1.1 200")
+    trickled.close()
+    closed = seconds_until_closed(stalled, start, BODY_S + 8)
+    assert min(closed) >= BODY_S and max(closed) < BODY_S + 8
     assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
 
 

@@ -6,11 +6,12 @@ without end on a new connection that sends nothing and on a request whose header
 a time (slowloris); such connections pile up until accept() fails with "Too many open files" and
 /health stops answering for everyone, before any API key is checked. `GuardedH11Protocol` closes a
 new connection idle past the keep-alive timeout, and one whose request head (request line and
-headers) is not complete within `header_timeout` of its first byte. Past `max_connections` open
-connections, a new one's request gets a 503 and the connection closes; uvicorn's own
-limit_concurrency answers text/plain, and at its limit refuses requests on connections already
-open as well. A body that trickles in after a whole head is not timed: the body limit bounds its
-size and the cap the number of such connections.
+headers) is not complete within `header_timeout` of its first byte, and one whose request body
+stops coming: no byte of it for `body_timeout` while the server waits for it (not while the app
+has yet to take what came). A few such stalled bodies would otherwise hold the connection cap
+for good. Past `max_connections` open connections, a new one's request gets a 503 and the
+connection closes; uvicorn's own limit_concurrency answers text/plain, and at its limit refuses
+requests on connections already open as well.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ FILES_RESERVED = 128
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for request heads and a cap on connections;
-    `uvicorn.Config(http=functools.partial(GuardedH11Protocol, header_timeout=..., max_connections=...))`."""
+    """uvicorn's HTTP/1.1 protocol with deadlines for request heads and bodies and a cap on
+    connections; `uvicorn.Config(http=functools.partial(GuardedH11Protocol, header_timeout=...,
+    body_timeout=..., max_connections=...))`."""
 
-    def __init__(self, *args, header_timeout: float, max_connections: int, **kwargs) -> None:
+    def __init__(self, *args, header_timeout: float, max_connections: int, body_timeout: float = 30.0,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.header_timeout, self.max_connections = header_timeout, max_connections
+        self.header_timeout, self.body_timeout, self.max_connections = header_timeout, body_timeout, max_connections
         self.header_deadline: asyncio.TimerHandle | None = None
+        self.body_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
@@ -52,10 +56,33 @@ class GuardedH11Protocol(H11Protocol):
             self._cancel_header_deadline()
         elif self.header_deadline is None and not self.transport.is_closing():  # the first bytes of a head
             self.header_deadline = self.loop.call_later(self.header_timeout, self._header_timed_out)
+        self._await_body()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_deadline()
+        self._cancel_body_deadline()
         super().connection_lost(exc)
+
+    def _await_body(self) -> None:
+        """(Re)start the body's deadline while the request's body is still coming; stop it once
+        it is in."""
+        self._cancel_body_deadline()
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.body_deadline = self.loop.call_later(self.body_timeout, self._body_timed_out)
+
+    def _cancel_body_deadline(self) -> None:
+        if self.body_deadline is not None:
+            self.body_deadline.cancel()
+            self.body_deadline = None
+
+    def _body_timed_out(self) -> None:
+        self.body_deadline = None
+        if self.flow.read_paused:  # the app has not taken what came: the wait is the server's, not the client's
+            self._await_body()
+        elif not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+            logger.info("closed a connection from %s: no byte of its request body for %g s",
+                        self.client[0] if self.client else "?", self.body_timeout)
+            self.transport.close()
 
     def _cancel_header_deadline(self) -> None:
         if self.header_deadline is not None:

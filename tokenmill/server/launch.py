@@ -54,7 +54,7 @@ def run_server(args: argparse.Namespace, config, sock: socket.socket) -> int:
             self._captured_signals.clear()
 
     protocol = functools.partial(GuardedH11Protocol, header_timeout=args.timeout_request_headers,
-                                 max_connections=args.max_connections)
+                                 body_timeout=args.timeout_request_body, max_connections=args.max_connections)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
                                    timeout_keep_alive=args.timeout_keep_alive,
                                    log_level=logging.getLevelName(logging.getLogger().level).lower(),

@@ -98,6 +98,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-request-headers", type=seconds, default=10.0,
                         help="close a connection whose request line and headers are not all in this many seconds "
                              "after their first byte (slowloris)")
+    parser.add_argument("--timeout-request-body", type=seconds, default=30.0,
+                        help="close a connection whose request body stops coming: no byte of it for this many "
+                             "seconds")
     parser.add_argument("--max-connections", type=at_least_one, default=1024,
                         help="past this many open connections a new one's request gets HTTP 503 (lowered to fit "
                              "the open-file limit, whose soft value serve raises to the hard one)")

@@ -113,6 +113,11 @@ class AsyncLLMEngine:
     def is_alive(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
+    @property
+    def closing(self) -> bool:
+        """Whether abort_all was called (the server is shutting down)."""
+        return self._closing
+
     def abort_all(self) -> None:
         """End every request (shutdown): each stream gets a final output with finish_reason "abort".
         So does each request added from now on: one still being tokenized when the signal came

@@ -1,5 +1,6 @@
 """`tokenmill serve` as a real process: it answers, and SIGTERM ends in-flight streams with a
-final chunk (finish_reason set, then [DONE]) and exits 0, as it does after a second signal."""
+final chunk (finish_reason set, then [DONE]), answers requests in flight that stream nothing with a
+503, and exits 0, as it does after a second signal."""
 
 from __future__ import annotations
 
@@ -43,7 +44,13 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
 
-        events, first = [], threading.Event()
+        events, first, whole = [], threading.Event(), []
+
+        def ask_whole():  # a request that streams nothing, in flight at the signal
+            body = {"prompt": "w6", "max_tokens": 1000, "ignore_eos": True}
+            whole.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
+        asker = threading.Thread(target=ask_whole)
+        asker.start()
 
         def stream():
             body = {"prompt": "w5", "max_tokens": 100000 // 100, "stream": True, "ignore_eos": True}
@@ -57,6 +64,7 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
         assert first.wait(30)
         proc.send_signal(signal.SIGTERM)
         reader.join(30)
+        asker.join(30)
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
@@ -65,6 +73,7 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
     final = json.loads(events[-2])
     assert final["choices"][0]["finish_reason"] == "abort"
     assert len(events) < 1000  # it was cut short, not run to its 1000 tokens
+    assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
     log = proc.stdout.read()
     assert "POST /v1/completions 200" in log  # one line per request
     assert f"as 'tiny' on http://127.0.0.1:{port}" in log  # served on the socket bound before the load

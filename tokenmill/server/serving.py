@@ -256,7 +256,9 @@ class ServingEngine:
         return merge_streams([self.async_engine.generate(r) for r in requests], RequestOutput.merged)
 
     async def _collect(self, requests: list[EngineRequest], raw: Request) -> list[RequestOutput]:
-        """Final outputs of every request; aborts them all if the client disconnects first."""
+        """Final outputs of every request; aborts them all if the client disconnects first. One
+        that shutdown ended (abort_all) makes the answer a 503, as the router's is: a 200 would pass
+        a cut-short or empty answer off as a whole one."""
         finals: dict[int, RequestOutput] = {}
 
         async def run():
@@ -270,7 +272,11 @@ class ServingEngine:
                 task.cancel()
                 raise APIError(499, "client disconnected")
         task.result()
-        return [finals[i] for i in range(len(requests))]
+        outputs = [finals[i] for i in range(len(requests))]
+        if self.async_engine.closing and any(o.outputs and o.outputs[0].finish_reason == "abort" for o in outputs):
+            raise APIError(503, "the server is shutting down: the request was ended before it finished",
+                           "server_error", code="server_shutting_down")
+        return outputs
 
     async def _event_stream(self, requests: list[EngineRequest], response: Response,
                             final_usage: Callable[[list[RequestOutput]], dict] | None,

@@ -611,6 +611,7 @@ BAD_REQUESTS = [
     ("empty stop string", "/v1/completions", {"prompt": "w5", "stop": ""}, 400, "stop"),
     ("priority under fcfs", "/v1/completions", {"prompt": "w5", "priority": 5}, 400, "priority"),
     ("deadline under fcfs", "/v1/completions", {"prompt": "w5", "deadline": 5}, 400, "deadline"),
+    ("a boolean priority", "/v1/completions", {"prompt": "w5", "priority": True}, 400, "priority"),
     ("deadline of 0", "/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "deadline": 0}, 400,
      "deadline"),
     ("deadline not a number", "/v1/completions", {"prompt": "w5", "deadline": "soon"}, 400, "deadline"),

@@ -127,7 +127,7 @@ class SamplingFields(APIRequest):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[TokenId] | None = None
     truncate_prompt_tokens: int | None = None
-    priority: int = 0
+    priority: Annotated[int, Strict()] = 0  # (true is no priority)
     deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # seconds from arrival, for edf
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings

@@ -241,6 +241,7 @@ BAD_REQUESTS = [
     ("max_tool_calls", {"input": "hi", "max_tool_calls": 1}, "max_tool_calls"),
     ("flex tier", {"input": "hi", "service_tier": "flex"}, "service_tier"),
     ("metadata", {"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ("output of no call", {"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input"),
     ("lone surrogate", b'{"input": "\\ud800"}', "input"),
 ]
 

@@ -108,6 +108,17 @@ def input_messages(items: str | list[InputItem]) -> list[dict]:
     return messages
 
 
+def check_call_ids(conversation: list[dict]) -> None:
+    """Every function_call_output answers a function call made before it (in this input or the
+    previous responses'), as OpenAI requires: a 400 naming the call_id otherwise."""
+    made = set()
+    for message in conversation:
+        made.update(call["id"] for call in message.get("tool_calls", []))
+        if message["role"] == "tool" and message["tool_call_id"] not in made:
+            raise APIError(400, f"No tool call found for function call output with call_id "
+                                f"{message['tool_call_id']}.", param="input")
+
+
 def output_message(output: list[dict]) -> dict:
     """A response's output items as the assistant message a later turn's conversation holds."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
@@ -166,6 +177,7 @@ class ResponsesHandler:
         conversation = self._history(req.previous_response_id) + input_messages(req.input)
         if not conversation:
             raise APIError(400, "input must hold at least one item", param="input")
+        check_call_ids(conversation)
         params = _sampling_params(req)
         plan, params = _with_tools(req, params, self.tool_call_parser)
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []

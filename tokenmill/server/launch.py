@@ -13,6 +13,7 @@ this module, which imports the engine, is.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -48,10 +49,20 @@ def run_server(args: argparse.Namespace, config, sock: socket.socket) -> int:
         def handle_exit(self, sig, frame) -> None:
             # End in-flight requests first, so open streams get a final chunk before connections close.
             app.state.async_engine.abort_all()
+            shutting_down = self.should_exit
             super().handle_exit(sig, frame)
+            if shutting_down:  # a second signal (either kind) closes every connection, so the shutdown waits
+                # for none (a client stalled mid-body included) yet still runs the app's shutdown, which
+                # uvicorn's force exit (its answer to a second SIGINT) would skip
+                self.force_exit = False
+                asyncio.get_event_loop().call_soon_threadsafe(self.close_connections)
             # uvicorn re-raises captured signals after shutdown (the exit status would say "killed");
             # this shutdown is the clean one the signal asked for, so exit 0.
             self._captured_signals.clear()
+
+        def close_connections(self) -> None:
+            for connection in list(self.server_state.connections):
+                connection.transport.close()
 
     protocol = functools.partial(GuardedH11Protocol, header_timeout=args.timeout_request_headers,
                                  body_timeout=args.timeout_request_body, max_connections=args.max_connections)

@@ -9,6 +9,8 @@ request only from its `min_tokens`-th output token on: it must end in that token
 
 from __future__ import annotations
 
+import os
+
 from tokenizers.decoders import DecodeStream
 
 from tokenmill.sampling_params import SamplingParams
@@ -21,8 +23,15 @@ _CONTEXT_TOKENS = 6
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.backend = tokenizer.backend_tokenizer  # a tokenizers.Tokenizer
-        self.stream = DecodeStream(ids=prompt_token_ids[-_CONTEXT_TOKENS:],
-                                   skip_special_tokens=params.skip_special_tokens)
+        self.skip_special_tokens = params.skip_special_tokens
+        context = prompt_token_ids[-_CONTEXT_TOKENS:]
+        self.stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
+        # A context whose text ends inside a character (a token-id prompt: an earlier output cut
+        # mid-character) makes the stream hand its whole text back with the first piece; until
+        # then the output's ids are kept, to find that piece's own text (_first_piece).
+        context_text = self.backend.decode(context, skip_special_tokens=params.skip_special_tokens)
+        self.unfinished: tuple[list[int], str] | None = (
+            (list(context), context_text) if context_text.endswith("\ufffd") else None)
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -47,6 +56,9 @@ class IncrementalDetokenizer:
             if stop_token and i == len(new_token_ids) - 1 and not self.include_stop:
                 break
             piece = self.stream.step(self.backend, token)
+            if self.unfinished is not None:
+                self.unfinished[0].append(token)
+                piece = self._first_piece(piece) if piece else piece
             if piece:
                 self.text += piece
                 if self.stop and self.num_tokens >= self.min_tokens:
@@ -55,6 +67,15 @@ class IncrementalDetokenizer:
                         break
         end = len(self.text) if matched else max(self.emitted, len(self.text) - self.hold)
         return self._emit(end), matched
+
+    def _first_piece(self, piece: str) -> str:
+        """The output's first text after a context that ends inside a character: what decoding
+        the context with the output so far changes or adds to the context's own text (the
+        character the output completes, or none of a byte it leaves broken)."""
+        ids, context_text = self.unfinished
+        self.unfinished = None
+        whole = self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return whole[len(os.path.commonprefix([context_text, whole])):]
 
     def flush(self) -> str:
         """The held-back tail, once the request finished for a reason other than a stop string."""

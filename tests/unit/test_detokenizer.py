@@ -105,3 +105,19 @@ def test_the_token_that_ended_a_request_is_left_out_of_its_text(tokenizer):
                                        SamplingParams(include_stop_str_in_output=include))
         text = detok.update(ids[:2])[0] + detok.update(ids[2:], stop_token=True)[0] + detok.flush()
         assert text == expected and detok.num_tokens == len(ids)
+
+
+def test_a_prompt_that_ends_inside_a_character_gives_the_output_only_its_own_text(tokenizer):
+    """A token-id prompt can end inside a character (an earlier output cut mid-character): the
+    output's text is what it adds to the prompt's, the character it completes included, never the
+    prompt's own text; a byte the output leaves broken stays the prompt's."""
+    ids = tokenizer.encode("Prompt: 日本語")
+    cut = next(k for k in range(len(ids), 0, -1) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    prompt, output = ids[:cut], ids[cut:]
+    assert not tokenizer.decode(prompt).endswith("語")  # (the prompt ends inside 語 or before it)
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    whole, shown = tokenizer.decode(ids), tokenizer.decode(prompt).rstrip("\ufffd")
+    assert detok.update(output)[0] + detok.flush() == whole[len(shown):]
+    broken = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())  # then words, not the rest of 語
+    words = tokenizer.encode(" the end")
+    assert broken.update(words)[0] + broken.flush() == tokenizer.decode(prompt + words)[len(tokenizer.decode(prompt)):]

@@ -48,8 +48,8 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         start = time.monotonic()
-        deadlines = [None if d is None else start + d for d in deadline] if deadline is not None else [None] * len(
-            prompts)
+        deadlines = list(deadline) if deadline is not None else [None] * len(prompts)
+        deadlines = [None if d is None else start + d for d in deadlines]
         if len(deadlines) != len(prompts):
             raise ValueError(f"got {len(deadlines)} deadlines for {len(prompts)} prompts")
 

@@ -44,6 +44,8 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
         wait_until_up(proc, url)
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "w5 w6", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+        metrics = httpx.get(url + "/metrics").text
+        assert "tokenmill_requests_finished_total" in metrics and "_created" not in metrics  # (vLLM's series)
 
         events, first, whole = [], threading.Event(), []
 

@@ -131,11 +131,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def run_router(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM, then drain (the module's docstring)."""
     import uvicorn
+    from prometheus_client import disable_created_metrics
 
     from tokenmill.router.app import create_app  # FastAPI's app and uvicorn: not needed to read the command line
     from tokenmill.router.draining import DrainingServer
 
     distinct_replicas(args.replicas, args.prefill)
+    disable_created_metrics()  # no _created series beside each counter (as the server's)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request to a replica
     policy = make_policy(args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
                          args.decode_weight)

@@ -31,6 +31,9 @@ logger = logging.getLogger("tokenmill.server")
 def run_server(args: argparse.Namespace, config, sock: socket.socket) -> int:
     """Load the engine and serve on `sock` (from options.listen) until a signal ends the server."""
     import uvicorn
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()  # no _created series beside each counter and histogram (as vLLM's server)
 
     from tokenmill.engine import LLMEngine
 

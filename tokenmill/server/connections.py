@@ -40,8 +40,8 @@ class GuardedH11Protocol(H11Protocol):
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout, self.body_timeout, self.max_connections = header_timeout, body_timeout, max_connections
-        self.header_deadline: asyncio.TimerHandle | None = None
-        self.body_deadline: asyncio.TimerHandle | None = None
+        self.deadline: asyncio.TimerHandle | None = None  # the head's or the body's (never both at once)
+        self.timed_out = None  # what its end runs: _header_timed_out or _body_timed_out
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
@@ -52,49 +52,43 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is in (or the connection is done)
-            self._cancel_header_deadline()
-        elif self.header_deadline is None and not self.transport.is_closing():  # the first bytes of a head
-            self.header_deadline = self.loop.call_later(self.header_timeout, self._header_timed_out)
-        self._await_body()
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:  # the head is in, the body coming: each byte of it puts the deadline off
+            self._set_deadline(self.body_timeout, self._body_timed_out)
+        elif state is not h11.IDLE:  # the request is in (or the connection is done)
+            self._cancel_deadline()
+        elif self.deadline is None or self.timed_out != self._header_timed_out:  # the first bytes of a head:
+            self._set_deadline(self.header_timeout, self._header_timed_out)  # later ones do not put it off
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_deadline()
-        self._cancel_body_deadline()
+        self._cancel_deadline()
         super().connection_lost(exc)
 
-    def _await_body(self) -> None:
-        """(Re)start the body's deadline while the request's body is still coming; stop it once
-        it is in."""
-        self._cancel_body_deadline()
-        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-            self.body_deadline = self.loop.call_later(self.body_timeout, self._body_timed_out)
+    def _set_deadline(self, timeout: float, timed_out) -> None:
+        self._cancel_deadline()
+        if not self.transport.is_closing():
+            self.deadline, self.timed_out = self.loop.call_later(timeout, timed_out), timed_out
 
-    def _cancel_body_deadline(self) -> None:
-        if self.body_deadline is not None:
-            self.body_deadline.cancel()
-            self.body_deadline = None
-
-    def _body_timed_out(self) -> None:
-        self.body_deadline = None
-        if self.flow.read_paused:  # the app has not taken what came: the wait is the server's, not the client's
-            self._await_body()
-        elif not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
-            logger.info("closed a connection from %s: no byte of its request body for %g s",
-                        self.client[0] if self.client else "?", self.body_timeout)
-            self.transport.close()
-
-    def _cancel_header_deadline(self) -> None:
-        if self.header_deadline is not None:
-            self.header_deadline.cancel()
-            self.header_deadline = None
+    def _cancel_deadline(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
 
     def _header_timed_out(self) -> None:
-        self.header_deadline = None
+        self.deadline = None
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            logger.info("closed a connection from %s: no whole request head within %g s",
-                        self.client[0] if self.client else "?", self.header_timeout)
-            self.transport.close()
+            self._close(f"no whole request head within {self.header_timeout:g} s")
+
+    def _body_timed_out(self) -> None:
+        self.deadline = None
+        if self.flow.read_paused:  # the app has not taken what came: the wait is the server's, not the client's
+            self._set_deadline(self.body_timeout, self._body_timed_out)
+        elif not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+            self._close(f"no byte of its request body for {self.body_timeout:g} s")
+
+    def _close(self, why: str) -> None:
+        logger.info("closed a connection from %s: %s", self.client[0] if self.client else "?", why)
+        self.transport.close()
 
 
 async def over_capacity(scope, receive, send) -> None:

@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from tokenmill.server.protocol import APIRequest
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512   # OpenAI's limits
+# The Responses fields tokenmill does not implement, and the values of each that ask for nothing
+UNUSED = {"background": (False,), "include": (None, []), "top_logprobs": (None, 0), "truncation": (None, "disabled"),
+          "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
+          "service_tier": (None, "auto", "default")}
 
 
 def text_or_list(item: type[BaseModel]):
@@ -157,7 +161,7 @@ class ResponsesRequest(APIRequest):
     cache_salt: str | None = None                 # vLLM's: cached blocks shared only within one salt
     priority: int = 0                             # vLLM's, for --scheduling-policy priority (lower first)
     deadline: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # seconds from arrival, for edf
-    # known, not implemented: a value other than these defaults is a 400 naming the field (each
+    # known, not implemented: a value other than those in UNUSED is a 400 naming the field (each
     # would change the answer, or promise what it does not hold, if it were ignored)
     background: bool = False                      # (the server answers while the client waits)
     include: list[str] | None = None              # (output_text logprobs, encrypted reasoning, ...)
@@ -168,12 +172,10 @@ class ResponsesRequest(APIRequest):
     max_tool_calls: int | None = None
     service_tier: str | None = None               # ("auto" and "default" are what it does)
 
-    @field_validator("background", "include", "top_logprobs", "truncation", "conversation", "prompt",
-                     "max_tool_calls", "service_tier")
+    @field_validator(*UNUSED)
     @classmethod
     def _not_implemented(cls, value, info):
-        if value not in (None, False, [], 0, "disabled", "auto", "default") or (
-                info.field_name == "truncation" and value == "auto"):
+        if value not in UNUSED[info.field_name]:
             raise ValueError(f"{value!r} is not supported by this server")
         return value
 

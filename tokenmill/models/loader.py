@@ -203,14 +203,14 @@ _ATTENTION_BIAS_ON_ALL = ("llama", "qwen3", "qwen3_moe", "olmoe", "gemma2", "gem
 
 def _hf_attention_biases(cfg: dict, arch: str) -> dict:
     """The ModelConfig bias fields of the attention's projections, as each transformers model reads
-    its config (gpt-oss's are gpt_oss_fields'); Llama's mlp_bias, which tokenmill's MLP lacks, is
+    its config (gpt-oss's own fields, gpt_oss_fields', replace these); Llama's mlp_bias, which tokenmill's MLP lacks, is
     refused by name."""
     if arch == "llama" and cfg.get("mlp_bias"):
         raise UnsupportedModel("unsupported llama variant: mlp_bias = True (supported: False)")
     if arch in _ATTENTION_BIAS_ON_ALL:
         bias = bool(cfg.get("attention_bias", False))
         return {"attention_bias": bias, "o_proj_bias": bias}
-    qkv = {"qwen2": True, "qwen2_moe": cfg.get("qkv_bias", True), "gpt_oss": cfg.get("attention_bias", True)}
+    qkv = {"qwen2": True, "qwen2_moe": cfg.get("qkv_bias", True)}
     return {"attention_bias": bool(qkv.get(arch, False))}
 
 

@@ -191,12 +191,12 @@ class ServingEngine:
         arrival = time.monotonic()  # the requests' timelines start here, before tokenizing
         answer_id, prefix = ids
         due = arrival + deadline if deadline is not None else None
-        requests = await asyncio.to_thread(self._make_requests, prompts, params, (priority, due), prefix, arrival,
+        requests = await asyncio.to_thread(self._make_requests, prompts, params, priority, due, prefix, arrival,
                                            input_name, cache_salt, add_special_tokens)
         self.request_log.add(answer_id, requests)
         return requests
 
-    def _make_requests(self, prompts: list, params: SamplingParams, order: tuple[int, float | None], prefix: str,
+    def _make_requests(self, prompts: list, params: SamplingParams, priority: int, due: float | None, prefix: str,
                        arrival: float, input_name: str, cache_salt: str | None,
                        add_special_tokens: bool) -> list[EngineRequest]:
         requests = []
@@ -206,8 +206,8 @@ class ServingEngine:
                 tokenized = {"prompt": text, "prompt_token_ids": ids, "cache_salt": cache_salt}
                 for j in range(params.n):
                     requests.append(self.async_engine.make_request(f"{prefix}-{i}-{j}", tokenized,
-                                                                   params.for_sample(j), priority=order[0],
-                                                                   deadline=order[1], arrival_time=arrival))
+                                                                   params.for_sample(j), priority=priority,
+                                                                   deadline=due, arrival_time=arrival))
         except ContextLengthError as exc:
             raise context_length_error(exc, input_name) from None
         except ValueError as exc:

@@ -177,6 +177,7 @@ def test_a_grammar_that_fails_is_a_500_naming_it(client, monkeypatch):
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format"),
     ({"guided_regex": "a(b"}, "unclosed group"),
     ({"guided_json": {"type": "nonsense"}}, "nonsense"),
     ({"guided_choice": ["a"], "guided_regex": "b"}, "structured_outputs"),
@@ -186,7 +187,7 @@ def test_a_grammar_that_fails_is_a_500_naming_it(client, monkeypatch):
     ({"guided_regex": "a{1000000}"}, "too many"),  # its lexer, built as tokens come, fails on the first
     ({"guided_json": '{"items": ' * 5000 + "{}" + "}" * 5000}, "nests objects and arrays deeper than 64 levels"),
     ({"structured_outputs": {"json": json.loads('{"items": ' * 100 + "{}" + "}" * 100)}}, "structured_outputs.json"),
-], ids=["unknown type", "no schema", "bad regex", "bad schema", "two constraints", "two in one", "unknown field",
+], ids=["unknown type", "no schema", "no name", "bad regex", "bad schema", "two constraints", "two in one", "unknown field",
         "nothing satisfies", "lexer too big", "schema text nested past json's decoder", "schema nested 100 deep"])
 def test_bad_constraints_are_400s_and_the_server_keeps_serving(server, client, body, param):
     response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, **body})

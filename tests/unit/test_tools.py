@@ -28,6 +28,10 @@ def calls(parsed) -> list[tuple[str, dict]]:
     ([WEATHER], None, None, "start the server with --tool-call-parser"),
     ([{"type": "function", "function": {"parameters": {}}}], "required", None, "tools must be functions"),
     ([{"type": "retrieval"}], "required", None, "tools must be functions"),
+    ([{"type": "function", "function": {"name": "get weather"}}], "required", None,
+     "tools.0.function.name must be 1 to 64 letters, digits, underscores or dashes, got 'get weather'"),
+    ([{"type": "function", "function": {"name": "f" * 65}}], "required", None, "tools.0.function.name must be"),
+    ([WEATHER, WEATHER], "required", None, "tools.1.function.name 'get_weather' names an earlier tool too"),
 ])
 def test_plans_refuse_what_cannot_be_served(tools, choice, parser, message):
     with pytest.raises(ValueError, match=message):

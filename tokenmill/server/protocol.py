@@ -203,6 +203,8 @@ class SamplingFields(APIRequest):
                 spec = fmt.get("json_schema")
                 if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                     raise ValueError("response_format needs json_schema.schema, a JSON schema object")
+                if not isinstance(spec.get("name"), str) or not spec["name"]:
+                    raise ValueError("response_format.json_schema needs a name, as OpenAI's API does")
                 check_schema_depth(spec["schema"], "response_format.json_schema.schema")
                 given["response_format"] = {"json": spec["schema"]}
             elif kind != "text":

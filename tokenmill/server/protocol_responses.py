@@ -117,6 +117,8 @@ class TextFormat(StrictModel):
     def _schema_for_json_schema(self) -> TextFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("a json_schema format needs its schema, a JSON schema object")
+        if self.type == "json_schema" and not self.name:
+            raise ValueError("a json_schema format needs a name, as OpenAI's API does")
         return self
 
     def constraint(self) -> dict | None:

@@ -36,6 +36,8 @@ from tokenmill.sampling_params import check_schema_depth
 from tokenmill.server.harmony import call_grammar
 from tokenmill.server.reasoning import partial_tag
 
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+
 PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
 HARMONY = "harmony"                     # gpt-oss's format: chosen by its architecture, not --tool-call-parser
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -308,9 +310,14 @@ def plan_tools(tools: list | None, tool_choice, parser: str | None, parallel: bo
                 or not isinstance(function.get("name"), str) or not function["name"]
                 or not isinstance(function.get("parameters", {}), dict)):
             raise ValueError(f"tools must be functions with a name and a parameters schema, got {tool!r}")
-    for i, tool in enumerate(tools):
-        check_schema_depth(tool["function"].get("parameters", {}), f"tools.{i}.function.parameters")
     names = [t["function"]["name"] for t in tools]
+    for i, (tool, name) in enumerate(zip(tools, names)):
+        if not FUNCTION_NAME.fullmatch(name):
+            raise ValueError(f"tools.{i}.function.name must be 1 to 64 letters, digits, underscores or dashes, "
+                             f"got {name!r}")
+        if name in names[:i]:
+            raise ValueError(f"tools.{i}.function.name {name!r} names an earlier tool too: each tool needs its own")
+        check_schema_depth(tool["function"].get("parameters", {}), f"tools.{i}.function.parameters")
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None

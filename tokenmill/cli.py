@@ -13,7 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from tokenmill.cli_args import add_engine_args, engine_config_from_args, explicit_bool_values
+from tokenmill.cli_args import MODEL_HELP, add_engine_args, engine_config_from_args, explicit_bool_values
 
 if TYPE_CHECKING:
     from tokenmill.outputs import RequestOutput
@@ -140,13 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "each answer is printed, in the prompts' order, as soon as it and the ones "
                                    "before it are done.")
     p.add_argument("prompts", nargs="*")
-    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     add_sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat through the model's chat template")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--system", default=None, help="a system prompt")
     add_sampling_args(p)
     add_engine_args(p)

@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput` end to end on a tiny model: the tables, the CPU line, --compare."""
+"""`tokenmill bench throughput` and `bench roofline` end to end on a tiny model: the tables, the CPU line, --compare."""
 
 import json
 
@@ -39,3 +39,12 @@ def test_a_baseline_that_fails_is_named_and_the_tables_still_printed(tiny_llama,
             "file); left out of the table") in printed
     table = printed[printed.index("engine "):].splitlines()
     assert [line.split()[0] for line in table[1:3]] == ["tokenmill", "static"]
+
+
+def test_bench_roofline_runs_the_workload_its_flags_size(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "roofline.json"
+    assert main(["bench", "roofline", "--model", str(tiny_llama), "--num-requests", "3", "--prompt-len", "8", "8",
+                 "--output-len", "5", "5", "--json", str(out)]) == 0
+    assert "workload of 3 requests:" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert (results["num_requests"], results["output_tokens"]) == (3, 15)

@@ -38,6 +38,16 @@ def test_a_serve_flag_that_needs_a_key_fails_before_torch_is_imported(tmp_path):
                                  "TOKENMILL_API_KEY) []", out.stderr
 
 
+@pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["bench", "throughput"], ["bench", "roofline"]])
+def test_every_option_in_help_says_its_default_in_words(command, capsys):
+    """An option whose default is derived (the model's, the machine's) says how, not "None"."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "--max-model-len MAX_MODEL_LEN context length, prompt + output " \
+                                               "(default: the model's)" in text
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "hi", "--temperature", "-1"], ["generate", "hi", "--top-p", "0"],
     ["generate", "hi", "--top-p", "1.5"], ["generate", "hi", "--max-tokens", "0"],

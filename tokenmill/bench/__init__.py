@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from tokenmill.cli_args import add_engine_args, at_least_one
+from tokenmill.cli_args import MODEL_HELP, add_engine_args, at_least_one
 
 
 def positive(text: str) -> float:
@@ -79,18 +79,23 @@ def plot_dir(text: str) -> Path:
     return Path(text)
 
 
+def _add_random_workload_args(p: argparse.ArgumentParser) -> None:
+    """The random workload's size (its defaults: the default workload, 64 requests)."""
+    p.add_argument("--num-requests", type=at_least_one, default=64, help="(default: %(default)s)")
+    p.add_argument("--prompt-len", type=at_least_one, nargs=2, action=LengthRange, default=[32, 256],
+                   metavar=("MIN", "MAX"), help="prompt lengths, uniform in [MIN, MAX] (default: 32 256)")
+    p.add_argument("--output-len", type=at_least_one, nargs=2, action=LengthRange, default=[32, 256],
+                   metavar=("MIN", "MAX"), help="output lengths, uniform in [MIN, MAX] (default: 32 256)")
+    p.add_argument("--dataset-seed", type=int, default=0, help="(default: %(default)s)")
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True)
 
     p = sub.add_parser("throughput", help="offline throughput through the engine API")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--workload", choices=["random", "prefix", "long"], default="random")
-    p.add_argument("--num-requests", type=at_least_one, default=64)
-    p.add_argument("--prompt-len", type=at_least_one, nargs=2, action=LengthRange, default=[32, 256],
-                   metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=at_least_one, nargs=2, action=LengthRange, default=[32, 256],
-                   metavar=("MIN", "MAX"))
-    p.add_argument("--dataset-seed", type=int, default=0)
+    _add_random_workload_args(p)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: nucleus sampling")
     p.add_argument("--compare", action="store_true",
@@ -103,7 +108,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("serve", help="online latency/throughput over HTTP (any OpenAI-compatible server)")
     p.add_argument("--base-url", default=None, help="server to test (default: start `tokenmill serve` here)")
-    p.add_argument("--model", default=None, help="model for the server this command starts")
+    p.add_argument("--model", default=None, help="model for the server this command starts: " + MODEL_HELP)
     p.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--request-rate", type=positive, nargs="+", default=[float("inf")],
                    help="requests per second, one run per value (inf: all at once)")
@@ -129,7 +134,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
     p = sub.add_parser("spec", help="speculative decoding on a repeat-the-passage workload")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--concurrency", type=at_least_one, nargs="+", default=[1, 4, 32])
     p.add_argument("--min-requests", type=at_least_one, default=4, help="requests per concurrency at least")
     p.add_argument("--num-passages", type=at_least_one, default=None,
@@ -140,7 +145,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
     p = sub.add_parser("roofline", help="measured GEMM peak and memory bandwidth vs the engine")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    _add_random_workload_args(p)
     p.add_argument("--json", type=json_path, default=None)
     add_engine_args(p)
 

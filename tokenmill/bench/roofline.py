@@ -202,7 +202,8 @@ def bench_roofline(args) -> dict:
     peak_name = max(ceilings, key=ceilings.get)
     peak = ceilings[peak_name]
     bandwidth = read_bandwidth()
-    workload = random_workload()
+    workload = random_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.dataset_seed,
+                               vocab=min(10000, cfg.vocab_size))
     run = run_engine(engine, workload, "tokenmill", progress=True)
     flops = workload_flops(cfg, workload)
     achieved = flops / run.wall / 1e9
@@ -220,8 +221,8 @@ def bench_roofline(args) -> dict:
         print(f"{name:<48} {rate:>8.1f} {unit}{'  (the peak)' if name == peak_name else ''}")
     print(f"{'memory read bandwidth':<48} {bandwidth:>8.1f} GB/s")
     print()
-    print(f"default workload: {flops / 1e12:.2f} TFLOP in {run.wall:.1f} s = {achieved:.1f} GFLOP/s "
-          f"= {achieved / peak:.0%} of the peak, {peak_name} ({run.output_tps:.1f} output tok/s; "
+    print(f"workload of {len(workload)} requests: {flops / 1e12:.2f} TFLOP in {run.wall:.1f} s "
+          f"= {achieved:.1f} GFLOP/s = {achieved / peak:.0%} of the peak, {peak_name} ({run.output_tps:.1f} output tok/s; "
           f"ceiling at peak {run.output_tokens / (flops / (peak * 1e9)):.0f} tok/s)")
     print(f"batch-1 decode step: {step_b1 * 1e3:.1f} ms vs weights/bandwidth {streamed / bandwidth_b1 / 1e6:.1f} ms "
           f"= {ratio_b1:.2f}x (median of 5 rounds, each a bandwidth trial ({bandwidth_b1:.1f} GB/s) "
@@ -234,6 +235,7 @@ def bench_roofline(args) -> dict:
             "gemm_2048_gflops": ceilings["fp32 GEMM 2048^3"],
             "layer_gemm_gflops": ceilings[layer_rate_name(model)], "peak_gflops": peak,
             "read_bandwidth_gbs": bandwidth, "workload_tflop": flops / 1e12, "wall_s": run.wall,
-            "achieved_gflops": achieved, "share_of_peak": achieved / peak, "output_tok_s": run.output_tps,
+            "achieved_gflops": achieved, "share_of_peak": achieved / peak, "num_requests": len(workload),
+            "output_tokens": run.output_tokens, "output_tok_s": run.output_tps,
             "batch1_step_ms": step_b1 * 1e3, "batch1_floor_ms": streamed / bandwidth_b1 / 1e6, "batch1_ratio": ratio_b1,
             "batch1_streamed_mb": streamed / 1e6, "float32_weights_mb": wbytes / 1e6}

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from tokenmill.cli_args import at_least_one
+from tokenmill.cli_args import MODEL_HELP, at_least_one
 from tokenmill.server.access import LOOPBACK_HOSTS, host_entry
 from tokenmill.server.connections import connection_cap, raise_open_file_limit
 from tokenmill.server.reasoning import REASONING_PARSERS
@@ -74,9 +74,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: SmolLM2)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=port_number, default=8000)
+    parser.add_argument("model", nargs="?", default=None,
+                        help=MODEL_HELP)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=port_number, default=8000, help="(default: %(default)s)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize, /detokenize and the "
                              "dashboard's data (open /dashboard#key=KEY) "
@@ -92,30 +93,33 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_allowed_origins_arg(parser)
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: from path)")
     parser.add_argument("--max-body-bytes", type=at_least_one, default=4 * 1024 * 1024,
-                        help="larger bodies get HTTP 413")
+                        help="larger bodies get HTTP 413 (default: %(default)s, 4 MiB)")
     parser.add_argument("--timeout-keep-alive", type=seconds, default=5.0,
-                        help="close a connection idle this many seconds, before its first request or after a response")
+                        help="close a connection idle this many seconds, before its first request or after a response "
+                             "(default: %(default)s)")
     parser.add_argument("--timeout-request-headers", type=seconds, default=10.0,
                         help="close a connection whose request line and headers are not all in this many seconds "
-                             "after their first byte (slowloris)")
+                             "after their first byte (slowloris) (default: %(default)s)")
     parser.add_argument("--timeout-request-body", type=seconds, default=30.0,
                         help="close a connection whose request body stops coming: no byte of it for this many "
-                             "seconds")
+                             "seconds (default: %(default)s)")
     parser.add_argument("--max-connections", type=at_least_one, default=1024,
                         help="past this many open connections a new one's request gets HTTP 503 (lowered to fit "
-                             "the open-file limit, whose soft value serve raises to the hard one)")
+                             "the open-file limit, whose soft value serve raises to the hard one; default: %(default)s)")
     parser.add_argument("--otlp-traces-endpoint", default=None,
                         help="export one OpenTelemetry span per request to this OTLP/HTTP collector "
                              "(e.g. http://localhost:4318); a W3C traceparent header makes it a child span")
     parser.add_argument("--request-log-size", type=count, default=1000,
                         help="GET /v1/requests/{id} answers for live requests and the last this many responses "
-                             "that ended (0: none)")
+                             "that ended (0: none; default: %(default)s)")
     parser.add_argument("--responses-store-size", type=count, default=1000,
                         help="keep the conversations of the last this many stored /v1/responses answers for "
-                             "previous_response_id (0: none; least recently used forgotten first)")
+                             "previous_response_id (0: none; least recently used forgotten first; "
+                             "default: %(default)s)")
     parser.add_argument("--stream-write-timeout", type=seconds, default=60.0,
                         help="end a stream whose client takes no output for this many seconds, and abort its "
-                             "requests (until then a client that stops reading holds one output per request)")
+                             "requests (until then a client that stops reading holds one output per request) "
+                             "(default: %(default)s)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (default: the one its chat template "
                              "shows; hermes: Qwen 2.5/3, Hermes; "

@@ -233,6 +233,10 @@ def test_the_router_answers_bad_input_itself_in_openai_shape_and_passes_a_replic
             "the body nests objects and arrays deeper than 512 levels")
     assert error(httpx.post(router + "/v1/completions", content=b" " * (5 << 20)), 413)["code"] == "request_too_large"
     assert error(httpx.get(router + "/v1/nothing"), 404)["type"] == "not_found_error"
+    assert error(httpx.post(router + "/v1/responses", json={"input": "hi"}), 404)["message"] == (
+        "the router does not route /v1/responses; it routes /detokenize, /health, /metrics, /tokenize, "
+        "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /v1/models/{model_id} "
+        "(send other paths to a replica)")
     assert error(httpx.get(router + "/v1/completions"), 405)["type"] == "invalid_request_error"
     assert error(httpx.get(router + "/health", headers={"Host": "attacker.example"}), 400)["code"] == "invalid_host"
     for body in [{"prompt": "w5", "max_tokens": -1}, {"model": "other", "prompt": "w5"}, {"prompt": {"a": 1}}]:

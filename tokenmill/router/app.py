@@ -122,10 +122,16 @@ class RouterHandler:
             return shutting_down()
 
 
-async def _http_error(_, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (unknown path, wrong method) in OpenAI's shape, with their headers."""
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+async def _http_error(raw: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method) in OpenAI's shape, with their headers; an
+    unknown path's names what the router does route (a replica serves more: /v1/responses)."""
+    if exc.status_code == 404:
+        routed = sorted({route.path_format for route in raw.app.routes if getattr(route, "include_in_schema", False)})
+        message = (f"the router does not route {raw.url.path}; it routes {', '.join(routed)} (send other "
+                   "paths to a replica)")
+        return JSONResponse(error_body(message, "not_found_error"), status_code=404, headers=exc.headers)
+    return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), status_code=exc.status_code,
+                        headers=exc.headers)
 
 
 def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastLoaded,

@@ -70,6 +70,20 @@ def test_a_finished_prompt_is_served_from_the_cache_until_evicted():
     s.kv.pool.check_invariants()
 
 
+def test_a_preempted_requests_second_lookup_is_not_counted_as_a_query_or_a_hit():
+    """vLLM's prefix_cache_queries and hits count first admissions: a request resumed after a
+    recompute preemption, finding its own blocks again, would make the hit rate look high."""
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_num_seqs=4, prefix_caching=True)
+    reqs = [request(r, list(range(10 * i + 10, 10 * i + 10 + n)), max_tokens=12)
+            for i, (r, n) in enumerate([("a", 8), ("b", 8), ("c", 4)])]
+    for r in reqs:
+        s.add_request(r)
+    while s.has_unfinished_requests():
+        step(s)
+    assert sum(r.num_preemptions for r in reqs) >= 2
+    assert (s.kv.prompt_tokens_queried, s.kv.prompt_tokens_hit) == (8 + 8 + 4, 0)
+
+
 def test_blocks_are_shared_only_between_requests_with_the_same_cache_salt():
     """vLLM's cache_salt: a tenant's prompts hit only its own cached blocks; unsalted ones only
     unsalted ones. The same prompt with the same salt is served from the cache as before."""

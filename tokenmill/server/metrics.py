@@ -139,8 +139,9 @@ class _VllmNames:
                              registry=r).labels(**label)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV blocks in use (1 = full)", ["model_name"],
                               registry=r).labels(**label)
-        self.queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                               ["model_name"], registry=r).labels(**label)
+        self.queries = Counter("vllm:prefix_cache_queries",
+                               "Prompt tokens looked up in the prefix cache (first admissions)", ["model_name"],
+                               registry=r).labels(**label)
         self.hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache", ["model_name"],
                             registry=r).labels(**label)
         self._queried = self._hit = 0   # the cumulative figures already counted

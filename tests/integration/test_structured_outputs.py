@@ -188,7 +188,8 @@ def test_a_grammar_that_fails_is_a_500_naming_it(client, monkeypatch):
     ({"guided_json": '{"items": ' * 5000 + "{}" + "}" * 5000}, "nests objects and arrays deeper than 64 levels"),
     ({"structured_outputs": {"json": json.loads('{"items": ' * 100 + "{}" + "}" * 100)}}, "structured_outputs.json"),
 ], ids=["unknown type", "no schema", "no name", "bad regex", "bad schema", "two constraints", "two in one",
-        "unknown field", "nothing satisfies", "lexer too big", "schema text nested past json's decoder", "schema nested 100 deep"])
+        "unknown field", "nothing satisfies", "lexer too big", "schema text nested past json's decoder",
+        "schema nested 100 deep"])
 def test_bad_constraints_are_400s_and_the_server_keeps_serving(server, client, body, param):
     response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, **body})
     assert response.status_code == 400, response.text

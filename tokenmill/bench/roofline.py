@@ -222,7 +222,8 @@ def bench_roofline(args) -> dict:
     print(f"{'memory read bandwidth':<48} {bandwidth:>8.1f} GB/s")
     print()
     print(f"workload of {len(workload)} requests: {flops / 1e12:.2f} TFLOP in {run.wall:.1f} s "
-          f"= {achieved:.1f} GFLOP/s = {achieved / peak:.0%} of the peak, {peak_name} ({run.output_tps:.1f} output tok/s; "
+          f"= {achieved:.1f} GFLOP/s = {achieved / peak:.0%} of the peak, {peak_name} "
+          f"({run.output_tps:.1f} output tok/s; "
           f"ceiling at peak {run.output_tokens / (flops / (peak * 1e9)):.0f} tok/s)")
     print(f"batch-1 decode step: {step_b1 * 1e3:.1f} ms vs weights/bandwidth {streamed / bandwidth_b1 / 1e6:.1f} ms "
           f"= {ratio_b1:.2f}x (median of 5 rounds, each a bandwidth trial ({bandwidth_b1:.1f} GB/s) "

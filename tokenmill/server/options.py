@@ -105,7 +105,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "seconds (default: %(default)s)")
     parser.add_argument("--max-connections", type=at_least_one, default=1024,
                         help="past this many open connections a new one's request gets HTTP 503 (lowered to fit "
-                             "the open-file limit, whose soft value serve raises to the hard one; default: %(default)s)")
+                             "the open-file limit, whose soft value serve raises to the hard one; "
+                             "default: %(default)s)")
     parser.add_argument("--otlp-traces-endpoint", default=None,
                         help="export one OpenTelemetry span per request to this OTLP/HTTP collector "
                              "(e.g. http://localhost:4318); a W3C traceparent header makes it a child span")

@@ -288,6 +288,24 @@ def test_with_no_replica_answering_the_router_says_503_in_openai_shape():
     assert not healthy_after
 
 
+def test_with_no_decode_instance_healthy_no_prefill_leg_is_sent_and_the_answer_is_503():
+    """A prefill leg would compute the prompt for nothing and answer later: up to tens of seconds
+    when prompts queue on the prefill instance."""
+    app = create_app(["http://127.0.0.1:9"], make_policy("cache_aware"), prefill_urls=["http://127.0.0.1:10"],
+                     min_uncached_chars=10)
+
+    async def ask():
+        prefill = app.state.replicas[1]
+        prefill.healthy = True  # nothing listens there: a leg sent would fail and take it out of routing
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://127.0.0.1") as client:
+            answer = await client.post("/v1/completions", json={"prompt": "w5 " * 200})
+            return answer, prefill.healthy, (await client.get("/metrics")).text
+    answer, prefill_healthy, metrics = asyncio.run(ask())
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_replica_available"
+    assert prefill_healthy  # no leg was sent to it
+    assert 'tokenmill_router_prefill_legs_total{outcome="failed"} 0.0' in metrics
+
+
 def test_a_replicas_stream_is_relayed_in_whole_events_however_its_bytes_are_cut():
     class Upstream:
         async def aiter_raw(self):

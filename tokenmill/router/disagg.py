@@ -51,7 +51,10 @@ class PrefillStage:
                       hashes: list[bytes], text_chars: int) -> bytes:
         """The body for the decode leg: with the prefill leg's kv_transfer_params, or as it came
         when the prompt is short where it lands, when the request scores its prompt (its logprobs
-        need every prompt position computed where it is answered), or the prefill leg failed."""
+        need every prompt position computed where it is answered), or the prefill leg failed; with
+        no decode instance healthy, as it came at once (to be answered 503, no prompt computed)."""
+        if not any(r.healthy for r in self.decode):
+            return content
         held = max((r.prefixes.match(hashes) for r in self.decode if r.healthy), default=0)
         scores_prompt = body.get("prompt_logprobs") is not None or bool(body.get("echo")) and (
             body.get("logprobs") is not None)

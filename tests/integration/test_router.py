@@ -333,13 +333,14 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(tiny_
                 assert results[i]["choices"][0]["text"] == oracle[i]["text"]
                 continue
             events = results[i]["events"]
-            if events[-1] == "[DONE]":
+            assert events[-1] == "[DONE]"  # after an error event too
+            if "error" not in json.loads(events[-2]):
                 text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
                 assert text == oracle[i]["text"]
             else:
-                assert json.loads(events[-1])["error"]["code"] == "replica_failed"
-                assert len(events) >= 2 and "choices" in json.loads(events[0])  # it had begun streaming
-        assert {i for i in STREAMED if results[i]["events"][-1] == "[DONE]"} >= {2, 5, 6}
+                assert json.loads(events[-2])["error"]["code"] == "replica_failed"
+                assert len(events) >= 3 and "choices" in json.loads(events[0])  # it had begun streaming
+        assert {i for i in STREAMED if "error" not in json.loads(results[i]["events"][-2])} >= {2, 5, 6}
         page = httpx.get(router + "/metrics").text
         failed = f'tokenmill_router_attempts_failed_total{{replica="{victim}"}} '
         assert float(page.split(failed)[1].split()[0]) >= 3  # 3, 5 and 7 were retried at least
@@ -450,7 +451,7 @@ def test_a_router_told_to_stop_drains_its_requests_then_ends_the_rest_cleanly_an
             assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
             assert whole["status"] == 200 and whole["body"]["usage"]["completion_tokens"] == 1000
         else:
-            assert json.loads(events[-1])["error"]["code"] == "router_shutting_down" and "[DONE]" not in events
+            assert json.loads(events[-2])["error"]["code"] == "router_shutting_down" and events[-1] == "[DONE]"
             assert whole["status"] == 503 and whole["body"]["error"]["code"] == "router_shutting_down"
             wait_for(lambda: scheduled(client, replica) == (0, 0), procs[:1], "the replica's requests aborted", 30)
         log = (tmp_path / "router.log").read_text()

@@ -164,12 +164,17 @@ def test_vllm_fields_in_completions(client):
     assert re.fullmatch(r"\[[0-9](,[0-9])*\]", grammar.choices[0].text) or grammar.choices[0].finish_reason == "length"
 
 
-def test_a_grammar_that_fails_is_a_500_naming_it(client, monkeypatch):
+def test_a_grammar_that_fails_is_a_500_naming_it_or_an_error_event_before_done(server, client, monkeypatch):
     from tokenmill.structured import Grammar
     monkeypatch.setattr(Grammar, "fill_mask", lambda self, bitmask, row: bitmask.__setitem__(row, -1))
     with pytest.raises(openai.InternalServerError, match="grammar failed"):
         client.completions.create(model="tiny", prompt="hello there", max_tokens=30, temperature=0,
                                   extra_body={"guided_regex": "[0-9]+", "ignore_eos": True})
+    body = {"prompt": "hello there", "max_tokens": 30, "temperature": 0, "guided_regex": "[0-9]+", "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert "grammar failed" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"  # as vLLM's
     monkeypatch.undo()
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
 

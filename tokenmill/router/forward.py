@@ -225,8 +225,8 @@ class RelayResponse(Response):
                 async with asyncio.timeout(1.0):
                     if not self.started:
                         await self._start(send)
-                    await send({"type": "http.response.body", "body": f"data: {json.dumps(stopped)}\n\n".encode(),
-                                "more_body": False})
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": f"data: {json.dumps(stopped)}\n\ndata: [DONE]\n\n".encode()})
 
     async def _relay(self, send) -> None:
         await self._start(send)
@@ -238,7 +238,7 @@ class RelayResponse(Response):
             self.replica.mark_down(f"stream: {type(exc).__name__} {exc}")
             failure = error_body(f"the replica serving this stream failed: {type(exc).__name__}", "server_error",
                                  code="replica_failed")
-            await self._send_body(send, f"data: {json.dumps(failure)}\n\n".encode())
+            await self._send_body(send, f"data: {json.dumps(failure)}\n\ndata: [DONE]\n\n".encode())
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _start(self, send) -> None:

@@ -1,8 +1,9 @@
 """`tokenmill serve`: build the engine, run the app under uvicorn, and shut down cleanly.
 
 On SIGINT/SIGTERM uvicorn stops accepting connections; first, every in-flight request is
-ended (finish_reason "abort"), so open streams get their final chunk and [DONE] before the
-connections close, and the process exits 0, a second signal or not.
+ended (finish_reason "abort"), so open streams get their final chunk, an error event
+(server_shutting_down) and [DONE] before the connections close, and the process exits 0, a
+second signal or not.
 
 Connections run under connections.py's guards (timeouts for idle connections and request
 heads, a cap on open ones); the app answers only the Host names options.py's

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill.server")
 
 MAX_COMPLETIONS = 1024  # engine requests one HTTP request may make
+SHUTDOWN_ERROR = error_body("the server is shutting down: the request was ended before it finished", "server_error",
+                            code="server_shutting_down")
 MAX_REQUEST_ID_CHARS = 256  # a client's own id for an answer (X-Request-Id)
 
 
@@ -273,31 +275,35 @@ class ServingEngine:
                 raise APIError(499, "client disconnected")
         task.result()
         outputs = [finals[i] for i in range(len(requests))]
-        if self.async_engine.closing and any(o.outputs and o.outputs[0].finish_reason == "abort" for o in outputs):
-            raise APIError(503, "the server is shutting down: the request was ended before it finished",
-                           "server_error", code="server_shutting_down")
+        if self._ended_by_shutdown(outputs):
+            raise APIError(503, SHUTDOWN_ERROR["error"]["message"], "server_error", code="server_shutting_down")
         return outputs
+
+    def _ended_by_shutdown(self, outputs: Iterable[RequestOutput]) -> bool:
+        return self.async_engine.closing and any(o.outputs and o.outputs[0].finish_reason == "abort" for o in outputs)
 
     async def _event_stream(self, requests: list[EngineRequest], response: Response,
                             final_usage: Callable[[list[RequestOutput]], dict] | None,
                             chunk_usage: Callable[[RequestOutput, dict], dict] | None = None) -> AsyncIterator[str]:
         """SSE: chunks as outputs arrive (each with its output's usage, given `chunk_usage`), an
-        error event if a step failed, optional usage, [DONE]."""
+        error event instead if a step failed, optional usage, [DONE] (after an error too, as vLLM's)."""
         finals: dict[int, RequestOutput] = {}  # (for the usage)
         try:
             async for i, out in self._outputs(requests):
                 if out.error is not None:
                     yield sse(error_body(out.error, "server_error"))
-                    return
+                    break
                 if out.finished:
                     finals[i] = out
                 for chunk in response.chunks(i, out):
                     yield sse(chunk if chunk_usage is None else {**chunk, "usage": chunk_usage(out, chunk)})
         except EngineDeadError as exc:
             yield sse(error_body(str(exc), "server_error"))
-            return
-        if final_usage is not None:
-            yield sse(final_usage([finals[i] for i in range(len(requests))]))
+        else:
+            if self._ended_by_shutdown(finals.values()):  # its last chunks said "abort": an error too, so
+                yield sse(SHUTDOWN_ERROR)                   # that a client does not take the text for whole
+            elif final_usage is not None and len(finals) == len(requests):
+                yield sse(final_usage([finals[i] for i in range(len(requests))]))
         yield sse("[DONE]")
 
     def stream(self, requests: list[EngineRequest], raw: Request) -> AsyncIterator[tuple[int, RequestOutput]]:

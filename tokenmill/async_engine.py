@@ -41,6 +41,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an error it could not recover from."""
 
 
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down: it finishes the requests it has and takes no new ones."""
+
+
 @dataclass
 class _Stream:
     """One request's outputs not yet taken by its consumer: at most one. Outputs are cumulative,
@@ -86,6 +90,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closing = False  # abort_all was called: requests added from then on end at once
+        self._draining = False  # drain was called: no new requests are made
         self.error: BaseException | None = None  # set when the loop died
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -118,6 +123,16 @@ class AsyncLLMEngine:
         """Whether abort_all was called (the server is shutting down)."""
         return self._closing
 
+    @property
+    def draining(self) -> bool:
+        """Whether drain (or abort_all) was called: the server is shutting down."""
+        return self._draining or self._closing
+
+    def drain(self) -> None:
+        """Shutdown with time to finish: the requests made so far run on; make_request and
+        make_embedding_request raise EngineDrainingError from now on."""
+        self._draining = True
+
     def abort_all(self) -> None:
         """End every request (shutdown): each stream gets a final output with finish_reason "abort".
         So does each request added from now on: one still being tokenized when the signal came
@@ -130,14 +145,21 @@ class AsyncLLMEngine:
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
                      deadline: float | None = None, arrival_time: float | None = None) -> Request:
-        """Validate on the caller's thread (ValueError for a request that can never be served)."""
+        """Validate on the caller's thread (ValueError for a request that can never be served;
+        EngineDrainingError once the server is draining)."""
+        self._check_admitting()
         return self.engine.input_processor.make_request(request_id, prompt, params, arrival_time=arrival_time,
                                                         priority=priority, deadline=deadline)
 
     def make_embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams | None = None,
                                arrival_time: float | None = None) -> Request:
         """An embedding request, validated on the caller's thread; `generate` runs it."""
+        self._check_admitting()
         return self.engine.input_processor.make_embedding_request(request_id, prompt, pooling, arrival_time)
+
+    def _check_admitting(self) -> None:
+        if self._draining:
+            raise EngineDrainingError("the server is shutting down: it takes no new requests")
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs (from make_request) step by step until it finishes.

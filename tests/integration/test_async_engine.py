@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from tokenmill.async_engine import AsyncLLMEngine
+from tokenmill.async_engine import AsyncLLMEngine, EngineDrainingError
 from tokenmill.config import EngineConfig
 from tokenmill.engine import LLMEngine
 from tokenmill.outputs import RequestOutput
@@ -95,6 +95,29 @@ def test_a_request_added_after_abort_all_ends_at_once(tiny_llama):
     outputs = asyncio.run(asyncio.wait_for(main(), timeout=30))
     final = outputs[-1].outputs[0]
     assert outputs[-1].finished and final.finish_reason == "abort" and final.token_ids == []
+
+
+def test_a_draining_engine_finishes_what_it_has_and_refuses_new_requests(tiny_llama):
+    """serve --shutdown-timeout: after drain() the request in flight runs to its end; a new one is
+    refused (a 503 over HTTP) until abort_all ends the rest."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=4))
+
+    async def main():
+        front = AsyncLLMEngine(engine)
+        front.start()
+        request = front.make_request("in-flight", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+        stream = front.generate(request)
+        first = await anext(stream)
+        front.drain()
+        with pytest.raises(EngineDrainingError, match="takes no new requests"):
+            front.make_request("late", [5, 6], SamplingParams(max_tokens=5))
+        outputs = [first] + [out async for out in stream]
+        front.stop()
+        return outputs, front.draining
+
+    outputs, draining = asyncio.run(asyncio.wait_for(main(), timeout=60))
+    final = outputs[-1].outputs[0]
+    assert draining and final.finish_reason == "length" and len(final.token_ids) == 50
 
 
 def test_a_stream_nobody_reads_holds_one_output_that_adds_up_to_what_a_reader_got(tiny_llama):

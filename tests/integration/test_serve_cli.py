@@ -83,6 +83,44 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
     assert f"as 'tiny' on http://127.0.0.1:{port}" in log  # served on the socket bound before the load
 
 
+def test_with_a_shutdown_timeout_sigterm_lets_the_requests_in_flight_finish(tiny_llama):
+    """vLLM's --shutdown-timeout: the stream and the whole request in flight at SIGTERM run to their
+    1000 tokens (the default, 0, cuts them short: the test above), then the server exits 0."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
+                             "--num-kv-blocks", "256", "--shutdown-timeout", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, body = f"http://127.0.0.1:{port}", {"prompt": "w5", "max_tokens": 1000, "ignore_eos": True}
+    events, first, whole = [], threading.Event(), []
+
+    def stream():
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=streamed, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[len("data: "):])
+                    first.set()
+    threads = [threading.Thread(target=lambda: whole.append(httpx.post(url + "/v1/completions", json=body,
+                                                                       timeout=120))),
+               threading.Thread(target=stream)]
+    try:
+        wait_until_up(proc, url)
+        for thread in threads:
+            thread.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(120)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 1000
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    assert whole[0].status_code == 200 and whole[0].json()["usage"]["completion_tokens"] == 1000
+    assert "stopping: requests in flight have 60 s to finish" in proc.stdout.read()
+
+
 def test_a_port_in_use_is_one_error_before_the_model_loads(tmp_path):
     """Bound before the load (the model path does not even exist), not by uvicorn after it."""
     import socket

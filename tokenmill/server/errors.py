@@ -2,7 +2,8 @@
 
 Handlers raise APIError with the status and the body's fields (`context_length_error` builds
 OpenAI's answer to a prompt past the context, for every generating endpoint);
-`add_error_handlers` turns it, the engine loop's death (503), pydantic's validation errors (400)
+`add_error_handlers` turns it, the engine loop's death (503), a new request while the server
+drains at shutdown (503), pydantic's validation errors (400)
 and Starlette's own HTTP errors (404, 405, ...) into JSON responses of the same shape.
 """
 
@@ -15,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.async_engine import EngineDeadError
+from tokenmill.async_engine import EngineDeadError, EngineDrainingError
 from tokenmill.server.protocol import error_body
 
 if TYPE_CHECKING:
@@ -72,6 +73,10 @@ async def _engine_dead(_, exc: EngineDeadError) -> JSONResponse:
     return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
 
 
+async def _draining(_, exc: EngineDrainingError) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), "server_error", code="server_shutting_down"), status_code=503)
+
+
 async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     # the location without "body" and the union members pydantic names ("prompt.str", "list[int]")
@@ -96,5 +101,6 @@ async def _http_error(_, exc: StarletteHTTPException) -> JSONResponse:
 def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(EngineDeadError, _engine_dead)
+    app.add_exception_handler(EngineDrainingError, _draining)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

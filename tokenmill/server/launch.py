@@ -3,7 +3,8 @@
 On SIGINT/SIGTERM uvicorn stops accepting connections; first, every in-flight request is
 ended (finish_reason "abort"), so open streams get their final chunk, an error event
 (server_shutting_down) and [DONE] before the connections close, and the process exits 0, a
-second signal or not.
+second signal or not. With --shutdown-timeout S the requests in flight first have S seconds to
+finish (or until a second signal) while new ones get 503s.
 
 Connections run under connections.py's guards (timeouts for idle connections and request
 heads, a cap on open ones); the app answers only the Host names options.py's
@@ -51,9 +52,16 @@ def run_server(args: argparse.Namespace, config, sock: socket.socket) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            # End in-flight requests first, so open streams get a final chunk before connections close.
-            app.state.async_engine.abort_all()
             shutting_down = self.should_exit
+            engine_loop = app.state.async_engine
+            if shutting_down or not args.shutdown_timeout:
+                # End in-flight requests first, so open streams get a final chunk before connections close.
+                engine_loop.abort_all()
+            else:  # they have the drain's time to finish; new ones get 503s
+                logger.warning("stopping: requests in flight have %g s to finish", args.shutdown_timeout)
+                engine_loop.drain()
+                asyncio.get_event_loop().call_soon_threadsafe(
+                    asyncio.get_event_loop().call_later, args.shutdown_timeout, engine_loop.abort_all)
             super().handle_exit(sig, frame)
             if shutting_down:  # a second signal (either kind) closes every connection, so the shutdown waits
                 # for none (a client stalled mid-body included) yet still runs the app's shutdown, which
@@ -73,7 +81,7 @@ def run_server(args: argparse.Namespace, config, sock: socket.socket) -> int:
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
                                    timeout_keep_alive=args.timeout_keep_alive,
                                    log_level=logging.getLevelName(logging.getLogger().level).lower(),
-                                   timeout_graceful_shutdown=10))
+                                   timeout_graceful_shutdown=args.shutdown_timeout + 10))
     logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, sock.getsockname()[1])
     # uvicorn takes SIGINT/SIGTERM while it serves and gives back the handlers it found after; a
     # second signal then (as an impatient operator sends one) must not kill the process that the

@@ -43,6 +43,11 @@ def seconds(text: str) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """A wait that may be none: 0 or a positive number of seconds."""
+    return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
+
+
 def count(text: str) -> int:
     """A number of things kept: an integer >= 0."""
     try:
@@ -121,6 +126,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="end a stream whose client takes no output for this many seconds, and abort its "
                              "requests (until then a client that stops reading holds one output per request) "
                              "(default: %(default)s)")
+    parser.add_argument("--shutdown-timeout", type=non_negative_seconds, default=0.0,
+                        help="at SIGINT/SIGTERM, seconds the requests in flight have to finish while the server "
+                             "takes no new ones (503, and /health 503), before the rest are ended; 0: end them at "
+                             "once (vLLM's flag and default; default: %(default)s)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (default: the one its chat template "
                              "shows; hermes: Qwen 2.5/3, Hermes; "

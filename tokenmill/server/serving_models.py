@@ -32,8 +32,12 @@ class ModelsHandler:
         return (await self.models())["data"][0]
 
     async def health(self):
-        """200 while the engine loop runs; 503 naming its error once it has died, or naming a
-        tensor-parallel rank that has exited (every step would fail)."""
+        """200 while the engine loop runs; 503 naming its error once it has died, naming a
+        tensor-parallel rank that has exited (every step would fail), or while the server shuts
+        down (so that a load balancer sends it nothing new)."""
+        if self.async_engine.draining:
+            return JSONResponse(error_body("the server is shutting down", "server_error",
+                                           code="server_shutting_down"), status_code=503)
         if not self.async_engine.is_alive:
             return JSONResponse(error_body(f"engine loop is not running: {self.async_engine.error!r}",
                                            "server_error"), status_code=503)

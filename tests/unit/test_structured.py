@@ -183,6 +183,29 @@ def test_a_response_format_and_forced_tool_calls_refuse_a_key_the_schema_never_d
         assert not walk(grammar(), tokenizer, before + '{"city": "Paris", "x"'), name
 
 
+def test_required_calls_resolve_each_tools_own_defs_and_references(compiler, tokenizer):
+    """openai.pydantic_function_tool writes a nested model as "$defs" and "$ref": "#/$defs/...";
+    under tool_choice "required" every tool's schema sits inside one array schema, where each
+    reference must still reach its own tool's definitions (two tools may use one name)."""
+    register = {"type": "object", "required": ["address"], "properties": {"address": {"$ref": "#/$defs/Address"}},
+                "$defs": {"Address": {"type": "object", "required": ["city"],
+                                      "properties": {"city": {"type": "string"}}}}}
+    count = {"type": "object", "required": ["n"], "properties": {"n": {"$ref": "#/$defs/Address"}},
+             "$defs": {"Address": {"type": "integer"}}}
+    chain = {"type": "object", "required": ["next"], "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}}
+             for name, schema in (("register", register), ("count", count), ("chain", chain))]
+    required = plan_tools(tools, "required", None).constraint()
+
+    def fits(text: str) -> bool:
+        return walk(compile_(compiler, **required), tokenizer, text)
+    assert fits('[{"name": "register", "parameters": {"address": {"city": "Paris"}}}, '
+                '{"name": "count", "parameters": {"n": 3}}, '
+                '{"name": "chain", "parameters": {"next": {"next": null}}}]')
+    assert not fits('[{"name": "count", "parameters": {"n": {')  # count's Address is an integer
+    assert not fits('[{"name": "register", "parameters": {"address": 3')
+
+
 @pytest.mark.parametrize("parameters", [None, {}, {"type": "object"}, {"type": "object", "properties": {}}])
 def test_a_function_without_parameters_is_called_with_no_arguments(compiler, tokenizer, parameters):
     """A tool whose parameters are left out, or declare no property, takes none: forced, its

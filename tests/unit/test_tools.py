@@ -77,7 +77,8 @@ def test_constraints_of_named_and_required_choices():
     assert schema["minItems"] == 1 and [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == [
         "get_weather", "now"]
     # none given: an empty parameter list, as OpenAI reads an omitted `parameters`
-    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"$ref": "#/$defs/now"}
+    assert schema["$defs"]["now"] == {"type": "object", "properties": {}}
     assert "maxItems" not in schema
     assert plan_tools([WEATHER, NOW], "required", None, parallel=False).constraint()["json"]["maxItems"] == 1
     text = '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'

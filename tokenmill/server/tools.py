@@ -73,6 +73,20 @@ def parameters_schema(function: dict) -> dict:
     return {**schema, "type": "object", "properties": {}}
 
 
+def _rerooted(schema, root: str):
+    """A schema moved from a document's root to `root` (a JSON pointer into the new document):
+    its local references ("#", "#/$defs/Address", as pydantic writes them) point there too."""
+    if isinstance(schema, list):
+        return [_rerooted(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rerooted(value, root) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = root + ref[1:]
+    return out
+
+
 @dataclass
 class ToolPlan:
     choice: str                         # "none", "auto", "required" or "named"
@@ -92,10 +106,11 @@ class ToolPlan:
             return {"json": functions[self.name], "disable_additional_properties": True}
         if self.choice == "required":
             calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                      "properties": {"name": {"const": name}, "parameters": schema}}
-                     for name, schema in functions.items()]
+                      "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/{name}"}}}
+                     for name in functions]
+            defs = {name: _rerooted(schema, f"#/$defs/{name}") for name, schema in functions.items()}
             return {"json": {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
-                             "items": {"anyOf": calls}}, "disable_additional_properties": True}
+                             "items": {"anyOf": calls}, "$defs": defs}, "disable_additional_properties": True}
         return None
 
     def call_id(self) -> str:

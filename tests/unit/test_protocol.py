@@ -56,6 +56,10 @@ def test_stream_options_without_stream_and_a_request_chat_template_are_refused_n
     with pytest.raises(ValueError, match="^chat_template is not supported by this server$"):
         ChatCompletionRequest.model_validate({**CHAT, "chat_template": "{{ messages }}"}).sampling_params(None, None,
                                                                                                           None)
+    # OpenAI's deprecated function calling: ignored, the call a client waits for would never come
+    for field, value in (("functions", [{"name": "f", "parameters": {}}]), ("function_call", {"name": "f"})):
+        with pytest.raises(ValueError, match=f"^{field} is not supported by this server$"):
+            ChatCompletionRequest.model_validate({**CHAT, field: value}).sampling_params(None, None, None)
 
 
 def test_continue_final_message_needs_add_generation_prompt_false():

@@ -300,10 +300,13 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     echo: bool = False  # vLLM's (the last message's text before the answer): known, not implemented
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
+    functions: list | None = None  # OpenAI's deprecated form of tools: known, refused (tools serve it)
+    function_call: str | dict | None = None  # (and of tool_choice)
 
     def unsupported(self) -> str | None:
         return (super().unsupported() or ("chat_template" if self.chat_template is not None else None)
-                or ("echo" if self.echo else None))
+                or ("echo" if self.echo else None) or ("functions" if self.functions else None)
+                or ("function_call" if self.function_call is not None else None))
 
 
 class TokenizeRequest(ChatRendering):

@@ -88,7 +88,7 @@ def test_with_a_shutdown_timeout_sigterm_lets_the_requests_in_flight_finish(tiny
     1000 tokens (the default, 0, cuts them short: the test above), then the server exits 0."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
-                             "--num-kv-blocks", "256", "--shutdown-timeout", "60"],
+                             "--served-model-name", "tiny", "--num-kv-blocks", "256", "--shutdown-timeout", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, body = f"http://127.0.0.1:{port}", {"prompt": "w5", "max_tokens": 1000, "ignore_eos": True}
     events, first, whole = [], threading.Event(), []
@@ -105,8 +105,12 @@ def test_with_a_shutdown_timeout_sigterm_lets_the_requests_in_flight_finish(tiny
                threading.Thread(target=stream)]
     try:
         wait_until_up(proc, url)
-        for thread in threads:
-            thread.start()
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while 'vllm:num_requests_running{model_name="tiny"} 1.0' not in httpx.get(url + "/metrics").text:
+            assert time.monotonic() < deadline, "the whole request never ran"
+            time.sleep(0.01)
+        threads[1].start()
         assert first.wait(30)
         proc.send_signal(signal.SIGTERM)
         for thread in threads:

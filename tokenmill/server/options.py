@@ -79,8 +79,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help=MODEL_HELP)
+    parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=port_number, default=8000, help="(default: %(default)s)")
     parser.add_argument("--api-key", default=None,

@@ -288,22 +288,24 @@ class ServingEngine:
         """SSE: chunks as outputs arrive (each with its output's usage, given `chunk_usage`), an
         error event instead if a step failed, optional usage, [DONE] (after an error too, as vLLM's)."""
         finals: dict[int, RequestOutput] = {}  # (for the usage)
+        error = None
         try:
             async for i, out in self._outputs(requests):
                 if out.error is not None:
-                    yield sse(error_body(out.error, "server_error"))
+                    error = error_body(out.error, "server_error")
                     break
                 if out.finished:
                     finals[i] = out
                 for chunk in response.chunks(i, out):
                     yield sse(chunk if chunk_usage is None else {**chunk, "usage": chunk_usage(out, chunk)})
         except EngineDeadError as exc:
-            yield sse(error_body(str(exc), "server_error"))
-        else:
-            if self._ended_by_shutdown(finals.values()):  # its last chunks said "abort": an error too, so
-                yield sse(SHUTDOWN_ERROR)                   # that a client does not take the text for whole
-            elif final_usage is not None and len(finals) == len(requests):
-                yield sse(final_usage([finals[i] for i in range(len(requests))]))
+            error = error_body(str(exc), "server_error")
+        if error is None and self._ended_by_shutdown(finals.values()):
+            error = SHUTDOWN_ERROR  # after the "abort" chunks: so that a client does not take the text for whole
+        if error is not None:
+            yield sse(error)
+        elif final_usage is not None:
+            yield sse(final_usage([finals[i] for i in range(len(requests))]))
         yield sse("[DONE]")
 
     def stream(self, requests: list[EngineRequest], raw: Request) -> AsyncIterator[tuple[int, RequestOutput]]:

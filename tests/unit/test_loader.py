@@ -398,6 +398,36 @@ def test_a_truncated_gguf_is_a_value_error_naming_the_file(tiny_llama, tmp_path,
         LLMEngine(EngineConfig(model=str(cut)))
 
 
+def test_a_gguf_without_a_required_key_is_refused_by_the_keys_name(tmp_path, monkeypatch):
+    """As llama.cpp names it; it used to be a TypeError about None from the config's arithmetic."""
+    from gguf import GGUFWriter
+    monkeypatch.setattr(GGUFWriter, "add_block_count", lambda self, n: None)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", dict.fromkeys(KINDS, "F32"), True, False)
+    with pytest.raises(ValueError, match=f"^{path}: missing required key llama.block_count$"):
+        open_checkpoint(path)
+
+
+def test_a_tokenizer_that_cannot_be_built_is_one_error_naming_the_model(tiny_llama, tmp_path):
+    """A GGUF whose eos id is past its vocabulary, and a directory without tokenizer files: one
+    ValueError with the path (the command line prints it as one line), not an IndexError's
+    traceback or transformers' lines about sentencepiece."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.models.loader import load_tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"▁w{i}" for i in range(hf.config.vocab_size - 4)]
+    path = tmp_path / "eos.gguf"
+    write_gguf_from_hf(hf, path, "F32", tokens=tokens, token_ids={"eos": 999999})
+    with pytest.raises(ValueError, match=f"^{path}: cannot build its tokenizer from the file's tokenizer.ggml.* keys"):
+        load_tokenizer(path, cache_dir=tmp_path / "cache")
+    bare = copy_model(tiny_llama, tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=f"^{bare}: cannot load its tokenizer .*give --tokenizer DIR$"):
+        load_tokenizer(bare)
+
+
 @pytest.mark.parametrize("changes,match", [
     ({"mlp_bias": True}, "unsupported llama variant: mlp_bias = True"),
     ({"partial_rotary_factor": 0.5}, "unsupported partial_rotary_factor 0.5 for llama"),

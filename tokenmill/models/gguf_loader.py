@@ -280,11 +280,16 @@ def gguf_model_config(reader) -> ModelConfig:
 
     def meta(key, default=None):
         return _gguf_field(reader, f"{name}.{key}", default)
+
+    def need(key):  # (llama.cpp refuses a file without it too)
+        if (value := meta(key)) is None:
+            raise UnsupportedModel(f"missing required key {name}.{key}")
+        return value
     arch = "mixtral" if name == "llama" and meta("expert_count") else GGUF_ARCHS[name]
-    hidden, heads, layers = meta("embedding_length"), meta("attention.head_count"), meta("block_count")
     scaling = _gguf_rope_scaling(meta)
     tensor_names = {t.name for t in reader.tensors}
     moe = _gguf_moe(meta, arch, reader) if arch in MOE_ARCHITECTURES else None
+    hidden, heads, layers = need("embedding_length"), need("attention.head_count"), need("block_count")
     head_dim = meta("attention.key_length") or hidden // heads
     rotary_dim = meta("rope.dimension_count") or head_dim
     if rotary_dim != head_dim and arch != "phi3":
@@ -294,6 +299,8 @@ def gguf_model_config(reader) -> ModelConfig:
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors",
                    "factors": np.asarray(factors.data, dtype=np.float64).reshape(-1).tolist()}
+    if not meta("vocab_size") and "tokenizer.ggml.tokens" not in reader.fields:
+        raise UnsupportedModel("missing required key tokenizer.ggml.tokens (the vocabulary)")
     vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     # end of generation, as llama.cpp has it: <|eot_id|> and <|eom_id|> end a Llama 3 turn even
     # where the file's eos is <|end_of_text|>
@@ -308,7 +315,8 @@ def gguf_model_config(reader) -> ModelConfig:
     gpt_oss = _gguf_gpt_oss(meta, reader, moe, layers, scaling) if arch == "gpt_oss" else {}
     return ModelConfig(**dict(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=meta("feed_forward_length") or (moe.expert_intermediate_size if moe else 0),
+        intermediate_size=moe.expert_intermediate_size if moe and not meta("feed_forward_length")
+        else need("feed_forward_length"),
         num_layers=layers,
         num_heads=heads, num_kv_heads=meta("attention.head_count_kv") or heads, head_dim=head_dim,
         rotary_dim=rotary_dim if rotary_dim < head_dim else None,

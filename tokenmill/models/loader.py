@@ -579,12 +579,21 @@ def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = D
                                     "Hugging Face tokenizer)")
         return AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()))
     if path.suffix != ".gguf":
-        return AutoTokenizer.from_pretrained(str(path))
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (ValueError, OSError) as exc:  # transformers' several lines: no file it can build one from
+            raise ValueError(f"{path}: cannot load its tokenizer ({str(exc).splitlines()[0]}); the directory "
+                             "needs tokenizer.json (or tokenizer.model, or vocabulary files), or give "
+                             "--tokenizer DIR") from exc
     stat = path.stat()
     cached = cache_dir / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
-    tok = _gguf_tokenizer(path)
+    try:
+        tok = _gguf_tokenizer(path)
+    except Exception as exc:  # a vocabulary, merges or special token id that do not fit together
+        raise ValueError(f"{path}: cannot build its tokenizer from the file's tokenizer.ggml.* keys "
+                         f"({type(exc).__name__}: {exc})") from exc
     try:
         tok.save_pretrained(str(cached))
     except OSError as exc:  # a read-only home: just convert again next time

@@ -129,7 +129,8 @@ def test_a_mixture_of_experts_on_two_ranks_holding_half_the_experts_each_gives_o
 
 def test_a_model_whose_kv_heads_do_not_divide_by_the_size_is_refused_naming_the_counts(tiny_llama) -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's num_kv_heads = 2 "
-                                         r"\(num_heads 6, num_kv_heads 2, intermediate_size 192\)"):
+                                         r"\(pick a size that divides each of num_heads 6, num_kv_heads 2, "
+                                         r"intermediate_size 192\)$"):
         LLM(str(tiny_llama), tensor_parallel_size=3)
 
 

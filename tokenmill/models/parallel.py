@@ -88,8 +88,7 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
             if moe.shared_expert_intermediate_size else [])
     if bad := [f"{name} = {value}" for name, value in counts if value % size]:
         raise ValueError(f"tensor_parallel_size {size} does not divide the model's {', '.join(bad)} "
-                         f"({', '.join(f'{name} {value}' for name, value in counts)}); pick a size that "
-                         "divides them all")
+                         f"(pick a size that divides each of {', '.join(f'{name} {value}' for name, value in counts)})")
 
 
 def local_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:

@@ -192,7 +192,8 @@ def test_required_calls_resolve_each_tools_own_defs_and_references(compiler, tok
                                       "properties": {"city": {"type": "string"}}}}}
     count = {"type": "object", "required": ["n"], "properties": {"n": {"$ref": "#/$defs/Address"}},
              "$defs": {"Address": {"type": "integer"}}}
-    chain = {"type": "object", "required": ["next"], "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    chain = {"type": "object", "required": ["next"],
+             "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
     tools = [{"type": "function", "function": {"name": name, "parameters": schema}}
              for name, schema in (("register", register), ("count", count), ("chain", chain))]
     required = plan_tools(tools, "required", None).constraint()

@@ -210,7 +210,8 @@ def test_a_tied_models_ranks_each_load_their_rows_of_the_table_and_no_head() -> 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_naming_the_counts() -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's num_heads = 4, "
-                                         r"num_kv_heads = 2 \(num_heads 4, num_kv_heads 2, intermediate_size 96\)"):
+                                         r"num_kv_heads = 2 \(pick a size that divides each of num_heads 4, "
+                                         r"num_kv_heads 2, intermediate_size 96\)$"):
         check_divisible(CFG, 3)
     with pytest.raises(ValueError, match=r"does not divide the model's intermediate_size = 95 \("):
         check_divisible(dataclasses.replace(CFG, intermediate_size=95), 2)

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -90,7 +91,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closing = False  # abort_all was called: requests added from then on end at once
-        self._draining = False  # drain was called: no new requests are made
+        self._drain_started: float | None = None  # when drain was called: requests arriving later are refused
         self.error: BaseException | None = None  # set when the loop died
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -126,12 +127,13 @@ class AsyncLLMEngine:
     @property
     def draining(self) -> bool:
         """Whether drain (or abort_all) was called: the server is shutting down."""
-        return self._draining or self._closing
+        return self._drain_started is not None or self._closing
 
     def drain(self) -> None:
-        """Shutdown with time to finish: the requests made so far run on; make_request and
-        make_embedding_request raise EngineDrainingError from now on."""
-        self._draining = True
+        """Shutdown with time to finish: requests that arrived before it run on (one still being
+        tokenized included); make_request and make_embedding_request raise EngineDrainingError
+        for one that arrives later."""
+        self._drain_started = time.monotonic()
 
     def abort_all(self) -> None:
         """End every request (shutdown): each stream gets a final output with finish_reason "abort".
@@ -147,18 +149,19 @@ class AsyncLLMEngine:
                      deadline: float | None = None, arrival_time: float | None = None) -> Request:
         """Validate on the caller's thread (ValueError for a request that can never be served;
         EngineDrainingError once the server is draining)."""
-        self._check_admitting()
+        self._check_admitting(arrival_time)
         return self.engine.input_processor.make_request(request_id, prompt, params, arrival_time=arrival_time,
                                                         priority=priority, deadline=deadline)
 
     def make_embedding_request(self, request_id: str, prompt: Prompt, pooling: PoolingParams | None = None,
                                arrival_time: float | None = None) -> Request:
         """An embedding request, validated on the caller's thread; `generate` runs it."""
-        self._check_admitting()
+        self._check_admitting(arrival_time)
         return self.engine.input_processor.make_embedding_request(request_id, prompt, pooling, arrival_time)
 
-    def _check_admitting(self) -> None:
-        if self._draining:
+    def _check_admitting(self, arrival_time: float | None) -> None:
+        started = self._drain_started
+        if started is not None and (arrival_time is None or arrival_time >= started):
             raise EngineDrainingError("the server is shutting down: it takes no new requests")
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:

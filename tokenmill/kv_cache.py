@@ -248,8 +248,6 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window
         self.null_block = num_blocks
-        self.prompt_tokens_queried = 0   # prompt tokens looked up at first admission
-        self.prompt_tokens_hit = 0       # of which served from the cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -323,9 +321,6 @@ class KVCacheManager:
             self.pool.share(hit.block_ids)
             request.block_ids.extend([self.null_block] * hit.num_skipped + hit.block_ids)
             request.num_released_blocks = hit.num_skipped
-            if request.num_preemptions == 0:  # a resumed request finding its own blocks again is no reuse
-                self.prompt_tokens_queried += request.num_tokens  # (vLLM counts such lookups apart too)
-                self.prompt_tokens_hit += hit.num_tokens
             skipped = hit.num_tokens
         request.block_ids.extend(self.pool.allocate(self._num_new_blocks(request, skipped + num_new_tokens)))
         if register:

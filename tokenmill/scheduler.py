@@ -108,6 +108,8 @@ class Scheduler(ConnectorSteps):
         self._finished_ids: list[str] = []       # ended since the last schedule()
         self.num_steps = 0                       # steps scheduled (timelines name a chunk's step)
         self.num_preemptions = 0
+        self.prompt_tokens_queried = 0  # prefix cache: prompt tokens of first admissions (_count_admission)
+        self.prompt_tokens_hit = 0      # of which served from the cache
         self.num_swapped_out = 0                 # of which by swapping
         self.num_external_tokens = 0             # prompt tokens whose K/V the connector brought in
         self.num_missed_deadlines = 0            # cumulative: requests that finished after their deadline
@@ -189,8 +191,8 @@ class Scheduler(ConnectorSteps):
             num_running=len(self.running), num_waiting=len(self.waiting) + len(self.loading),
             kv_blocks_used=pool.num_used_blocks, kv_blocks_free=pool.num_free_blocks,
             kv_blocks_cached=pool.num_evictable_blocks, kv_blocks_total=pool.num_blocks,
-            kv_slots_used=self.kv.slots_filled(self.running), prefix_tokens_queried=self.kv.prompt_tokens_queried,
-            prefix_tokens_hit=self.kv.prompt_tokens_hit, num_evictions=pool.num_evictions,
+            kv_slots_used=self.kv.slots_filled(self.running), prefix_tokens_queried=self.prompt_tokens_queried,
+            prefix_tokens_hit=self.prompt_tokens_hit, num_evictions=pool.num_evictions,
             num_preemptions=self.num_preemptions, num_external_tokens=self.num_external_tokens,
             num_held_requests=len(self.held), kv_blocks_held=sum(len(r.block_ids) for r in self.held.values()),
             num_missed_deadlines=self.num_missed_deadlines)
@@ -292,6 +294,7 @@ class Scheduler(ConnectorSteps):
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             if not resuming:
+                self._count_admission(request)
                 request.timeline.add(self.clock(), "admitted", cached=request.num_cached_tokens)
             elif swapped:
                 request.timeline.add(self.clock(), "resumed", swapped_blocks=swapped)
@@ -318,6 +321,14 @@ class Scheduler(ConnectorSteps):
         self.kv.allocate(request, num_new, hit)
         self._count_hit(request, hit.num_tokens)
         return num_new, held
+
+    def _count_admission(self, request: Request) -> None:
+        """A request's first admission in the prefix cache's counters (vLLM's queries and hits). A
+        resumed one finding its own blocks again, or one admitted again after a failed KV load,
+        is not counted twice."""
+        if self.kv.enable_prefix_caching:
+            self.prompt_tokens_queried += request.num_tokens
+            self.prompt_tokens_hit += request.num_cached_tokens
 
     def _count_hit(self, request: Request, num_tokens: int) -> None:
         request.num_computed_tokens += num_tokens

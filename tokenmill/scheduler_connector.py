@@ -28,6 +28,7 @@ class ConnectorSteps:
     _watermark_blocks: int
     _free: Callable[[Request], None]              # the scheduler's own: its blocks back to the pool
     _count_hit: Callable[[Request, int], None]    # the scheduler's own: a prefix hit's tokens computed
+    _count_admission: Callable[[Request], None]   # the scheduler's own: a first admission in the counters
 
     def release_held(self) -> None:
         """Free the blocks of held requests the connector has released (once per schedule(), and
@@ -99,5 +100,6 @@ class ConnectorSteps:
                 self.num_external_tokens += external
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._count_admission(request)
             request.timeline.add(self.clock(), "admitted", cached=request.num_cached_tokens,
                                  loaded=external if loaded else 0)

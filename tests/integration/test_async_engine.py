@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 
 import pytest
 
@@ -98,8 +99,8 @@ def test_a_request_added_after_abort_all_ends_at_once(tiny_llama):
 
 
 def test_a_draining_engine_finishes_what_it_has_and_refuses_new_requests(tiny_llama):
-    """serve --shutdown-timeout: after drain() the request in flight runs to its end; a new one is
-    refused (a 503 over HTTP) until abort_all ends the rest."""
+    """serve --shutdown-timeout: after drain() the request in flight runs to its end, and one that
+    arrived before it may still be made; a later one is refused (a 503 over HTTP)."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=4))
 
     async def main():
@@ -108,9 +109,11 @@ def test_a_draining_engine_finishes_what_it_has_and_refuses_new_requests(tiny_ll
         request = front.make_request("in-flight", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
         stream = front.generate(request)
         first = await anext(stream)
+        arrived = time.monotonic()  # (a request whose body came before the signal, still being tokenized)
         front.drain()
         with pytest.raises(EngineDrainingError, match="takes no new requests"):
-            front.make_request("late", [5, 6], SamplingParams(max_tokens=5))
+            front.make_request("late", [5, 6], SamplingParams(max_tokens=5), arrival_time=time.monotonic())
+        assert front.make_request("early", [5, 6], SamplingParams(max_tokens=5), arrival_time=arrived)
         outputs = [first] + [out async for out in stream]
         front.stop()
         return outputs, front.draining

@@ -32,16 +32,16 @@ def test_pooled_vectors_equal_hf_hidden_states_in_chunks_and_from_the_prefix_cac
     # a 32-token budget: the long prompts run in up to 5 chunks
     llm = LLM(str(tiny_models[arch]), max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64, block_size=16,
               dtype="float32", long_prefill_token_threshold=0)
-    kv = llm.engine.scheduler.kv
+    scheduler = llm.engine.scheduler
     llm.generate([{"prompt_token_ids": shared + [5]}], SamplingParams(max_tokens=1), use_tqdm=False)  # caches `shared`
-    hits = kv.prompt_tokens_hit
+    hits = scheduler.prompt_tokens_hit
     last = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
-    assert kv.prompt_tokens_hit - hits >= 3 * 48  # the three long prompts started from the cache
-    hits = kv.prompt_tokens_hit
+    assert scheduler.prompt_tokens_hit - hits >= 3 * 48  # the three long prompts started from the cache
+    hits = scheduler.prompt_tokens_hit
     mean = llm.embed([{"prompt_token_ids": p} for p in prompts], PoolingParams("mean"), use_tqdm=False)
-    assert kv.prompt_tokens_hit == hits  # the mean computed whole prompts, though all their blocks were cached
+    assert scheduler.prompt_tokens_hit == hits  # the mean computed whole prompts, though all their blocks were cached
     raw = llm.embed([{"prompt_token_ids": p} for p in prompts], PoolingParams("last", normalize=False), use_tqdm=False)
-    assert kv.pool.num_used_blocks == 0
+    assert scheduler.kv.pool.num_used_blocks == 0
 
     hf = hf_model(tiny_models[arch])
     for prompt, v_last, v_mean, v_raw in zip(prompts, last, mean, raw):

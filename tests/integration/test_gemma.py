@@ -81,7 +81,7 @@ def test_greedy_generation_equals_transformers_with_chunked_prompts_and_a_shared
     chunked = watch_chunked_prompts(engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=20, temperature=0.0),
                         use_tqdm=False)
-    assert len(chunked) >= 3 and engine.scheduler.kv.prompt_tokens_hit > 0
+    assert len(chunked) >= 3 and engine.scheduler.prompt_tokens_hit > 0
     assert sum(len(set(out.outputs[0].token_ids)) for out in outs) > 5 * len(outs)  # not one token repeated
     hf = hf_eager(path)
     for prompt, out in zip(prompts, outs):

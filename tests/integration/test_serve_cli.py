@@ -1,6 +1,7 @@
 """`tokenmill serve` as a real process: it answers, and SIGTERM ends in-flight streams with a
-final chunk (finish_reason set, then [DONE]), answers requests in flight that stream nothing with a
-503, and exits 0, as it does after a second signal."""
+final chunk (finish_reason "abort"), an error event and [DONE], answers requests in flight that
+stream nothing with a 503, and exits 0, as it does after a second signal; with --shutdown-timeout
+they finish first."""
 
 from __future__ import annotations
 

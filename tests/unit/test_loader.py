@@ -402,10 +402,16 @@ def test_a_gguf_without_a_required_key_is_refused_by_the_keys_name(tmp_path, mon
     """As llama.cpp names it; it used to be a TypeError about None from the config's arithmetic."""
     from gguf import GGUFWriter
     monkeypatch.setattr(GGUFWriter, "add_block_count", lambda self, n: None)
-    path = tmp_path / "m.gguf"
+    path, experts = tmp_path / "m.gguf", tmp_path / "experts.gguf"
     write_gguf(path, "llama", dict.fromkeys(KINDS, "F32"), True, False)
     with pytest.raises(ValueError, match=f"^{path}: missing required key llama.block_count$"):
         open_checkpoint(path)
+    w = GGUFWriter(str(experts), "qwen2moe")  # (its experts are read per layer)
+    w.add_expert_count(4)
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        write()
+    with pytest.raises(ValueError, match=f"^{experts}: missing required key qwen2moe.block_count$"):
+        open_checkpoint(experts)
 
 
 def test_a_tokenizer_that_cannot_be_built_is_one_error_naming_the_model(tiny_llama, tmp_path):

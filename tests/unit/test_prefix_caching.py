@@ -48,7 +48,7 @@ def test_32_requests_share_one_copy_of_a_1000_token_system_prompt():
     # system prompt (in their own, not-yet-full block 62) and their question.
     assert prompt_tokens_computed == 1040 + 31 * (8 + 40)
     assert [r.num_cached_tokens for r in reqs[1:]] == [992] * 31
-    assert s.kv.prompt_tokens_hit == 31 * 992
+    assert s.prompt_tokens_hit == 31 * 992
 
 
 def test_a_finished_prompt_is_served_from_the_cache_until_evicted():
@@ -81,7 +81,7 @@ def test_a_preempted_requests_second_lookup_is_not_counted_as_a_query_or_a_hit()
     while s.has_unfinished_requests():
         step(s)
     assert sum(r.num_preemptions for r in reqs) >= 2
-    assert (s.kv.prompt_tokens_queried, s.kv.prompt_tokens_hit) == (8 + 8 + 4, 0)
+    assert (s.prompt_tokens_queried, s.prompt_tokens_hit) == (8 + 8 + 4, 0)
 
 
 def test_blocks_are_shared_only_between_requests_with_the_same_cache_salt():

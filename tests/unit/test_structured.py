@@ -205,6 +205,12 @@ def test_required_calls_resolve_each_tools_own_defs_and_references(compiler, tok
                 '{"name": "chain", "parameters": {"next": {"next": null}}}]')
     assert not fits('[{"name": "count", "parameters": {"n": {')  # count's Address is an integer
     assert not fits('[{"name": "register", "parameters": {"address": 3')
+    # a schema with its own $id, and a const that looks like a reference: as they worked before
+    tagged = {**register, "$id": "https://example.com/register.json",
+              "properties": {**register["properties"], "kind": {"const": {"$ref": "#/x"}}}}
+    tool = {"type": "function", "function": {"name": "tagged", "parameters": tagged}}
+    assert walk(compile_(compiler, **plan_tools([tool], "required", None).constraint()), tokenizer,
+                '[{"name": "tagged", "parameters": {"address": {"city": "Oslo"}, "kind": {"$ref": "#/x"}}}]')
 
 
 @pytest.mark.parametrize("parameters", [None, {}, {"type": "object"}, {"type": "object", "properties": {}}])

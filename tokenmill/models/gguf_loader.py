@@ -286,10 +286,11 @@ def gguf_model_config(reader) -> ModelConfig:
             raise UnsupportedModel(f"missing required key {name}.{key}")
         return value
     arch = "mixtral" if name == "llama" and meta("expert_count") else GGUF_ARCHS[name]
+    layers = need("block_count")  # (before the experts, which are read per layer)
     scaling = _gguf_rope_scaling(meta)
     tensor_names = {t.name for t in reader.tensors}
     moe = _gguf_moe(meta, arch, reader) if arch in MOE_ARCHITECTURES else None
-    hidden, heads, layers = need("embedding_length"), need("attention.head_count"), need("block_count")
+    hidden, heads = need("embedding_length"), need("attention.head_count")
     head_dim = meta("attention.key_length") or hidden // heads
     rotary_dim = meta("rope.dimension_count") or head_dim
     if rotary_dim != head_dim and arch != "phi3":

@@ -582,16 +582,19 @@ def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = D
         try:
             return AutoTokenizer.from_pretrained(str(path))
         except (ValueError, OSError) as exc:  # transformers' several lines: no file it can build one from
-            raise ValueError(f"{path}: cannot load its tokenizer ({str(exc).splitlines()[0]}); the directory "
-                             "needs tokenizer.json (or tokenizer.model, or vocabulary files), or give "
-                             "--tokenizer DIR") from exc
+            cause = (str(exc).splitlines() or [repr(exc)])[0]
+            raise ValueError(f"{path}: cannot load its tokenizer ({cause}); the directory needs tokenizer.json "
+                             "(or tokenizer.model, or vocabulary files), or give --tokenizer DIR") from exc
     stat = path.stat()
     cached = cache_dir / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     try:
         tok = _gguf_tokenizer(path)
-    except Exception as exc:  # a vocabulary, merges or special token id that do not fit together
+    except (ImportError, OSError, MemoryError):  # the environment's, not the file's
+        raise
+    except Exception as exc:  # a vocabulary, merges or special token id that do not fit together (tokenizers
+        # raises a plain Exception for a BPE whose merges name missing tokens)
         raise ValueError(f"{path}: cannot build its tokenizer from the file's tokenizer.ggml.* keys "
                          f"({type(exc).__name__}: {exc})") from exc
     try:

@@ -4,7 +4,8 @@ On SIGINT/SIGTERM uvicorn stops accepting connections; first, every in-flight re
 ended (finish_reason "abort"), so open streams get their final chunk, an error event
 (server_shutting_down) and [DONE] before the connections close, and the process exits 0, a
 second signal or not. With --shutdown-timeout S the requests in flight first have S seconds to
-finish (or until a second signal) while new ones get 503s.
+finish (or until a second signal); new connections are refused, and a request that still comes
+on an open one gets a 503.
 
 Connections run under connections.py's guards (timeouts for idle connections and request
 heads, a cap on open ones); the app answers only the Host names options.py's
@@ -57,7 +58,7 @@ def run_server(args: argparse.Namespace, config, sock: socket.socket) -> int:
             if shutting_down or not args.shutdown_timeout:
                 # End in-flight requests first, so open streams get a final chunk before connections close.
                 engine_loop.abort_all()
-            else:  # they have the drain's time to finish; new ones get 503s
+            else:  # they have the drain's time to finish; a new one gets a 503
                 logger.warning("stopping: requests in flight have %g s to finish", args.shutdown_timeout)
                 engine_loop.drain()
                 asyncio.get_event_loop().call_soon_threadsafe(

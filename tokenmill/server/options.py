@@ -45,7 +45,13 @@ def seconds(text: str) -> float:
 
 def non_negative_seconds(text: str) -> float:
     """A wait that may be none: 0 or a positive number of seconds."""
-    return 0.0 if text.strip() in ("0", "0.0") else seconds(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive number of seconds, got {text!r}")
+    return value
 
 
 def count(text: str) -> int:
@@ -127,8 +133,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=non_negative_seconds, default=0.0,
                         help="at SIGINT/SIGTERM, seconds the requests in flight have to finish while the server "
-                             "takes no new ones (503, and /health 503), before the rest are ended; 0: end them at "
-                             "once (vLLM's flag and default; default: %(default)s)")
+                             "takes no new ones (it closes its socket; a request that still comes on an open "
+                             "connection gets a 503), before the rest are ended; 0: end them at once (vLLM's flag "
+                             "and default; default: %(default)s)")
     parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the model's tool-call format, for tool_choice 'auto' (default: the one its chat template "
                              "shows; hermes: Qwen 2.5/3, Hermes; "

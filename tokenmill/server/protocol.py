@@ -306,7 +306,7 @@ class ChatCompletionRequest(SamplingFields, ChatRendering):
     def unsupported(self) -> str | None:
         return (super().unsupported() or ("chat_template" if self.chat_template is not None else None)
                 or ("echo" if self.echo else None) or ("functions" if self.functions else None)
-                or ("function_call" if self.function_call is not None else None))
+                or ("function_call" if self.function_call not in (None, "none") else None))
 
 
 class TokenizeRequest(ChatRendering):

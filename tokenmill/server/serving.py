@@ -41,9 +41,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill.server")
 
 MAX_COMPLETIONS = 1024  # engine requests one HTTP request may make
-SHUTDOWN_ERROR = error_body("the server is shutting down: the request was ended before it finished", "server_error",
-                            code="server_shutting_down")
 MAX_REQUEST_ID_CHARS = 256  # a client's own id for an answer (X-Request-Id)
+
+
+def shutdown_error() -> dict:
+    """The error body of a request that the server's shutdown ended before it finished."""
+    return error_body("the server is shutting down: the request was ended before it finished", "server_error",
+                      code="server_shutting_down")
 
 
 def answer_ids(kind: str, raw: Request, asked: str | None = None) -> tuple[str, str]:
@@ -275,18 +279,20 @@ class ServingEngine:
                 raise APIError(499, "client disconnected")
         task.result()
         outputs = [finals[i] for i in range(len(requests))]
-        if self._ended_by_shutdown(outputs):
-            raise APIError(503, SHUTDOWN_ERROR["error"]["message"], "server_error", code="server_shutting_down")
+        if self.ended_by_shutdown(outputs):
+            raise APIError(503, shutdown_error()["error"]["message"], "server_error", code="server_shutting_down")
         return outputs
 
-    def _ended_by_shutdown(self, outputs: Iterable[RequestOutput]) -> bool:
+    def ended_by_shutdown(self, outputs: Iterable[RequestOutput]) -> bool:
+        """Whether the shutdown ended any of these (final) outputs (finish_reason "abort")."""
         return self.async_engine.closing and any(o.outputs and o.outputs[0].finish_reason == "abort" for o in outputs)
 
     async def _event_stream(self, requests: list[EngineRequest], response: Response,
                             final_usage: Callable[[list[RequestOutput]], dict] | None,
                             chunk_usage: Callable[[RequestOutput, dict], dict] | None = None) -> AsyncIterator[str]:
-        """SSE: chunks as outputs arrive (each with its output's usage, given `chunk_usage`), an
-        error event instead if a step failed, optional usage, [DONE] (after an error too, as vLLM's)."""
+        """SSE: chunks as outputs arrive (each with its output's usage, given `chunk_usage`), then an
+        error event (a step failed, the engine died, or the shutdown ended the request) or the
+        optional usage, then [DONE] (after an error too, as vLLM's)."""
         finals: dict[int, RequestOutput] = {}  # (for the usage)
         error = None
         try:
@@ -300,8 +306,8 @@ class ServingEngine:
                     yield sse(chunk if chunk_usage is None else {**chunk, "usage": chunk_usage(out, chunk)})
         except EngineDeadError as exc:
             error = error_body(str(exc), "server_error")
-        if error is None and self._ended_by_shutdown(finals.values()):
-            error = SHUTDOWN_ERROR  # after the "abort" chunks: so that a client does not take the text for whole
+        if error is None and self.ended_by_shutdown(finals.values()):
+            error = shutdown_error()  # after the "abort" chunks: so a client does not take the text for whole
         if error is not None:
             yield sse(error)
         elif final_usage is not None:

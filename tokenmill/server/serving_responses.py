@@ -36,7 +36,7 @@ from tokenmill.server.harmony import harmony_params
 from tokenmill.server.protocol_responses import FunctionChoice, InputItem, ResponsesRequest
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.responses_output import ResponseEvents, ResponseHead, new_id, output_items, status_of, usage
-from tokenmill.server.serving import ServingEngine, TimedStreamingResponse, with_tool_plan
+from tokenmill.server.serving import ServingEngine, TimedStreamingResponse, shutdown_error, with_tool_plan
 from tokenmill.server.tools import ToolPlan
 
 # SamplingParams' and the engine's names for the request's fields
@@ -236,6 +236,9 @@ class ResponsesHandler:
         yield "".join(events.start())
         try:
             async for _, out in outputs:
+                if out.finished and self.serving.ended_by_shutdown([out]):  # cut short: failed, not kept
+                    yield "".join(events.failed(shutdown_error()["error"]["message"]))
+                    return
                 yield "".join(events.step(out))
         except EngineDeadError as exc:
             yield "".join(events.failed(str(exc)))

@@ -73,14 +73,20 @@ def parameters_schema(function: dict) -> dict:
     return {**schema, "type": "object", "properties": {}}
 
 
-def _rerooted(schema, root: str):
-    """A schema moved from a document's root to `root` (a JSON pointer into the new document):
-    its local references ("#", "#/$defs/Address", as pydantic writes them) point there too."""
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, never schemas to rewrite
+
+
+def _rerooted(schema, root: str, top: bool = True):
+    """A schema moved from a document's root to `root` (a JSON pointer into the new document;
+    a tool's name holds no '/' or '~' to escape): its local references ("#", "#/$defs/Address",
+    as pydantic writes them) point there too. Its own `$id` goes (references would resolve
+    against it); a nested schema with an `$id` of its own is a resource whose references stay."""
     if isinstance(schema, list):
-        return [_rerooted(item, root) for item in schema]
-    if not isinstance(schema, dict):
+        return [_rerooted(item, root, False) for item in schema]
+    if not isinstance(schema, dict) or (not top and "$id" in schema):
         return schema
-    out = {key: _rerooted(value, root) for key, value in schema.items()}
+    out = {key: value if key in _DATA_KEYWORDS else _rerooted(value, root, False)
+           for key, value in schema.items() if not (top and key == "$id")}
     ref = schema.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
         out["$ref"] = root + ref[1:]

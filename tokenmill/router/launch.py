@@ -29,6 +29,7 @@ from tokenmill.server.options import (
     add_allowed_origins_arg,
     bind,
     count,
+    non_negative,
     port_number,
     resolve_allowed_hosts,
     resolve_allowed_origins,
@@ -54,16 +55,6 @@ def share(text: str) -> float:
     value = float(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"expected a share in [0, 1], got {text!r}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 

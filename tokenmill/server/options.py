@@ -43,14 +43,14 @@ def seconds(text: str) -> float:
     return value
 
 
-def non_negative_seconds(text: str) -> float:
-    """A wait that may be none: 0 or a positive number of seconds."""
+def non_negative(text: str) -> float:
+    """A number that may be 0 (a wait that may be none, a weight): finite and >= 0."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive number of seconds, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 
@@ -131,7 +131,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="end a stream whose client takes no output for this many seconds, and abort its "
                              "requests (until then a client that stops reading holds one output per request) "
                              "(default: %(default)s)")
-    parser.add_argument("--shutdown-timeout", type=non_negative_seconds, default=0.0,
+    parser.add_argument("--shutdown-timeout", type=non_negative, default=0.0,
                         help="at SIGINT/SIGTERM, seconds the requests in flight have to finish while the server "
                              "takes no new ones (it closes its socket; a request that still comes on an open "
                              "connection gets a 503), before the rest are ended; 0: end them at once (vLLM's flag "

@@ -326,7 +326,7 @@ class Scheduler(ConnectorSteps):
         """A request's first admission in the prefix cache's counters (vLLM's queries and hits). A
         resumed one finding its own blocks again, or one admitted again after a failed KV load,
         is not counted twice."""
-        if self.kv.enable_prefix_caching:
+        if self.kv.enable_prefix_caching and request.num_preemptions == 0:
             self.prompt_tokens_queried += request.num_tokens
             self.prompt_tokens_hit += request.num_cached_tokens
 

@@ -44,10 +44,7 @@ MAX_COMPLETIONS = 1024  # engine requests one HTTP request may make
 MAX_REQUEST_ID_CHARS = 256  # a client's own id for an answer (X-Request-Id)
 
 
-def shutdown_error() -> dict:
-    """The error body of a request that the server's shutdown ended before it finished."""
-    return error_body("the server is shutting down: the request was ended before it finished", "server_error",
-                      code="server_shutting_down")
+SHUTDOWN_MESSAGE = "the server is shutting down: the request was ended before it finished"  # (code server_shutting_down)
 
 
 def answer_ids(kind: str, raw: Request, asked: str | None = None) -> tuple[str, str]:
@@ -280,7 +277,7 @@ class ServingEngine:
         task.result()
         outputs = [finals[i] for i in range(len(requests))]
         if self.ended_by_shutdown(outputs):
-            raise APIError(503, shutdown_error()["error"]["message"], "server_error", code="server_shutting_down")
+            raise APIError(503, SHUTDOWN_MESSAGE, "server_error", code="server_shutting_down")
         return outputs
 
     def ended_by_shutdown(self, outputs: Iterable[RequestOutput]) -> bool:
@@ -307,7 +304,8 @@ class ServingEngine:
         except EngineDeadError as exc:
             error = error_body(str(exc), "server_error")
         if error is None and self.ended_by_shutdown(finals.values()):
-            error = shutdown_error()  # after the "abort" chunks: so a client does not take the text for whole
+            # after the "abort" chunks: so that a client does not take the text for whole
+            error = error_body(SHUTDOWN_MESSAGE, "server_error", code="server_shutting_down")
         if error is not None:
             yield sse(error)
         elif final_usage is not None:

@@ -36,7 +36,7 @@ from tokenmill.server.harmony import harmony_params
 from tokenmill.server.protocol_responses import FunctionChoice, InputItem, ResponsesRequest
 from tokenmill.server.reasoning import ReasoningParser
 from tokenmill.server.responses_output import ResponseEvents, ResponseHead, new_id, output_items, status_of, usage
-from tokenmill.server.serving import ServingEngine, TimedStreamingResponse, shutdown_error, with_tool_plan
+from tokenmill.server.serving import SHUTDOWN_MESSAGE, ServingEngine, TimedStreamingResponse, with_tool_plan
 from tokenmill.server.tools import ToolPlan
 
 # SamplingParams' and the engine's names for the request's fields
@@ -237,7 +237,7 @@ class ResponsesHandler:
         try:
             async for _, out in outputs:
                 if out.finished and self.serving.ended_by_shutdown([out]):  # cut short: failed, not kept
-                    yield "".join(events.failed(shutdown_error()["error"]["message"]))
+                    yield "".join(events.failed(SHUTDOWN_MESSAGE))
                     return
                 yield "".join(events.step(out))
         except EngineDeadError as exc:

@@ -44,7 +44,7 @@ MAX_COMPLETIONS = 1024  # engine requests one HTTP request may make
 MAX_REQUEST_ID_CHARS = 256  # a client's own id for an answer (X-Request-Id)
 
 
-SHUTDOWN_MESSAGE = "the server is shutting down: the request was ended before it finished"  # (code server_shutting_down)
+SHUTDOWN_MESSAGE = "the server is shutting down: the request was ended before it finished"  # (server_shutting_down)
 
 
 def answer_ids(kind: str, raw: Request, asked: str | None = None) -> tuple[str, str]:

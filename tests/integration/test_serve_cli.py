@@ -126,6 +126,40 @@ def test_with_a_shutdown_timeout_sigterm_lets_the_requests_in_flight_finish(tiny
     assert "stopping: requests in flight have 60 s to finish" in proc.stdout.read()
 
 
+def test_a_shutdown_timeout_that_runs_out_ends_the_stream_with_its_last_words(tiny_llama):
+    """--shutdown-timeout 0.3 and a stream of 1000 tokens (a second or more) in flight at SIGTERM:
+    0.3 s later the stream gets its "abort" chunk, the server_shutting_down error event and [DONE],
+    and the server exits 0."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
+                             "--num-kv-blocks", "256", "--shutdown-timeout", "0.3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, events, first = f"http://127.0.0.1:{port}", [], threading.Event()
+
+    def stream():
+        body = {"prompt": "w5", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[len("data: "):])
+                    first.set()
+    reader = threading.Thread(target=stream)
+    try:
+        wait_until_up(proc, url)
+        reader.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(30)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "abort"
+    log = proc.stdout.read()
+    assert "stopping: requests in flight have 0.3 s to finish" in log and "Traceback" not in log, log
+
+
 def test_a_port_in_use_is_one_error_before_the_model_loads(tmp_path):
     """Bound before the load (the model path does not even exist), not by uvicorn after it."""
     import socket

@@ -165,7 +165,7 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     app = OpenAIStyleAPI(title="tokenmill router", version=__version__, lifespan=_lifespan)
     app.state.client, app.state.replicas = client, replicas + prefill  # all polled; prefill ones never routed to
     app.state.health = (health_interval, health_timeout)
-    app.state.stopping = handler.forwarder.stopping  # set by draining.py when the shutdown's drain time is up
+    app.state.stopping = handler.forwarder.stopping  # set by server/draining.py when the shutdown's drain time is up
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)  # (the last added runs first)
     if allowed_hosts is not None:
         app.add_middleware(HostAllowListMiddleware, hosts=allowed_hosts)

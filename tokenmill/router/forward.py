@@ -12,7 +12,7 @@ Streams are relayed by whole events (the replica's "data: ...\\n\\n"), so an err
 lands inside a cut one. The router's in-flight count for a replica covers a request from its
 send until its last byte (or the client leaving).
 
-When the router is told to stop (draining.py sets `Forwarder.stopping` once the drain time after
+When the router is told to stop (server/draining.py sets `Forwarder.stopping` once the drain time after
 a signal is up, or at a second signal), what is still in flight ends at once, cleanly: a request
 whose answer has not begun gets a 503 (router_shutting_down), a relayed stream an error event of
 that code; the replicas' responses are closed, so they abort the requests.

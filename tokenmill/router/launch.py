@@ -125,7 +125,7 @@ def run_router(args: argparse.Namespace) -> int:
     from prometheus_client import disable_created_metrics
 
     from tokenmill.router.app import create_app  # FastAPI's app and uvicorn: not needed to read the command line
-    from tokenmill.router.draining import DrainingServer
+    from tokenmill.server.draining import DrainingServer
 
     distinct_replicas(args.replicas, args.prefill)
     disable_created_metrics()  # no _created series beside each counter (as the server's)
@@ -144,7 +144,7 @@ def run_router(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
                                 log_level=logging.getLevelName(logging.getLogger().level).lower(),
                                 timeout_graceful_shutdown=args.drain_timeout + 5)  # (the drain ends them first)
-        server = DrainingServer(config, app.state.stopping, args.drain_timeout)
+        server = DrainingServer(config, args.drain_timeout, end=app.state.stopping.set)
         logger.warning("routing (%s) over %s%s on http://%s:%d", args.policy, ", ".join(args.replicas),
                        f", prefill on {', '.join(args.prefill)}" if args.prefill else "", args.host,
                        sock.getsockname()[1])

@@ -1,22 +1,21 @@
 """`tokenmill serve`: build the engine, run the app under uvicorn, and shut down cleanly.
 
-On SIGINT/SIGTERM uvicorn stops accepting connections; first, every in-flight request is
-ended (finish_reason "abort"), so open streams get their final chunk, an error event
-(server_shutting_down) and [DONE] before the connections close, and the process exits 0, a
-second signal or not. With --shutdown-timeout S the requests in flight first have S seconds to
-finish (or until a second signal); new connections are refused, and a request that still comes
-on an open one gets a 503.
+On SIGINT/SIGTERM uvicorn stops accepting connections; first, every in-flight request is ended
+(finish_reason "abort"), so open streams get their final chunk, an error event
+(server_shutting_down) and [DONE] before the connections close, and the process exits 0, a second
+signal or not (server/draining.py). With --shutdown-timeout S the requests in flight first have S
+seconds to finish (or until a second signal); new connections are refused, and a request that
+still comes on an open one gets a 503.
 
-Connections run under connections.py's guards (timeouts for idle connections and request
-heads, a cap on open ones); the app answers only the Host names options.py's
-`resolve_allowed_hosts` gave. The command line is read and the socket bound (options.py) before
-this module, which imports the engine, is.
+Connections run under connections.py's guards (timeouts for idle connections and request heads, a
+cap on open ones); the app answers only the Host names options.py's `resolve_allowed_hosts` gave.
+The command line is read and the socket bound (options.py) before this module, which imports the
+engine, is.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import functools
 import logging
@@ -26,6 +25,7 @@ import threading
 
 from tokenmill.server.api import create_app
 from tokenmill.server.connections import GuardedH11Protocol
+from tokenmill.server.draining import DrainingServer
 from tokenmill.server.otel import RequestSpans, otlp_exporter
 
 logger = logging.getLogger("tokenmill.server")
@@ -51,38 +51,14 @@ def run_server(args: argparse.Namespace, config, sock: socket.socket) -> int:
                      spans=RequestSpans(otlp_exporter(args.otlp_traces_endpoint)) if args.otlp_traces_endpoint
                      else None)
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            shutting_down = self.should_exit
-            engine_loop = app.state.async_engine
-            if shutting_down or not args.shutdown_timeout:
-                # End in-flight requests first, so open streams get a final chunk before connections close.
-                engine_loop.abort_all()
-            else:  # they have the drain's time to finish; a new one gets a 503
-                logger.warning("stopping: requests in flight have %g s to finish", args.shutdown_timeout)
-                engine_loop.drain()
-                asyncio.get_event_loop().call_soon_threadsafe(
-                    asyncio.get_event_loop().call_later, args.shutdown_timeout, engine_loop.abort_all)
-            super().handle_exit(sig, frame)
-            if shutting_down:  # a second signal (either kind) closes every connection, so the shutdown waits
-                # for none (a client stalled mid-body included) yet still runs the app's shutdown, which
-                # uvicorn's force exit (its answer to a second SIGINT) would skip
-                self.force_exit = False
-                asyncio.get_event_loop().call_soon_threadsafe(self.close_connections)
-            # uvicorn re-raises captured signals after shutdown (the exit status would say "killed");
-            # this shutdown is the clean one the signal asked for, so exit 0.
-            self._captured_signals.clear()
-
-        def close_connections(self) -> None:
-            for connection in list(self.server_state.connections):
-                connection.transport.close()
-
     protocol = functools.partial(GuardedH11Protocol, header_timeout=args.timeout_request_headers,
                                  body_timeout=args.timeout_request_body, max_connections=args.max_connections)
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
-                                   timeout_keep_alive=args.timeout_keep_alive,
-                                   log_level=logging.getLevelName(logging.getLogger().level).lower(),
-                                   timeout_graceful_shutdown=args.shutdown_timeout + 10))
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, http=protocol,
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            log_level=logging.getLevelName(logging.getLogger().level).lower(),
+                            timeout_graceful_shutdown=args.shutdown_timeout + 10)
+    engine_loop = app.state.async_engine
+    server = DrainingServer(config, args.shutdown_timeout, end=engine_loop.abort_all, begin=engine_loop.drain)
     logger.warning("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, sock.getsockname()[1])
     # uvicorn takes SIGINT/SIGTERM while it serves and gives back the handlers it found after; a
     # second signal then (as an impatient operator sends one) must not kill the process that the

@@ -148,7 +148,8 @@ class AsyncLLMEngine:
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
                      deadline: float | None = None, arrival_time: float | None = None) -> Request:
         """Validate on the caller's thread (ValueError for a request that can never be served;
-        EngineDrainingError once the server is draining)."""
+        EngineDrainingError once the server is draining; EngineDeadError once a tensor-parallel
+        rank has exited)."""
         self._check_admitting(arrival_time)
         return self.engine.input_processor.make_request(request_id, prompt, params, arrival_time=arrival_time,
                                                         priority=priority, deadline=deadline)
@@ -163,6 +164,8 @@ class AsyncLLMEngine:
         started = self._drain_started
         if started is not None and (arrival_time is None or arrival_time >= started):
             raise EngineDrainingError("the server is shutting down: it takes no new requests")
+        if (death := self.rank_death()) is not None:  # every step would fail: refused, not run to a failure
+            raise EngineDeadError(death)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs (from make_request) step by step until it finishes.

@@ -206,7 +206,7 @@ def test_a_rank_killed_with_sigkill_fails_the_running_requests_with_its_name_wit
     assert time.monotonic() - start < 2
 
 
-def test_health_answers_503_naming_a_rank_that_was_killed(tiny_llama) -> None:
+def test_health_and_new_requests_answer_503_naming_a_rank_that_was_killed(tiny_llama) -> None:
     with running_server(tiny_llama, engine_options={"tensor_parallel_size": 2}) as server:
         assert httpx.get(server.url + "/health").status_code == 200
         pid = server.engine.ranks.processes[0].pid
@@ -214,6 +214,10 @@ def test_health_answers_503_naming_a_rank_that_was_killed(tiny_llama) -> None:
         deadline = time.monotonic() + 5
         while (answer := httpx.get(server.url + "/health")).status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert answer.status_code == 503
+        assert answer.json()["error"]["message"].startswith(f"tensor-parallel rank 1 (pid {pid}) is gone (killed by")
+        # a request from then on is refused with the same 503, not run into a failing step (a 500)
+        answer = httpx.post(server.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 4})
         assert answer.status_code == 503
         assert answer.json()["error"]["message"].startswith(f"tensor-parallel rank 1 (pid {pid}) is gone (killed by")
         server.engine.close()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import signal
+import time
 
 import httpx
 import pytest
@@ -107,6 +109,24 @@ def test_a_prompt_that_is_scored_skips_the_prefill_leg(pd):
         answer = complete(router, prompt(5, 130), **options)
         assert answer.status_code == 200, answer.text
     assert counter(router, 'tokenmill_router_prefill_legs_total{outcome="local"}') == before + 2
+
+
+def test_a_frozen_prefill_instance_leaves_the_decode_instance_to_compute_the_prompt_within_seconds(pd, tiny_llama):
+    """SIGSTOP on the prefill instance, then a long prompt: its prefill leg hangs until the health
+    poller (5 s timeout) takes the instance out of routing, then the decode instance computes the
+    prompt: the answer in seconds (not the leg's 300 s bound), and equal to one server's."""
+    router, prefill_url, _, procs = pd
+    before = counter(router, 'tokenmill_router_prefill_legs_total{outcome="failed"}')
+    procs[0].send_signal(signal.SIGSTOP)
+    try:
+        text, start = prompt(6, 140), time.monotonic()
+        answer = complete(router, text)
+        assert time.monotonic() - start < 30
+    finally:
+        procs[0].send_signal(signal.SIGCONT)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected(tiny_llama, [text], 8)[0]
+    assert counter(router, 'tokenmill_router_prefill_legs_total{outcome="failed"}') == before + 1
+    wait_for(lambda: prefill_url in healthy_replicas(router), procs, "the resumed prefill instance back in routing")
 
 
 def test_a_dead_prefill_instance_leaves_the_decode_instance_to_compute_the_prompt(pd, tiny_llama):

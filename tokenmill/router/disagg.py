@@ -10,15 +10,17 @@ instances (`--kv-role decode`), and a generating request goes in two legs, as vL
        the prompt's K/V, computes the last prompt token and streams the answer to the client
 
 A request skips the first leg when the part of its prompt no decode instance is known to hold is
-short (under `min_uncached_chars` characters of the routing text, by the prefix sets the cache-aware
-policy keeps): a transfer would cost more than computing it where it lands. When the first leg
-fails (no prefill instance healthy, one that dies, an error answer, no answer within
-PREFILL_TIMEOUT) the request goes to a decode instance without params, which computes the prompt
-itself: slower, never wrong or lost. A client that leaves during the first leg ends it.
+short (under `min_uncached_chars` characters of the routing text, by the prefix sets the
+cache-aware policy keeps): a transfer would cost more than computing it where it lands. When the
+first leg fails (no prefill instance healthy, one that dies, an error answer, its instance taken
+out of routing by the health poller meanwhile, no answer within PREFILL_TIMEOUT) the request goes
+to a decode instance without params, which computes the prompt itself: slower, never wrong or lost.
+A client that leaves during the first leg ends it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from tokenmill.router.replicas import Replica
 logger = logging.getLogger("tokenmill.router")
 
 PREFILL_TIMEOUT = 300.0  # seconds a prefill leg may take before the decode instance computes the prompt
+HEALTH_LOOK_S = 0.25  # how often a prefill leg looks whether its instance is still in routing
 
 
 @dataclass
@@ -81,8 +84,11 @@ class PrefillStage:
         leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         replica.in_flight += 1
         try:
-            answer = await self.client.post(replica.url + path, json=leg, headers=headers,
-                                            timeout=httpx.Timeout(PREFILL_TIMEOUT, connect=5.0))
+            answer = await self._post_while_healthy(replica, path, leg, headers)
+            if answer is None:
+                logger.warning("prefill instance %s went out of routing during a prefill leg; computing on a "
+                               "decode instance", replica.url)
+                return None
             data = answer.json() if answer.status_code == 200 else None
             params = data.get("kv_transfer_params") if isinstance(data, dict) else None
         except (httpx.HTTPError, ValueError) as exc:
@@ -95,3 +101,17 @@ class PrefillStage:
         finally:
             replica.in_flight -= 1
         return params if isinstance(params, dict) else None
+
+    async def _post_while_healthy(self, replica: Replica, path: str, leg: dict,
+                                  headers: dict[str, str]) -> httpx.Response | None:
+        """The prefill leg's answer, or None once the health poller takes `replica` out of routing
+        first (a frozen or overloaded instance: its /health timed out), the leg then cancelled."""
+        post = asyncio.ensure_future(self.client.post(replica.url + path, json=leg, headers=headers,
+                                                      timeout=httpx.Timeout(PREFILL_TIMEOUT, connect=5.0)))
+        try:
+            while not (await asyncio.wait({post}, timeout=HEALTH_LOOK_S))[0]:
+                if not replica.healthy:
+                    return None
+            return post.result()
+        finally:
+            post.cancel()

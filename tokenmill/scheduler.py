@@ -58,6 +58,7 @@ next schedule() could readmit it (no step that preempts admits).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -200,11 +201,13 @@ class Scheduler(ConnectorSteps):
     def snapshot(self, max_waiting: int = 256) -> SchedulerSnapshot:
         """The pool's block states and the requests' progress, copied: call it between steps, on
         the thread that steps (the dashboard does, only while someone watches). Lists the first
-        `max_waiting` waiting requests only: a flood of thousands must not make each copy slow."""
+        `max_waiting` waiting requests in the order the policy would admit them now: a flood of
+        thousands must not make each copy slow."""
+        first = itertools.islice(self.policy.waiting_order(self.waiting, self.clock()), max_waiting)
         return SchedulerSnapshot(
             step=self.num_steps, block_size=self.kv.block_size, block_states=self.kv.pool.block_states(),
             running=[RequestProgress.of(r) for r in self.running],
-            waiting=[RequestProgress.of(r) for r in self.waiting[:max_waiting]], num_waiting=len(self.waiting),
+            waiting=[RequestProgress.of(r) for r in first], num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions)
 
     # ---- schedule ---------------------------------------------------------------------

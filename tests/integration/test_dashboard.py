@@ -30,6 +30,8 @@ def test_the_page_needs_no_key_the_state_needs_it_and_neither_is_in_the_openapi_
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "connect-src 'self'" in page.headers["content-security-policy"]
         assert '<canvas id="grid"' in page.text and "Authorization" in page.text
+        slash = httpx.get(s.url + "/dashboard/")  # (as a browser may be given it): to the page, not a 401
+        assert slash.status_code == 307 and slash.headers["location"].endswith("/dashboard")
         for headers in ({}, {"authorization": "Bearer wrong"}):
             r = httpx.get(s.url + "/dashboard/state", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -119,3 +119,16 @@ def test_without_a_key_the_page_asks_for_it_and_draws_once_it_is_given(tiny_llam
         page.wait_for_function("() => window.dashboard.renders > 0", timeout=30_000)
         assert page.is_hidden("#key-form") and text(page, "status").startswith("step ")
         page.close()
+
+
+def test_on_a_390_px_phone_the_page_is_one_column_no_wider_than_the_screen_and_an_idle_engine_says_idle(
+        tiny_llama, browser):
+    with running_server(tiny_llama) as s:
+        page = browser.new_page(viewport={"width": 390, "height": 900})
+        page.goto(s.url + "/dashboard")
+        page.wait_for_function("() => window.dashboard.renders > 0", timeout=30_000)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        columns = page.evaluate("getComputedStyle(document.querySelector('main')).gridTemplateColumns")
+        assert len(columns.split()) == 1, columns
+        assert text(page, "step-mean") == "idle"
+        page.close()

@@ -60,6 +60,16 @@ def test_snapshot_lists_the_first_2_of_5_waiting_requests_and_counts_all_5():
     assert snap.running == [] and snap.block_states == bytes(8)
 
 
+def test_snapshot_lists_waiting_requests_in_the_policys_order_not_their_arrival():
+    s = make_scheduler(num_blocks=8, block_size=4, policy="priority")
+    for i, priority in enumerate([5, 1, 3, 0, 4]):
+        r = request(f"w{i}", [10 + i, 11, 12])
+        r.priority = priority
+        s.add_request(r)
+    snap = s.snapshot(max_waiting=3)
+    assert [r.request_id for r in snap.waiting] == ["w3", "w1", "w2"] and snap.num_waiting == 5
+
+
 def test_the_request_preempted_for_lack_of_blocks_waits_marked_preempted_with_no_blocks():
     # 3 blocks of 4 tokens: two 4-token prompts grow until "x" needs a third block and "y" gives way.
     s = make_scheduler(num_blocks=3, block_size=4, max_num_seqs=2)

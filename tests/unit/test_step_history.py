@@ -92,3 +92,18 @@ def test_the_bar_chart_keeps_the_last_3_steps_when_told_to_keep_3():
     for i in range(5):
         history.on_step(StepStats(num_decode_tokens=i, time_total=0.001), [])
     assert summary(history.copy())["steps"]["decode"] == [2, 3, 4]
+
+
+def test_a_step_of_8_s_counts_busy_in_each_second_it_ran_and_only_inside_the_window():
+    clock = FakeClock()
+    history = StepHistory(clock=clock)
+    clock.now = 95.5
+    history.on_step(StepStats(num_decode_tokens=1, time_total=0.5), [])   # seconds 95.0-95.5
+    clock.now = 103.5
+    history.on_step(StepStats(num_decode_tokens=1, time_total=8.0), [])   # seconds 95.5-103.5, no gap
+    m = summary(history.copy())["last_minute"]
+    assert abs(m["busy"] - 8.5 / 60) < 1e-12 and abs(m["mean_step_ms"] - 4250.0) < 1e-9
+    clock.now = 157.0  # the window is seconds 98..157: 5.5 s of the long step in it
+    m = summary(history.copy())["last_minute"]
+    assert abs(m["busy"] - 5.5 / 60) < 1e-12 and m["steps"] == 1 and abs(m["mean_step_ms"] - 8000.0) < 1e-9
+    assert [b[0] for b in history.seconds] == list(range(98, 104))  # in order, one bucket a second

@@ -13,7 +13,7 @@ most once per FRESH_SECONDS however many clients poll. Everything else (base64, 
 JSON) runs on the event loop.
 
 The page itself holds no data and is served to anyone, as /docs is; /dashboard/state needs the
-API key (ApiKeyMiddleware guards /dashboard/). The page takes the key from its address's
+API key (ApiKeyMiddleware guards it). The page takes the key from its address's
 fragment (`/dashboard#key=KEY`: a fragment is never sent to the server, so it stays out of
 access logs) or asks for it when the state answers 401, keeps it for the tab (sessionStorage)
 and sends it as 'Authorization: Bearer KEY'.

@@ -21,8 +21,10 @@ STEPS_KEPT = 120          # steps the bar chart shows
 WINDOW_SECONDS = 60       # the span of the throughput and latency figures
 LATENCIES_KEPT = 10_000   # finished requests kept for the percentiles (a bound for floods of tiny requests)
 
-# A per-second bucket: [second, prompt tokens, generated tokens, steps, busy seconds, preemptions, finished]
-SECOND, PROMPT, GENERATED, STEPS, BUSY, PREEMPTIONS, FINISHED = range(7)
+# A per-second bucket: [second, prompt tokens, generated tokens, steps, busy seconds, preemptions, finished,
+# step seconds]. Busy seconds are the part of that second some step ran in (at most 1); step seconds the
+# whole time of the steps that ended in it (for the mean step time).
+SECOND, PROMPT, GENERATED, STEPS, BUSY, PREEMPTIONS, FINISHED, STEP_TIME = range(8)
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,9 @@ class StepHistory:
                                stats.time_total))
             bucket[PROMPT] += stats.num_prefill_tokens
             bucket[STEPS] += 1
-            bucket[BUSY] += stats.time_total
+            bucket[STEP_TIME] += stats.time_total
             bucket[PREEMPTIONS] += stats.num_preemptions
+            self._spread_busy(now - stats.time_total, now)
         for out in outputs:
             bucket[GENERATED] += len(out.new_token_ids)
             if out.finished:
@@ -73,9 +76,24 @@ class StepHistory:
     def _bucket(self, now: float) -> list:
         second = int(now)
         if not self.seconds or self.seconds[-1][SECOND] != second:
-            self.seconds.append([second, 0, 0, 0, 0.0, 0, 0])
+            self.seconds.append(_new_bucket(second))
             self._trim(now)
         return self.seconds[-1]
+
+    def _spread_busy(self, start: float, end: float) -> None:
+        """A step's time over the seconds it ran in (the last one's bucket made by _bucket): a step
+        of 8 s counts in 8 buckets, and only its part inside the window (each second at most 1 s
+        busy, however steps overlap)."""
+        second, i = int(end), len(self.seconds) - 1
+        while second >= int(start) and second > int(end) - self.window:
+            if i >= 0 and self.seconds[i][SECOND] == second:
+                bucket, i = self.seconds[i], i - 1
+            else:  # a second no step ended in: its bucket goes in before the later ones
+                bucket = _new_bucket(second)
+                self.seconds.insert(i + 1, bucket)
+            overlap = min(end, second + 1) - max(start, second)
+            bucket[BUSY] = min(1.0, bucket[BUSY] + overlap)
+            second -= 1
 
     def _trim(self, now: float) -> None:
         oldest = int(now) - self.window
@@ -91,14 +109,14 @@ def summary(h: HistoryCopy, window: float = WINDOW_SECONDS) -> dict:
     last = int(h.now)
     first = last - int(window) + 1
     series = {name: [0] * int(window) for name in ("prompt", "generated")}
-    totals = [0, 0, 0, 0.0, 0, 0]  # prompt, generated, steps, busy, preemptions, finished
+    totals = [0, 0, 0, 0.0, 0, 0, 0.0]  # prompt, generated, steps, busy, preemptions, finished, step time
     for bucket in h.seconds:
         if first <= bucket[SECOND] <= last:
             series["prompt"][bucket[SECOND] - first] = bucket[PROMPT]
             series["generated"][bucket[SECOND] - first] = bucket[GENERATED]
-            for i, field in enumerate((PROMPT, GENERATED, STEPS, BUSY, PREEMPTIONS, FINISHED)):
+            for i, field in enumerate((PROMPT, GENERATED, STEPS, BUSY, PREEMPTIONS, FINISHED, STEP_TIME)):
                 totals[i] += bucket[field]
-    prompt, generated, steps, busy, preemptions, finished = totals
+    prompt, generated, steps, busy, preemptions, finished, step_time = totals
     columns = list(zip(*h.latencies)) if h.latencies else [(), (), (), ()]
     ttft, e2e, itl = (sorted(x for x in column if x is not None) for column in columns[1:])
     return {
@@ -108,10 +126,14 @@ def summary(h: HistoryCopy, window: float = WINDOW_SECONDS) -> dict:
             "seconds": int(window), "prompt_per_second": series["prompt"],
             "generated_per_second": series["generated"],
             "prompt_tokens_per_s": prompt / window, "generation_tokens_per_s": generated / window,
-            "steps": steps, "busy": busy / window, "mean_step_ms": busy / steps * 1e3 if steps else None,
+            "steps": steps, "busy": busy / window, "mean_step_ms": step_time / steps * 1e3 if steps else None,
             "preemptions": preemptions, "requests_finished": finished,
             "ttft": _percentiles(ttft), "itl": _percentiles(itl), "e2e": _percentiles(e2e)},
     }
+
+
+def _new_bucket(second: int) -> list:
+    return [second, 0, 0, 0, 0.0, 0, 0, 0.0]
 
 
 def _percentiles(values: list[float]) -> dict:

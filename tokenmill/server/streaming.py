@@ -188,11 +188,11 @@ class RequestIdMiddleware:
 
 class ApiKeyMiddleware:
     """401 for a request to a protected path (every /v1 one, /tokenize, /detokenize, the
-    dashboard's data under /dashboard/) without 'Authorization: Bearer KEY', before its body is
+    dashboard's data, /dashboard/state) without 'Authorization: Bearer KEY', before its body is
     read: as a FastAPI dependency the check ran after the body was parsed, so malformed JSON got
     a 400 first. The dashboard page itself holds no data: it sends the key on its fetches."""
 
-    PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/dashboard/")
+    PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/dashboard/state")
 
     def __init__(self, app, api_key: str) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()

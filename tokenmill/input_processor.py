@@ -161,8 +161,7 @@ class InputProcessor:
             # sentence-transformers'): a text through the tokenizer, which keeps the special tokens around it
             # (unless they alone are more than `keep`: the tokenizer then cuts nothing)
             from_text = isinstance(prompt, str) or isinstance(prompt, dict) and "prompt_token_ids" not in prompt
-            text, ids = None, (self.tokenizer.encode(text, truncation=True, max_length=keep) if from_text
-                               else ids)[:keep]
+            text, ids = None, (encode_truncated(self.tokenizer, text, keep) if from_text else ids)[:keep]
         params = SamplingParams(max_tokens=1)  # (never sampled: the request ends when its prompt has run)
         self._check_token_ids(ids, params)
         if len(ids) > self.max_model_len:
@@ -192,3 +191,19 @@ class InputProcessor:
         if params.min_tokens and allowed <= banned_always | set(params.stop_token_ids) | set(self.eos_token_ids):
             raise ValueError("allowed_token_ids holds only stop tokens and tokens that bad_words bans, "
                              "which min_tokens forbids at first")
+
+
+def encode_truncated(tokenizer, text: str, keep: int) -> list[int]:
+    """`tokenizer.encode(text, truncation=True, max_length=keep)` without setting a fast tokenizer's
+    truncation, which is state the Rust tokenizer shares between threads: a prompt encoded on
+    another thread meanwhile would be cut to `keep` too. The text's own tokens are cut to leave
+    room for the special tokens the tokenizer adds, as its truncation does (none cut when those
+    alone are more than `keep`)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer truncates per call
+        return tokenizer.encode(text, truncation=True, max_length=keep)
+    encoding = backend.encode(text, add_special_tokens=False)
+    special = backend.num_special_tokens_to_add(False)
+    if keep >= special:
+        encoding.truncate(keep - special)
+    return backend.post_process(encoding, None, True).ids

@@ -146,6 +146,9 @@ def test_a_truncated_text_is_embedded_as_sentence_transformers_embeds_it_at_that
     # fewer than its two special tokens: the tokenizer would cut nothing; the first token alone, [CLS]
     one = llm.embed(TEXTS[:1], PoolingParams("mean", truncate_prompt_tokens=1), use_tqdm=False)[0]
     assert one == llm.embed([{"prompt_token_ids": [2]}], PoolingParams("mean"), use_tqdm=False)[0]
+    # the tokenizer's own truncation, state its threads share, was never set: a prompt another
+    # server thread encodes meanwhile is not cut to 5 tokens
+    assert llm.engine.input_processor.tokenizer.backend_tokenizer.truncation is None
 
 
 def test_the_requests_pooling_overrides_the_checkpoints(minilm):

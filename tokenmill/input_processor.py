@@ -33,7 +33,10 @@ class ContextLengthError(FieldError):
 
     def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> None:
         self.max_model_len, self.prompt_tokens, self.max_tokens = max_model_len, prompt_tokens, max_tokens
-        if max_tokens is None:
+        if max_tokens is None and prompt_tokens > max_model_len:  # (an embedding's prompt may fill the context)
+            super().__init__("prompt", f"prompt has {prompt_tokens} tokens, more than the model's context length "
+                                       f"({max_model_len})")
+        elif max_tokens is None:
             super().__init__("prompt", f"prompt has {prompt_tokens} tokens but the model's context length is "
                                        f"{max_model_len}: no room for any output")
         else:

@@ -328,8 +328,8 @@ class Scheduler(ConnectorSteps):
     def _count_admission(self, request: Request) -> None:
         """A request's first admission in the prefix cache's counters (vLLM's queries and hits). A
         resumed one finding its own blocks again, or one admitted again after a failed KV load,
-        is not counted twice."""
-        if self.kv.enable_prefix_caching and request.num_preemptions == 0:
+        is not counted twice; one that never looks in the cache (needs_every_position) not at all."""
+        if self.kv.enable_prefix_caching and request.num_preemptions == 0 and not request.needs_every_position:
             self.prompt_tokens_queried += request.num_tokens
             self.prompt_tokens_hit += request.num_cached_tokens
 

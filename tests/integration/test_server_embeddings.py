@@ -111,11 +111,13 @@ def test_other_bad_fields_are_400s_naming_them_and_the_server_goes_on(client, se
     assert len(client.embeddings.create(model="tiny", input="w5").data) == 1
 
 
-def test_embedded_prompt_tokens_are_counted_in_the_metrics(client, server):
+def test_embedded_prompt_tokens_and_queue_times_are_counted_in_the_metrics(client, server):
     before = metric(server.url, "tokenmill_prompt_tokens_total")
+    queued = metric(server.url, "tokenmill_request_queue_time_seconds_count")
     usage = client.embeddings.create(model="tiny", input=["w5 w6", "w7 w8 w9"]).usage
     assert usage.prompt_tokens == 5
     deadline = time.monotonic() + 5  # (counted on the engine thread, just after the answer went out)
     while (counted := metric(server.url, "tokenmill_prompt_tokens_total") - before) != 5:
         assert time.monotonic() < deadline, counted
         time.sleep(0.05)
+    assert metric(server.url, "tokenmill_request_queue_time_seconds_count") - queued == 2

@@ -84,6 +84,22 @@ def test_a_preempted_requests_second_lookup_is_not_counted_as_a_query_or_a_hit()
     assert (s.prompt_tokens_queried, s.prompt_tokens_hit) == (8 + 8 + 4, 0)
 
 
+def test_a_request_that_never_looks_in_the_cache_is_not_counted_as_a_query():
+    """As vLLM counts them: a request scoring its prompt (prompt_logprobs) or pooling every
+    position (mean) computes its whole prompt and queries nothing; a last-pooled one queries."""
+    from tokenmill.pooling_params import PoolingParams
+    s = make_scheduler(num_blocks=40, block_size=4, budget=64, prefix_caching=True)
+    scored = Request(request_id="scored", prompt_token_ids=list(range(10, 22)), max_tokens=1,
+                     params=SamplingParams(max_tokens=1, prompt_logprobs=0), eos_token_ids=frozenset({1}))
+    pooled = [Request(request_id=kind, prompt_token_ids=list(range(30 + 10 * i, 38 + 10 * i)), max_tokens=0,
+                      params=SamplingParams(max_tokens=1), eos_token_ids=frozenset({1}), pooling=PoolingParams(kind))
+              for i, kind in enumerate(["mean", "last"])]
+    for r in (scored, *pooled):
+        s.add_request(r)
+        step(s)
+    assert (s.prompt_tokens_queried, s.prompt_tokens_hit) == (8, 0)
+
+
 def test_blocks_are_shared_only_between_requests_with_the_same_cache_salt():
     """vLLM's cache_salt: a tenant's prompts hit only its own cached blocks; unsalted ones only
     unsalted ones. The same prompt with the same salt is served from the cache as before."""

@@ -114,9 +114,11 @@ class ServerMetrics:
     def on_finished(self, out: RequestOutput) -> None:
         self._tokens_seen.pop(out.request_id, None)
         self.finished.labels(out.outputs[0].finish_reason or "unknown").inc()
+        timeline = out.timeline
         if out.embedding is not None:  # an embedding request: no first token to count its prompt at
             self.prompt_tokens.inc(len(out.prompt_token_ids))
-        timeline = out.timeline
+            if timeline is not None and timeline.queue_time is not None:
+                self.queue_time.observe(timeline.queue_time)
         if timeline is None:
             return
         if timeline.e2e is not None:

@@ -121,7 +121,7 @@ def test_without_a_key_the_page_asks_for_it_and_draws_once_it_is_given(tiny_llam
         page.close()
 
 
-def test_on_a_390_px_phone_the_page_is_one_column_no_wider_than_the_screen_and_an_idle_engine_says_idle(
+def test_on_a_390_px_phone_the_page_is_one_column_says_idle_and_greys_out_when_the_state_is_gone(
         tiny_llama, browser):
     with running_server(tiny_llama) as s:
         page = browser.new_page(viewport={"width": 390, "height": 900})
@@ -131,4 +131,8 @@ def test_on_a_390_px_phone_the_page_is_one_column_no_wider_than_the_screen_and_a
         columns = page.evaluate("getComputedStyle(document.querySelector('main')).gridTemplateColumns")
         assert len(columns.split()) == 1, columns
         assert text(page, "step-mean") == "idle"
+        assert page.evaluate("document.querySelector('main').className") == ""
+        page.route("**/dashboard/state", lambda route: route.abort())  # the server gone: the figures grey out
+        page.wait_for_selector("main.stale", timeout=30_000)
+        assert text(page, "status").startswith("no state: ")
         page.close()

@@ -18,6 +18,9 @@ MAX_TEMPERATURE = 2.0  # OpenAI's documented range is [0, 2]; past it sampling i
 # JSON schemas (structured outputs, tool parameters) nest objects and arrays at most this deep:
 # OpenAI's structured outputs take 10 levels of nested schemas, about 20 of JSON
 MAX_SCHEMA_DEPTH = 64
+# llguidance parses a choice as one grammar row of its strings and one more item, and refuses rows of
+# more than 2,000 items (its max_items_in_row), after compiling them: 60,000 choices took 15 s.
+MAX_CHOICES = 1999
 # A request's JSON (its body, a tool call's arguments) nests at most this deep. Python's own decoder
 # stops near 1,000 levels on 3.11 and near 8,000 on 3.12 and 3.13, so without a limit of our own the
 # same body was a 400 on one version and served on another.
@@ -106,6 +109,8 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.{name} must be {what}, got {value!r}")
         if name == "json":
             check_schema_depth(value, "structured_outputs.json")
+        if name == "choice" and len(value) > MAX_CHOICES:  # (refused at once, not after seconds of compiling)
+            raise ValueError(f"structured_outputs.choice takes at most {MAX_CHOICES:,} strings, got {len(value):,}")
 
     @classmethod
     def from_dict(cls, fields: dict) -> "StructuredOutputsParams":

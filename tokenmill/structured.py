@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import llguidance
 import llguidance.numpy
@@ -26,6 +28,12 @@ logger = logging.getLogger(__name__)
 # JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): what models emit on one line. With
 # llguidance's default (any whitespace between tokens) a small model can emit blank lines forever.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MIN_COMPILE_STACK = 64 << 20  # bytes of stack for compiling any grammar (compile_stack_bytes)
+MAX_GRAMMAR_CHARS = 8 << 20   # a grammar's text (a JSON schema's included), past any body the server takes
+MAX_PATTERNS_AT_ONCE = 8      # regexes a JSON schema may hold one string to (check_patterns_at_once)
+MAX_ALLOF_VISITS = 200_000    # schemas check_patterns_at_once visits through allOf parts and their $refs
+
+T = TypeVar("T")
 
 
 class GrammarCompiler:
@@ -39,6 +47,7 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._stack_lock = threading.Lock()
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -59,6 +68,33 @@ class GrammarCompiler:
             text = grammar_text(spec)
         except ValueError as exc:
             raise ValueError(f"invalid structured output: {exc}") from None
+        return self._on_own_stack(lambda: self._matcher(tokenizer, text), compile_stack_bytes(text))
+
+    def _on_own_stack(self, fn: Callable[[], T], stack_bytes: int) -> T:
+        """fn() on a thread of its own with a stack of `stack_bytes`. threading.stack_size is the
+        process's setting for the threads started next: set for this one under the lock, then
+        put back (another thread started meanwhile elsewhere gets the big stack too: harmless)."""
+        result: list = []
+
+        def run() -> None:
+            try:
+                result.append((True, fn()))
+            except BaseException as exc:  # raised again on the caller's thread
+                result.append((False, exc))
+        with self._stack_lock:
+            before = threading.stack_size(stack_bytes)
+            try:
+                thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+                thread.start()
+            finally:
+                threading.stack_size(before)
+        thread.join()
+        done, value = result[0]
+        if not done:
+            raise value
+        return value
+
+    def _matcher(self, tokenizer: llguidance.LLTokenizer, text: str) -> Grammar:
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)  # (never raises: an invalid
         grammar = Grammar(matcher, mask_width(tokenizer.vocab_size))   # grammar leaves it failed)
         if matcher.is_error():
@@ -75,6 +111,18 @@ class GrammarCompiler:
         return grammar
 
 
+def compile_stack_bytes(text: str) -> int:
+    """The stack llguidance's compiler gets for a grammar. It recurses once per rule of a chain (a
+    $ref to a $ref to ..., a Lark rule naming the next), about 3 KB a level, and a chain of 3,000
+    overflowed the 8 MB stack of a default thread: a segfault that took the server down. A level
+    takes at least 12 characters of grammar text, so 1 KB of stack a character covers any chain
+    the text can hold; it is address space, touched only as deep as the compiler goes."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"invalid structured output: its grammar is {len(text):,} characters, more than "
+                         f"{MAX_GRAMMAR_CHARS:,}")
+    return MIN_COMPILE_STACK + 1024 * len(text)
+
+
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """llguidance's grammar for the one constraint the spec sets."""
     if spec.json is not None or spec.json_object:
@@ -87,6 +135,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             except RecursionError:  # nested past the decoder's own limit, far past ours
                 raise too_deep("the JSON schema", MAX_SCHEMA_DEPTH) from None
             check_schema_depth(schema, "the JSON schema")
+        check_patterns_at_once(schema)
         if spec.disable_additional_properties and isinstance(schema, dict):
             schema = forbid_undeclared_properties(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
@@ -187,16 +236,63 @@ class _Closer:
         ref = node.get("$ref") if isinstance(node, dict) and len(node) == 1 else None
         if not isinstance(ref, str) or not ref.startswith("#") or ref in chain:
             return node, chain
-        target = self.root
-        for key in ref[1:].split("/")[1:]:
-            key = key.replace("~1", "/").replace("~0", "~")
-            if not isinstance(target, dict) or key not in target:
-                return node, chain
-            target = target[key]
+        target = _pointer(self.root, ref)
         if not isinstance(target, dict):
             return node, chain
         copy = {k: v for k, v in target.items() if k not in ("$defs", "definitions", "$schema", "$id")}
         return copy, chain + (ref,)
+
+
+def _pointer(root, ref: str):
+    """What a local $ref ("#/$defs/Name") names in `root`, or None."""
+    target = root
+    for key in ref[1:].split("/")[1:]:
+        key = key.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or key not in target:
+            return None
+        target = target[key]
+    return target
+
+
+def check_patterns_at_once(schema) -> None:
+    """ValueError for a JSON schema that holds a string to more than MAX_PATTERNS_AT_ONCE regexes
+    at once (allOf parts, nested or through local $refs, each with a `pattern`): llguidance checks
+    that their intersection is not empty, and that check grows exponentially with their number
+    (23 took 14 s and 1.3 GB, 25 failed to allocate 4.5 GB: a request that could take the server
+    down). Refused as well: allOf parts that reach past MAX_ALLOF_VISITS schemas in all."""
+    stack, visits = [schema], 0
+    while stack:  # every object in the schema
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if isinstance(node.get("allOf"), list):
+                count, visits = _patterns_at_once(schema, node, visits)
+                if count > MAX_PATTERNS_AT_ONCE:
+                    raise ValueError(f"the JSON schema holds a string to {count} patterns at once (allOf); "
+                                     f"at most {MAX_PATTERNS_AT_ONCE} are taken")
+            stack.extend(node.values())
+
+
+def _patterns_at_once(root, node: dict, visits: int) -> tuple[int, int]:
+    """The `pattern`s that node, its allOf parts and the local $refs among them hold a value to
+    together (up to one past the limit), and the visits so far."""
+    count, todo, seen = 0, [node], set()
+    while todo and count <= MAX_PATTERNS_AT_ONCE:
+        part = todo.pop()
+        visits += 1
+        if visits > MAX_ALLOF_VISITS:
+            raise ValueError(f"the JSON schema's allOf parts reach past {MAX_ALLOF_VISITS:,} schemas")
+        if not isinstance(part, dict):
+            continue
+        count += isinstance(part.get("pattern"), str)
+        if isinstance(part.get("allOf"), list):
+            todo.extend(part["allOf"])
+        ref = part.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and ref not in seen:
+            seen.add(ref)
+            todo.append(_pointer(root, ref))
+    return count, visits
 
 
 def _own_names(node: dict) -> list[str]:

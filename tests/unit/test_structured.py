@@ -4,6 +4,7 @@ the text, and the sampler keeping a constrained row inside its grammar."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from tokenmill.sampler import Sampler, SamplingMetadata
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.tools import plan_tools
-from tokenmill.structured import GrammarCompiler, allowed_tokens, forbid_undeclared_properties
+from tokenmill.structured import GrammarCompiler, allowed_tokens, compile_stack_bytes, forbid_undeclared_properties
 
 VOCAB = 384
 
@@ -63,6 +64,7 @@ for _ in range(64):  # 65 levels of JSON: a schema as deep as this would be comp
     ({"schema": {}}, "unknown fields: schema"),
     ({"json": DEEP_SCHEMA},
      "structured_outputs.json nests objects and arrays deeper than 64 levels"),
+    ({"choice": [f"c{i}" for i in range(2000)]}, "structured_outputs.choice takes at most 1,999 strings, got 2,000"),
 ])
 def test_specs_name_their_problem(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -80,6 +82,40 @@ def test_specs_name_their_problem(spec, message):
 def test_invalid_grammars_are_value_errors(compiler, spec, message):
     with pytest.raises(ValueError, match=message):
         compile_(compiler, **spec)
+
+
+def test_chains_of_10000_refs_and_of_10000_lark_rules_compile_and_take_their_one_text(compiler, tokenizer):
+    """llguidance recurses once per link of a chain: a default thread's 8 MB stack overflowed at
+    3,000 (a segfault, the server gone); the compile runs on a stack sized by the grammar."""
+    n = 10_000
+    refs = {"$ref": "#/$defs/a0", "$defs": {**{f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(n)},
+                                             f"a{n}": {"enum": ["yes"]}}}
+    rules = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "z"\n'
+    for spec, text in (({"json": refs}, '"yes"'), ({"grammar": rules}, "z")):
+        grammar = compile_(compiler, **spec)
+        assert walk(grammar, tokenizer, text) and grammar.is_terminated
+
+
+def test_a_grammar_past_8_mi_characters_is_refused_before_it_is_compiled():
+    with pytest.raises(ValueError, match="its grammar is 8,388,609 characters, more than 8,388,608"):
+        compile_stack_bytes("x" * (8 * 1024 * 1024 + 1))
+
+
+def test_a_string_held_to_9_patterns_at_once_is_refused_at_once_and_8_compile(compiler):
+    """llguidance checks that the patterns' intersection is not empty, in time and memory
+    exponential in their number (25 failed to allocate 4.5 GB): 8 at most, counted through
+    nested allOf parts and the local $refs among them."""
+    def schema(patterns: list[str]) -> dict:
+        nested = {"allOf": [{"pattern": p} for p in patterns[:-1]]}
+        return {"$defs": {"last": {"pattern": patterns[-1]}}, "type": "string",
+                "allOf": [nested, {"$ref": "#/$defs/last"}]}
+    compile_(compiler, json=schema(["^[a-h]+$", *"abcdefg"]))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="holds a string to 9 patterns at once"):
+        compile_(compiler, json=schema([f"a.{{{i}}}b" for i in range(1, 30)]))
+    assert time.monotonic() - start < 1
+    properties = {f"p{i}": {"type": "string", "pattern": f"a.{{{i}}}b"} for i in range(20)}
+    compile_(compiler, json={"type": "object", "properties": properties})  # apart, not at once
 
 
 def test_a_json_schema_allows_only_what_continues_a_valid_document(compiler, tokenizer):

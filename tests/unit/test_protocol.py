@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from tokenmill.server.protocol_responses import ResponsesRequest
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
@@ -71,3 +71,9 @@ def test_continue_final_message_needs_add_generation_prompt_false():
     params = _chat_sampling_params(ChatCompletionRequest.model_validate(
         {**CHAT, "continue_final_message": True, "add_generation_prompt": False}))
     assert params.n == 1
+
+
+def test_an_error_message_quoting_a_3_mb_value_is_cut_to_2000_characters_and_says_how_much_was_cut():
+    message = error_body("bad model: " + "x" * 3_000_000)["error"]["message"]
+    assert message == "bad model: " + "x" * (2000 - 11) + "... (2,998,011 more characters)"
+    assert error_body("short")["error"]["message"] == "short"

@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 from tokenmill.sampling_params import MAX_JSON_DEPTH, SamplingParams, check_schema_depth, is_unicode, too_deep
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_ERROR_CHARS = 2000  # of an error's message (error_body)
 
 # A token id: a JSON integer, not a boolean (pydantic's lax int takes true as 1) nor a numeric string.
 TokenId = Annotated[int, Strict()]
@@ -359,4 +360,8 @@ ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_
 
 def error_body(message: str, type_: ErrorType = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
+    """OpenAI's error object. A message past MAX_ERROR_CHARS is cut: one that quotes a bad value
+    back (a 3 MB role) would otherwise be as big as the request."""
+    if len(message) > MAX_ERROR_CHARS:
+        message = f"{message[:MAX_ERROR_CHARS]}... ({len(message) - MAX_ERROR_CHARS:,} more characters)"
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -99,7 +99,9 @@ class DraftModelProposer:
         from tokenmill.worker import ModelWorker
 
         cfg, device = self.config, torch.device(self.config.device)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        # a draft whose every layer slides gives back its blocks outside the window as the target does
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False,
+                                 window=self.model_config.kv_window)
         backend = make_backend(cfg.attention_backend, device, block_size, self.model_config.head_dim,
                                activation_dtype(cfg, device), kv_dtype)
         worker = ModelWorker(self.model, self.model_config, CacheConfig(num_blocks, block_size), backend, device,
@@ -116,6 +118,7 @@ class DraftModelProposer:
             elif seq.num_computed_tokens >= r.num_tokens:  # drafts no step verified (the request went
                 self.sync(r)                                # unscheduled or was preempted): observe never synced
             seq.token_ids = list(r.token_ids)
+            self.kv.release_outside_window(seq)
             catch_up = seq.num_tokens - seq.num_computed_tokens
             # no drafts past the draft model's own context (its rotary tables end there), nor for a
             # sequence with a token past its vocabulary (one of the target's padding rows)

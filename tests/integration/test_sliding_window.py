@@ -153,3 +153,22 @@ def test_fused_layers_apply_the_window_as_the_python_layers_do(windowed_models):
     a.num_computed_tokens, b.num_computed_tokens = 32, 30   # a: a 28-token chunk; b: its last prompt token
     assert kv.allocate(a, 28) and kv.allocate(b, 1)
     assert torch.equal(forward([1, 28], True), forward([1, 28], False))
+
+
+def test_a_windowed_draft_model_drafts_to_the_end_of_a_sequence_longer_than_its_pool(windowed_models):
+    """Mistral (every layer slides, 24 tokens) drafting for itself, 3 tokens a step, in pools of 6
+    blocks (96 tokens) for a 40-token prompt and 200 outputs: the draft gives back its blocks
+    outside the window as the target does, so it drafts every step to the last token, each
+    draft accepted (it had stopped at 42 drafts, once the sequence passed its pool), and the
+    output is transformers'."""
+    from tokenmill import LLM
+
+    path = windowed_models["mistral"]
+    llm = LLM(str(path), max_num_seqs=1, max_num_batched_tokens=32, num_kv_blocks=6, dtype="float32",
+              block_size=16, speculative=f"draft:{path}", num_speculative_tokens=3, speculative_adaptive=False)
+    prompt = [random.Random(3).randrange(2, 384) for _ in range(40)]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=200, temperature=0.0,
+                                                                    ignore_eos=True), use_tqdm=False)
+    spec = llm.engine.speculator
+    assert spec.num_accepted == spec.num_proposed >= 147  # 3 drafts and a token a step, to the 200th
+    assert out[0].outputs[0].token_ids == hf_greedy(hf_eager(path), prompt, 200)

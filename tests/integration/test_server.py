@@ -669,6 +669,12 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, clien
     assert_still_serving(client)
 
 
+def test_a_request_with_no_body_is_a_400_saying_so(server):
+    response = httpx.post(server.url + "/v1/completions", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "request body is missing: a JSON object is expected"
+
+
 def test_a_body_nested_as_deep_as_the_limit_is_served_and_one_level_more_is_a_400(server):
     """The same on every Python: 3.11's decoder stops near 1,000 levels, 3.12's near 8,000."""
     def post(depth: int) -> httpx.Response:  # the body's own object is its first level

@@ -87,6 +87,8 @@ async def _validation_error(_, exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":
         message = "request body is not valid JSON"
         loc = []
+    elif first.get("type") == "missing" and not loc:  # no body at all
+        message = "request body is missing: a JSON object is expected"
     elif loc:
         message = f"{'.'.join(loc)}: {message}"
     return JSONResponse(error_body(message, param=".".join(loc) or None), status_code=400)

@@ -98,7 +98,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)  # (never raises: an invalid
         grammar = Grammar(matcher, mask_width(tokenizer.vocab_size))   # grammar leaves it failed)
         if matcher.is_error():
-            raise ValueError(f"invalid structured output: {matcher.get_error().strip()}")
+            raise ValueError(f"invalid structured output: {compile_error(matcher.get_error())}")
         mask = np.zeros((1, grammar.num_words), np.int32)
         llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
         if matcher.is_error():  # one that no text satisfies ([^\s\S]) fails on its first mask
@@ -109,6 +109,12 @@ class GrammarCompiler:
         if allowed.size and (not probe.consume_token(int(allowed[0])) or probe.is_error()):
             raise ValueError(f"invalid structured output: {Grammar(probe, grammar.num_words).error}")
         return grammar
+
+
+def compile_error(text: str) -> str:
+    """llguidance's compile error without the backtrace it appends to a panic (a grammar of 65,600
+    alternatives trips an assertion): frames of the server's own stack are no message."""
+    return text.split("<backtrace>", 1)[0].strip()
 
 
 def compile_stack_bytes(text: str) -> int:

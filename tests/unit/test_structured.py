@@ -16,7 +16,13 @@ from tokenmill.sampler import Sampler, SamplingMetadata
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.tools import plan_tools
-from tokenmill.structured import GrammarCompiler, allowed_tokens, compile_stack_bytes, forbid_undeclared_properties
+from tokenmill.structured import (
+    GrammarCompiler,
+    allowed_tokens,
+    compile_error,
+    compile_stack_bytes,
+    forbid_undeclared_properties,
+)
 
 VOCAB = 384
 
@@ -82,6 +88,13 @@ def test_specs_name_their_problem(spec, message):
 def test_invalid_grammars_are_value_errors(compiler, spec, message):
     with pytest.raises(ValueError, match=message):
         compile_(compiler, **spec)
+
+
+def test_a_compile_panics_message_loses_its_backtrace():
+    panic = "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10"
+    frames = "   0: <unknown>\n  16: type_call\n             at Objects/typeobject.c:1091:11\n"
+    text = f"{panic}\n<backtrace>\n{frames}</backtrace>"
+    assert compile_error(text) == panic and compile_error("Parser Error: x") == "Parser Error: x"
 
 
 def test_chains_of_10000_refs_and_of_10000_lark_rules_compile_and_take_their_one_text(compiler, tokenizer):

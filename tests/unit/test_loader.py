@@ -414,6 +414,25 @@ def test_a_gguf_without_a_required_key_is_refused_by_the_keys_name(tmp_path, mon
         open_checkpoint(experts)
 
 
+def test_a_gguf_tensor_type_the_gguf_package_does_not_know_is_named_not_taken_for_a_broken_file(tmp_path):
+    """llama.cpp writes types newer than gguf's enum (Q2_0 is 42): refused by its number, with the
+    package's version, not as 'a truncated or corrupt file'."""
+    import importlib.metadata
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", dict.fromkeys(KINDS, "F32"), True, False)
+    data = bytearray(path.read_bytes())
+    name = b"token_embd.weight"
+    end = data.index(name) + len(name)  # then n_dims (uint32), the dims (uint64 each), the type (uint32)
+    where = end + 4 + 8 * int.from_bytes(data[end:end + 4], "little")
+    data[where:where + 4] = (42).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    version = importlib.metadata.version("gguf")
+    from tokenmill.config import UnsupportedModel
+    with pytest.raises(UnsupportedModel, match=f"^{path}: a tensor of GGML type 42, which this install's gguf "
+                                               rf"package \({version}\) does not know"):
+        open_checkpoint(path)
+
+
 def test_a_tokenizer_that_cannot_be_built_is_one_error_naming_the_model(tiny_llama, tmp_path):
     """A GGUF whose eos id is past its vocabulary, and a directory without tokenizer files: one
     ValueError with the path (the command line prints it as one line), not an IndexError's

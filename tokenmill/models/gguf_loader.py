@@ -15,9 +15,11 @@ block boundaries. loader.py opens a file and picks these or the Hugging Face pat
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import inspect
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -602,4 +604,12 @@ def open_gguf(path: Path):
 
     expected = ["self", "offset", "dtype", "count", "override_order"]
     fits = list(inspect.signature(getattr(GGUFReader, "_get", lambda: None)).parameters) == expected
-    return (PlainViewReader if fits else GGUFReader)(str(path))
+    try:
+        return (PlainViewReader if fits else GGUFReader)(str(path))
+    except ValueError as exc:  # "np.uint32(42) is not a valid GGMLQuantizationType": a type newer than gguf's
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(exc))
+        if unknown is None:
+            raise
+        raise UnsupportedModel(f"{path}: a tensor of GGML type {unknown[1]}, which this install's gguf package "
+                               f"({importlib.metadata.version('gguf')}) does not know: a quantization newer than "
+                               "tokenmill reads") from exc

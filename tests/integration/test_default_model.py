@@ -199,3 +199,17 @@ def test_the_default_pool_is_float16_where_the_cpu_has_avx512_vnni_and_float32_u
     auto = torch.float16 if this_cpu().has("avx512_vnni") else torch.float32
     assert default_llm.engine.runner.worker.kv_cache.dtype == auto
     assert exact_llm.engine.runner.worker.kv_cache.dtype == torch.float32
+
+
+def test_the_gguf_tokenizer_splits_digits_as_llama_cpp_and_smollms_own_tokenizer_do(tmp_path):
+    """The file's tokenizer.ggml.pre is "smollm": each digit split off before GPT-2's regex. The
+    ids are llama.cpp's (llama-tokenize on this file); GPT-2's regex alone, as transformers builds
+    the tokenizer, gave [104, 8866, 216, 32, 30] and [104, 8866, 216, 33, 34, 35]."""
+    from tokenmill.models.loader import load_tokenizer
+    try:
+        path = default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    tokenizer = load_tokenizer(path, cache_dir=tmp_path)  # converted from the file, not a cached copy
+    assert tokenizer.encode("x\n\n  0.", add_special_tokens=False) == [104, 39892, 32, 30]
+    assert tokenizer.encode("x\n\n  123", add_special_tokens=False) == [104, 39892, 33, 34, 35]

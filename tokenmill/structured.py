@@ -275,8 +275,8 @@ def check_patterns_at_once(schema) -> None:
             if isinstance(node.get("allOf"), list):
                 count, visits = _patterns_at_once(schema, node, visits)
                 if count > MAX_PATTERNS_AT_ONCE:
-                    raise ValueError(f"the JSON schema holds a string to {count} patterns at once (allOf); "
-                                     f"at most {MAX_PATTERNS_AT_ONCE} are taken")
+                    raise ValueError(f"the JSON schema holds a string to more than {MAX_PATTERNS_AT_ONCE} patterns "
+                                     "at once (allOf parts), which are not taken")
             stack.extend(node.values())
 
 

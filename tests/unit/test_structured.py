@@ -124,7 +124,7 @@ def test_a_string_held_to_9_patterns_at_once_is_refused_at_once_and_8_compile(co
                 "allOf": [nested, {"$ref": "#/$defs/last"}]}
     compile_(compiler, json=schema(["^[a-h]+$", *"abcdefg"]))
     start = time.monotonic()
-    with pytest.raises(ValueError, match="holds a string to 9 patterns at once"):
+    with pytest.raises(ValueError, match="holds a string to more than 8 patterns at once"):
         compile_(compiler, json=schema([f"a.{{{i}}}b" for i in range(1, 30)]))
     assert time.monotonic() - start < 1
     properties = {f"p{i}": {"type": "string", "pattern": f"a.{{{i}}}b"} for i in range(20)}

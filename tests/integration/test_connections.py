@@ -52,16 +52,19 @@ def connect(port: int, first_bytes: bytes = b"") -> socket.socket:
     return sock
 
 
-def seconds_until_closed(socks: list[socket.socket], start: float, limit_s: float) -> list[float]:
+def seconds_until_closed(socks: list[socket.socket], start: float, limit_s: float,
+                         received: dict | None = None) -> list[float]:
     """How long after `start` the server closed each socket (inf: still open after `limit_s`);
-    what it sent before is read and dropped."""
+    what it sent before goes to `received` (socket -> bytes), when given."""
     closed_at = {s: float("inf") for s in socks}
     open_ = set(socks)
     while open_ and time.monotonic() - start < limit_s:
         readable, _, _ = select.select(list(open_), [], [], 0.1)
         for sock in readable:
             try:
-                if sock.recv(65536):
+                if data := sock.recv(65536):
+                    if received is not None:
+                        received[sock] = received.get(sock, b"") + data
                     continue
             except ConnectionResetError:
                 pass
@@ -86,8 +89,12 @@ def test_slowloris_heads_are_closed_after_the_header_timeout_while_health_answer
             sock.sendall(b"a")
         assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
         time.sleep(0.3)
-    closed = seconds_until_closed(slow, start, HEADERS_S + 8)
+    received: dict = {}
+    closed = seconds_until_closed(slow, start, HEADERS_S + 8, received)
     assert min(closed) >= HEADERS_S and max(closed) < HEADERS_S + 8
+    answers = [received.get(sock, b"") for sock in slow]  # each told why before the close
+    assert all(a.startswith(b"HTTP/1.1 408 Request Timeout\r\n") and b'"code": "request_timeout"' in a
+               for a in answers), answers[0]
     assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
 
 
@@ -107,8 +114,10 @@ def test_a_body_that_stops_coming_is_closed_and_one_that_keeps_coming_is_served(
     trickled.settimeout(10)
     assert trickled.recv(65536).startswith(b"HTTP/1.1 200")
     trickled.close()
-    closed = seconds_until_closed(stalled, start, BODY_S + 8)
+    received: dict = {}
+    closed = seconds_until_closed(stalled, start, BODY_S + 8, received)
     assert min(closed) >= BODY_S and max(closed) < BODY_S + 8
+    assert all(received.get(sock, b"").startswith(b"HTTP/1.1 408 ") for sock in stalled)
     assert httpx.get(guarded.url + "/health", timeout=5).status_code == 200
 
 

@@ -87,7 +87,13 @@ class GuardedH11Protocol(H11Protocol):
             self._close(f"no byte of its request body for {self.body_timeout:g} s")
 
     def _close(self, why: str) -> None:
+        """Close the connection, first answering 408 with `why` where no response has begun (as
+        nginx answers a request that stops coming), so that a client sees why."""
         logger.info("closed a connection from %s: %s", self.client[0] if self.client else "?", why)
+        if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            body = json.dumps(error_body(why, code="request_timeout")).encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
         self.transport.close()
 
 

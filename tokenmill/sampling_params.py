@@ -199,10 +199,14 @@ class SamplingParams:
         check_truncation(self.truncate_prompt_tokens)
         if self.logit_bias is not None:
             bias = self.logit_bias
-            if (not isinstance(bias, dict) or not all(map(_is_token_id, bias))
-                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
-                               for v in bias.values())):
+            if not isinstance(bias, dict):
                 raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}")
+            for token, value in bias.items():  # the first bad entry, named
+                if not _is_token_id(token):
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if not (isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100):
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for "
+                                     f"token {token}")
             self.logit_bias = {t: float(v) for t, v in bias.items()} or None
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids

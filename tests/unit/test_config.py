@@ -24,6 +24,15 @@ def test_invalid_sampling_params_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("bias, message", [
+    ({5: 1.0, -1: 2.0}, r"^logit_bias keys must be token ids \(integers >= 0\), got -1$"),
+    ({5: 101}, r"^logit_bias values must be numbers in \[-100, 100\], got 101 for token 5$"),
+])
+def test_a_bad_logit_bias_entry_is_named_by_itself(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
 def test_sampling_params_normalise():
     p = SamplingParams(stop="###", top_k=-1)
     assert p.stop == ["###"] and p.top_k == 0

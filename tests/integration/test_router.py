@@ -263,14 +263,26 @@ def test_a_request_id_comes_back_once_through_the_router_whole_and_streamed(clus
     assert ids == {"cmpl-r-9"}
 
 
-def test_the_routers_metrics_count_requests_per_replica(cluster):
+def test_the_routers_metrics_count_requests_per_replica_and_its_answers_by_route_and_status(cluster):
+    router = cluster.routers["cache_aware"]
+
+    def samples() -> dict[str, float]:
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in httpx.get(router + "/metrics").text.splitlines() if line and not line.startswith("#")}
+    ok = 'tokenmill_router_responses_total{path="/v1/completions",status="200"}'
+    missing = 'tokenmill_router_responses_total{path="other",status="404"}'
+    timed = 'tokenmill_router_request_duration_seconds_count{path="/v1/completions"}'
+    before = samples()
     rng = random.Random(2)
-    landed = {complete(cluster.routers["cache_aware"], words(rng, 150)).headers[REPLICA_HEADER] for _ in range(3)}
+    landed = {complete(router, words(rng, 150)).headers[REPLICA_HEADER] for _ in range(3)}
     assert landed == set(cluster.replicas)  # new prefixes spread over both
-    page = httpx.get(cluster.routers["cache_aware"] + "/metrics").text
+    assert httpx.get(router + "/no/such/path/7").status_code == 404
+    page, after = httpx.get(router + "/metrics").text, samples()
     routed = [line for line in page.splitlines() if line.startswith("tokenmill_router_requests_routed_total")]
     assert {r for r in cluster.replicas if any(f'replica="{r}"' in line for line in routed)} == set(cluster.replicas)
     assert all(f'tokenmill_router_replica_healthy{{replica="{r}"}} 1.0' in page for r in cluster.replicas)
+    assert after[ok] - before.get(ok, 0) == 3 and after[timed] - before.get(timed, 0) == 3
+    assert after[missing] - before.get(missing, 0) == 1 and "/no/such/path/7" not in page
 
 
 STREAMED = (1, 2, 5, 6)  # round-robin: 1 and 5 to the victim, 2 and 6 to the other

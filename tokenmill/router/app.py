@@ -170,7 +170,7 @@ def create_app(replica_urls: list[str], policy: CacheAware | RoundRobin | LeastL
     if allowed_hosts is not None:
         app.add_middleware(HostAllowListMiddleware, hosts=allowed_hosts)
     add_cors(app, allowed_origins)
-    app.add_middleware(AccessLogMiddleware, logger=logger)
+    app.add_middleware(AccessLogMiddleware, logger=logger, on_response=metrics.on_response)
     app.add_middleware(RequestIdMiddleware)  # the router's own answers echo it too; replicas' pass it on
     app.add_exception_handler(StarletteHTTPException, _http_error)
 

@@ -82,10 +82,11 @@ async def merge_streams(streams: list[AsyncIterator[T]],
 
 class AccessLogMiddleware:
     """One log line per HTTP request once its response is complete: method, path, status and
-    time taken (for a stream, until its last chunk)."""
+    time taken (for a stream, until its last chunk); and, where given, `on_response(scope,
+    status, seconds)` then (the router's metrics)."""
 
-    def __init__(self, app, logger: logging.Logger) -> None:
-        self.app, self.logger = app, logger
+    def __init__(self, app, logger: logging.Logger, on_response: Callable | None = None) -> None:
+        self.app, self.logger, self.on_response = app, logger, on_response
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -101,8 +102,10 @@ class AccessLogMiddleware:
         try:
             await self.app(scope, receive, logging_send)
         finally:
-            self.logger.info("%s %s %d %.0f ms", scope["method"], scope["path"], status,
-                             (time.monotonic() - start) * 1e3)
+            seconds = time.monotonic() - start
+            self.logger.info("%s %s %d %.0f ms", scope["method"], scope["path"], status, seconds * 1e3)
+            if self.on_response is not None:
+                self.on_response(scope, status, seconds)
 
 
 class BodyLimitMiddleware:

@@ -88,7 +88,8 @@ def test_the_page_shows_8_running_and_16_waiting_then_an_idle_pool_with_24_finis
                 " && document.getElementById('count-shared').textContent !== '0'", timeout=60_000)
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
-            busy = page.evaluate("window.dashboard.state")
+            busy, busy_summary = page.evaluate(
+                "[window.dashboard.state, document.getElementById('pool-summary').textContent]")
             busy_grid = page.eval_on_selector("#grid", "c => c.toDataURL()")
         finally:
             sender.join(300)
@@ -101,6 +102,9 @@ def test_the_page_shows_8_running_and_16_waiting_then_an_idle_pool_with_24_finis
 
     assert busy["num_running"] == SEATS and busy["num_waiting"] == len(busy["waiting"]) > 0
     assert busy["pool"]["owned"] > 0 and busy["pool"]["shared"] == 2
+    in_use = (busy["pool"]["owned"] + busy["pool"]["shared"]) / 256 * 100  # (JS rounds halves up, Python to even)
+    assert busy_summary.startswith("256 blocks of 16 tokens · ") and busy_summary.endswith(" % in use")
+    assert abs(int(busy_summary.split(" · ")[1].split()[0]) - in_use) <= 0.5
     assert idle["pool"]["owned"] == idle["pool"]["shared"] == 0 and idle["pool"]["cached"] > 0
     assert len({idle_grid, busy_grid, done_grid}) == 3  # free -> in use -> cached: the grid was redrawn
     assert sum(idle["last_minute"]["generated_per_second"]) == REQUESTS * TOKENS
@@ -131,6 +135,7 @@ def test_on_a_390_px_phone_the_page_is_one_column_says_idle_and_greys_out_when_t
         columns = page.evaluate("getComputedStyle(document.querySelector('main')).gridTemplateColumns")
         assert len(columns.split()) == 1, columns
         assert text(page, "step-mean") == "idle"
+        assert text(page, "pool-summary").endswith(" tokens · 0 % in use")
         assert page.evaluate("document.querySelector('main').className") == ""
         page.route("**/dashboard/state", lambda route: route.abort())  # the server gone: the figures grey out
         page.wait_for_selector("main.stale", timeout=30_000)

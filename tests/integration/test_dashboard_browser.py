@@ -136,6 +136,11 @@ def test_on_a_390_px_phone_the_page_is_one_column_says_idle_and_greys_out_when_t
         assert len(columns.split()) == 1, columns
         assert text(page, "step-mean") == "idle"
         assert text(page, "pool-summary").endswith(" tokens · 0 % in use")
+        # a step of one decode against a budget of 512 tokens is still a visible bar (2 px, the decode colour)
+        bottom = page.evaluate("""() => { drawSteps({prefill: [0], decode: [1], preemptions: [0], ms: [1]}, 512);
+            const c = document.getElementById('steps');
+            return Array.from(c.getContext('2d').getImageData(0, c.height - 2, 1, 2).data); }""")
+        assert bottom == [76, 120, 168, 255] * 2
         assert page.evaluate("document.querySelector('main').className") == ""
         page.route("**/dashboard/state", lambda route: route.abort())  # the server gone: the figures grey out
         page.wait_for_selector("main.stale", timeout=30_000)

@@ -96,19 +96,17 @@ def test_constraints_of_named_and_required_choices():
     ('[{"name": "get_weather", "par', [("get_weather", "")]),
     ('[{"name": "now", "parameters": {}}, {"name": "get_wea', [("now", "{}")]),
     ('[{"name": "now", "parameters": {}}', [("now", "{}")]),
-    ('[{"na', None), ("[", None), ("", None),
+    ('[{"na', []), ("[", []), ("", []),
 ])
 def test_a_required_array_cut_by_max_tokens_gives_its_calls_as_far_as_they_came(text, cut):
     """Whole calls as they are, then the last one's unterminated arguments once its name is whole;
-    cut before any name was whole (cut None here), the text is the content: nothing the model wrote
-    is dropped. Ended by a stop string instead, no call is read from it (a cut call with "stop"
-    would read as a finished one): the text is content."""
+    cut before any name was whole, no call and no content: the array's syntax is no answer (it
+    had come back as the message's text, and into the next turn's history). Ended by a stop
+    string instead, no call is read from it (a cut call with "stop" would read as a finished
+    one): the text is content."""
     required = plan_tools([WEATHER, NOW], "required", None)
     parsed = required.parse(text, cut=True)
-    if cut is None:
-        assert parsed == (text, [])
-    else:
-        assert parsed[0] is None and [(c.name, c.arguments) for c in parsed[1]] == cut
+    assert parsed[0] is None and [(c.name, c.arguments) for c in parsed[1]] == cut
     assert required.parse(text) == (text, [])
 
 

@@ -147,7 +147,9 @@ class ToolPlan:
 
     def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) from a whole output; cut: max_tokens ended it (a "required" array is
-        then read as far as it came). Text that does not parse as calls is content."""
+        then read as far as it came, and is never content: cut before its first name was whole, it
+        gives neither, as vLLM's content is empty under "required"). Other text that does not
+        parse as calls is content."""
         content, calls = self._parse(text, cut)
         for call in calls:
             call.id = self.call_id()
@@ -160,8 +162,9 @@ class ToolPlan:
             try:
                 return None, [_required_call(c) for c in json.loads(text)]
             except (ValueError, TypeError, KeyError, RecursionError):  # cut short, or nested past the decoder's limit
-                calls = _cut_calls(text) if cut else []
-                return (None, calls) if calls else (text, [])  # (cut before a name was whole: the text)
+                if cut:  # the array's syntax, not words of the model's: no content
+                    return None, _cut_calls(text)
+                return text, []
         if self.choice != "auto":
             return text, []
         return _PARSE[self.parser](text)

@@ -113,8 +113,11 @@ class InputProcessor:
             raise ContextLengthError(self.max_model_len, len(ids), None)
         if params.max_tokens is not None and params.max_tokens > room and not fit_to_context:
             raise ContextLengthError(self.max_model_len, len(ids), params.max_tokens)
-        grammar = (self.grammars.compile(params.structured_outputs)
-                   if params.structured_outputs is not None else None)
+        try:
+            grammar = (self.grammars.compile(params.structured_outputs)
+                       if params.structured_outputs is not None else None)
+        except ValueError as exc:  # the server names the request's own field for it (response_format, ...)
+            raise FieldError("structured_outputs", str(exc)) from None
         request = Request(request_id=request_id, prompt_token_ids=ids, params=params,
                           max_tokens=min(params.max_tokens or room, room), eos_token_ids=self.eos_token_ids,
                           prompt=text, priority=priority, deadline=deadline, arrival_time=arrival_time,

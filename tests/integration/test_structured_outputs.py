@@ -203,6 +203,23 @@ def test_bad_constraints_are_400s_and_the_server_keeps_serving(server, client, b
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
 
 
+def test_a_constraint_that_does_not_compile_is_a_400_naming_the_field_it_came_in(server):
+    """The compile fails in the engine (its field is structured_outputs there); the answer names
+    the request's own field, as every other 400 does."""
+    nonsense = {"type": "nonsense"}
+    cases = [("/v1/completions", {"prompt": "hi", "guided_regex": "a(b"}, "guided_regex"),
+             ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": nonsense}}, "structured_outputs"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+                 "type": "json_schema", "json_schema": {"name": "x", "schema": nonsense}}}, "response_format"),
+             ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                   "schema": nonsense}}}, "text.format")]
+    for path, body, param in cases:
+        response = httpx.post(server.url + path, json={"max_tokens": 4, **body} if "input" not in body else body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["message"].startswith("invalid structured output: "), error
+
+
 # ---- bad words (vLLM's): the other way to keep text out -------------------------------------------
 
 @pytest.mark.parametrize("options", [{}, dict(async_scheduling=True, async_output=False)],

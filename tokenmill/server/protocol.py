@@ -221,6 +221,16 @@ class SamplingFields(APIRequest):
             raise ValueError(f"structured_outputs takes one constraint, got {', '.join(given)}")
         return next(iter(given.values()), None)
 
+    def constraint_field(self) -> str:
+        """The field the request's structured-output constraint came in (response_format,
+        structured_outputs or a guided_* one): the `param` of an error about it."""
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            return "response_format"
+        named = [name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                   "guided_grammar") if getattr(self, name) is not None]
+        return named[0] if named else "structured_outputs"
+
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None

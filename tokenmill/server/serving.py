@@ -178,13 +178,15 @@ class ServingEngine:
 
     async def build_requests(self, prompts: list, params: SamplingParams, priority: int,
                              ids: tuple[str, str], input_name: str = "prompt", cache_salt: str | None = None,
-                             add_special_tokens: bool = True, deadline: float | None = None) -> list[EngineRequest]:
+                             add_special_tokens: bool = True, deadline: float | None = None,
+                             field_names: dict[str, str] | None = None) -> list[EngineRequest]:
         """One engine request per (prompt, sample), each with the request's cache_salt, priority and
         deadline (seconds from its arrival, for the edf policy), a text
         prompt tokenized with or without its tokenizer's special tokens, logged under the answer's
         id (`ids`: the answer's id and its requests' prefix, from answer_ids); raises
         APIError(400) for any invalid one, a prompt past the context as OpenAI answers it, naming the
-        endpoint's input (`input_name`).
+        endpoint's input (`input_name`) and an engine field by the request's own name for it
+        (`field_names`: structured_outputs -> response_format, say).
         Tokenizing runs on a worker thread, so that a body of a few MB does not stall every open
         stream for seconds; the number of requests is capped, as a body of a few MB could ask for
         millions."""
@@ -195,13 +197,13 @@ class ServingEngine:
         answer_id, prefix = ids
         due = arrival + deadline if deadline is not None else None
         requests = await asyncio.to_thread(self._make_requests, prompts, params, priority, due, prefix, arrival,
-                                           input_name, cache_salt, add_special_tokens)
+                                           input_name, cache_salt, add_special_tokens, field_names or {})
         self.request_log.add(answer_id, requests)
         return requests
 
     def _make_requests(self, prompts: list, params: SamplingParams, priority: int, due: float | None, prefix: str,
                        arrival: float, input_name: str, cache_salt: str | None,
-                       add_special_tokens: bool) -> list[EngineRequest]:
+                       add_special_tokens: bool, field_names: dict[str, str]) -> list[EngineRequest]:
         requests = []
         try:
             for i, prompt in enumerate(prompts):  # tokenized once for its n samples
@@ -215,7 +217,7 @@ class ServingEngine:
             raise context_length_error(exc, input_name) from None
         except ValueError as exc:
             field = getattr(exc, "field", None)  # an input_processor.FieldError names its field
-            raise APIError(400, str(exc), param=field) from None
+            raise APIError(400, str(exc), param=field_names.get(field, field)) from None
         return requests
 
     async def respond(self, req, requests: list[EngineRequest], n: int, raw: Request, response: Response,

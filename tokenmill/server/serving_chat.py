@@ -95,7 +95,8 @@ class ChatHandler:
             params = params.clone(skip_special_tokens=False)
         ids = answer_ids("chatcmpl", raw, req.request_id)
         requests = await self.serving.build_requests([prompt], params, req.priority, ids, input_name="messages",
-                                                     cache_salt=req.cache_salt, deadline=req.deadline)
+                                                     cache_salt=req.cache_salt, deadline=req.deadline,
+                                                     field_names={"structured_outputs": req.constraint_field()})
         base = {"id": ids[0], "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name}
         # a structured output constrains the output from its first token: thinking only where the

@@ -41,7 +41,8 @@ class CompletionHandler:
         ids = answer_ids("cmpl", raw, req.request_id)
         requests = await self.serving.build_requests(req.prompts(), params, req.priority, ids,
                                                      cache_salt=req.cache_salt, deadline=req.deadline,
-                                                     add_special_tokens=req.add_special_tokens)
+                                                     add_special_tokens=req.add_special_tokens,
+                                                     field_names={"structured_outputs": req.constraint_field()})
         base = {"id": ids[0], "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         response = CompletionResponse(req, requests, self.tokenizer, base, echo_only)

@@ -115,6 +115,26 @@ def test_an_unknown_unstored_or_forgotten_previous_response_is_openais_404(serve
     assert follow(kept.id).status_code == 404 and follow(oldest.id).status_code == 200
 
 
+def test_a_stored_response_is_retrieved_as_answered_and_once_deleted_is_a_404(client):
+    """The openai SDK's responses.retrieve and .delete; a streamed response is kept as its
+    response.completed event carried it. A deleted one cannot be continued either."""
+    whole = client.responses.create(model="tiny", input="hi", max_output_tokens=3, temperature=0)
+    assert client.responses.retrieve(whole.id).model_dump() == whole.model_dump()
+    events = list(client.responses.create(model="tiny", input="hello", max_output_tokens=3, temperature=0,
+                                          stream=True))
+    final = events[-1].response
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    assert client.responses.delete(whole.id) is None  # (the SDK returns nothing for the deleted object)
+    for gone in (lambda: client.responses.retrieve(whole.id), lambda: client.responses.delete(whole.id),
+                 lambda: client.responses.create(model="tiny", input="more", max_output_tokens=1,
+                                                  previous_response_id=whole.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    unstored = client.responses.create(model="tiny", input="hi", max_output_tokens=1, store=False)
+    with pytest.raises(openai.NotFoundError, match="was not stored"):
+        client.responses.retrieve(unstored.id)
+
+
 def test_a_json_schema_text_format_gives_json_that_follows_the_schema(client):
     fmt = {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}
     response = client.responses.create(model="tiny", input="hi", max_output_tokens=120, temperature=0,

@@ -46,16 +46,16 @@ def test_output_items_become_one_assistant_message():
 
 def test_the_store_forgets_the_least_recently_used_first():
     store = ResponseStore(2)
-    store.put("a", [{"role": "user", "content": "1"}])
-    store.put("b", [])
+    store.put("a", [{"role": "user", "content": "1"}], {"id": "a"})
+    store.put("b", [], {"id": "b"})
     assert store.get("a") == [{"role": "user", "content": "1"}]  # a is now the most recent
-    store.put("c", [])
+    store.put("c", [], {"id": "c"})
     assert store.get("b") is None and store.get("a") is not None and store.get("c") == [] and len(store) == 2
 
 
 def test_a_store_of_size_0_keeps_nothing_and_a_negative_size_is_refused():
     store = ResponseStore(0)
-    store.put("a", [])
+    store.put("a", [], {})
     assert store.get("a") is None and len(store) == 0
     with pytest.raises(ValueError, match="capacity"):
         ResponseStore(-1)
@@ -63,10 +63,21 @@ def test_a_store_of_size_0_keeps_nothing_and_a_negative_size_is_refused():
 
 def test_the_store_drops_the_oldest_conversations_past_its_characters_too():
     store = ResponseStore(100, max_chars=250)
-    big = [{"role": "user", "content": "x" * 80}]  # 113 characters as JSON: two fit
-    store.put("a", big)
-    store.put("b", big)
-    store.put("c", big)
+    big = [{"role": "user", "content": "x" * 80}]  # 113 characters as JSON, and 2 of the response {}: two fit
+    store.put("a", big, {})
+    store.put("b", big, {})
+    store.put("c", big, {})
     assert store.get("a") is None and store.get("b") == big and store.get("c") == big
-    store.put("d", [{"role": "user", "content": "x" * 500}])  # larger than the whole store
+    store.put("d", [{"role": "user", "content": "x" * 500}], {})  # larger than the whole store
     assert store.get("d") is None and len(store) == 2
+
+
+def test_a_deleted_response_is_gone_with_its_conversation_and_frees_its_characters():
+    store = ResponseStore(100, max_chars=250)
+    big = [{"role": "user", "content": "x" * 80}]
+    store.put("a", big, {"id": "a"})
+    store.put("b", big, {"id": "b"})
+    assert store.response("a") == {"id": "a"} and store.delete("a") and not store.delete("a")
+    assert store.get("a") is None and store.response("a") is None
+    store.put("c", big, {"id": "c"})  # fits beside b without dropping it: a's characters were freed
+    assert store.response("b") == {"id": "b"} and len(store) == 2

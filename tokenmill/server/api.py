@@ -7,6 +7,7 @@
     GET  /v1/requests/{id}                        (a response's request timelines)
     GET  /dashboard, /dashboard/state             (a live page of the scheduler, and its data)
     POST /v1/responses                            (OpenAI's Responses API, serving_responses.py)
+    GET, DELETE /v1/responses/{id}                (a stored response)
 
 Every bad input gets an OpenAI-style error body: 400 for invalid requests (and for a Host
 header the server does not answer for, access.py), 401 for a missing or wrong API key, 404
@@ -151,6 +152,9 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_api_route("/v1/requests/{response_id:path}", RequestLogHandler(request_log).request, methods=["GET"],
                       name="request_timeline", responses=error_responses(404))
     app.add_api_route("/v1/responses", create_response, methods=["POST"], name="responses", responses=generating)
+    # one route for both methods: a 405 for another method then lists them both in its Allow header
+    app.add_api_route("/v1/responses/{response_id}", responses.stored, methods=["GET", "DELETE"],
+                      responses=error_responses(404))
     scheduler = engine.scheduler
     dashboard = DashboardHandler(async_engine, scheduler, history, scheduler.config.max_num_seqs,
                                  scheduler.config.max_num_batched_tokens)

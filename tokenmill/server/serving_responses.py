@@ -44,40 +44,63 @@ FIELD_NAMES = {"max_tokens": "max_output_tokens", "structured_outputs": "text.fo
 
 
 class ResponseStore:
-    """The conversations (chat messages: input and output) of the last `capacity` stored
-    responses, by response id, holding at most `max_chars` characters of them in all (a stored
-    conversation can be megabytes); reading one makes it the most recently used. Capacity 0 keeps
-    none."""
+    """The last `capacity` stored responses, by response id: each one's conversation (chat
+    messages: input and output, what previous_response_id continues) and the response itself
+    (what GET /v1/responses/{id} answers), holding at most `max_chars` characters of them in all
+    (a stored conversation can be megabytes); reading one makes it the most recently used.
+    Capacity 0 keeps none."""
 
     def __init__(self, capacity: int, max_chars: int = 256 * 1024 * 1024) -> None:
         if capacity < 0:
             raise ValueError(f"the responses store's capacity must be >= 0, got {capacity}")
         self.capacity, self.max_chars = capacity, max_chars
-        self._conversations: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()  # id -> (messages, chars)
+        # id -> (messages, the response, their characters)
+        self._entries: OrderedDict[str, tuple[list[dict], dict, int]] = OrderedDict()
         self._chars = 0
 
     def get(self, response_id: str) -> list[dict] | None:
-        entry = self._conversations.get(response_id)
-        if entry is None:
-            return None
-        self._conversations.move_to_end(response_id)
-        return entry[0]
+        """The response's conversation, or None."""
+        entry = self._touch(response_id)
+        return None if entry is None else entry[0]
 
-    def put(self, response_id: str, conversation: list[dict]) -> None:
+    def response(self, response_id: str) -> dict | None:
+        """The response as it was answered, or None."""
+        entry = self._touch(response_id)
+        return None if entry is None else entry[1]
+
+    def _touch(self, response_id: str) -> tuple[list[dict], dict, int] | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def put(self, response_id: str, conversation: list[dict], response: dict) -> None:
         if self.capacity == 0:
             return
-        chars = len(json.dumps(conversation, default=str))
+        chars = len(json.dumps(conversation, default=str)) + len(json.dumps(response, default=str))
         if chars > self.max_chars:
             return  # (larger than the whole store: kept nowhere)
-        old = self._conversations.pop(response_id, None)
-        self._chars += chars - (old[1] if old is not None else 0)
-        self._conversations[response_id] = (conversation, chars)
-        while len(self._conversations) > self.capacity or self._chars > self.max_chars:
-            _, (_, dropped) = self._conversations.popitem(last=False)
+        self.delete(response_id)
+        self._chars += chars
+        self._entries[response_id] = (conversation, response, chars)
+        while len(self._entries) > self.capacity or self._chars > self.max_chars:
+            _, (_, _, dropped) = self._entries.popitem(last=False)
             self._chars -= dropped
 
+    def delete(self, response_id: str) -> bool:
+        """Forget a response; whether it was kept."""
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._chars -= entry[2]
+        return entry is not None
+
     def __len__(self) -> int:
-        return len(self._conversations)
+        return len(self._entries)
+
+
+def _not_stored(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found: it was not stored (store: false), was "
+                         "deleted, or was forgotten (--responses-store-size)", param="response_id")
 
 
 # ---- the conversation ----------------------------------------------------------------------------
@@ -204,9 +227,22 @@ class ResponsesHandler:
         out = (await self.serving.collect([request], raw))[0]  # (a 500 if a step failed)
         status = status_of(out.outputs[0].finish_reason)
         output = output_items(plan, out.outputs[0].text, status, split, self.harmony)
+        response = head.snapshot(status, output, usage(out), out.outputs[0].finish_reason)
         if kept is not None:
-            self.store.put(response_id, kept + [output_message(output)])
-        return head.snapshot(status, output, usage(out), out.outputs[0].finish_reason)
+            self.store.put(response_id, kept + [output_message(output)], response)
+        return response
+
+    async def stored(self, response_id: str, raw: Request) -> dict:
+        """GET /v1/responses/{id}: a stored response as it was answered; DELETE: forget it (a later
+        previous_response_id naming it is a 404)."""
+        if raw.method == "DELETE":
+            if not self.store.delete(response_id):
+                raise _not_stored(response_id)
+            return {"id": response_id, "object": "response.deleted", "deleted": True}
+        response = self.store.response(response_id)
+        if response is None:
+            raise _not_stored(response_id)
+        return response
 
     def _history(self, previous_response_id: str | None) -> list[dict]:
         if previous_response_id is None:
@@ -244,4 +280,4 @@ class ResponsesHandler:
             yield "".join(events.failed(str(exc)))
             return
         if kept is not None and events.final is not None:
-            self.store.put(events.final["id"], kept + [output_message(events.final["output"])])
+            self.store.put(events.final["id"], kept + [output_message(events.final["output"])], events.final)

@@ -84,6 +84,14 @@ def _with_tools_in_system(messages: list[dict], tools: list[dict] | None) -> lis
     return out
 
 
+def _knows_developer(tokenizer) -> bool:
+    """Whether the chat template has a developer role of its own (gpt-oss's does); where it has
+    none, a developer message is the system message (as OpenAI's API and vLLM take it), not a
+    turn of an unknown role after the template's default system prompt."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "developer" in template
+
+
 def _template_options(tokenizer) -> set[str]:
     """apply_chat_template's own parameters (chat_template, tokenizer_kwargs, return_dict, ...):
     what template variables from a request may not set. A template is code the server runs: one
@@ -102,11 +110,13 @@ def render_chat(tokenizer, conversation: list[dict], add_generation_prompt: bool
     not text, or a conversation the template rejects."""
     if not isinstance(conversation, list):
         raise ValueError(f"a conversation is a list of messages, got {type(conversation).__name__} {conversation!r}")
-    messages = []
+    messages, developer = [], _knows_developer(tokenizer)
     for i, m in enumerate(conversation):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"a chat message needs a 'role' (and a 'content'), got {m!r}")
         messages.append({**m, "content": content_text(m.get("content"))})
+        if m["role"] == "developer" and not developer:  # OpenAI's newer name for the system message
+            messages[-1]["role"] = "system"
         if isinstance(m.get("tool_calls"), list):
             messages[-1]["tool_calls"] = _with_argument_objects(m["tool_calls"], f"messages.{i}")
     if _takes_tools_in_system(tokenizer):

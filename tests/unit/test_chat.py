@@ -44,6 +44,15 @@ def test_render_chat_checks_roles_and_turns_template_errors_into_value_errors():
         render_chat(FakeTokenizer(), [{"role": "bad", "content": "x"}])
 
 
+def test_a_developer_message_is_the_system_message_unless_the_template_has_that_role():
+    conversation = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+    assert render_chat(FakeTokenizer(), conversation)["prompt"] == "system:Be terse.|user:hi|>"
+    knows = FakeTokenizer()
+    knows.chat_template = "{% if message['role'] == 'developer' %}# Instructions{% endif %}"  # as gpt-oss's does
+    assert render_chat(knows, conversation)["prompt"] == "developer:Be terse.|user:hi|>"
+    assert conversation[0]["role"] == "developer"  # the caller's messages are left as they were
+
+
 def test_tool_calls_reach_the_template_with_object_arguments_and_the_tools_beside():
     tokenizer, tools = FakeTokenizer(), [{"type": "function", "function": {"name": "f"}}]
     calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},

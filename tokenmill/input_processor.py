@@ -180,11 +180,12 @@ class InputProcessor:
 
     def _check_token_ids(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.vocab_size
-        for name, tokens in (("prompt token ids", ids), ("stop_token_ids", params.stop_token_ids),
-                             ("logit_bias token ids", params.logit_bias or ()),
-                             ("allowed_token_ids", params.allowed_token_ids or ())):
+        for field, name, tokens in (("prompt", "prompt token ids", ids),
+                                    ("stop_token_ids", "stop_token_ids", params.stop_token_ids),
+                                    ("logit_bias", "logit_bias token ids", params.logit_bias or ()),
+                                    ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids or ())):
             if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
-                raise ValueError(f"{name} must be integers in [0, {vocab})")
+                raise FieldError(field, f"{name} must be integers in [0, {vocab})")
 
     def _check_allowed_tokens(self, params: SamplingParams, banned_always: set[int]) -> None:
         """allowed_token_ids must leave a token that the sampler does not ban."""

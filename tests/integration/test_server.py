@@ -669,6 +669,18 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(server, clien
     assert_still_serving(client)
 
 
+def test_a_token_id_past_the_vocabulary_is_a_400_naming_its_field(server):
+    cases = [("/v1/completions", {"prompt": [99999]}, "prompt"),
+             ("/v1/completions", {"prompt": "w5", "stop_token_ids": [99999]}, "stop_token_ids"),
+             ("/v1/completions", {"prompt": "w5", "logit_bias": {"99999": 1}}, "logit_bias"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}],
+                                       "allowed_token_ids": [99999]}, "allowed_token_ids"),
+             ("/v1/embeddings", {"input": [[99999]]}, "input")]
+    for path, body, param in cases:
+        response = httpx.post(server.url + path, json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (path, response.text)
+
+
 def test_a_request_with_no_body_is_a_400_saying_so(server):
     response = httpx.post(server.url + "/v1/completions", headers={"content-type": "application/json"})
     assert response.status_code == 400

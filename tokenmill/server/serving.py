@@ -217,7 +217,8 @@ class ServingEngine:
             raise context_length_error(exc, input_name) from None
         except ValueError as exc:
             field = getattr(exc, "field", None)  # an input_processor.FieldError names its field
-            raise APIError(400, str(exc), param=field_names.get(field, field)) from None
+            names = {"prompt": input_name, **field_names}  # the prompt by the endpoint's name for its input
+            raise APIError(400, str(exc), param=names.get(field, field)) from None
         return requests
 
     async def respond(self, req, requests: list[EngineRequest], n: int, raw: Request, response: Response,

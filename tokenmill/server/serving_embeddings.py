@@ -85,7 +85,7 @@ class EmbeddingHandler:
             except ContextLengthError as exc:
                 raise context_length_error(exc, "input", generates=False) from None
             except FieldError as exc:
-                raise APIError(400, str(exc), param=exc.field) from None
+                raise APIError(400, str(exc), param="input" if exc.field == "prompt" else exc.field) from None
             except ValueError as exc:
                 raise APIError(400, f"input: {exc}", param="input") from None
         requests = await asyncio.to_thread(build)

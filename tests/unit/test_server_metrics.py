@@ -67,6 +67,19 @@ def test_every_latency_comes_from_the_timeline_preempted_and_aborted_requests_in
     finished = {s.labels["finish_reason"]: s.value for s in metrics.finished.collect()[0].samples
                 if s.name.endswith("_total")}
     assert finished == {"length": 1.0, "abort": 1.0}
+    # the same figures under vLLM's names, for dashboards built for vLLM
+    page = metrics.render().decode()
+    for ours, theirs in (("queue_time", "request_queue_time_seconds"), ("ttft", "time_to_first_token_seconds"),
+                         ("itl", "inter_token_latency_seconds"), ("e2e", "e2e_request_latency_seconds"),
+                         ("prefill_time", "request_prefill_time_seconds"),
+                         ("decode_time", "request_decode_time_seconds")):
+        count, total = histogram(getattr(metrics, ours))
+        assert f'vllm:{theirs}_count{{model_name=""}} {count}' in page
+        assert f'vllm:{theirs}_sum{{model_name=""}} {total}' in page
+    assert 'vllm:request_success_total{finished_reason="length",model_name=""} 1.0' in page
+    assert 'vllm:request_success_total{finished_reason="abort",model_name=""} 1.0' in page
+    assert 'vllm:num_preemptions_total{model_name=""} 0.0' in page  # (counted from step stats, none here)
+    assert f'vllm:generation_tokens_total{{model_name=""}} {float(a.num_output_tokens + b.num_output_tokens)}' in page
 
 
 def test_the_queue_and_cache_figures_are_also_exported_under_vllm_names() -> None:

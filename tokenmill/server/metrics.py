@@ -4,12 +4,17 @@ Request latencies (queue time, TTFT, ITL, prefill, decode, end to end) are read 
 request's timeline (timeline.py), the same events `GET /v1/requests/{id}` shows, so the two
 always agree. Beside tokenmill's own names, the queue and KV-cache figures are exported under
 vLLM's (`vllm:num_requests_running`, ..., labelled with the served model's name), so routers
-written for vLLM (its production-stack router, llm-d) balance tokenmill replicas too. Each
+written for vLLM (its production-stack router, llm-d) balance tokenmill replicas too; so are the
+token counters, finished requests and latency histograms (`vllm:prompt_tokens_total`,
+`vllm:request_success_total`, `vllm:time_to_first_token_seconds`, ...), so that dashboards built
+for vLLM show tokenmill's. Each
 server owns its CollectorRegistry (no process-wide default registry), so tests can run several
 servers in one process.
 """
 
 from __future__ import annotations
+
+import functools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -30,8 +35,9 @@ class ServerMetrics:
         self.kv_total = Gauge("tokenmill_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.hit_rate = Gauge("tokenmill_prefix_cache_hit_rate",
                               "Share of looked-up prompt tokens served from the prefix cache", registry=r)
-        self.preemptions = Counter("tokenmill_preemptions", "Requests preempted", registry=r)
-        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        twin = functools.partial(_Twin.make, r, model_name)
+        self.preemptions = twin(Counter, "preemptions", "num_preemptions", "Requests preempted")
+        self.prompt_tokens = twin(Counter, "prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests")
         self.prefill_computed = Counter("tokenmill_prompt_tokens_computed",
                                         "Tokens computed in prompt chunks: prompts past their cached or "
                                         "transferred part, and stretches recomputed after preemption",
@@ -44,23 +50,22 @@ class ServerMetrics:
                                         "Requests that finished after their deadline (scheduling policy edf)",
                                         registry=r)
         self._missed = 0
-        self.generation_tokens = Counter("tokenmill_generation_tokens", "Tokens generated", registry=r)
-        self.finished = Counter("tokenmill_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.generation_tokens = twin(Counter, "generation_tokens", "generation_tokens", "Tokens generated")
+        self.finished = twin(Counter, "requests_finished", "request_success", "Finished requests",
+                             ("finish_reason",), ("finished_reason",))
         self.draft_tokens = Counter("tokenmill_spec_draft_tokens", "Speculative tokens proposed and verified",
                                     registry=r)
         self.accepted_tokens = Counter("tokenmill_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
-        self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tokenmill_inter_token_latency_seconds", "Time between output tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("tokenmill_e2e_request_latency_seconds", "Arrival to finish",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("tokenmill_request_queue_time_seconds", "Arrival to first scheduled",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram("tokenmill_request_prefill_time_seconds", "First scheduled to first token",
-                                      buckets=_LATENCY_BUCKETS, registry=r)
-        self.decode_time = Histogram("tokenmill_request_decode_time_seconds", "First token to finish",
-                                     buckets=_LATENCY_BUCKETS, registry=r)
+        latency = functools.partial(twin, Histogram, buckets=_LATENCY_BUCKETS)
+        self.ttft = latency("time_to_first_token_seconds", "time_to_first_token_seconds", "Time to first token")
+        self.itl = latency("inter_token_latency_seconds", "inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = latency("e2e_request_latency_seconds", "e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = latency("request_queue_time_seconds", "request_queue_time_seconds",
+                                  "Arrival to first scheduled")
+        self.prefill_time = latency("request_prefill_time_seconds", "request_prefill_time_seconds",
+                                    "First scheduled to first token")
+        self.decode_time = latency("request_decode_time_seconds", "request_decode_time_seconds",
+                                   "First token to finish")
         self._tokens_seen: dict[str, int] = {}   # request id -> output tokens whose gaps are observed
         self.observe_pool()
 
@@ -128,6 +133,36 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Twin:
+    """One figure under tokenmill's name and vLLM's (with its `model_name` label): each count or
+    observation goes to both; `collect` reads tokenmill's."""
+
+    def __init__(self, ours, theirs, model_name: str) -> None:
+        self.ours, self.theirs, self.model_name = ours, theirs, model_name
+
+    @classmethod
+    def make(cls, r: CollectorRegistry, model_name: str, kind, ours: str, theirs: str, documentation: str,
+             labels: tuple[str, ...] = (), their_labels: tuple[str, ...] | None = None, **options) -> "_Twin":
+        """tokenmill_`ours` and vllm:`theirs`, of `kind` (Counter, Histogram), in registry `r`."""
+        mine = kind(f"tokenmill_{ours}", documentation, list(labels), registry=r, **options)
+        vllm = kind(f"vllm:{theirs}", documentation, ["model_name", *(their_labels or labels)], registry=r, **options)
+        return cls(mine, vllm if labels else vllm.labels(model_name), model_name)
+
+    def labels(self, *values: str) -> "_Twin":
+        return _Twin(self.ours.labels(*values), self.theirs.labels(self.model_name, *values), self.model_name)
+
+    def inc(self, amount: float = 1) -> None:
+        self.ours.inc(amount)
+        self.theirs.inc(amount)
+
+    def observe(self, value: float) -> None:
+        self.ours.observe(value)
+        self.theirs.observe(value)
+
+    def collect(self):
+        return self.ours.collect()
 
 
 class _VllmNames:

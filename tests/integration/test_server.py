@@ -950,14 +950,17 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(server, client
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_health_reports_a_dead_engine_loop(tiny_llama):
+def test_health_and_vllms_ping_report_a_dead_engine_loop(tiny_llama):
     with running_server(tiny_llama) as s:
+        assert [httpx.get(s.url + "/ping").status_code, httpx.post(s.url + "/ping").status_code] == [200, 200]
+
         def broken():
             raise SystemError("scheduler exploded")
         s.engine.scheduler.schedule = broken
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 5}, timeout=10)
         assert r.status_code == 503 and "scheduler exploded" in r.json()["error"]["message"]
         assert httpx.get(s.url + "/health").status_code == 503
+        assert [httpx.get(s.url + "/ping").status_code, httpx.post(s.url + "/ping").status_code] == [503, 503]
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 5}, timeout=10)
         assert r.status_code == 503
 

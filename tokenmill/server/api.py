@@ -3,7 +3,7 @@
     POST /v1/completions, /v1/chat/completions    (streaming with SSE, or whole)
     POST /v1/embeddings                           (pooled hidden states of the loaded model; an
                                                   encoder's only endpoint that runs requests)
-    GET  /v1/models, /health, /metrics, /version; POST /tokenize, /detokenize
+    GET  /v1/models, /health (and vLLM's /ping), /metrics, /version; POST /tokenize, /detokenize
     GET  /v1/requests/{id}                        (a response's request timelines)
     GET  /dashboard, /dashboard/state             (a live page of the scheduler, and its data)
     POST /v1/responses                            (OpenAI's Responses API, serving_responses.py)
@@ -146,6 +146,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None,
     app.add_api_route("/v1/models", models.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", models.model, methods=["GET"], responses=error_responses(404))
     app.add_api_route("/health", models.health, methods=["GET"], responses=error_responses(503))
+    # vLLM's /ping (what SageMaker's and other hosts' health checks call): /health's answer
+    app.add_api_route("/ping", models.health, methods=["GET", "POST"], responses=error_responses(503))
     app.add_api_route("/metrics", models.metrics, methods=["GET"], name="prometheus_metrics",
                       response_class=PlainTextResponse)
     app.add_api_route("/version", models.version, methods=["GET"])

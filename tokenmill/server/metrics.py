@@ -7,9 +7,8 @@ vLLM's (`vllm:num_requests_running`, ..., labelled with the served model's name)
 written for vLLM (its production-stack router, llm-d) balance tokenmill replicas too; so are the
 token counters, finished requests and latency histograms (`vllm:prompt_tokens_total`,
 `vllm:request_success_total`, `vllm:time_to_first_token_seconds`, ...), so that dashboards built
-for vLLM show tokenmill's. Each
-server owns its CollectorRegistry (no process-wide default registry), so tests can run several
-servers in one process.
+for vLLM show tokenmill's. Each server owns its CollectorRegistry (no process-wide default
+registry), so tests can run several servers in one process.
 """
 
 from __future__ import annotations

@@ -256,14 +256,9 @@ class ResponsesHandler:
     async def _request(self, prompt: dict, params: SamplingParams, response_id: str, req: ResponsesRequest):
         """The engine request, with the request's cache_salt, priority and deadline; its errors name
         the Responses API's fields (max_output_tokens)."""
-        try:
-            return (await self.serving.build_requests([prompt], params, req.priority, (response_id, response_id),
-                                                      input_name="input", cache_salt=req.cache_salt,
-                                                      deadline=req.deadline))[0]
-        except APIError as exc:
-            error = exc.body["error"]
-            error["param"] = FIELD_NAMES.get(error["param"], error["param"])
-            raise
+        return (await self.serving.build_requests([prompt], params, req.priority, (response_id, response_id),
+                                                  input_name="input", cache_salt=req.cache_salt,
+                                                  deadline=req.deadline, field_names=FIELD_NAMES))[0]
 
     async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], events: ResponseEvents,
                       kept: list[dict] | None) -> AsyncIterator[str]:

@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import llguidance
@@ -74,25 +75,17 @@ class GrammarCompiler:
         """fn() on a thread of its own with a stack of `stack_bytes`. threading.stack_size is the
         process's setting for the threads started next: set for this one under the lock, then
         put back (another thread started meanwhile elsewhere gets the big stack too: harmless)."""
-        result: list = []
-
-        def run() -> None:
-            try:
-                result.append((True, fn()))
-            except BaseException as exc:  # raised again on the caller's thread
-                result.append((False, exc))
+        pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         with self._stack_lock:
             before = threading.stack_size(stack_bytes)
             try:
-                thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
-                thread.start()
+                future = pool.submit(fn)  # (its thread starts here)
             finally:
                 threading.stack_size(before)
-        thread.join()
-        done, value = result[0]
-        if not done:
-            raise value
-        return value
+        try:
+            return future.result()  # (fn's exception raised here)
+        finally:
+            pool.shutdown()
 
     def _matcher(self, tokenizer: llguidance.LLTokenizer, text: str) -> Grammar:
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)  # (never raises: an invalid
